@@ -1,0 +1,62 @@
+"""Typed errors. Each carries a hint that says what the user can do about it.
+
+Read-path damage (a broken block file, a forged index entry) is never raised to the
+caller: it becomes a cache miss. These errors are for misuse and for stores that
+cannot be opened safely.
+"""
+
+from __future__ import annotations
+
+
+class PrefixCacheError(Exception):
+    """Base class of every error this package raises on purpose.
+
+    Args:
+        message: What went wrong, naming the input or file at fault.
+        hint: What to do about it (shown after the message).
+    """
+
+    hint: str = ""
+
+    def __init__(self, message: str, *, hint: str | None = None):
+        if hint is not None:
+            self.hint = hint
+        text = f"{message} ({self.hint})" if self.hint else message
+        super().__init__(text)
+        self.message = message
+
+
+class InvalidArgumentError(PrefixCacheError, ValueError):
+    """An argument is malformed: fix the call; nothing was written."""
+
+    hint = "fix the argument; nothing was written"
+
+
+class UnsupportedCacheError(PrefixCacheError, TypeError):
+    """A cache class (or layout) this version cannot store exactly."""
+
+    hint = "see the README's table of supported cache classes"
+
+
+class LayoutMismatchError(PrefixCacheError, ValueError):
+    """The cache given to `store()` does not have the layout the store was opened with."""
+
+    hint = "open the store with the same model and kv_bits/kv_group_size as the cache"
+
+
+class StoreVersionError(PrefixCacheError):
+    """The store was written by a newer version of this library."""
+
+    hint = "upgrade persistent_prefix_cache; the store was left untouched"
+
+
+class StoreCorruptError(PrefixCacheError):
+    """The store's index cannot be read safely."""
+
+    hint = "move the store directory aside (or delete it) and let it be rebuilt"
+
+
+class ReadOnlyStoreError(PrefixCacheError):
+    """A write was asked of a store opened read-only."""
+
+    hint = "open the store with readonly=False in a writable directory"

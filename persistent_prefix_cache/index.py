@@ -1,0 +1,403 @@
+"""The LMDB index: trie nodes, edges, LRU order, models and store-wide counters.
+
+All index writes go through `Index.write`, which retries after growing a full map and
+picks up a map another process grew. One process never opens an environment twice
+(LMDB forbids it): environments are shared through a per-process registry.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import threading
+from contextlib import contextmanager
+from importlib import resources
+from typing import Callable, Iterator, TypeVar
+
+import lmdb
+
+from .errors import StoreCorruptError, StoreVersionError
+from .node import Node
+
+T = TypeVar("T")
+_U64 = 8
+INITIAL_MAP_SIZE = 64 * 1024 * 1024
+LAYOUT_DBS = (b"meta", b"models", b"nodes", b"children", b"lru", b"fingerprints")
+
+
+def _u64(n: int) -> bytes:
+    return int(n).to_bytes(_U64, "little")
+
+
+def _lru_key(access: int, key: bytes) -> bytes:
+    return access.to_bytes(8, "big") + key  # big-endian sorts by time
+
+
+# --- migrations --------------------------------------------------------------------
+
+
+def load_migrations() -> list:
+    """Every migration module shipped in ``persistent_prefix_cache.migrations``, by version."""
+    found = []
+    for entry in resources.files("persistent_prefix_cache.migrations").iterdir():
+        name = entry.name
+        if not (name[:4].isdigit() and name.endswith(".py")):
+            continue
+        spec = importlib.util.spec_from_file_location(f"_ppc_migration_{name[:-3]}", str(entry))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        found.append(module)
+    return sorted(found, key=lambda m: m.VERSION)
+
+
+MIGRATIONS = load_migrations()
+SCHEMA_VERSION = MIGRATIONS[-1].VERSION
+
+
+# --- one environment per store per process ------------------------------------------
+
+_ENVS: dict[tuple[int, str], list] = {}  # (pid, path) -> [env, refcount]
+_ENVS_LOCK = threading.Lock()
+
+
+def _check_data_file(path: str) -> None:
+    # A truncated data.mdb can SIGBUS the interpreter on first read: check that the
+    # file holds at least the two meta pages before LMDB maps it.
+    data = os.path.join(path, "data.mdb")
+    if os.path.exists(data) and os.path.getsize(data) < 2 * 4096:
+        raise StoreCorruptError(f"index file {data} is truncated ({os.path.getsize(data)} bytes)")
+
+
+def _acquire_env(path: str, readonly: bool) -> lmdb.Environment:
+    ident = (os.getpid(), os.path.realpath(path))
+    with _ENVS_LOCK:
+        held = _ENVS.get(ident)
+        if held is not None:
+            held[1] += 1
+            return held[0]
+        _check_data_file(path)
+        try:
+            env = lmdb.open(
+                path,
+                map_size=INITIAL_MAP_SIZE,
+                max_dbs=len(LAYOUT_DBS) + 4,
+                readonly=readonly,
+                create=not readonly,
+                max_readers=512,
+            )
+        except lmdb.InvalidError as exc:
+            raise StoreCorruptError(f"index at {path} is not a valid LMDB environment: {exc}")
+        except lmdb.VersionMismatchError as exc:
+            raise StoreCorruptError(f"index at {path} was written by another LMDB: {exc}")
+        info = env.info()
+        data = os.path.join(path, "data.mdb")
+        if os.path.exists(data) and (info["last_pgno"] + 1) * env.stat()["psize"] > os.path.getsize(data):
+            env.close()
+            raise StoreCorruptError(f"index file {data} is shorter than its last page")
+        _ENVS[ident] = [env, 1]
+        return env
+
+
+def _release_env(path: str) -> None:
+    ident = (os.getpid(), os.path.realpath(path))
+    with _ENVS_LOCK:
+        held = _ENVS.get(ident)
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] == 0:
+            del _ENVS[ident]
+            held[0].close()
+
+
+class Index:
+    """The LMDB index of one store directory.
+
+    Args:
+        path: The ``index/`` folder.
+        readonly: Open without writing (no migrations are applied then).
+        block_size: Block size stamped into a new store.
+
+    Raises:
+        StoreVersionError: If a newer library wrote the store, or (read-only) if it
+            needs a migration.
+        StoreCorruptError: If the index cannot be read safely.
+    """
+
+    def __init__(self, path: str, *, readonly: bool = False, block_size: int = 64):
+        self.path = path
+        self.readonly = readonly
+        if not readonly:
+            os.makedirs(path, exist_ok=True)
+        self.env = _acquire_env(path, readonly)
+        self._closed = False
+        try:
+            self._migrate(block_size)
+            self.dbs = {name.decode(): self.env.open_db(name, create=False) for name in LAYOUT_DBS}
+            self.block_size = int(self._meta(b"block_size"))
+        except BaseException:
+            self.close()
+            raise
+
+    # -- setup ------------------------------------------------------------------------
+
+    def version(self) -> int:
+        """The schema version stamped in the store (0 for an empty environment)."""
+        try:
+            meta = self.env.open_db(b"meta", create=False)
+        except lmdb.NotFoundError:
+            return 0
+        with self.env.begin(db=meta) as txn:
+            raw = txn.get(b"version")
+        return int(raw) if raw else 0
+
+    def pending_migrations(self) -> list:
+        """Migrations that would bring this store to the library's schema."""
+        return [m for m in MIGRATIONS if m.VERSION > self.version()]
+
+    def _migrate(self, block_size: int) -> None:
+        version = self.version()
+        if version > SCHEMA_VERSION:
+            raise StoreVersionError(
+                f"store index {self.path} has schema v{version}; this library reads up to "
+                f"v{SCHEMA_VERSION}"
+            )
+        if version == SCHEMA_VERSION:
+            return
+        if self.readonly:
+            raise StoreVersionError(
+                f"store index {self.path} has schema v{version}, needs v{SCHEMA_VERSION}",
+                hint="run `ppc migrate --store STORE` once with write access",
+            )
+        self.apply_migrations({"block_size": block_size})
+
+    def apply_migrations(self, params: dict) -> list[int]:
+        """Apply every pending migration in one write transaction, stamping the version last.
+
+        Returns:
+            The versions applied.
+        """
+
+        def run(txn):
+            try:
+                version = int(txn.get(b"version", db=self.env.open_db(b"meta", txn=txn, create=False)) or 0)
+            except lmdb.NotFoundError:
+                version = 0
+            done = []
+            for m in MIGRATIONS:
+                if m.VERSION > version:
+                    m.upgrade(self.env, txn, params)
+                    done.append(m.VERSION)
+            if done:
+                txn.put(b"version", str(done[-1]).encode(), db=self.env.open_db(b"meta", txn=txn))
+            return done
+
+        return self._write_txn(run)
+
+    # -- transactions ------------------------------------------------------------------
+
+    def _write_txn(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        # Retry after growing a full map, or after another process grew it.
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    return fn(txn)
+            except lmdb.MapFullError:
+                self.env.set_mapsize(self.env.info()["map_size"] * 2)
+            except lmdb.MapResizedError:
+                self.env.set_mapsize(0)
+
+    def write(self, fn: Callable[["Writer"], T]) -> T:
+        """Run `fn` with a `Writer` inside one write transaction (committed on return)."""
+        return self._write_txn(lambda txn: fn(Writer(self, txn)))
+
+    @contextmanager
+    def reader(self) -> Iterator["Reader"]:
+        """A read transaction, as a `Reader`."""
+        while True:
+            try:
+                txn = self.env.begin()
+                break
+            except lmdb.MapResizedError:
+                self.env.set_mapsize(0)
+        try:
+            yield Reader(self, txn)
+        finally:
+            txn.abort()
+
+    def _meta(self, name: bytes) -> bytes:
+        with self.env.begin(db=self.dbs["meta"]) as txn:
+            return txn.get(name)
+
+    def totals(self) -> tuple[int, int]:
+        """(bytes of block files, number of blocks) as recorded in the index."""
+        with self.reader() as r:
+            return r.totals()
+
+    def close(self) -> None:
+        """Release this handle's share of the environment."""
+        if not self._closed:
+            self._closed = True
+            _release_env(self.path)
+
+
+class Reader:
+    """Read operations inside one transaction."""
+
+    def __init__(self, index: Index, txn: lmdb.Transaction):
+        self.index = index
+        self.txn = txn
+        self.dbs = index.dbs
+
+    def get(self, key: bytes) -> Node | None:
+        """The node stored under `key`, or None (also None for a malformed record)."""
+        raw = self.txn.get(key, db=self.dbs["nodes"])
+        if raw is None:
+            return None
+        try:
+            return Node.unpack(key, raw)
+        except ValueError:
+            return None
+
+    def children(self, parent: bytes) -> list[Node]:
+        """Child nodes of `parent`, in key order."""
+        out = []
+        with self.txn.cursor(db=self.dbs["children"]) as cur:
+            if cur.set_range(parent):
+                for edge in cur.iternext(values=False):
+                    if edge[:16] != parent:
+                        break
+                    node = self.get(edge[16:])
+                    if node is not None:
+                        out.append(node)
+        return out
+
+    def totals(self) -> tuple[int, int]:
+        meta = self.dbs["meta"]
+        return (
+            int.from_bytes(self.txn.get(b"bytes", db=meta), "little"),
+            int.from_bytes(self.txn.get(b"blocks", db=meta), "little"),
+        )
+
+    def iter_nodes(self) -> Iterator[Node]:
+        """Every node, in key order."""
+        with self.txn.cursor(db=self.dbs["nodes"]) as cur:
+            for key, raw in cur:
+                try:
+                    yield Node.unpack(bytes(key), bytes(raw))
+                except ValueError:
+                    continue
+
+    def models(self) -> dict[bytes, bytes]:
+        """Root key -> JSON description of every model stored."""
+        with self.txn.cursor(db=self.dbs["models"]) as cur:
+            return {bytes(k): bytes(v) for k, v in cur}
+
+
+class Writer(Reader):
+    """Write operations inside one write transaction."""
+
+    def _add_totals(self, d_bytes: int, d_blocks: int) -> None:
+        size, count = self.totals()
+        meta = self.dbs["meta"]
+        self.txn.put(b"bytes", _u64(size + d_bytes), db=meta)
+        self.txn.put(b"blocks", _u64(count + d_blocks), db=meta)
+
+    def _put(self, node: Node) -> None:
+        self.txn.put(node.key, node.pack(), db=self.dbs["nodes"])
+
+    def register_model(self, root: bytes, description: bytes) -> None:
+        """Record a model's root key (once)."""
+        self.txn.put(root, description, db=self.dbs["models"], overwrite=False)
+
+    def insert(self, node: Node) -> bool:
+        """Add a node under its parent.
+
+        Returns:
+            False (and nothing changed) if the key exists already, or the parent is
+            neither a root nor a stored node (it was evicted meanwhile).
+        """
+        if self.txn.get(node.key, db=self.dbs["nodes"]) is not None:
+            return False
+        parent = self.get(node.parent)
+        if parent is None and node.position != 0:
+            return False
+        if parent is not None:
+            parent.child_count += 1
+            self._put(parent)
+        self._put(node)
+        self.txn.put(node.parent + node.key, b"", db=self.dbs["children"])
+        self.txn.put(_lru_key(node.last_access, node.key), b"", db=self.dbs["lru"])
+        self._add_totals(node.size, 1)
+        return True
+
+    def touch(self, key: bytes, now: int) -> None:
+        """Move a node to the recent end of the LRU order."""
+        node = self.get(key)
+        if node is None or node.last_access >= now:
+            return
+        self.txn.delete(_lru_key(node.last_access, key), db=self.dbs["lru"])
+        node.last_access = now
+        self._put(node)
+        self.txn.put(_lru_key(now, key), b"", db=self.dbs["lru"])
+
+    def remove_leaf(self, node: Node) -> None:
+        """Remove a node that has no children."""
+        assert node.child_count == 0, "only leaves are removed"
+        self.txn.delete(node.key, db=self.dbs["nodes"])
+        self.txn.delete(_lru_key(node.last_access, node.key), db=self.dbs["lru"])
+        self.txn.delete(node.parent + node.key, db=self.dbs["children"])
+        parent = self.get(node.parent)
+        if parent is not None:
+            parent.child_count = max(0, parent.child_count - 1)
+            self._put(parent)
+        self._add_totals(-node.size, -1)
+
+    def remove_subtree(self, key: bytes) -> list[Node]:
+        """Remove a node and everything below it, deepest first.
+
+        Returns:
+            The removed nodes (their files are the caller's to unlink after commit).
+        """
+        root = self.get(key)
+        if root is None:
+            return []
+        order = [root]
+        i = 0
+        while i < len(order):
+            order.extend(self.children(order[i].key))
+            i += 1
+        for node in reversed(order):
+            node.child_count = 0  # its children are gone already
+            self.remove_leaf(node)
+        return order
+
+    def evict(self, max_bytes: int) -> list[Node]:
+        """Remove least-recently-used leaves until the files total at most `max_bytes`.
+
+        A node with children is never removed before them; removing a leaf can turn its
+        parent into a leaf, so the LRU order is walked again until nothing changes.
+
+        Returns:
+            The removed nodes.
+        """
+        removed: list[Node] = []
+        while self.totals()[0] > max_bytes:
+            progress = False
+            with self.txn.cursor(db=self.dbs["lru"]) as cur:
+                victims = []
+                budget = self.totals()[0] - max_bytes
+                for lru_key in cur.iternext(values=False):
+                    node = self.get(bytes(lru_key[8:]))
+                    if node is not None and node.child_count == 0:
+                        victims.append(node)
+                        budget -= node.size
+                        if budget <= 0:
+                            break
+            for node in victims:
+                self.remove_leaf(node)
+                removed.append(node)
+                progress = True
+            if not progress:
+                break
+        return removed

@@ -1,0 +1,112 @@
+"""Block keys: a chained xxh3-128 hash over the token blocks of a prompt.
+
+`root_key` binds the chain to one model fingerprint, namespace and cache layout;
+`block_key` extends it by one block. Because every key covers the whole history
+before it, a block is only ever reused at the same position after the same tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import xxhash
+
+from .errors import InvalidArgumentError
+
+FORMAT_TAG = b"persistent_prefix_cache/block-key/v1"
+KEY_BYTES = 16
+_INT32_MAX = 2**31 - 1
+
+
+def _framed(*parts: bytes) -> bytes:
+    # Length-prefix every part so that no two different tuples encode alike.
+    return b"".join(len(p).to_bytes(8, "little") + p for p in parts)
+
+
+def root_key(fingerprint: str, namespace: str, layout: str) -> bytes:
+    """The key every chain starts from.
+
+    Args:
+        fingerprint: The model fingerprint (see `fingerprint.model_fingerprint`).
+        namespace: A tenant or cache salt; "" for none.
+        layout: The cache layout signature (see `adapters.layout_signature`).
+
+    Returns:
+        16 bytes.
+    """
+    data = _framed(FORMAT_TAG, fingerprint.encode(), namespace.encode(), layout.encode())
+    return xxhash.xxh3_128_digest(data)
+
+
+def block_key(parent: bytes, token_bytes: bytes) -> bytes:
+    """The key of a block: its parent's key extended by the block's tokens.
+
+    Args:
+        parent: The previous block's key (or the root key).
+        token_bytes: The block's tokens as int32 little-endian (see `encode_tokens`).
+
+    Returns:
+        16 bytes.
+    """
+    return xxhash.xxh3_128_digest(parent + token_bytes)
+
+
+def as_token_array(tokens: Any) -> np.ndarray:
+    """Validate a token sequence and return it as a 1-D int32 array.
+
+    Args:
+        tokens: A list/tuple of ints, a 1-D numpy array or a 1-D mlx array.
+
+    Returns:
+        A new little-endian int32 numpy array.
+
+    Raises:
+        InvalidArgumentError: If the tokens are not a 1-D sequence of integers in
+            ``[0, 2**31)``.
+    """
+    if hasattr(tokens, "tolist") and not isinstance(tokens, np.ndarray):
+        tokens = tokens.tolist()  # an mlx array
+    try:
+        arr = np.asarray(tokens)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"tokens must be a sequence of ints: {exc}") from None
+    if arr.size == 0:
+        return np.zeros(0, dtype="<i4")
+    if arr.ndim != 1:
+        raise InvalidArgumentError(f"tokens must be 1-D, got shape {arr.shape}")
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise InvalidArgumentError(f"tokens must be integers, got dtype {arr.dtype}")
+    if int(arr.min()) < 0 or int(arr.max()) > _INT32_MAX:
+        raise InvalidArgumentError("tokens must lie in [0, 2**31)")
+    return arr.astype("<i4")
+
+
+def chain_keys(root: bytes, tokens: np.ndarray, block_size: int) -> list[bytes]:
+    """Keys of every block of `tokens`, the last one possibly partial.
+
+    Args:
+        root: The chain's root key.
+        tokens: int32 tokens from `as_token_array`.
+        block_size: Tokens per full block.
+
+    Returns:
+        One key per block, in order.
+    """
+    keys = []
+    parent = root
+    data = tokens.tobytes()
+    step = 4 * block_size
+    for start in range(0, len(data), step):
+        parent = block_key(parent, data[start : start + step])
+        keys.append(parent)
+    return keys
+
+
+def common_prefix(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) -> int:
+    """Length of the common prefix of two token arrays."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if diff.size else n

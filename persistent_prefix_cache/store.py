@@ -1,0 +1,615 @@
+"""`PersistentPrefixCache`: the store facade (`fetch`, `store`, `flush`, `close`, `stats`).
+
+A `store()` call: validate, compute the chain of block keys, find the first block not
+yet stored, cut the new blocks out of each layer (evaluated on the caller's thread, as
+MLX wants), put them in the RAM tier, and hand them to the writer thread, which writes
+the files and then commits their index records (see `files.py` for the order).
+
+A `fetch()` call: walk the chain of full blocks through the RAM tier and the index,
+verifying each node's parent and tokens; step into the child that shares the longest
+prefix with what is left; back off to the longest point where every layer can be
+rebuilt; load the blocks (RAM tier, else verified files) and build fresh caches.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import threading
+import time
+import warnings
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from . import codec
+from .adapters import (
+    Tensors,
+    adapter_for,
+    adapter_for_signature,
+    cache_length,
+    layer_signatures,
+    layout_signature,
+    template_signatures,
+)
+from .errors import InvalidArgumentError, LayoutMismatchError, ReadOnlyStoreError
+from .files import BlockFiles
+from .fingerprint import cached_fingerprint
+from .index import Index, Reader, Writer
+from .keys import as_token_array, block_key, chain_keys, common_prefix, root_key
+from .memory import MemoryTier
+from .node import RESUMABLE, TRIMMABLE, Node
+
+log = logging.getLogger("persistent_prefix_cache")
+
+DEFAULT_BLOCK_SIZE = 64
+DEFAULT_MEMORY_BYTES = 512 * 1024 * 1024
+BLOCK_FORMAT = "ppc-block/1"
+ORPHAN_GRACE_SECONDS = 600.0
+
+_OPEN_STORES: "weakref.WeakSet[PersistentPrefixCache]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_stores() -> None:
+    # Pending writes are durable work the caller already paid for: finish them.
+    for store in list(_OPEN_STORES):
+        store.close()
+
+
+class PersistentPrefixCache:
+    """A prefix (KV) cache for one mlx-lm model, kept in a store directory.
+
+    Args:
+        path: The store directory (created if missing, unless `readonly`).
+        model: The loaded mlx-lm model (used for its cache layout and fingerprint).
+        fingerprint: Use this string as the model fingerprint instead of hashing the
+            weights. Two models given the same string share blocks: only pass one you
+            derive from the weights yourself.
+        model_path: The folder `model` was loaded from; the fingerprint is then
+            remembered in the store under the files' (path, size, mtime, inode).
+        namespace: Keeps tenants apart: different namespaces never share a block.
+        block_size: Tokens per block for a new store (64 if None); an existing store
+            keeps its own, and a different explicit value is an error.
+        memory_bytes: Budget of the RAM tier (0 disables it).
+        disk_bytes: Budget of the block files; least recently used leaves are
+            evicted past it. None means unbounded.
+        readonly: Serve hits only; `store()` warns once and writes nothing.
+        kv_bits: Quantize KV like mlx-lm's ``kv_bits`` (the store then holds and
+            returns ``QuantizedKVCache`` layers).
+        kv_group_size: Group size for `kv_bits`.
+        sync_writes: Make `store()` return only once its blocks are on disk.
+
+    Raises:
+        InvalidArgumentError: On bad arguments.
+        StoreVersionError: If a newer version of this library wrote the store.
+        StoreCorruptError: If the index cannot be read safely.
+        UnsupportedCacheError: If the model's cache layout cannot be stored.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        model: Any,
+        *,
+        fingerprint: str | None = None,
+        model_path: str | os.PathLike | None = None,
+        namespace: str = "",
+        block_size: int | None = None,
+        memory_bytes: int = DEFAULT_MEMORY_BYTES,
+        disk_bytes: int | None = None,
+        readonly: bool = False,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
+        sync_writes: bool = False,
+    ):
+        _check_int("block_size", block_size, minimum=1, optional=True)
+        _check_int("memory_bytes", memory_bytes, minimum=0)
+        _check_int("disk_bytes", disk_bytes, minimum=0, optional=True)
+        if not isinstance(namespace, str):
+            raise InvalidArgumentError(f"namespace must be a str, got {type(namespace).__name__}")
+        if fingerprint is not None and (not isinstance(fingerprint, str) or not fingerprint):
+            raise InvalidArgumentError("fingerprint must be a non-empty str")
+        self.path = os.path.abspath(os.fspath(path))
+        self.readonly = readonly
+        self.disk_bytes = disk_bytes
+        self.sync_writes = sync_writes
+        if readonly and not os.path.isdir(os.path.join(self.path, "index")):
+            raise InvalidArgumentError(f"no store at {self.path} to open read-only")
+
+        self.signatures = template_signatures(model, kv_bits=kv_bits, kv_group_size=kv_group_size)
+        self.layout = layout_signature(self.signatures)
+        if not readonly:
+            os.makedirs(self.path, exist_ok=True)
+        self.files = BlockFiles(self.path, readonly=readonly)
+        self.index = Index(
+            os.path.join(self.path, "index"),
+            readonly=readonly,
+            block_size=block_size or DEFAULT_BLOCK_SIZE,
+        )
+        self._closed = False
+        try:
+            if block_size is not None and block_size != self.index.block_size:
+                raise InvalidArgumentError(
+                    f"store {self.path} uses block_size={self.index.block_size}, "
+                    f"not {block_size}",
+                    hint="omit block_size, or use another store directory",
+                )
+            self.block_size = self.index.block_size
+            self.namespace = namespace
+            self.fingerprint = fingerprint or cached_fingerprint(
+                model,
+                None if model_path is None else os.fspath(model_path),
+                self._remembered_fingerprint,
+                self._remember_fingerprint,
+            )
+            self.root = root_key(self.fingerprint, namespace, self.layout)
+        except BaseException:
+            self.index.close()
+            raise
+
+        self.memory = MemoryTier(memory_bytes)
+        self._lock = threading.Lock()
+        self._counters = dict.fromkeys(
+            ("queries", "hits", "misses", "tokens_saved", "corrupt", "evictions", "write_errors"),
+            0,
+        )
+        self._touched: set[bytes] = set()
+        self._futures: set[Future] = set()
+        self._warned_readonly = False
+        self._executor = None
+        if not readonly:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="ppc-writer")
+            description = {"fingerprint": self.fingerprint, "namespace": namespace, "layout": self.layout}
+            self.index.write(
+                lambda w: w.register_model(self.root, json.dumps(description).encode())
+            )
+            self._submit(self._sweep)
+        _OPEN_STORES.add(self)
+
+    # -- public API ---------------------------------------------------------------------
+
+    def fetch(self, tokens: Any) -> tuple[list | None, Any]:
+        """Restore the longest stored prefix of `tokens`.
+
+        Args:
+            tokens: The prompt: a list of ints, or a 1-D numpy or mlx array.
+
+        Returns:
+            ``(cache, remaining)``: fresh mlx-lm cache objects covering the restored
+            prefix (None on a miss) and the tokens still to be fed, of the same kind as
+            `tokens`. For a non-empty query `remaining` is never empty: the model needs
+            at least one token to produce logits, so a full hit is cut back by one.
+
+        Raises:
+            InvalidArgumentError: If `tokens` is not a 1-D sequence of ints.
+        """
+        self._check_open()
+        toks = as_token_array(tokens)
+        with self._lock:
+            self._counters["queries"] += 1
+        path, matched = self._lookup(toks)
+        layers = None
+        if path:
+            blocks = self._load(path)
+            if len(blocks) < len(path):  # a damaged block cut the path short
+                path, matched = self._cut(path[: len(blocks)], min(matched, path[len(blocks) - 1].end if blocks else 0))
+            if path:
+                layers = self._assemble(blocks[: len(path)], matched)
+        if layers is None:
+            with self._lock:
+                self._counters["misses"] += 1
+            return None, tokens
+        with self._lock:
+            self._counters["hits"] += 1
+            self._counters["tokens_saved"] += matched
+        self._touch(node.key for node in path)
+        return layers, tokens[matched:]
+
+    def store(self, tokens: Any, cache: Sequence[Any]) -> int:
+        """Store the KV of `tokens`; blocks already stored are not written again.
+
+        The caller's cache is not modified. Unless the store was opened with
+        ``sync_writes=True``, files are written on a background thread: call
+        `flush()` to wait for them.
+
+        Args:
+            tokens: The tokens `cache` was computed from.
+            cache: mlx-lm cache objects covering exactly ``len(tokens)`` positions,
+                with the layout the store was opened with.
+
+        Returns:
+            The number of new blocks.
+
+        Raises:
+            InvalidArgumentError: If the cache does not cover ``len(tokens)`` positions.
+            LayoutMismatchError: If the cache's classes differ from the store's layout.
+            UnsupportedCacheError: If a layer's class cannot be stored.
+        """
+        self._check_open()
+        toks = as_token_array(tokens)
+        if not isinstance(cache, (list, tuple)):
+            raise InvalidArgumentError(f"cache must be a list of cache layers, got {type(cache).__name__}")
+        signatures = layer_signatures(cache)
+        if signatures != self.signatures:
+            raise LayoutMismatchError(
+                f"cache layout {layout_signature(signatures)!r} does not match the store's "
+                f"{self.layout!r}"
+            )
+        covered = cache_length(cache)
+        if covered != len(toks):
+            raise InvalidArgumentError(f"cache covers {covered} positions but {len(toks)} tokens were given")
+        if self.readonly:
+            if not self._warned_readonly:
+                self._warned_readonly = True
+                warnings.warn(str(ReadOnlyStoreError(f"store {self.path} is read-only: store() writes nothing")))
+            return 0
+        if len(toks) == 0:
+            return 0
+
+        keys = chain_keys(self.root, toks, self.block_size)
+        data = toks.tobytes()
+        step = 4 * self.block_size
+        first_new = len(keys)
+        with self.index.reader() as reader:
+            parent = self.root
+            for i, key in enumerate(keys):
+                node = self._node(reader, key)
+                if node is None:
+                    first_new = i
+                    break
+                if node.parent != parent or node.tokens != data[i * step : (i + 1) * step]:
+                    log.warning("block key collision at block %d; not storing the rest", i)
+                    return 0
+                parent = key
+        self._touch(keys[:first_new])
+        if first_new == len(keys):
+            return 0
+
+        now = time.time_ns()
+        new = []
+        for i in range(first_new, len(keys)):
+            start = i * self.block_size
+            end = min(start + self.block_size, len(toks))
+            layers = [adapter_for(c).slice(c, start, end) for c in cache]
+            node = Node(
+                key=keys[i],
+                parent=keys[i - 1] if i else self.root,
+                position=start,
+                tokens=data[4 * start : 4 * end],
+                flags=RESUMABLE | TRIMMABLE,
+                size=0,
+                checksum=0,
+                last_access=now,
+            )
+            new.append((node, layers))
+        mx.eval([x for _, layers in new for layer in layers for x in layer.values()])
+        for node, layers in new:
+            self.memory.put(node, layers)
+        future = self._submit(self._write_blocks, new)
+        if self.sync_writes:
+            future.result()
+        return len(new)
+
+    def flush(self) -> None:
+        """Wait until every pending write and access update is committed."""
+        if self._executor is None:
+            return
+        self._submit(self._apply_touches)
+        while True:
+            with self._lock:
+                pending = list(self._futures)
+            if not pending:
+                return
+            for f in pending:
+                f.result()
+
+    def close(self) -> None:
+        """Flush and release the store. Safe to call twice."""
+        if self._closed:
+            return
+        if self._executor is not None:
+            self.flush()
+            self._executor.shutdown(wait=True)
+        self._closed = True
+        self.memory.clear()
+        self.index.close()
+        _OPEN_STORES.discard(self)
+
+    def stats(self) -> dict[str, int]:
+        """Counters of this handle plus the store's totals.
+
+        Returns:
+            queries, hits, misses, tokens_saved, corrupt, evictions, write_errors (this
+            handle); blocks, bytes_on_disk (the store, all processes);
+            bytes_in_memory, blocks_in_memory (the RAM tier); pending_writes.
+        """
+        with self._lock:
+            out = dict(self._counters)
+            out["pending_writes"] = len(self._futures)
+        out["bytes_on_disk"], out["blocks"] = self.index.totals()
+        out["bytes_in_memory"] = self.memory.nbytes
+        out["blocks_in_memory"] = len(self.memory)
+        out["memory_evictions"] = self.memory.evictions
+        return out
+
+    def __enter__(self) -> "PersistentPrefixCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- lookup ---------------------------------------------------------------------
+
+    def _node(self, reader: Reader, key: bytes) -> Node | None:
+        return self.memory.node(key) or reader.get(key)
+
+    def _children(self, reader: Reader, parent: bytes) -> list[Node]:
+        found = {n.key: n for n in reader.children(parent)}
+        for n in self.memory.children(parent):
+            found.setdefault(n.key, n)
+        return list(found.values())
+
+    def _lookup(self, toks: np.ndarray) -> tuple[list[Node], int]:
+        """The nodes to restore and how many tokens of them to use."""
+        n = len(toks)
+        if n == 0:
+            return [], 0
+        data = toks.tobytes()
+        step = 4 * self.block_size
+        path: list[Node] = []
+        parent, pos = self.root, 0
+        with self.index.reader() as reader:
+            # Full blocks: their keys follow from the tokens, no scan needed.
+            while n - pos >= self.block_size:
+                block = data[4 * pos : 4 * pos + step]
+                key = block_key(parent, block)
+                node = self._node(reader, key)
+                if node is None or node.parent != parent or node.tokens != block or node.position != pos:
+                    break
+                path.append(node)
+                parent, pos = key, pos + self.block_size
+            # Then the stored child sharing the longest prefix with what is left
+            # (a partial block, or a longer block that will be trimmed).
+            rest = toks[pos : pos + self.block_size]
+            best = None
+            for child in self._children(reader, parent):
+                if child.parent != parent or child.position != pos:
+                    continue
+                if block_key(parent, child.tokens) != child.key:
+                    continue  # a record whose key does not follow from its tokens
+                shared = common_prefix(np.frombuffer(child.tokens, dtype="<i4"), rest)
+                if shared == 0 or (shared < child.n_tokens and not child.trimmable):
+                    continue
+                rank = (-shared, child.n_tokens, child.key)  # longest, then smallest
+                if best is None or rank < best[0]:
+                    best = (rank, child, shared)
+        matched = pos
+        if best is not None:
+            path.append(best[1])
+            matched = pos + best[2]
+        return self._cut(path, min(matched, n - 1))
+
+    @staticmethod
+    def _cut(path: list[Node], matched: int) -> tuple[list[Node], int]:
+        """Back off to the longest point at most `matched` where every layer can be rebuilt."""
+        path = list(path)
+        while path:
+            last = path[-1]
+            matched = min(matched, last.end)
+            if matched == last.end and last.resumable:
+                return path, matched
+            if matched > last.position and last.trimmable:
+                return path, matched
+            path.pop()
+        return [], 0
+
+    # -- loading and rebuilding ---------------------------------------------------------
+
+    def _load(self, path: list[Node]) -> list[list[Tensors]]:
+        """Per-layer tensors of each block, stopping before the first damaged one."""
+        blocks = []
+        for node in path:
+            entry = self.memory.get(node.key)
+            if entry is not None:
+                blocks.append(entry[1])
+                continue
+            layers = self._read_block(node)
+            if layers is None:
+                with self._lock:
+                    self._counters["corrupt"] += 1
+                self.memory.discard(node.key)
+                if self._executor is not None:
+                    self._submit(self._drop_subtree, node.key)
+                break
+            self.memory.put(node, layers)
+            blocks.append(layers)
+        return blocks
+
+    def _read_block(self, node: Node) -> list[Tensors] | None:
+        data = self.files.read(node)
+        if data is None:
+            return None
+        try:
+            tensors, metadata = codec.decode(data)
+        except codec.BlockDecodeError as exc:
+            log.warning("block %s is damaged: %s", node.key.hex(), exc)
+            return None
+        if metadata.get("key") != node.key.hex():
+            return None
+        layers: list[Tensors] = [{} for _ in self.signatures]
+        for name, arr in tensors.items():
+            layer, _, field = name.partition(".")
+            if not layer.isdigit() or int(layer) >= len(layers):
+                return None
+            layers[int(layer)][field] = arr
+        return layers
+
+    def _assemble(self, blocks: list[list[Tensors]], length: int) -> list | None:
+        try:
+            cache = [
+                adapter_for_signature(sig).assemble(sig, [b[i] for b in blocks], length)
+                for i, sig in enumerate(self.signatures)
+            ]
+        except (KeyError, ValueError) as exc:
+            log.warning("stored blocks do not fit the layout: %s", exc)
+            return None
+        return cache
+
+    # -- the writer thread ------------------------------------------------------------
+
+    def _submit(self, fn, *args) -> Future:
+        future = self._executor.submit(self._guarded, fn, *args)
+        with self._lock:
+            self._futures.add(future)
+        future.add_done_callback(self._forget_future)
+        return future
+
+    def _forget_future(self, future: Future) -> None:
+        with self._lock:
+            self._futures.discard(future)
+
+    def _guarded(self, fn, *args):
+        try:
+            return fn(*args)
+        except Exception:  # never let a failed background write reach the caller
+            log.exception("background work failed in store %s", self.path)
+            with self._lock:
+                self._counters["write_errors"] += 1
+
+    def _write_blocks(self, new: list[tuple[Node, list[Tensors]]]) -> None:
+        written, folders = [], []
+        try:
+            for node, layers in new:
+                flat = {f"{i}.{name}": x for i, layer in enumerate(layers) for name, x in layer.items()}
+                header, buffers = codec.encode(
+                    flat,
+                    {"format": BLOCK_FORMAT, "key": node.key.hex(), "position": str(node.position)},
+                )
+                node.size, node.checksum, folder = self.files.write(node.key, header, buffers)
+                written.append(node)
+                folders.append(folder)
+            self.files.sync_folders(folders)
+        except OSError as exc:
+            log.warning("could not write blocks to %s: %s", self.path, exc)
+            with self._lock:
+                self._counters["write_errors"] += 1
+            self.files.unlink(written)
+            for node, _ in new:
+                self.memory.discard(node.key)
+            return
+        touched = self._take_touched()
+
+        def commit(w: Writer):
+            rejected, removed = [], []
+            for node in written:
+                existing = w.get(node.key)
+                if not w.insert(node):
+                    # Someone else stored this block first (same key): keep theirs.
+                    if existing is None or existing.checksum != node.checksum:
+                        rejected.append(node)
+                    continue
+                removed.extend(self._superseded(w, node))
+            for key in touched:
+                w.touch(key, time.time_ns())
+            if self.disk_bytes is not None:
+                removed.extend(w.evict(self.disk_bytes))
+            return rejected, removed
+
+        rejected, removed = self.index.write(commit)
+        self.files.unlink(rejected + removed)
+        self._forget_removed(removed)
+
+    @staticmethod
+    def _superseded(w: Writer, node: Node) -> list[Node]:
+        # A partial leaf whose tokens start the new block serves nothing the new
+        # block cannot (by trimming): drop it so shared prefixes are stored once.
+        if not node.trimmable:
+            return []
+        removed = []
+        for sib in w.children(node.parent):
+            if (
+                sib.key != node.key
+                and sib.child_count == 0
+                and sib.n_tokens < node.n_tokens
+                and node.tokens.startswith(sib.tokens)
+            ):
+                w.remove_leaf(sib)
+                removed.append(sib)
+        return removed
+
+    def _forget_removed(self, removed: list[Node]) -> None:
+        for node in removed:
+            self.memory.discard(node.key)
+        if removed:
+            with self._lock:
+                self._counters["evictions"] += len(removed)
+
+    def _drop_subtree(self, key: bytes) -> None:
+        removed = self.index.write(lambda w: w.remove_subtree(key))
+        self.files.unlink(removed)
+        for node in removed:
+            self.memory.discard(node.key)
+
+    def _touch(self, keys) -> None:
+        if self._executor is None:
+            return
+        with self._lock:
+            was_empty = not self._touched
+            self._touched.update(keys)
+        if was_empty:
+            self._submit(self._apply_touches)
+
+    def _take_touched(self) -> set[bytes]:
+        with self._lock:
+            touched, self._touched = self._touched, set()
+        return touched
+
+    def _apply_touches(self) -> None:
+        touched = self._take_touched()
+        if touched:
+            now = time.time_ns()
+            self.index.write(lambda w: [w.touch(k, now) for k in touched])
+
+    def _sweep(self) -> None:
+        self.files.sweep_tmp()
+        self.sweep_orphans(grace=ORPHAN_GRACE_SECONDS)
+
+    def sweep_orphans(self, *, grace: float) -> int:
+        """Remove block files no index record names, older than `grace` seconds.
+
+        Returns:
+            How many files were removed.
+        """
+        with self.index.reader() as reader:
+            named = {n.file_name for n in reader.iter_nodes()}
+        return self.files.sweep_orphans(named.__contains__, grace=grace)
+
+    # -- fingerprints remembered in the store ---------------------------------------
+
+    def _remembered_fingerprint(self, signature: bytes) -> str | None:
+        with self.index.reader() as reader:
+            raw = reader.txn.get(signature, db=self.index.dbs["fingerprints"])
+        return raw.decode() if raw else None
+
+    def _remember_fingerprint(self, signature: bytes, fingerprint: str) -> None:
+        if not self.readonly:
+            self.index.write(
+                lambda w: w.txn.put(signature, fingerprint.encode(), db=self.index.dbs["fingerprints"])
+            )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidArgumentError(f"store {self.path} is closed")
+
+
+def _check_int(name: str, value: Any, *, minimum: int, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise InvalidArgumentError(f"{name} must be an int >= {minimum}, got {value!r}")
