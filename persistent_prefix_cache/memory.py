@@ -13,13 +13,13 @@ from .adapters import Tensors
 from .node import Node
 
 
-def tensors_nbytes(layers: list[Tensors]) -> int:
-    """Bytes held by one block's tensors."""
-    return sum(x.nbytes for layer in layers for x in layer.values())
+def tensors_nbytes(tensors: dict[str, Tensors]) -> int:
+    """Bytes held by one block's tensors (by leaf, then by field)."""
+    return sum(x.nbytes for part in tensors.values() for x in part.values())
 
 
 class MemoryTier:
-    """A thread-safe LRU map from block key to (node, per-layer tensors).
+    """A thread-safe LRU map from block key to (node, tensors by leaf).
 
     Args:
         max_bytes: Budget for tensor bytes; 0 disables the tier.
@@ -29,14 +29,14 @@ class MemoryTier:
         self.max_bytes = max_bytes
         self.nbytes = 0
         self.evictions = 0
-        self._entries: OrderedDict[bytes, tuple[Node, list[Tensors], int]] = OrderedDict()
+        self._entries: OrderedDict[bytes, tuple[Node, dict[str, Tensors], int]] = OrderedDict()
         self._children: dict[bytes, set[bytes]] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, key: bytes) -> tuple[Node, list[Tensors]] | None:
+    def get(self, key: bytes) -> tuple[Node, dict[str, Tensors]] | None:
         """The entry for `key`, refreshed as most recently used, or None."""
         with self._lock:
             entry = self._entries.get(key)
@@ -55,14 +55,14 @@ class MemoryTier:
         with self._lock:
             return [self._entries[k][0] for k in self._children.get(parent, ())]
 
-    def put(self, node: Node, layers: list[Tensors]) -> None:
+    def put(self, node: Node, tensors: dict[str, Tensors]) -> None:
         """Insert or refresh a block, evicting least recently used ones over budget."""
-        size = tensors_nbytes(layers)
+        size = tensors_nbytes(tensors)
         if size > self.max_bytes:
             return
         with self._lock:
             self._drop(node.key)
-            self._entries[node.key] = (node, layers, size)
+            self._entries[node.key] = (node, tensors, size)
             self._children.setdefault(node.parent, set()).add(node.key)
             self.nbytes += size
             while self.nbytes > self.max_bytes:

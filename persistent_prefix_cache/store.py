@@ -14,6 +14,7 @@ rebuilt; load the blocks (RAM tier, else verified files) and build fresh caches.
 from __future__ import annotations
 
 import atexit
+import copy
 import json
 import logging
 import os
@@ -29,13 +30,15 @@ import numpy as np
 
 from . import codec
 from .adapters import (
+    STATE,
+    BlockView,
     Tensors,
     adapter_for,
-    adapter_for_signature,
     cache_length,
-    layer_signatures,
-    layout_signature,
-    template_signatures,
+    leaves,
+    rebuild_cache,
+    signature_of,
+    template_cache,
 )
 from .errors import InvalidArgumentError, LayoutMismatchError, ReadOnlyStoreError
 from .files import BlockFiles
@@ -122,8 +125,10 @@ class PersistentPrefixCache:
         if readonly and not os.path.isdir(os.path.join(self.path, "index")):
             raise InvalidArgumentError(f"no store at {self.path} to open read-only")
 
-        self.signatures = template_signatures(model, kv_bits=kv_bits, kv_group_size=kv_group_size)
-        self.layout = layout_signature(self.signatures)
+        self.template = template_cache(model, kv_bits=kv_bits, kv_group_size=kv_group_size)
+        self.layout = signature_of(self.template)
+        # (leaf id, empty template layer, adapter) for every leaf of the layout.
+        self.leaves = [(lid, t, adapter_for(t, lid)) for lid, t in leaves(self.template)]
         if not readonly:
             os.makedirs(self.path, exist_ok=True)
         self.files = BlockFiles(self.path, readonly=readonly)
@@ -195,12 +200,14 @@ class PersistentPrefixCache:
             self._counters["queries"] += 1
         path, matched = self._lookup(toks)
         layers = None
-        if path:
-            blocks = self._load(path)
-            if len(blocks) < len(path):  # a damaged block cut the path short
-                path, matched = self._cut(path[: len(blocks)], min(matched, path[len(blocks) - 1].end if blocks else 0))
-            if path:
-                layers = self._assemble(blocks[: len(path)], matched)
+        while path and layers is None:
+            first = self._first_needed(path, matched)
+            blocks = self._load(path[first:])
+            if len(blocks) == len(path) - first:
+                layers = self._rebuild(path, first, blocks, matched)
+                break
+            # A damaged block cut the path short: fall back to what comes before it.
+            path, matched = self._cut(path[: first + len(blocks)], matched)
         if layers is None:
             with self._lock:
                 self._counters["misses"] += 1
@@ -235,14 +242,13 @@ class PersistentPrefixCache:
         toks = as_token_array(tokens)
         if not isinstance(cache, (list, tuple)):
             raise InvalidArgumentError(f"cache must be a list of cache layers, got {type(cache).__name__}")
-        signatures = layer_signatures(cache)
-        if signatures != self.signatures:
+        layout = signature_of(cache)
+        if layout != self.layout:
             raise LayoutMismatchError(
-                f"cache layout {layout_signature(signatures)!r} does not match the store's "
-                f"{self.layout!r}"
+                f"cache layout {layout!r} does not match the store's {self.layout!r}"
             )
         covered = cache_length(cache)
-        if covered != len(toks):
+        if covered is not None and covered != len(toks):
             raise InvalidArgumentError(f"cache covers {covered} positions but {len(toks)} tokens were given")
         if self.readonly:
             if not self._warned_readonly:
@@ -255,46 +261,62 @@ class PersistentPrefixCache:
         keys = chain_keys(self.root, toks, self.block_size)
         data = toks.tobytes()
         step = 4 * self.block_size
-        first_new = len(keys)
+        path: list[Node] = []  # the stored blocks this prompt starts with
         with self.index.reader() as reader:
             parent = self.root
             for i, key in enumerate(keys):
                 node = self._node(reader, key)
                 if node is None:
-                    first_new = i
                     break
                 if node.parent != parent or node.tokens != data[i * step : (i + 1) * step]:
                     log.warning("block key collision at block %d; not storing the rest", i)
                     return 0
+                path.append(node)
                 parent = key
+        first_new = len(path)
         self._touch(keys[:first_new])
         if first_new == len(keys):
             return 0
 
         now = time.time_ns()
+        layers_by_id = dict(leaves(cache))
+        views = {lid: [self._view(n, lid) for n in path] for lid, _, _ in self.leaves}
         new = []
         for i in range(first_new, len(keys)):
             start = i * self.block_size
             end = min(start + self.block_size, len(toks))
-            layers = [adapter_for(c).slice(c, start, end) for c in cache]
+            tensors, noslice, snap = {}, [], []
+            for lid, _, adapter in self.leaves:
+                part, has_slice, has_snap = adapter.pieces(layers_by_id[lid], start, end, i == len(keys) - 1)
+                tensors[lid] = part
+                if not has_slice and adapter.kind != STATE:
+                    noslice.append(lid)
+                if has_snap:
+                    snap.append(lid)
+                views[lid].append(BlockView(start, end, part, has_slice, has_snap))
             node = Node(
                 key=keys[i],
                 parent=keys[i - 1] if i else self.root,
                 position=start,
                 tokens=data[4 * start : 4 * end],
-                flags=RESUMABLE | TRIMMABLE,
+                flags=self._flags(views, start, end),
                 size=0,
                 checksum=0,
                 last_access=now,
+                extra={k: v for k, v in (("noslice", noslice), ("snap", snap)) if v},
             )
-            new.append((node, layers))
-        mx.eval([x for _, layers in new for layer in layers for x in layer.values()])
-        for node, layers in new:
-            self.memory.put(node, layers)
+            new.append((node, tensors))
+        mx.eval([x for _, tensors in new for part in tensors.values() for x in part.values()])
+        for node, tensors in new:
+            self.memory.put(node, tensors)
         future = self._submit(self._write_blocks, new)
         if self.sync_writes:
             future.result()
         return len(new)
+
+    def make_cache(self) -> list:
+        """A fresh, empty cache of this store's layout (what `fetch` returns on a hit)."""
+        return copy.deepcopy(self.template)
 
     def flush(self) -> None:
         """Wait until every pending write and access update is committed."""
@@ -411,55 +433,91 @@ class PersistentPrefixCache:
 
     # -- loading and rebuilding ---------------------------------------------------------
 
-    def _load(self, path: list[Node]) -> list[list[Tensors]]:
-        """Per-layer tensors of each block, stopping before the first damaged one."""
+    def _view(self, node: Node, lid: str, tensors: Tensors | None = None) -> BlockView:
+        return BlockView(
+            node.position,
+            node.end,
+            tensors,
+            lid not in node.extra.get("noslice", ()),
+            lid in node.extra.get("snap", ()),
+        )
+
+    def _flags(self, views: dict[str, list[BlockView]], start: int, end: int) -> int:
+        """RESUMABLE if every leaf can be rebuilt at `end` from the path's views;
+        TRIMMABLE if also at every position inside the block."""
+        flags = 0
+        if all(a.can_rebuild(t, views[lid], end) for lid, t, a in self.leaves):
+            flags |= RESUMABLE
+        inside = [p for p in (start + 1, end - 1) if start < p < end]
+        if all(a.kind != STATE for _, _, a in self.leaves) and all(
+            a.can_rebuild(t, views[lid], p) for lid, t, a in self.leaves for p in inside
+        ):
+            flags |= TRIMMABLE
+        return flags
+
+    def _first_needed(self, path: list[Node], matched: int) -> int:
+        """Index of the first block of `path` any leaf needs to be rebuilt at `matched`."""
+        first = len(path) - 1
+        for lid, template, adapter in self.leaves:
+            ranges = [(lo, hi) for lo, hi in adapter.needed(template, matched) if lo < hi]
+            last = path[-1]
+            if not ranges or (last.end == matched and lid in last.extra.get("snap", ())):
+                continue  # rebuilt from the last block's snapshot
+            lo = min(r[0] for r in ranges)
+            first = min(first, next(i for i, n in enumerate(path) if n.end > lo))
+        return first
+
+    def _load(self, path: list[Node]) -> list[dict[str, Tensors]]:
+        """Each block's tensors by leaf, stopping before the first damaged block."""
         blocks = []
         for node in path:
             entry = self.memory.get(node.key)
             if entry is not None:
                 blocks.append(entry[1])
                 continue
-            layers = self._read_block(node)
-            if layers is None:
+            tensors = self._read_block(node)
+            if tensors is None:
                 with self._lock:
                     self._counters["corrupt"] += 1
                 self.memory.discard(node.key)
                 if self._executor is not None:
                     self._submit(self._drop_subtree, node.key)
                 break
-            self.memory.put(node, layers)
-            blocks.append(layers)
+            self.memory.put(node, tensors)
+            blocks.append(tensors)
         return blocks
 
-    def _read_block(self, node: Node) -> list[Tensors] | None:
+    def _read_block(self, node: Node) -> dict[str, Tensors] | None:
         data = self.files.read(node)
         if data is None:
             return None
         try:
-            tensors, metadata = codec.decode(data)
+            flat, metadata = codec.decode(data)
         except codec.BlockDecodeError as exc:
             log.warning("block %s is damaged: %s", node.key.hex(), exc)
             return None
         if metadata.get("key") != node.key.hex():
             return None
-        layers: list[Tensors] = [{} for _ in self.signatures]
-        for name, arr in tensors.items():
-            layer, _, field = name.partition(".")
-            if not layer.isdigit() or int(layer) >= len(layers):
+        tensors: dict[str, Tensors] = {lid: {} for lid, _, _ in self.leaves}
+        for name, arr in flat.items():
+            lid, _, field = name.rpartition(".")
+            if lid not in tensors:
                 return None
-            layers[int(layer)][field] = arr
-        return layers
+            tensors[lid][field] = arr
+        return tensors
 
-    def _assemble(self, blocks: list[list[Tensors]], length: int) -> list | None:
+    def _rebuild(
+        self, path: list[Node], first: int, blocks: list[dict[str, Tensors]], matched: int
+    ) -> list | None:
+        rebuilt = {}
         try:
-            cache = [
-                adapter_for_signature(sig).assemble(sig, [b[i] for b in blocks], length)
-                for i, sig in enumerate(self.signatures)
-            ]
-        except (KeyError, ValueError) as exc:
+            for lid, template, adapter in self.leaves:
+                views = [self._view(n, lid, b[lid]) for n, b in zip(path[first:], blocks)]
+                rebuilt[lid] = adapter.rebuild(template, views, matched)
+        except (KeyError, ValueError, IndexError) as exc:
             log.warning("stored blocks do not fit the layout: %s", exc)
             return None
-        return cache
+        return rebuild_cache(self.template, rebuilt)
 
     # -- the writer thread ------------------------------------------------------------
 
@@ -485,8 +543,8 @@ class PersistentPrefixCache:
     def _write_blocks(self, new: list[tuple[Node, list[Tensors]]]) -> None:
         written, folders = [], []
         try:
-            for node, layers in new:
-                flat = {f"{i}.{name}": x for i, layer in enumerate(layers) for name, x in layer.items()}
+            for node, tensors in new:
+                flat = {f"{lid}.{f}": x for lid, part in tensors.items() for f, x in part.items()}
                 header, buffers = codec.encode(
                     flat,
                     {"format": BLOCK_FORMAT, "key": node.key.hex(), "position": str(node.position)},
