@@ -40,7 +40,12 @@ from .adapters import (
     signature_of,
     template_cache,
 )
-from .errors import InvalidArgumentError, LayoutMismatchError, ReadOnlyStoreError
+from .errors import (
+    InvalidArgumentError,
+    LayoutMismatchError,
+    ReadOnlyStoreError,
+    UnsupportedCacheError,
+)
 from .files import BlockFiles
 from .fingerprint import cached_fingerprint
 from .index import Index, Reader, Writer
@@ -92,7 +97,6 @@ class PersistentPrefixCache:
         InvalidArgumentError: On bad arguments.
         StoreVersionError: If a newer version of this library wrote the store.
         StoreCorruptError: If the index cannot be read safely.
-        UnsupportedCacheError: If the model's cache layout cannot be stored.
     """
 
     def __init__(
@@ -126,9 +130,16 @@ class PersistentPrefixCache:
             raise InvalidArgumentError(f"no store at {self.path} to open read-only")
 
         self.template = template_cache(model, kv_bits=kv_bits, kv_group_size=kv_group_size)
-        self.layout = signature_of(self.template)
-        # (leaf id, empty template layer, adapter) for every leaf of the layout.
-        self.leaves = [(lid, t, adapter_for(t, lid)) for lid, t in leaves(self.template)]
+        try:
+            self.layout = signature_of(self.template)
+            # (leaf id, empty template layer, adapter) for every leaf of the layout.
+            self.leaves = [(lid, t, adapter_for(t, lid)) for lid, t in leaves(self.template)]
+            self._unsupported = None
+        except UnsupportedCacheError as exc:
+            # Open anyway (fetch misses), so that a server can run uncached; store() raises.
+            self.layout = "unsupported:" + "|".join(type(c).__name__ for c in self.template)
+            self.leaves = []
+            self._unsupported = exc
         if not readonly:
             os.makedirs(self.path, exist_ok=True)
         self.files = BlockFiles(self.path, readonly=readonly)
@@ -198,7 +209,7 @@ class PersistentPrefixCache:
         toks = as_token_array(tokens)
         with self._lock:
             self._counters["queries"] += 1
-        path, matched = self._lookup(toks)
+        path, matched = self._lookup(toks) if self._unsupported is None else ([], 0)
         layers = None
         while path and layers is None:
             first = self._first_needed(path, matched)
@@ -240,6 +251,8 @@ class PersistentPrefixCache:
         """
         self._check_open()
         toks = as_token_array(tokens)
+        if self._unsupported is not None:
+            raise self._unsupported
         if not isinstance(cache, (list, tuple)):
             raise InvalidArgumentError(f"cache must be a list of cache layers, got {type(cache).__name__}")
         layout = signature_of(cache)
