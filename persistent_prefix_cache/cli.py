@@ -1,25 +1,42 @@
-"""The ``ppc`` command line."""
+"""The ``ppc`` command line: ``ppc <command> [options]``; ``ppc <command> --help``."""
 
 from __future__ import annotations
 
-import argparse
+import importlib
 import sys
 
-_COMMANDS = {
-    "demo": ("the warm-start demo on a tiny model (no network)", "persistent_prefix_cache.demo"),
+# name -> (module in persistent_prefix_cache/commands/, one-line summary)
+COMMANDS = {
+    "demo": ("demo", "warm-start demo on a tiny model (no network)"),
+    "precompute": ("precompute", "fill a store from prompts, offline"),
+    "generate": ("generate", "generate with a warm start from the store"),
+    "serve": ("serve", "mlx_lm.server with a persistent prompt cache"),
+    "stats": ("stats", "counters and totals of a store"),
+    "inspect": ("inspect", "models, fingerprints and the longest stored prefixes"),
+    "check": ("check", "verify every block file and the index (--fix repairs)"),
+    "gc": ("gc", "evict least recently used blocks down to a byte budget"),
+    "migrate": ("migrate", "apply pending schema migrations"),
+    "export": ("export", "pack a store (or one model's part) into one file"),
+    "import": ("import_", "load a packed file into a store"),
 }
 
 
+def _usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: ppc <command> [options]   (ppc <command> --help for details)", "", "commands:"]
+    lines += [f"  {name.ljust(width)}  {text}" for name, (_, text) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Dispatch ``ppc <command> [options]``; returns the exit code."""
-    argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(
-        prog="ppc", description="A persistent prefix (KV) cache for mlx-lm."
-    )
-    parser.add_argument("command", choices=sorted(_COMMANDS), help="; ".join(f"{k}: {v[0]}" for k, v in _COMMANDS.items()))
+    """Dispatch to a subcommand; returns the process exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
-        parser.print_help()
+        print(_usage())
         return 0 if argv else 2
-    args = parser.parse_args(argv[:1])
-    module = __import__(_COMMANDS[args.command][1], fromlist=["main"])
-    return module.main(argv[1:])
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"ppc: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"persistent_prefix_cache.commands.{COMMANDS[name][0]}")
+    return module.main(rest)

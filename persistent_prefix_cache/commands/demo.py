@@ -24,7 +24,7 @@ DEMO_MODEL = dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, vo
 
 
 def _prompt_tokens(tokenizer, n_tokens: int) -> list[int]:
-    from .tiny_model import DEMO_TEXT
+    from ..tiny_model import DEMO_TEXT
 
     text = DEMO_TEXT
     ids = tokenizer.encode(text)
@@ -41,7 +41,7 @@ def _run_phase(phase: str, model: str, store: str, n_prompt: int, max_tokens: in
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
 
-    from .store import PersistentPrefixCache
+    from ..store import PersistentPrefixCache
 
     model_obj, tokenizer = load(model)
     prompt = _prompt_tokens(tokenizer, n_prompt)
@@ -82,7 +82,7 @@ def _run_phase(phase: str, model: str, store: str, n_prompt: int, max_tokens: in
 
 def _spawn(phase: str, args: argparse.Namespace, store: str) -> dict:
     cmd = [
-        sys.executable, "-m", "persistent_prefix_cache.demo", "--phase", phase,
+        sys.executable, "-m", "persistent_prefix_cache.commands.demo", "--phase", phase,
         "--model", args.model, "--store", store,
         "--prompt-tokens", str(args.prompt_tokens), "--max-tokens", str(args.max_tokens),
     ]  # fmt: skip
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 
     os.makedirs(args.workdir, exist_ok=True)
     if args.model is None:
-        from .tiny_model import write_tiny_model
+        from ..tiny_model import write_tiny_model
 
         args.model = os.path.join(args.workdir, "tiny-model")
         if not os.path.exists(os.path.join(args.model, "model.safetensors")):

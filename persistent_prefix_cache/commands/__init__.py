@@ -1,0 +1,1 @@
+"""One module per ``ppc`` subcommand, each with ``main(argv) -> int``."""
