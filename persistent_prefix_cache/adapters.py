@@ -61,8 +61,9 @@ def _gather(blocks: Sequence[BlockView], name: str, lo: int, hi: int) -> mx.arra
     for b in blocks:
         a, z = max(lo, b.start), min(hi, b.end)
         if a < z:
-            x = b.tensors[name]
-            parts.append(x if (a, z) == (b.start, b.end) else x[..., a - b.start : z - b.start, :])
+            parts.append(b.tensors[name][..., a - b.start : z - b.start, :])
+    # Always a new array object: mlx-lm updates caches in place (after a trim), which
+    # must never write into the arrays the RAM tier holds.
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
 
 
@@ -189,7 +190,7 @@ class _WindowAdapter(_SeqAdapter):
         """Keys and values of the window at `position`, in temporal order."""
         last = blocks[-1]
         if last.end == position and last.has_snapshot:
-            return last.tensors["snap_k"], last.tensors["snap_v"]
+            return last.tensors["snap_k"][...], last.tensors["snap_v"][...]
         ranges = [(lo, hi) for lo, hi in self.needed(template, position) if lo < hi]
         return tuple(
             mx.concatenate([_gather(blocks, f, lo, hi) for lo, hi in ranges], axis=2)
@@ -301,7 +302,7 @@ class ArraysAdapter:
     def rebuild(self, template, blocks, position):
         layer = ArraysCache(len(template.cache))
         for name, x in blocks[-1].tensors.items():
-            layer.cache[int(name[1:])] = x
+            layer.cache[int(name[1:])] = x[...]  # a new object: see _gather
         return layer
 
 

@@ -7,6 +7,7 @@ picks up a map another process grew. One process never opens an environment twic
 
 from __future__ import annotations
 
+import heapq
 import importlib.util
 import os
 import threading
@@ -22,7 +23,9 @@ from .node import Node
 T = TypeVar("T")
 _U64 = 8
 INITIAL_MAP_SIZE = 64 * 1024 * 1024
-LAYOUT_DBS = (b"meta", b"models", b"nodes", b"children", b"lru", b"fingerprints")
+# Every named database of the current schema (created by the migrations).
+LAYOUT_DBS = (b"meta", b"models", b"nodes", b"children", b"lru", b"fingerprints", b"hits")
+COUNTERS = ("hits", "misses", "tokens_saved", "corrupt")
 
 
 def _u64(n: int) -> bytes:
@@ -124,7 +127,14 @@ class Index:
         StoreCorruptError: If the index cannot be read safely.
     """
 
-    def __init__(self, path: str, *, readonly: bool = False, block_size: int = 64):
+    def __init__(
+        self,
+        path: str,
+        *,
+        readonly: bool = False,
+        block_size: int = 64,
+        migrate: bool = True,
+    ):
         self.path = path
         self.readonly = readonly
         if not readonly:
@@ -132,12 +142,21 @@ class Index:
         self.env = _acquire_env(path, readonly)
         self._closed = False
         try:
-            self._migrate(block_size)
-            self.dbs = {name.decode(): self.env.open_db(name, create=False) for name in LAYOUT_DBS}
-            self.block_size = int(self._meta(b"block_size"))
+            if migrate:
+                self._migrate(block_size)
+            self._open_dbs()
         except BaseException:
             self.close()
             raise
+
+    def _open_dbs(self) -> None:
+        self.dbs = {}
+        for name in LAYOUT_DBS:
+            try:
+                self.dbs[name.decode()] = self.env.open_db(name, create=False)
+            except lmdb.NotFoundError:
+                pass  # an older schema (opened with migrate=False)
+        self.block_size = int(self._meta(b"block_size") or 0) if "meta" in self.dbs else 0
 
     # -- setup ------------------------------------------------------------------------
 
@@ -171,8 +190,12 @@ class Index:
             )
         self.apply_migrations({"block_size": block_size})
 
-    def apply_migrations(self, params: dict) -> list[int]:
-        """Apply every pending migration in one write transaction, stamping the version last.
+    def apply_migrations(self, params: dict, *, upto: int | None = None) -> list[int]:
+        """Apply pending migrations in one write transaction, stamping the version last.
+
+        Args:
+            params: ``block_size`` for a new store.
+            upto: Stop at this schema version (tests build old stores with it).
 
         Returns:
             The versions applied.
@@ -185,14 +208,17 @@ class Index:
                 version = 0
             done = []
             for m in MIGRATIONS:
-                if m.VERSION > version:
+                if m.VERSION > version and (upto is None or m.VERSION <= upto):
                     m.upgrade(self.env, txn, params)
                     done.append(m.VERSION)
             if done:
                 txn.put(b"version", str(done[-1]).encode(), db=self.env.open_db(b"meta", txn=txn))
             return done
 
-        return self._write_txn(run)
+        done = self._write_txn(run)
+        if hasattr(self, "dbs"):
+            self._open_dbs()
+        return done
 
     # -- transactions ------------------------------------------------------------------
 
@@ -279,6 +305,19 @@ class Reader:
             int.from_bytes(self.txn.get(b"blocks", db=meta), "little"),
         )
 
+    def counters(self) -> dict[str, int]:
+        """Store-wide hit counters (all processes, since the store was made)."""
+        meta = self.dbs["meta"]
+        return {
+            name: int.from_bytes(self.txn.get(name.encode(), db=meta) or bytes(8), "little")
+            for name in COUNTERS
+        }
+
+    def hits(self, key: bytes) -> int:
+        """How many fetches restored the block `key`."""
+        raw = self.txn.get(key, db=self.dbs["hits"])
+        return int.from_bytes(raw, "little") if raw else 0
+
     def iter_nodes(self) -> Iterator[Node]:
         """Every node, in key order."""
         with self.txn.cursor(db=self.dbs["nodes"]) as cur:
@@ -331,6 +370,19 @@ class Writer(Reader):
         self._add_totals(node.size, 1)
         return True
 
+    def add_counters(self, deltas: dict[str, int]) -> None:
+        """Add to the store-wide counters."""
+        current = self.counters()
+        for name, delta in deltas.items():
+            if delta:
+                self.txn.put(name.encode(), _u64(current[name] + delta), db=self.dbs["meta"])
+
+    def count_hits(self, counts: dict[bytes, int]) -> None:
+        """Add fetch counts to stored blocks (keys no longer stored are skipped)."""
+        for key, n in counts.items():
+            if self.txn.get(key, db=self.dbs["nodes"]) is not None:
+                self.txn.put(key, _u64(self.hits(key) + n), db=self.dbs["hits"])
+
     def touch(self, key: bytes, now: int) -> None:
         """Move a node to the recent end of the LRU order."""
         node = self.get(key)
@@ -347,6 +399,7 @@ class Writer(Reader):
         self.txn.delete(node.key, db=self.dbs["nodes"])
         self.txn.delete(_lru_key(node.last_access, node.key), db=self.dbs["lru"])
         self.txn.delete(node.parent + node.key, db=self.dbs["children"])
+        self.txn.delete(node.key, db=self.dbs["hits"])
         parent = self.get(node.parent)
         if parent is not None:
             parent.child_count = max(0, parent.child_count - 1)
@@ -375,29 +428,44 @@ class Writer(Reader):
     def evict(self, max_bytes: int) -> list[Node]:
         """Remove least-recently-used leaves until the files total at most `max_bytes`.
 
-        A node with children is never removed before them; removing a leaf can turn its
-        parent into a leaf, so the LRU order is walked again until nothing changes.
+        A node with children is never removed before them. Removing a leaf can turn
+        its parent into a leaf whose last access is older than leaves not yet taken,
+        so such parents join a heap that is merged with the LRU order as it is walked.
 
         Returns:
             The removed nodes.
         """
         removed: list[Node] = []
-        while self.totals()[0] > max_bytes:
-            progress = False
-            with self.txn.cursor(db=self.dbs["lru"]) as cur:
-                victims = []
-                budget = self.totals()[0] - max_bytes
-                for lru_key in cur.iternext(values=False):
-                    node = self.get(bytes(lru_key[8:]))
-                    if node is not None and node.child_count == 0:
-                        victims.append(node)
-                        budget -= node.size
-                        if budget <= 0:
-                            break
-            for node in victims:
-                self.remove_leaf(node)
-                removed.append(node)
-                progress = True
-            if not progress:
-                break
+        excess = self.totals()[0] - max_bytes
+        if excess <= 0:
+            return removed
+        orphaned: list[tuple[int, bytes]] = []  # (last access, key): parents turned leaves
+        lru = self._lru_from(b"")
+        pending = next(lru, None)
+        while excess > 0 and (pending is not None or orphaned):
+            if orphaned and (pending is None or orphaned[0] < pending):
+                _, key = heapq.heappop(orphaned)
+            else:
+                _, key = pending
+                pending = next(lru, None)
+            node = self.get(key)
+            if node is None or node.child_count != 0:
+                continue  # gone already, or an inner node: its leaves go first
+            self.remove_leaf(node)
+            removed.append(node)
+            excess -= node.size
+            parent = self.get(node.parent)
+            if parent is not None and parent.child_count == 0:
+                heapq.heappush(orphaned, (parent.last_access, parent.key))
         return removed
+
+    def _lru_from(self, start: bytes) -> Iterator[tuple[int, bytes]]:
+        """(last access, key) in LRU order from `start`, re-seeking after every step so
+        that removals made meanwhile in this transaction never disturb the walk."""
+        while True:
+            with self.txn.cursor(db=self.dbs["lru"]) as cur:
+                if not cur.set_range(start):
+                    return
+                entry = bytes(cur.key())
+            yield int.from_bytes(entry[:8], "big"), entry[8:]
+            start = entry + b"\x00"

@@ -22,7 +22,7 @@ import threading
 import time
 import warnings
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Sequence
 
 import mlx.core as mx
@@ -52,6 +52,7 @@ from .index import Index, Reader, Writer
 from .keys import as_token_array, block_key, chain_keys, common_prefix, root_key
 from .memory import MemoryTier
 from .node import RESUMABLE, TRIMMABLE, Node
+from .worker import Worker
 
 log = logging.getLogger("persistent_prefix_cache")
 
@@ -175,12 +176,12 @@ class PersistentPrefixCache:
             ("queries", "hits", "misses", "tokens_saved", "corrupt", "evictions", "write_errors"),
             0,
         )
-        self._touched: set[bytes] = set()
+        self._book = _Bookkeeping()
         self._futures: set[Future] = set()
         self._warned_readonly = False
         self._executor = None
         if not readonly:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="ppc-writer")
+            self._executor = Worker("ppc-writer")
             description = {"fingerprint": self.fingerprint, "namespace": namespace, "layout": self.layout}
             self.index.write(
                 lambda w: w.register_model(self.root, json.dumps(description).encode())
@@ -222,11 +223,13 @@ class PersistentPrefixCache:
         if layers is None:
             with self._lock:
                 self._counters["misses"] += 1
+            self._note(misses=1)
             return None, tokens
         with self._lock:
             self._counters["hits"] += 1
             self._counters["tokens_saved"] += matched
-        self._touch(node.key for node in path)
+        keys = [node.key for node in path]
+        self._note(touch=keys, hit=keys, hits=1, tokens_saved=matched)
         return layers, tokens[matched:]
 
     def store(self, tokens: Any, cache: Sequence[Any]) -> int:
@@ -287,7 +290,7 @@ class PersistentPrefixCache:
                 path.append(node)
                 parent = key
         first_new = len(path)
-        self._touch(keys[:first_new])
+        self._note(touch=keys[:first_new])
         if first_new == len(keys):
             return 0
 
@@ -335,7 +338,7 @@ class PersistentPrefixCache:
         """Wait until every pending write and access update is committed."""
         if self._executor is None:
             return
-        self._submit(self._apply_touches)
+        self._submit(self._apply_bookkeeping)
         while True:
             with self._lock:
                 pending = list(self._futures)
@@ -350,7 +353,7 @@ class PersistentPrefixCache:
             return
         if self._executor is not None:
             self.flush()
-            self._executor.shutdown(wait=True)
+            self._executor.stop()
         self._closed = True
         self.memory.clear()
         self.index.close()
@@ -362,7 +365,9 @@ class PersistentPrefixCache:
         Returns:
             queries, hits, misses, tokens_saved, corrupt, evictions, write_errors (this
             handle); blocks, bytes_on_disk (the store, all processes);
-            bytes_in_memory, blocks_in_memory (the RAM tier); pending_writes.
+            bytes_in_memory, blocks_in_memory (the RAM tier); pending_writes;
+            store_hits, store_misses, store_tokens_saved, store_corrupt (all processes
+            since the store was made, as far as committed).
         """
         with self._lock:
             out = dict(self._counters)
@@ -371,6 +376,8 @@ class PersistentPrefixCache:
         out["bytes_in_memory"] = self.memory.nbytes
         out["blocks_in_memory"] = len(self.memory)
         out["memory_evictions"] = self.memory.evictions
+        with self.index.reader() as reader:
+            out.update({f"store_{k}": v for k, v in reader.counters().items()})
         return out
 
     def __enter__(self) -> "PersistentPrefixCache":
@@ -492,6 +499,7 @@ class PersistentPrefixCache:
             if tensors is None:
                 with self._lock:
                     self._counters["corrupt"] += 1
+                self._note(corrupt=1)
                 self.memory.discard(node.key)
                 if self._executor is not None:
                     self._submit(self._drop_subtree, node.key)
@@ -574,7 +582,7 @@ class PersistentPrefixCache:
             for node, _ in new:
                 self.memory.discard(node.key)
             return
-        touched = self._take_touched()
+        book = self._book.take(self._lock)
 
         def commit(w: Writer):
             rejected, removed = [], []
@@ -586,8 +594,7 @@ class PersistentPrefixCache:
                         rejected.append(node)
                     continue
                 removed.extend(self._superseded(w, node))
-            for key in touched:
-                w.touch(key, time.time_ns())
+            book.apply(w)
             if self.disk_bytes is not None:
                 removed.extend(w.evict(self.disk_bytes))
             return rejected, removed
@@ -627,25 +634,20 @@ class PersistentPrefixCache:
         for node in removed:
             self.memory.discard(node.key)
 
-    def _touch(self, keys) -> None:
+    def _note(self, *, touch=(), hit=(), **deltas: int) -> None:
+        """Queue LRU touches, block hit counts and counter deltas for the writer thread."""
         if self._executor is None:
             return
         with self._lock:
-            was_empty = not self._touched
-            self._touched.update(keys)
+            was_empty = self._book.empty()
+            self._book.add(touch, hit, deltas)
         if was_empty:
-            self._submit(self._apply_touches)
+            self._submit(self._apply_bookkeeping)
 
-    def _take_touched(self) -> set[bytes]:
-        with self._lock:
-            touched, self._touched = self._touched, set()
-        return touched
-
-    def _apply_touches(self) -> None:
-        touched = self._take_touched()
-        if touched:
-            now = time.time_ns()
-            self.index.write(lambda w: [w.touch(k, now) for k in touched])
+    def _apply_bookkeeping(self) -> None:
+        book = self._book.take(self._lock)
+        if not book.empty():
+            self.index.write(book.apply)
 
     def _sweep(self) -> None:
         self.files.sweep_tmp()
@@ -684,3 +686,42 @@ def _check_int(name: str, value: Any, *, minimum: int, optional: bool = False) -
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise InvalidArgumentError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+class _Bookkeeping:
+    """What fetches and stores leave for the index: recency, hit counts, counters.
+
+    Batched so that a fetch costs no write transaction; the writer thread applies it
+    with its next commit.
+    """
+
+    def __init__(self):
+        self.touched: set[bytes] = set()
+        self.hits: dict[bytes, int] = {}
+        self.deltas: dict[str, int] = {}
+
+    def empty(self) -> bool:
+        return not (self.touched or self.hits or self.deltas)
+
+    def add(self, touch, hit, deltas: dict[str, int]) -> None:
+        self.touched.update(touch)
+        for key in hit:
+            self.hits[key] = self.hits.get(key, 0) + 1
+        for name, n in deltas.items():
+            self.deltas[name] = self.deltas.get(name, 0) + n
+
+    def take(self, lock: threading.Lock) -> "_Bookkeeping":
+        """Hand over what was queued and start afresh."""
+        taken = _Bookkeeping()
+        with lock:
+            taken.touched, self.touched = self.touched, set()
+            taken.hits, self.hits = self.hits, {}
+            taken.deltas, self.deltas = self.deltas, {}
+        return taken
+
+    def apply(self, w: Writer) -> None:
+        now = time.time_ns()
+        for key in self.touched:
+            w.touch(key, now)
+        w.count_hits(self.hits)
+        w.add_counters(self.deltas)
