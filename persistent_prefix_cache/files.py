@@ -115,27 +115,31 @@ class BlockFiles:
         except FileNotFoundError:
             pass
 
+    def stale_tmp(self) -> list[str]:
+        """Temporary files whose writing process is gone (ours in flight are not)."""
+        try:
+            names = sorted(os.listdir(self.tmp))
+        except FileNotFoundError:
+            return []
+        stale = []
+        for name in names:
+            parts = name.split(".")
+            pid = int(parts[1]) if len(parts) == 4 and parts[1].isdigit() else None
+            if pid == os.getpid() or (pid is not None and _pid_alive(pid)):
+                continue  # a live writer (this process or another) is still at work
+            stale.append(name)
+        return stale
+
     def sweep_tmp(self) -> int:
         """Remove temporary files whose writing process is gone.
 
         Returns:
             How many were removed.
         """
-        removed = 0
-        try:
-            names = os.listdir(self.tmp)
-        except FileNotFoundError:
-            return 0
-        for name in names:
-            parts = name.split(".")
-            pid = int(parts[1]) if len(parts) == 4 and parts[1].isdigit() else None
-            if pid is not None and pid != os.getpid() and _pid_alive(pid):
-                continue  # a live writer in another process is still at work
-            if pid == os.getpid():
-                continue  # ours: in flight on the writer thread
+        stale = self.stale_tmp()
+        for name in stale:
             self._remove(os.path.join(self.tmp, name))
-            removed += 1
-        return removed
+        return len(stale)
 
     def sweep_orphans(self, is_referenced: Callable[[str], bool], *, grace: float) -> int:
         """Remove block files that no index record names.
