@@ -2,7 +2,12 @@
 
 Start with `PersistentPrefixCache`: ``fetch(tokens)`` restores the longest stored prefix
 as fresh mlx-lm cache objects, ``store(tokens, cache)`` keeps a prompt's KV on disk.
+
+Names are imported on first use, so that store maintenance (``ppc stats``, ``ppc
+check``, …) does not pay for importing mlx-lm and transformers.
 """
+
+from importlib import import_module
 
 from .errors import (
     InvalidArgumentError,
@@ -13,14 +18,20 @@ from .errors import (
     StoreVersionError,
     UnsupportedCacheError,
 )
-from .fingerprint import fingerprint_model
-from .store import PersistentPrefixCache
 
 __version__ = "0.1.0"
+
+# public name -> module that defines it
+_LAZY = {
+    "PersistentPrefixCache": ".store",
+    "fingerprint_model": ".fingerprint",
+    "prefill": ".prefill",
+}
 
 __all__ = [
     "PersistentPrefixCache",
     "fingerprint_model",
+    "prefill",
     "PrefixCacheError",
     "InvalidArgumentError",
     "LayoutMismatchError",
@@ -29,3 +40,16 @@ __all__ = [
     "StoreVersionError",
     "UnsupportedCacheError",
 ]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -470,7 +470,9 @@ class PagedCacheManager:
             for block_id in table.block_ids if table else ():
                 self.free_block(block_id)
 
-    def add_block_to_table(self, table: BlockTable, block: CacheBlock, tokens_in_block: int) -> None:
+    def add_block_to_table(
+        self, table: BlockTable, block: CacheBlock, tokens_in_block: int
+    ) -> None:
         """Append a block the caller holds a reference to.
 
         Args:

@@ -206,7 +206,15 @@ class _StoreLink:
 
 @dataclass
 class PrefixCacheStats:
-    """Counters of a `PrefixCacheManager`."""
+    """Counters of a `PrefixCacheManager`.
+
+    Attributes:
+        hits: Fetches that returned a cache.
+        misses: Fetches that returned None.
+        tokens_saved: Positions held by the caches returned.
+        total_queries: Fetches.
+        evictions: Entries dropped from memory to stay within ``max_entries``.
+    """
 
     hits: int = 0
     misses: int = 0
@@ -237,7 +245,12 @@ class PrefixCacheStats:
 
 @dataclass
 class CacheEntry:
-    """A stored prompt cache and how many times it was stored."""
+    """One entry of a `PrefixCacheManager`.
+
+    Attributes:
+        prompt_cache: The object given to `PrefixCacheManager.store_cache`.
+        count: How many times those tokens were stored.
+    """
 
     prompt_cache: list[Any]
     count: int
@@ -381,7 +394,9 @@ class PrefixCacheManager(_StoreLink):
         covered = _covered(prompt_cache)
         if covered is not None:
             if covered > n:
-                log.warning("cache holds %d positions but %d tokens were given: not stored", covered, n)
+                log.warning(
+                    "cache holds %d positions but %d tokens were given: not stored", covered, n
+                )
                 return
             n = covered
         if n == 0:
@@ -542,7 +557,9 @@ class BlockAwarePrefixCache(_StoreLink):
         covered = _covered(layers)
         if covered is not None and covered != n:
             if covered > n:
-                log.warning("cache holds %d positions but %d tokens were given: not stored", covered, n)
+                log.warning(
+                    "cache holds %d positions but %d tokens were given: not stored", covered, n
+                )
                 return None
             n = covered
         if n == 0:
@@ -764,7 +781,7 @@ class BlockAwarePrefixCache(_StoreLink):
                     fresh.append(views)
                     block.cache_data = _BlockData(layout, template, views)
             out.append(block)
-            parent = block.block_hash
+            parent = paged.compute_block_hash(chunk, parent)
         # Evaluate now: lazy slices would pin the caller's whole buffers until first use.
         mx.eval([x for views in fresh for v in views.values() for x in v.tensors.values()])
         return out
@@ -781,8 +798,10 @@ def _cut(layers: list, start: int, end: int, last: bool) -> dict[str, BlockView]
 def _lacks_snapshot(data: Any, last: bool) -> bool:
     # A block first stored mid-sequence has no snapshot; one that now ends a sequence
     # should gain it, or recurrent layers could not resume there.
-    return last and isinstance(data, _BlockData) and not all(
-        v.has_snapshot or v.has_slice for v in data.views.values()
+    return (
+        last
+        and isinstance(data, _BlockData)
+        and not all(v.has_snapshot or v.has_slice for v in data.views.values())
     )
 
 

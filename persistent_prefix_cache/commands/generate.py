@@ -104,9 +104,9 @@ def _render(result: dict) -> str:
         ("prompt tokens", result["prompt_tokens"]),
         ("restored from the store", result["restored_tokens"]),
         ("prompt tokens computed", result["prompt_tokens"] - result["restored_tokens"]),
-        ("time to first token (s)", result["ttft_s"]),
+        ("time to first token", f"{result['ttft_s']:.3f} s" if result["ttft_s"] is not None else "-"),
         ("generated tokens", result["generation_tokens"]),
-        ("generation tokens/s", result["generation_tps"]),
+        ("generation tokens/s", round(result["generation_tps"])),
         ("new blocks stored", result["new_blocks"]),
         ("bytes on disk", result["bytes_on_disk"]),
     ]
@@ -154,13 +154,14 @@ def _generate(args) -> int:
                 cache, _ = prefill(model, ids[:-1], counting, blocks_per_chunk=blocks)
             else:
                 cache = store.make_cache()
-            generated, pieces, ttft, last = [], [], None, None
+            generated, logprobs, pieces, ttft, last = [], [], [], None, None
             for response in stream_generate(
                 model, tokenizer, ids[-1:], max_tokens=args.max_tokens, sampler=sampler, prompt_cache=cache
             ):
                 if ttft is None:
                     ttft = time.perf_counter() - start
                 generated.append(response.token)
+                logprobs.append(response.logprobs[response.token].item())
                 pieces.append(response.text)
                 if not args.json:
                     print(response.text, end="", flush=True)
@@ -180,6 +181,9 @@ def _generate(args) -> int:
     result = {
         "text": "".join(pieces),
         "tokens": generated,
+        # float32 log-probabilities of the chosen tokens: two runs that agree on these agree
+        # on the logits, not only on the argmax.
+        "logprobs": logprobs,
         "finish_reason": last.finish_reason if last is not None else None,
         "prompt_tokens": len(ids),
         "restored_tokens": counting.restored,

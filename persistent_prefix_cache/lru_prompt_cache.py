@@ -1,0 +1,253 @@
+"""`PersistentLRUPromptCache`: mlx-lm's `LRUPromptCache`, with a store behind it.
+
+``mlx_lm.server`` keeps the KV caches of recent prompts in an in-memory
+``LRUPromptCache`` and loses them when the process stops. This class is a drop-in
+replacement: it *is* that in-memory LRU (a subclass, so every method the server calls
+behaves as before), and it puts a `PersistentPrefixCache` behind it:
+
+- ``insert_cache`` writes through: the cache goes into the in-memory LRU as before and
+  its new blocks into the store (written on the store's writer thread).
+- ``fetch_nearest_cache`` reads through: it asks the in-memory LRU first and, unless
+  that was an exact hit, the store; the answer covering more of the prompt wins
+  (after a restart memory holds nothing, so the store answers).
+
+The answers have mlx-lm's shape: ``(cache, rest)`` where ``cache`` covers
+``len(tokens) - len(rest)`` tokens (None on a miss, with ``rest`` the whole prompt).
+One difference: an answer from the store never covers the whole prompt (``rest`` keeps
+at least the last token), while the in-memory LRU gives ``rest == []`` on an exact hit.
+Recomputing one token gives the same output, and mlx-lm 0.32's batched path cannot
+start a sequence from an empty ``rest``.
+
+The store holds one model's KV (its layout and fingerprint are fixed when it opens),
+while the server keys caches by a model key and may load several models over its life.
+Give the class either one store (every key shares it: a single-model server) or a
+function from model key to store, called the first time a key is seen.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable, Hashable, Sequence, Union
+
+from mlx_lm.models.cache import LRUPromptCache
+
+from .adapters import cache_length
+from .errors import InvalidArgumentError
+from .store import PersistentPrefixCache
+
+log = logging.getLogger(__name__)
+
+_INT32_MAX = 2**31 - 1
+_NO_LIMIT = 1 << 63
+
+#: A store, or a function giving the store for a model key (None: memory only).
+StoreSource = Union[PersistentPrefixCache, Callable[[Hashable], Union[PersistentPrefixCache, None]]]
+
+
+class PersistentLRUPromptCache(LRUPromptCache):
+    """mlx-lm's in-memory prompt cache with a persistent store behind it.
+
+    Args:
+        store: A `PersistentPrefixCache` used for every model key, or a callable
+            ``store(model_key) -> PersistentPrefixCache | None`` called once per new key
+            (None means: keep that model's caches in memory only; the callable is asked
+            again for that key next time). Stores the callable opens are closed by
+            `close`; a store passed in directly is only flushed (its owner closes it).
+        max_size: Most sequences the in-memory LRU holds (as mlx-lm's ``max_size``).
+        max_bytes: Most bytes the in-memory LRU holds (as mlx-lm's ``max_bytes``).
+
+    Raises:
+        InvalidArgumentError: If `store` is neither a store nor callable.
+    """
+
+    def __init__(self, store: StoreSource, max_size: int = 10, max_bytes: int = _NO_LIMIT):
+        super().__init__(max_size=max_size, max_bytes=max_bytes)
+        if isinstance(store, PersistentPrefixCache):
+            self._shared_store, self._open_store = store, None
+        elif callable(store):
+            self._shared_store, self._open_store = None, store
+        else:
+            raise InvalidArgumentError(
+                f"store must be a PersistentPrefixCache or a callable, got {type(store).__name__}"
+            )
+        self._stores: dict[Hashable, PersistentPrefixCache] = {}
+        self._failed: set[Hashable] = set()
+        self._warned: set[tuple] = set()
+        self._lock = threading.Lock()
+        self._counters = dict.fromkeys(
+            ("store_hits", "restored_tokens", "stored_sequences", "store_skipped"), 0
+        )
+
+    # -- the interface mlx_lm.server uses (the rest is inherited) -------------------
+
+    def fetch_nearest_cache(self, model: Hashable, tokens: list[int]) -> tuple[list | None, list]:
+        """The cache of the longest known prefix of `tokens`, from memory or the store.
+
+        Args:
+            model: The model key (as the server passes it).
+            tokens: The prompt tokens.
+
+        Returns:
+            ``(cache, rest)``: a fresh cache the caller may extend (None on a miss) and
+            the tokens it does not cover, as mlx-lm's ``LRUPromptCache`` returns them.
+        """
+        cache, rest = super().fetch_nearest_cache(model, tokens)
+        if len(rest) == 0 or not _storable(tokens):
+            return cache, rest  # an exact hit in memory, or tokens a store cannot key
+        store = self.store_for(model)
+        if store is None:
+            return cache, rest
+        try:
+            restored, remaining = store.fetch(tokens)
+        except Exception as exc:  # the store is an optimisation: never fail a request
+            self._warn_once(("fetch", model, type(exc)), "store lookup failed: %s", exc)
+            return cache, rest
+        in_memory = len(tokens) - len(rest)
+        from_store = len(tokens) - len(remaining)
+        if restored is None or from_store <= in_memory:
+            return cache, rest
+        with self._lock:
+            self._counters["store_hits"] += 1
+            self._counters["restored_tokens"] += from_store
+        # Tests and operators read this line: keep its wording stable.
+        log.info(
+            "Restored %d of %d prompt tokens from the persistent store %s (memory had %d)",
+            from_store,
+            len(tokens),
+            store.path,
+            in_memory,
+        )
+        return restored, tokens[from_store:]
+
+    def insert_cache(
+        self,
+        model: Hashable,
+        tokens: list[int],
+        prompt_cache: list[Any],
+        *,
+        cache_type: str = "assistant",
+    ) -> None:
+        """Keep `prompt_cache` in memory (as mlx-lm does) and write its new blocks through.
+
+        Caches the store cannot hold (another layout, e.g. KV quantized by the server
+        past ``--quantized-kv-start``; image placeholder ids in `tokens`) stay in memory
+        only; a warning says so once per model and reason.
+
+        Args:
+            model: The model key.
+            tokens: The tokens `prompt_cache` covers.
+            prompt_cache: The cache layers; the in-memory LRU keeps this object.
+            cache_type: ``"assistant"``, ``"user"`` or ``"system"`` (mlx-lm's eviction
+                order).
+        """
+        super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        store = self.store_for(model)
+        if store is None:
+            return
+        if not _storable(tokens):
+            self._skip(model, "tokens", "token ids outside [0, 2**31) are kept in memory only")
+            return
+        try:
+            covered = cache_length(prompt_cache)
+            if covered is not None and covered < len(tokens):
+                # Keys may run ahead of the KV (a token sampled but not yet fed).
+                tokens = tokens[:covered]
+            elif covered is not None and covered > len(tokens):
+                self._skip(model, "length", "a cache longer than its tokens is kept in memory only")
+                return
+            store.store(tokens, prompt_cache)
+        except Exception as exc:  # layout mismatch, unsupported class, I/O: memory only
+            self._skip(model, type(exc), "not persisted (%s); kept in memory only", exc)
+            return
+        with self._lock:
+            self._counters["stored_sequences"] += 1
+
+    # -- the persistent side ------------------------------------------------------------
+
+    def store_for(self, model: Hashable) -> PersistentPrefixCache | None:
+        """The store holding `model`'s caches, opening it on first use.
+
+        Args:
+            model: The model key.
+
+        Returns:
+            The store, or None if this model's caches stay in memory only.
+        """
+        if self._shared_store is not None:
+            return self._shared_store
+        with self._lock:
+            if model in self._stores:
+                return self._stores[model]
+            if model in self._failed:
+                return None
+            try:
+                store = self._open_store(model)
+            except Exception as exc:
+                # Opening again on every request would repeat the cost and the error.
+                self._failed.add(model)
+                log.warning("cannot open a store for model %r: %s; memory only", model, exc)
+                return None
+            if store is not None:
+                self._stores[model] = store
+            return store
+
+    def persistent_stats(self) -> dict[str, Any]:
+        """Counters of the persistent side and each open store's `stats()`.
+
+        Returns:
+            store_hits (fetches answered by the store), restored_tokens,
+            stored_sequences (inserts written through), store_skipped (inserts kept in
+            memory only), and ``stores``: a list of ``{"model", "path", "stats"}``.
+        """
+        with self._lock:
+            out: dict[str, Any] = dict(self._counters)
+            stores = list(self._stores.items())
+        if self._shared_store is not None:
+            stores = [(None, self._shared_store)]
+        out["stores"] = [
+            {"model": key, "path": s.path, "stats": s.stats()} for key, s in stores if not s._closed
+        ]
+        return out
+
+    def flush(self) -> None:
+        """Wait until every store's pending writes are on disk."""
+        for store in self._open_stores():
+            store.flush()
+
+    def close(self) -> None:
+        """Flush every store; close the ones this object opened. Safe to call twice."""
+        if self._shared_store is not None:
+            if not self._shared_store._closed:
+                self._shared_store.flush()
+            return
+        with self._lock:
+            stores, self._stores = list(self._stores.values()), {}
+        for store in stores:
+            store.close()
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def _open_stores(self) -> list[PersistentPrefixCache]:
+        if self._shared_store is not None:
+            return [] if self._shared_store._closed else [self._shared_store]
+        with self._lock:
+            return list(self._stores.values())
+
+    def _skip(self, model: Hashable, reason: Any, message: str, *args: Any) -> None:
+        with self._lock:
+            self._counters["store_skipped"] += 1
+        self._warn_once(("insert", model, reason), message, *args)
+
+    def _warn_once(self, key: tuple, message: str, *args: Any) -> None:
+        # A server repeats the same failure on every request: say it once per cause.
+        with self._lock:
+            if key in self._warned:
+                return
+            self._warned.add(key)
+        log.warning("persistent prompt cache: " + message, *args)
+
+
+def _storable(tokens: Sequence[int]) -> bool:
+    """True if a store can key `tokens` (mlx-lm marks image positions with ids < 0)."""
+    return len(tokens) > 0 and min(tokens) >= 0 and max(tokens) <= _INT32_MAX

@@ -1,0 +1,226 @@
+"""``ppc stats / inspect / check / gc / migrate / export / import``, run as a user would.
+
+Stores are filled in-process with the real model code; every command runs as a real
+``python -m persistent_prefix_cache`` subprocess on the real files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import BLOCK, assert_same_logits, block_files, cold_logits, random_tokens, warm_logits
+
+from persistent_prefix_cache import PersistentPrefixCache, StoreVersionError
+from persistent_prefix_cache.index import Index, Writer
+from persistent_prefix_cache.prefill import prefill
+
+
+def ppc(*args: str, expect: int = 0) -> subprocess.CompletedProcess:
+    """Run ``ppc`` in a subprocess; check its exit code and that it never tracebacks."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "persistent_prefix_cache", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == expect, (proc.returncode, proc.stdout, proc.stderr)
+    return proc
+
+
+def ppc_json(*args: str, expect: int = 0) -> dict:
+    return json.loads(ppc(*args, "--json", expect=expect).stdout)
+
+
+@pytest.fixture
+def filled(store_dir, model):
+    """A store holding two prompts that share 32 tokens, plus one fetch (a hit)."""
+    base = random_tokens(32, seed=1, first=5)
+    prompts = [base + random_tokens(40, seed=2), base + random_tokens(20, seed=3)]
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        for p in prompts:
+            prefill(model, p, store)
+        store.fetch(prompts[0] + [1, 2])
+    return store_dir, prompts
+
+
+def test_stats_and_inspect(filled):
+    store_dir, prompts = filled
+    stats = ppc_json("stats", "--store", store_dir)
+    files = block_files(store_dir)
+    assert stats["blocks"] == len(files)
+    assert stats["bytes_on_disk"] == sum(files.values())
+    # Two hits: the second prefill restored the shared 32 tokens, then the fetch.
+    assert stats["hits"] == 2 and stats["tokens_saved"] == 32 + len(prompts[0]) - 1
+    text = ppc("stats", "--store", store_dir).stdout
+    assert "bytes on disk" in text and f"{stats['blocks']:,}" in text
+
+    info = ppc_json("inspect", "--store", store_dir, "--top", "5")
+    (model,) = info["models"]
+    assert model["blocks"] == stats["blocks"] and model["namespace"] == ""
+    ends = [p["tokens"] for p in info["longest_prefixes"]]
+    # prefill stores each prompt resumable one token before its end.
+    assert ends == sorted([len(p) - 1 for p in prompts], reverse=True)
+    assert "longest stored prefixes" in ppc("inspect", "--store", store_dir).stdout
+
+
+def test_store_from_environment_and_missing_store(filled, tmp_path):
+    store_dir, _ = filled
+    env = dict(os.environ, PPC_STORE=str(store_dir))
+    proc = subprocess.run(
+        [sys.executable, "-m", "persistent_prefix_cache", "stats", "--json"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0 and json.loads(proc.stdout)["blocks"] > 0
+    err = ppc("stats", "--store", tmp_path / "nowhere", expect=2).stderr
+    assert "no store at" in err
+
+
+def test_check_finds_and_fixes_damage(filled, model):
+    store_dir, prompts = filled
+    assert ppc_json("check", "--store", store_dir)["clean"]
+    files = sorted(block_files(store_dir))
+    victim = os.path.join(store_dir, "blocks", files[0])
+    with open(victim, "r+b") as f:
+        f.truncate(os.path.getsize(victim) - 3)
+    orphan = os.path.join(store_dir, "blocks", "ff", "f" * 32 + "-0000000000000000.safetensors")
+    os.makedirs(os.path.dirname(orphan), exist_ok=True)
+    with open(orphan, "wb") as f:
+        f.write(b"left by a crash")
+    stale_tmp = os.path.join(store_dir, "tmp", f"{'a' * 32}.999999999.1.tmp")
+    with open(stale_tmp, "wb") as f:
+        f.write(b"partial")
+
+    report = ppc_json("check", "--store", store_dir, "--grace", "0", expect=1)
+    kinds = {p["kind"] for p in report["problems"]}
+    assert {"file size or checksum mismatch", "unreferenced file", "leftover temporary file"} <= kinds
+    fixed = ppc_json("check", "--store", store_dir, "--fix", "--grace", "0")
+    assert fixed["fixed"] and fixed["removed_nodes"] >= 1
+    assert not os.path.exists(orphan) and not os.path.exists(stale_tmp)
+    assert ppc_json("check", "--store", store_dir)["clean"]
+    # What survived still restores exactly; what was dropped is a clean miss or shorter hit.
+    with PersistentPrefixCache(store_dir, model, memory_bytes=0) as store:
+        for p in prompts:
+            cache, remaining = store.fetch(p)
+            assert_same_logits(warm_logits(model, cache, remaining), cold_logits(model, p))
+        assert store.stats()["corrupt"] == 0
+
+
+def test_gc_evicts_to_budget(filled):
+    store_dir, _ = filled
+    before = ppc_json("stats", "--store", store_dir)
+    budget = before["bytes_on_disk"] // 2
+    result = ppc_json("gc", "--store", store_dir, "--max-bytes", str(budget))
+    assert result["bytes_after"] <= budget and result["removed_blocks"] > 0
+    assert sum(block_files(store_dir).values()) == result["bytes_after"]
+    assert ppc_json("check", "--store", store_dir)["clean"]
+    assert "expected a size" in ppc("gc", "--store", store_dir, "--max-bytes", "lots", expect=2).stderr
+    assert ppc_json("gc", "--store", store_dir, "--max-bytes", "1G")["removed_blocks"] == 0
+
+
+def test_export_import_roundtrip(filled, model, other_model, tmp_path):
+    store_dir, prompts = filled
+    # A second model in the same store: export must be able to take one model only.
+    with PersistentPrefixCache(store_dir, other_model) as store:
+        prefill(other_model, prompts[0], store)
+    info = ppc_json("inspect", "--store", store_dir)
+    assert len(info["models"]) == 2
+    with PersistentPrefixCache(store_dir, model) as store:
+        root = store.root.hex()
+    pack = tmp_path / "one-model.tar"
+    out = ppc_json("export", "--store", store_dir, pack, "--model", root[:12])
+    assert out["models"] == 1 and pack.stat().st_size > out["bytes"]
+
+    target = tmp_path / "copy"
+    first = ppc_json("import", "--store", target, pack)
+    assert first["added"] == out["blocks"]
+    assert ppc_json("import", "--store", target, pack)["skipped"] == out["blocks"]
+    assert ppc_json("check", "--store", target)["clean"]
+    with PersistentPrefixCache(target, model, memory_bytes=0) as store:
+        for p in prompts:
+            cache, remaining = store.fetch(p)
+            assert len(remaining) == 1
+            assert_same_logits(warm_logits(model, cache, remaining), cold_logits(model, p))
+    with PersistentPrefixCache(target, other_model) as store:
+        assert store.fetch(prompts[0])[0] is None  # the other model was not exported
+
+    bogus = tmp_path / "bogus.tar"
+    bogus.write_bytes(b"not a tar file at all")
+    assert "not a ppc export" in ppc("import", "--store", target, bogus, expect=2).stderr
+    assert "matches 0 models" in ppc("export", "--store", store_dir, tmp_path / "x", "--model", "zz", expect=2).stderr
+
+
+def _v1_store_like(source, target):
+    """A store at schema v1, as the v1 code wrote it: the v1 migration only, then the same
+    index records and block files (the v1 write path is unchanged in v2)."""
+    src = Index(os.path.join(source, "index"), readonly=True)
+    old = Index(os.path.join(target, "index"), migrate=False)
+    old.apply_migrations({"block_size": src.block_size}, upto=1)
+    assert old.version() == 1 and "hits" not in old.dbs
+    with src.reader() as r:
+        nodes = sorted(r.iter_nodes(), key=lambda n: n.position)
+        models = r.models()
+
+    def copy(w: Writer):
+        for root, desc in models.items():
+            w.register_model(root, desc)
+        for n in nodes:
+            n.child_count = 0
+            assert w.insert(n)
+
+    old.write(copy)
+    old.close()
+    src.close()
+    for rel in block_files(source):
+        dst = os.path.join(target, "blocks", rel)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        with open(os.path.join(source, "blocks", rel), "rb") as a, open(dst, "wb") as b:
+            b.write(a.read())
+
+
+def test_migrate_v1_store(filled, model, tmp_path):
+    store_dir, prompts = filled
+    v1 = tmp_path / "v1"
+    _v1_store_like(store_dir, v1)
+    # Read-only access to an old store is refused with the command that migrates it.
+    with pytest.raises(StoreVersionError, match="ppc migrate"):
+        PersistentPrefixCache(v1, model, readonly=True)
+    assert "ppc migrate" in ppc("stats", "--store", v1, expect=2).stderr
+
+    dry = ppc_json("migrate", "--store", v1, "--dry-run")
+    assert [p["version"] for p in dry["pending"]] == [2] and dry["to_version"] == 1
+    done = ppc_json("migrate", "--store", v1)
+    assert done["applied"] == [2] and done["to_version"] == 2
+    assert ppc_json("migrate", "--store", v1)["pending"] == []
+    assert ppc_json("check", "--store", v1)["clean"]
+    stats = ppc_json("stats", "--store", v1)
+    assert stats["schema_version"] == 2 and stats["hits"] == 0
+    with PersistentPrefixCache(v1, model, memory_bytes=0) as store:
+        cache, remaining = store.fetch(prompts[1])
+        assert_same_logits(warm_logits(model, cache, remaining), cold_logits(model, prompts[1]))
+    assert ppc_json("stats", "--store", v1)["hits"] == 1
+
+
+def test_store_from_a_newer_version_is_refused_untouched(filled, model):
+    store_dir, _ = filled
+    index = Index(os.path.join(store_dir, "index"))
+    index.write(lambda w: w.txn.put(b"version", b"99", db=index.dbs["meta"]))
+    index.close()
+    before = sorted(block_files(store_dir).items())
+    for command in (("stats",), ("check", "--fix"), ("migrate",), ("gc", "--max-bytes", "0")):
+        err = ppc(*command, "--store", store_dir, expect=2).stderr
+        assert "newer" in err or "upgrade" in err
+    with pytest.raises(StoreVersionError):
+        PersistentPrefixCache(store_dir, model)
+    assert sorted(block_files(store_dir).items()) == before
+
+
+def test_top_level_usage():
+    assert "commands:" in ppc("--help").stdout
+    assert "unknown command" in ppc("frobnicate", expect=2).stderr
+    for command in ("stats", "inspect", "check", "gc", "migrate", "export", "import", "demo"):
+        assert "usage: ppc " + command in ppc(command, "--help").stdout
