@@ -83,7 +83,9 @@ def load_model(spec: str, *, with_tokenizer: bool = True):
         else:
             model, tokenizer = load_weights(os.path.expanduser(spec))[0], None
     except Exception as exc:  # mlx-lm raises many kinds; all mean "cannot load this"
-        raise UserError(f"cannot load model {spec!r}: {type(exc).__name__}: {exc}") from None
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        hint = "" if looks_local else " (not a local folder; a hub id needs the network or a local copy)"
+        raise UserError(f"cannot load model {spec!r}: {type(exc).__name__}: {first_line}{hint}") from None
     return model, tokenizer, (os.path.expanduser(spec) if looks_local else None)
 
 

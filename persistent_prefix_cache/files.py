@@ -13,6 +13,7 @@ import time
 from typing import Callable, Iterable
 
 from . import codec
+from .faults import pause_point
 from .node import Node
 
 
@@ -75,6 +76,7 @@ class BlockFiles:
                 size, checksum = codec.write(f, header, buffers)
                 f.flush()
                 os.fsync(f.fileno())
+            pause_point("before_rename")
             folder = os.path.join(self.blocks, hex_key[:2])
             if not os.path.isdir(folder):
                 os.makedirs(folder, exist_ok=True)

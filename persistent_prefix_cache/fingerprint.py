@@ -48,7 +48,10 @@ def fingerprint_model(model: Any) -> str:
     mx.eval([p for _, p in params])
     for name, value in params:
         h.update(f"{name}:{value.dtype}:{tuple(value.shape)}\0".encode())
-        h.update(memoryview(mx.contiguous(value)).cast("B"))
+        # Read the evaluated buffer directly (no MLX op): this also works in a process
+        # forked after MLX ran, where MLX itself can no longer evaluate anything.
+        view = memoryview(value)
+        h.update(view.cast("B") if view.c_contiguous else view.tobytes())
     return h.hexdigest()
 
 

@@ -18,11 +18,13 @@ from typing import Callable, Iterator, TypeVar
 import lmdb
 
 from .errors import StoreCorruptError, StoreVersionError
+from .faults import pause_point
 from .node import Node
 
 T = TypeVar("T")
 _U64 = 8
-INITIAL_MAP_SIZE = 64 * 1024 * 1024
+# The map grows on demand (doubling); the start is small so tiny stores stay tiny.
+INITIAL_MAP_SIZE = int(os.environ.get("PPC_INITIAL_MAP_SIZE", 64 * 1024 * 1024))
 # Every named database of the current schema (created by the migrations).
 LAYOUT_DBS = (b"meta", b"models", b"nodes", b"children", b"lru", b"fingerprints", b"hits")
 COUNTERS = ("hits", "misses", "tokens_saved", "corrupt")
@@ -87,6 +89,9 @@ def _acquire_env(path: str, readonly: bool) -> lmdb.Environment:
                 readonly=readonly,
                 create=not readonly,
                 max_readers=512,
+                # A reader of a directory it cannot write cannot take LMDB's reader
+                # lock either; no writer can be at work there (same permissions).
+                lock=not (readonly and not os.access(path, os.W_OK)),
             )
         except lmdb.InvalidError as exc:
             raise StoreCorruptError(f"index at {path} is not a valid LMDB environment: {exc}")
@@ -99,6 +104,22 @@ def _acquire_env(path: str, readonly: bool) -> lmdb.Environment:
             raise StoreCorruptError(f"index file {data} is shorter than its last page")
         _ENVS[ident] = [env, 1]
         return env
+
+
+def _forget_inherited_envs() -> None:
+    # LMDB environments must not be used across fork(): a child closes the copies it
+    # inherited (which clears lmdb's "already open" guard) so that it can open anew.
+    for (pid, _), (env, _) in list(_ENVS.items()):
+        if pid != os.getpid():
+            try:
+                env.close()
+            except lmdb.Error:
+                pass
+    _ENVS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_inherited_envs)
 
 
 def _release_env(path: str) -> None:
@@ -227,7 +248,9 @@ class Index:
         while True:
             try:
                 with self.env.begin(write=True) as txn:
-                    return fn(txn)
+                    result = fn(txn)
+                    pause_point("in_write_txn")
+                    return result
             except lmdb.MapFullError:
                 self.env.set_mapsize(self.env.info()["map_size"] * 2)
             except lmdb.MapResizedError:

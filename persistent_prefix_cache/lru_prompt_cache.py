@@ -26,11 +26,12 @@ function from model key to store, called the first time a key is seen.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from typing import Any, Callable, Hashable, Sequence, Union
 
-from mlx_lm.models.cache import LRUPromptCache
+from mlx_lm.models.cache import KVCache, LRUPromptCache, QuantizedKVCache
 
 from .adapters import cache_length
 from .errors import InvalidArgumentError
@@ -40,6 +41,8 @@ log = logging.getLogger(__name__)
 
 _INT32_MAX = 2**31 - 1
 _NO_LIMIT = 1 << 63
+# Layers whose trim() only moves an offset, so a shallow copy can be trimmed safely.
+_OFFSET_TRIMMED = (KVCache, QuantizedKVCache)
 
 #: A store, or a function giving the store for a model key (None: memory only).
 StoreSource = Union[PersistentPrefixCache, Callable[[Hashable], Union[PersistentPrefixCache, None]]]
@@ -149,6 +152,7 @@ class PersistentLRUPromptCache(LRUPromptCache):
             self._skip(model, "tokens", "token ids outside [0, 2**31) are kept in memory only")
             return
         try:
+            prompt_cache = _even_lengths(prompt_cache)
             covered = cache_length(prompt_cache)
             if covered is not None and covered < len(tokens):
                 # Keys may run ahead of the KV (a token sampled but not yet fed).
@@ -246,6 +250,28 @@ class PersistentLRUPromptCache(LRUPromptCache):
                 return
             self._warned.add(key)
         log.warning("persistent prompt cache: " + message, *args)
+
+
+def _even_lengths(cache: list[Any]) -> list[Any]:
+    """`cache` itself, or a view trimmed to its shortest layer if layers differ in length.
+
+    With speculative decoding the server's cache is the model's layers followed by the
+    draft model's, and they may end a token or two apart; the common prefix is still
+    a valid cache. The view shares the caller's arrays (trimming only moves offsets).
+    """
+    lengths = [cache_length([layer]) for layer in cache]
+    known = {n for n in lengths if n is not None}
+    if len(known) < 2:
+        return cache
+    if not all(type(layer) in _OFFSET_TRIMMED for layer in cache):
+        return cache  # store() then refuses it, and it stays in memory only
+    shortest = min(known)
+    view = []
+    for layer, n in zip(cache, lengths):
+        layer = copy.copy(layer)
+        layer.trim(n - shortest)
+        view.append(layer)
+    return view
 
 
 def _storable(tokens: Sequence[int]) -> bool:

@@ -25,6 +25,7 @@ import weakref
 from concurrent.futures import Future
 from typing import Any, Sequence
 
+import lmdb
 import mlx.core as mx
 import numpy as np
 
@@ -46,6 +47,7 @@ from .errors import (
     ReadOnlyStoreError,
     UnsupportedCacheError,
 )
+from .faults import pause_point
 from .files import BlockFiles
 from .fingerprint import cached_fingerprint
 from .index import Index, Reader, Writer
@@ -129,6 +131,12 @@ class PersistentPrefixCache:
         self.sync_writes = sync_writes
         if readonly and not os.path.isdir(os.path.join(self.path, "index")):
             raise InvalidArgumentError(f"no store at {self.path} to open read-only")
+        if not readonly and _existing_but_not_writable(self.path):
+            # Serve what is there (a store shipped on a read-only volume, say).
+            warnings.warn(str(ReadOnlyStoreError(f"store {self.path} is not writable: serving hits only")))
+            readonly = self.readonly = True
+            self._warned_readonly = True
+        self._pid = os.getpid()
 
         self.template = template_cache(model, kv_bits=kv_bits, kv_group_size=kv_group_size)
         try:
@@ -166,6 +174,9 @@ class PersistentPrefixCache:
                 self._remember_fingerprint,
             )
             self.root = root_key(self.fingerprint, namespace, self.layout)
+            self._description = json.dumps(
+                {"fingerprint": self.fingerprint, "namespace": namespace, "layout": self.layout}
+            ).encode()
         except BaseException:
             self.index.close()
             raise
@@ -178,14 +189,10 @@ class PersistentPrefixCache:
         )
         self._book = _Bookkeeping()
         self._futures: set[Future] = set()
-        self._warned_readonly = False
+        self._warned_readonly = getattr(self, "_warned_readonly", False)
         self._executor = None
         if not readonly:
             self._executor = Worker("ppc-writer")
-            description = {"fingerprint": self.fingerprint, "namespace": namespace, "layout": self.layout}
-            self.index.write(
-                lambda w: w.register_model(self.root, json.dumps(description).encode())
-            )
             self._submit(self._sweep)
         _OPEN_STORES.add(self)
 
@@ -350,6 +357,11 @@ class PersistentPrefixCache:
     def close(self) -> None:
         """Flush and release the store. Safe to call twice."""
         if self._closed:
+            return
+        if os.getpid() != self._pid:
+            # A copy inherited through fork(): its writer thread and LMDB environment
+            # belong to the parent, and the child has already dropped the latter.
+            self._closed = True
             return
         if self._executor is not None:
             self.flush()
@@ -585,6 +597,9 @@ class PersistentPrefixCache:
         book = self._book.take(self._lock)
 
         def commit(w: Writer):
+            # The model is recorded with its first block, not at open: a run that
+            # stores nothing leaves no trace in the store.
+            w.register_model(self.root, self._description)
             rejected, removed = [], []
             for node in written:
                 existing = w.get(node.key)
@@ -599,7 +614,20 @@ class PersistentPrefixCache:
                 removed.extend(w.evict(self.disk_bytes))
             return rejected, removed
 
-        rejected, removed = self.index.write(commit)
+        pause_point("before_commit")
+        try:
+            rejected, removed = self.index.write(commit)
+        except (lmdb.Error, OSError) as exc:
+            # The index could not take the records (disk full, say): the files are
+            # unreferenced, so remove them; the index is as it was.
+            log.warning("could not commit blocks to %s: %s", self.path, exc)
+            with self._lock:
+                self._counters["write_errors"] += 1
+            self.files.unlink(written)
+            for node in written:
+                self.memory.discard(node.key)
+            return
+        pause_point("after_commit")
         self.files.unlink(rejected + removed)
         self._forget_removed(removed)
 
@@ -679,6 +707,19 @@ class PersistentPrefixCache:
     def _check_open(self) -> None:
         if self._closed:
             raise InvalidArgumentError(f"store {self.path} is closed")
+        if os.getpid() != self._pid:
+            raise InvalidArgumentError(
+                f"store {self.path} was opened in process {self._pid}, before a fork",
+                hint="open the store again in this process",
+            )
+
+
+def _existing_but_not_writable(path: str) -> bool:
+    index = os.path.join(path, "index")
+    return os.path.isdir(index) and not all(
+        os.access(p, os.W_OK) for p in (path, index, os.path.join(path, "blocks"))
+        if os.path.exists(p)
+    )
 
 
 def _check_int(name: str, value: Any, *, minimum: int, optional: bool = False) -> None:

@@ -16,6 +16,7 @@ import os
 import re
 import sys
 import time
+import warnings
 from typing import Any, Iterator, Sequence
 
 from ..cliutil import UserError, open_store, store_path
@@ -80,7 +81,9 @@ def template_kwargs(args: argparse.Namespace) -> dict:
     except json.JSONDecodeError as exc:
         raise UserError(f"--chat-template-config is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
-        raise UserError("--chat-template-config must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+        raise UserError(
+            "--chat-template-config must be a JSON object, e.g. '{\"enable_thinking\": false}'"
+        )
     return value
 
 
@@ -145,19 +148,43 @@ def encode_raw(tokenizer: Any, text: str) -> list[int]:
 # -- the store ----------------------------------------------------------------------------
 
 
-def open_checked_store(args: argparse.Namespace, model: Any, local_path: str | None, **kwargs):
+def check_store_path(args: argparse.Namespace) -> str:
+    """The ``--store`` path, if it is a store or a place where one can be made.
+
+    Called before the model loads, so a wrong path fails at once.
+
+    Raises:
+        UserError: If no store was given, the path is a file, or it is a folder with
+            other files in it (a store is never created among unrelated files).
+    """
+    path = store_path(args)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"--store {path}: not a directory")
+    if os.path.isdir(path) and not os.path.isdir(os.path.join(path, "index")) and os.listdir(path):
+        raise UserError(
+            f"--store {path}: folder has files but no store in it (no index/); "
+            "give a new or empty folder"
+        )
+    return path
+
+
+def open_checked_store(
+    args: argparse.Namespace, model: Any, local_path: str | None, *, need_write: bool, **kwargs
+):
     """Open ``--store`` for `model`, refusing a store that cannot be meant for it.
 
     A store directory may hold several models. What is refused: a folder that is not
     a store but already has files in it, a ``--block-size`` other than the store's,
     and a store that holds this very model only under another KV layout (a
     ``--kv-bits``/``--kv-group-size`` that differs from the one it was filled with).
-    A store that holds only other models opens, with a note on stderr.
+    A store that holds only other models opens, with a note on stderr; so does a store
+    this process cannot write to, unless `need_write`.
 
     Args:
         args: Parsed options (``--store``, ``--block-size``, ``--namespace``, ``--kv-bits``...).
         model: The loaded model.
         local_path: The model folder, so the fingerprint is remembered by the store.
+        need_write: Refuse a store this process cannot write to (else it serves hits only).
         kwargs: More keyword arguments for `PersistentPrefixCache`.
 
     Returns:
@@ -166,31 +193,32 @@ def open_checked_store(args: argparse.Namespace, model: Any, local_path: str | N
     Raises:
         UserError: If the store does not fit the options (see above).
     """
-    path = store_path(args)
+    path = check_store_path(args)
     exists = os.path.isdir(os.path.join(path, "index"))
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise UserError(f"--store {path}: not a directory")
-    if not exists and os.path.isdir(path) and os.listdir(path):
-        raise UserError(
-            f"--store {path}: folder has files but no store in it (no index/); "
-            "give a new or empty folder"
-        )
     # An existing store keeps its block size: compare rather than pass it, so the
     # message can name the option the user typed.
     block_size = None if exists else getattr(args, "block_size", None)
-    store = open_store(args, model, local_path, block_size=block_size, **kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        # The store warns (e.g. "not writable: serving hits only"); say it as one line.
+        warnings.simplefilter("always")
+        store = open_store(args, model, local_path, block_size=block_size, **kwargs)
+    notes = [str(w.message) for w in caught]
     try:
+        if need_write and store.readonly:
+            raise UserError(
+                f"store {store.path} is not writable; give a store directory you can write to"
+            )
         wanted = getattr(args, "block_size", None)
         if wanted is not None and wanted != store.block_size:
             raise UserError(
-                f"store {path} uses --block-size {store.block_size}, not {wanted}: "
+                f"store {store.path} uses --block-size {store.block_size}, not {wanted}: "
                 "omit --block-size, or use another store directory"
             )
-        note = _check_models(store)
+        notes.append(_check_models(store))
     except BaseException:
         store.close()
         raise
-    if note:
+    for note in filter(None, notes):
         print(f"note: {note}", file=sys.stderr)
     return store
 
@@ -294,6 +322,11 @@ class CountingStore:
     def __init__(self, store: Any):
         self._store = store
         self.block_size = store.block_size
+        self.restored = 0
+        self.new_blocks = 0
+
+    def reset(self) -> None:
+        """Zero the counters (before the next prompt)."""
         self.restored = 0
         self.new_blocks = 0
 

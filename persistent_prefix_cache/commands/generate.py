@@ -31,6 +31,7 @@ from ._shared import (
     add_prefill_option,
     add_template_options,
     check_positive,
+    check_store_path,
     encode_raw,
     kv_quantization_errors,
     open_checked_store,
@@ -61,7 +62,9 @@ def read_prompt(raw: str) -> str:
         try:
             prompt = sys.stdin.read() if sys.stdin is not None else ""
         except UnicodeDecodeError as exc:
-            raise UserError(f"--prompt -: stdin is not UTF-8 text (bad byte at offset {exc.start})") from None
+            raise UserError(
+                f"--prompt -: stdin is not UTF-8 text (bad byte at offset {exc.start})"
+            ) from None
         where = "--prompt - (stdin)"
     else:
         where = "--prompt"
@@ -104,7 +107,10 @@ def _render(result: dict) -> str:
         ("prompt tokens", result["prompt_tokens"]),
         ("restored from the store", result["restored_tokens"]),
         ("prompt tokens computed", result["prompt_tokens"] - result["restored_tokens"]),
-        ("time to first token", f"{result['ttft_s']:.3f} s" if result["ttft_s"] is not None else "-"),
+        (
+            "time to first token",
+            f"{result['ttft_s']:.3f} s" if result["ttft_s"] is not None else "-",
+        ),
         ("generated tokens", result["generation_tokens"]),
         ("generation tokens/s", round(result["generation_tps"])),
         ("new blocks stored", result["new_blocks"]),
@@ -115,10 +121,13 @@ def _render(result: dict) -> str:
 
 def _generate(args) -> int:
     if args.max_tokens == 0 or args.max_tokens < -1:
-        raise UserError(f"--max-tokens must be at least 1 (or -1 for no limit), got {args.max_tokens}")
+        raise UserError(
+            f"--max-tokens must be at least 1 (or -1 for no limit), got {args.max_tokens}"
+        )
     check_positive("--block-size", args.block_size)
     check_positive("--prefill-step-size", args.prefill_step_size)
     template_kwargs(args)  # fail on a bad --chat-template-config before loading anything
+    check_store_path(args)
     prompt = read_prompt(args.prompt)
     model, tokenizer, local_path = load_model(args.model)
 
@@ -142,7 +151,7 @@ def _generate(args) -> int:
         top_k=args.top_k,
     )
 
-    store = open_checked_store(args, model, local_path)
+    store = open_checked_store(args, model, local_path, need_write=False)
     with store:
         counting = CountingStore(store)
         start = time.perf_counter()
@@ -156,7 +165,12 @@ def _generate(args) -> int:
                 cache = store.make_cache()
             generated, logprobs, pieces, ttft, last = [], [], [], None, None
             for response in stream_generate(
-                model, tokenizer, ids[-1:], max_tokens=args.max_tokens, sampler=sampler, prompt_cache=cache
+                model,
+                tokenizer,
+                ids[-1:],
+                max_tokens=args.max_tokens,
+                sampler=sampler,
+                prompt_cache=cache,
             ):
                 if ttft is None:
                     ttft = time.perf_counter() - start
@@ -204,7 +218,10 @@ def _generate(args) -> int:
 
 def build_parser():
     """The argument parser of ``ppc generate`` (mlx_lm.generate's options, plus the store's)."""
-    parser = make_parser("generate", __doc__.split("\n\n")[0].split(": ", 1)[1])
+    parser = make_parser(
+        "generate",
+        "Generate text like mlx_lm.generate, restoring the prompt's stored prefix first.",
+    )
     add_model_option(parser)
     add_store_option(parser)
     add_block_size_option(parser)
@@ -230,7 +247,10 @@ def build_parser():
     parser.add_argument("--min-p", type=float, default=DEFAULT_MIN_P, help="sampling min-p")
     parser.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, help="sampling top-k")
     parser.add_argument(
-        "--min-tokens-to-keep", type=int, default=1, help="minimum tokens to keep for min-p sampling"
+        "--min-tokens-to-keep",
+        type=int,
+        default=1,
+        help="minimum tokens to keep for min-p sampling",
     )
     parser.add_argument("--seed", type=int, default=None, help="PRNG seed")
     parser.add_argument(

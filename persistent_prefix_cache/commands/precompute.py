@@ -38,6 +38,7 @@ from ._shared import (
     add_template_options,
     blocks_of,
     check_positive,
+    check_store_path,
     encode_raw,
     kv_quantization_errors,
     open_checked_store,
@@ -81,7 +82,9 @@ def _read(path: str) -> tuple[str, str]:
     except FileNotFoundError:
         raise UserError(f"{path}: no such file") from None
     except IsADirectoryError:
-        raise UserError(f"{path}: is a directory; pass the files in it (e.g. {path}/*.txt)") from None
+        raise UserError(
+            f"{path}: is a directory; pass the files in it (e.g. {path}/*.txt)"
+        ) from None
     except PermissionError:
         raise UserError(f"{path}: permission denied; check the file's permissions") from None
     try:
@@ -115,7 +118,9 @@ def _parse_row(line: str, where: str) -> PromptInput:
     try:
         row = json.loads(line)
     except ValueError as exc:
-        raise UserError(f"{where}: invalid JSON ({exc}); each line must be one JSON object") from None
+        raise UserError(
+            f"{where}: invalid JSON ({exc}); each line must be one JSON object"
+        ) from None
     if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
         raise UserError(
             f'{where}: expected an object with either "prompt" or "messages", '
@@ -254,6 +259,7 @@ def _precompute(args) -> int:
     if args.system_prompt is not None and args.ignore_chat_template:
         print("note: --system-prompt is only used with the chat template", file=sys.stderr)
     # Read and check every input before loading the model: a typo fails in a second.
+    check_store_path(args)
     inputs = read_inputs(args.inputs, args.format)
     model, tokenizer, local_path = load_model(args.model)
     seen: dict[tuple, str] = {}
@@ -265,7 +271,7 @@ def _precompute(args) -> int:
 
     from ..prefill import prefill
 
-    store = open_checked_store(args, model, local_path)
+    store = open_checked_store(args, model, local_path, need_write=True)
     with store:
         before = store.stats()["bytes_on_disk"]
         bs = store.block_size
@@ -283,10 +289,14 @@ def _precompute(args) -> int:
         start = time.perf_counter()
         try:
             for ids in order:
-                counting = CountingStore(store)
+                counting.reset()
                 with kv_quantization_errors(args):
                     cache, _ = prefill(
-                        model, list(ids), counting, blocks_per_chunk=blocks_per_chunk, progress=report
+                        model,
+                        list(ids),
+                        counting,
+                        blocks_per_chunk=blocks_per_chunk,
+                        progress=report,
                     )
                 # prefill stores up to the last token (where an identical prompt resumes);
                 # the full prompt is stored as well, for prompts that extend it.
@@ -329,14 +339,20 @@ def _precompute(args) -> int:
     }
     emit(summary, args.json, _render)
     if stats["write_errors"]:
-        print(f"error: {stats['write_errors']} block writes failed (see the log above)", file=sys.stderr)
+        print(
+            f"error: {stats['write_errors']} block writes failed (see the log above)",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
 
 def build_parser():
     """The argument parser of ``ppc precompute``."""
-    parser = make_parser("precompute", __doc__.split("\n\n")[0].split(": ", 1)[1])
+    parser = make_parser(
+        "precompute",
+        "Fill a store from prompts ahead of time, offline: text files, JSONL or stdin.",
+    )
     parser.add_argument(
         "inputs",
         nargs="*",

@@ -15,6 +15,14 @@ opens one store handle per model key (all in the ``--store`` directory, told apa
 each model's fingerprint) from the model the provider has loaded. Nothing else in
 mlx-lm is touched, and both names are put back when the server returns.
 
+What is persisted: every cache the server inserts (system-prompt segments, finished
+prompts with their generated tokens), on both its batched and its sequential path.
+With ``--draft-model`` the store holds the model's and the draft's layers together
+under a fingerprint of both. Caches the store cannot hold stay in memory only, with one
+warning: KV the server has quantized (``--kv-bits`` past ``--quantized-kv-start``) and
+prompts with images. With ``--adapter-path`` the weights are hashed at every start
+(an adapter changes the KV without changing the model folder the hash is remembered by).
+
 Checked against the source of mlx-lm 0.31.3, 0.32.0, 0.32.1 and 0.32.2 (tested on
 0.32.2). Versions up to 0.31.1 defined a different ``LRUPromptCache`` (no
 ``cache_type``); `check_server` refuses any server whose structure differs from what the
@@ -74,6 +82,11 @@ def check_server(server: Any) -> None:
             problems.append(f"mlx_lm.server has no {name}")
     if not problems:
         cls = server.LRUPromptCache
+        # Our class extends mlx_lm.models.cache.LRUPromptCache: it must be the server's.
+        from mlx_lm.models import cache as cache_module
+
+        if getattr(cache_module, "LRUPromptCache", None) is not cls:
+            problems.append("its LRUPromptCache is not mlx_lm.models.cache.LRUPromptCache")
         missing = [m for m in _CACHE_METHODS if not callable(getattr(cls, m, None))]
         if missing:
             problems.append(f"LRUPromptCache lacks {', '.join(missing)}")
@@ -261,12 +274,17 @@ def _parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     parser.add_argument("-h", "--help", action="store_true", help="show this help and exit")
-    parser.add_argument("--model", help="model folder or hub id (passed to mlx_lm.server)")
+    parser.add_argument(
+        "--model", metavar="M", help="model folder or hub id (passed to mlx_lm.server)"
+    )
     add_store_option(parser)
-    parser.add_argument("--namespace", default="", help="tenant or cache salt (default: none)")
+    parser.add_argument(
+        "--namespace", default="", metavar="NAME", help="tenant or cache salt (default: none)"
+    )
     parser.add_argument(
         "--store-memory-bytes",
         type=parse_size,
+        metavar="SIZE",
         default=None,
         help="RAM for the store's block tier, besides the server's own prompt cache "
         "(default: the library's, 512MiB; 0 turns it off)",
@@ -274,12 +292,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--store-disk-bytes",
         type=parse_size,
+        metavar="SIZE",
         default=None,
         help="disk budget of the store; least recently used blocks go first "
         "(default: unbounded)",
     )
     parser.add_argument(
-        "--store-block-size", type=int, default=None, help="tokens per block of a new store"
+        "--store-block-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokens per block of a new store",
     )
     parser.add_argument(
         "--store-readonly", action="store_true", help="restore from the store, never write it"
@@ -326,13 +349,14 @@ def _serve(args: argparse.Namespace, server_argv: list[str]) -> int:
             raise UserError(f"--model {args.model}: no such folder")
         server_argv = ["--model", os.path.expanduser(args.model), *server_argv]
     if not args.store_readonly:
-        os.makedirs(path, exist_ok=True)  # fail now, not at the first request
+        _check_writable(path)  # fail now, not at the first request
 
     from mlx_lm import server
 
+    check_server(server)  # before importing our class, which needs the same mlx-lm
+
     from ..lru_prompt_cache import PersistentLRUPromptCache
 
-    check_server(server)
     options = _store_options(args)
 
     def make_cache(provider, max_size, max_bytes):
@@ -352,13 +376,31 @@ def _serve(args: argparse.Namespace, server_argv: list[str]) -> int:
             finally:
                 cache = built.get("cache")
                 if cache is not None:
-                    cache.close()
+                    stats = cache.persistent_stats()
+                    cache.close()  # waits for pending block writes
+                    log.info(
+                        "persistent prompt cache closed: %d prompts restored from the store "
+                        "(%d tokens), %d written, %d kept in memory only",
+                        stats["store_hits"],
+                        stats["restored_tokens"],
+                        stats["stored_sequences"],
+                        stats["store_skipped"],
+                    )
     except SystemExit as exc:  # mlx_lm.server's argparse: usage already printed
         return exc.code if isinstance(exc.code, int) else 2
     finally:
         sys.argv = saved_argv
         signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _check_writable(path: str) -> None:
+    # The store opens at the first request; a directory that cannot be created there
+    # should stop the server before it starts, with a message.
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--store {path}: {exc.strerror or exc}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,55 @@
+"""Fixtures: a tiny random-weight llama written as a real model folder, and store paths.
+
+The model is deliberately tiny (hidden 64, 2 layers, vocab 512) because MLX's CPU matmul
+is slow here. It has 2 query heads and 1 KV head, so head_dim is 32: the smallest
+width mlx's quantizer accepts (group size 32), which the kv_bits tests need.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from persistent_prefix_cache.tiny_model import load_tiny_model, write_tiny_model
+
+# Every option that decides the model's shapes; the "other model" differs only by seed.
+TINY_MODEL = dict(
+    family="llama",
+    hidden_size=64,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    vocab_size=512,
+    dtype="float32",
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A model folder `mlx_lm.load` opens (weights, config, tokenizer), seed 0."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_model"), seed=0, **TINY_MODEL)
+
+
+@pytest.fixture(scope="session")
+def other_model_dir(tmp_path_factory):
+    """Same shapes and config as `tiny_model_dir`, different random weights."""
+    return write_tiny_model(
+        tmp_path_factory.mktemp("other_model"), seed=1, **TINY_MODEL
+    )
+
+
+@pytest.fixture(scope="session")
+def model(tiny_model_dir):
+    """The tiny model, loaded once: tests only run forward passes, never change it."""
+    return load_tiny_model(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def other_model(other_model_dir):
+    """The same-shaped model with different weights (think: a fine-tune)."""
+    return load_tiny_model(other_model_dir)
+
+
+@pytest.fixture
+def store_dir(tmp_path):
+    """A fresh, not yet existing store directory."""
+    return tmp_path / "store"

@@ -1,0 +1,95 @@
+"""The benchmark runs end to end: `tools/bench.py --smoke --json` reports every figure.
+
+No timing is asserted (speed is the benchmark's business, not a test's): only that each
+figure and ratio is present, finite and positive.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "tools" / "bench.py"
+
+CASE_FIGURES = [
+    "limit_read_warm",
+    "limit_write_fsync",
+    "limit_memcpy",
+    "peer_mlx_save_fsync",
+    "peer_mlx_load_warm",
+    "ours_store_sync",
+    "ours_store_async_caller",
+    "ours_store_async_total",
+    "ours_fetch_disk_warm",
+    "ours_fetch_ram",
+]
+COLD_FIGURES = ["limit_read_cold", "peer_mlx_load_cold", "ours_fetch_disk_cold"]
+CASE_RATIOS = [
+    "disk_warm_vs_raw_read",
+    "ram_vs_memcpy",
+    "store_sync_vs_raw_write_fsync",
+    "store_async_caller_vs_sync",
+    "disk_warm_vs_mlx_load_warm",
+    "store_sync_vs_mlx_save_fsync",
+]
+COLD_RATIOS = ["disk_cold_vs_raw_cold_read", "disk_cold_vs_mlx_load_cold"]
+FIGURE_FIELDS = ["median_s", "min_s", "max_s", "gbps", "gbps_min", "gbps_max", "bytes"]
+
+
+def positive(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def test_bench_smoke_reports_every_figure(tmp_path):
+    plot = tmp_path / "restore.png"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--smoke", "--json", "--dir", str(tmp_path), "--plot", str(plot)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout)
+
+    cold = hasattr(os, "posix_fadvise")
+    figures = CASE_FIGURES + (COLD_FIGURES if cold else [])
+    ratios = CASE_RATIOS + (COLD_RATIOS if cold else [])
+    assert [case["name"] for case in result["cases"]] == ["float16", "bfloat16"]
+    for case in result["cases"]:
+        for name in figures:
+            figure = case["figures"][name]
+            for field in FIGURE_FIELDS:
+                assert positive(figure[field]), (case["name"], name, field, figure)
+            assert figure["min_s"] <= figure["median_s"] <= figure["max_s"]
+        for name in ratios:
+            assert positive(case["ratios"][name]["value"]), (case["name"], name)
+
+    lookup = result["lookup"]
+    for field in ("median_s", "min_s", "max_s", "blocks_in_store", "matched_tokens"):
+        assert positive(lookup[field]), (field, lookup)
+    assert lookup["blocks_in_store"] >= result["config"]["lookup_blocks"]
+
+    shared = result["shared_prefix"]
+    for field in ("distinct_kv_bytes", "ours_bytes", "ours_block_file_bytes", "mlx_lm_files_bytes"):
+        assert positive(shared[field]), (field, shared)
+    for name in ("lookup_ms", "shared_prefix_vs_distinct_kv", "mlx_lm_files_vs_ours"):
+        assert positive(result["ratios"][name]["value"]), name
+
+    sweep = result["sweep"]
+    assert sweep["tokens"] == result["config"]["sweep"]
+    for key in ("ours_fetch_disk_warm_gbps", "ours_fetch_ram_gbps", "peer_mlx_load_warm_gbps"):
+        assert len(sweep[key]) == len(sweep["tokens"]) and all(positive(v) for v in sweep[key])
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert any("matplotlib" in note for note in result["notes"])
+    else:
+        assert plot.stat().st_size > 0
+    # The scratch folder is removed.
+    assert not list(tmp_path.glob("ppc-bench-*"))
