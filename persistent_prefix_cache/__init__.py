@@ -26,6 +26,7 @@ _LAZY = {
     "PersistentPrefixCache": ".store",
     "fingerprint_model": ".fingerprint",
     "prefill": ".prefill",
+    "PersistentLRUPromptCache": ".lru_prompt_cache",
     # the seed's API (vllm_mlx.prefix_cache / vllm_mlx.paged_cache)
     "PrefixCacheStats": ".prefix_cache",
     "CacheEntry": ".prefix_cache",
@@ -41,6 +42,7 @@ __all__ = [
     "PersistentPrefixCache",
     "fingerprint_model",
     "prefill",
+    "PersistentLRUPromptCache",
     "PrefixCacheStats",
     "CacheEntry",
     "PrefixCacheManager",

@@ -8,15 +8,17 @@ behaves as before), and it puts a `PersistentPrefixCache` behind it:
 - ``insert_cache`` writes through: the cache goes into the in-memory LRU as before and
   its new blocks into the store (written on the store's writer thread).
 - ``fetch_nearest_cache`` reads through: it asks the in-memory LRU first and, unless
-  that was an exact hit, the store; the answer covering more of the prompt wins
-  (after a restart memory holds nothing, so the store answers).
+  that was an exact hit, the store's index; blocks are loaded only when the store
+  covers more of the prompt than memory (after a restart memory holds nothing, so the
+  store answers).
 
 The answers have mlx-lm's shape: ``(cache, rest)`` where ``cache`` covers
 ``len(tokens) - len(rest)`` tokens (None on a miss, with ``rest`` the whole prompt).
 One difference: an answer from the store never covers the whole prompt (``rest`` keeps
 at least the last token), while the in-memory LRU gives ``rest == []`` on an exact hit.
 Recomputing one token gives the same output, and mlx-lm 0.32's batched path cannot
-start a sequence from an empty ``rest``.
+start a sequence from an empty ``rest`` (``keep_last_token=True`` treats exact
+in-memory hits the same way).
 
 The store holds one model's KV (its layout and fingerprint are fixed when it opens),
 while the server keys caches by a model key and may load several models over its life.
@@ -31,10 +33,17 @@ import logging
 import threading
 from typing import Any, Callable, Hashable, Sequence, Union
 
-from mlx_lm.models.cache import KVCache, LRUPromptCache, QuantizedKVCache
+from mlx_lm.models.cache import (
+    KVCache,
+    LRUPromptCache,
+    QuantizedKVCache,
+    can_trim_prompt_cache,
+    trim_prompt_cache,
+)
 
 from .adapters import cache_length
 from .errors import InvalidArgumentError
+from .keys import as_token_array
 from .store import PersistentPrefixCache
 
 log = logging.getLogger(__name__)
@@ -59,13 +68,25 @@ class PersistentLRUPromptCache(LRUPromptCache):
             `close`; a store passed in directly is only flushed (its owner closes it).
         max_size: Most sequences the in-memory LRU holds (as mlx-lm's ``max_size``).
         max_bytes: Most bytes the in-memory LRU holds (as mlx-lm's ``max_bytes``).
+        keep_last_token: Turn an exact in-memory hit (``rest == []``) into a hit on all
+            but the last token when the cache can be trimmed. mlx-lm 0.32's server
+            cannot continue from an empty ``rest`` on its batched path (its generation
+            thread dies with "Sequence has an empty prompt"); ``ppc serve`` sets this.
 
     Raises:
         InvalidArgumentError: If `store` is neither a store nor callable.
     """
 
-    def __init__(self, store: StoreSource, max_size: int = 10, max_bytes: int = _NO_LIMIT):
+    def __init__(
+        self,
+        store: StoreSource,
+        max_size: int = 10,
+        max_bytes: int = _NO_LIMIT,
+        *,
+        keep_last_token: bool = False,
+    ):
         super().__init__(max_size=max_size, max_bytes=max_bytes)
+        self.keep_last_token = keep_last_token
         if isinstance(store, PersistentPrefixCache):
             self._shared_store, self._open_store = store, None
         elif callable(store):
@@ -96,17 +117,27 @@ class PersistentLRUPromptCache(LRUPromptCache):
             the tokens it does not cover, as mlx-lm's ``LRUPromptCache`` returns them.
         """
         cache, rest = super().fetch_nearest_cache(model, tokens)
-        if len(rest) == 0 or not _storable(tokens):
-            return cache, rest  # an exact hit in memory, or tokens a store cannot key
+        if len(rest) == 0 and len(tokens) and cache is not None:
+            # An exact hit in memory: nothing can cover more.
+            if self.keep_last_token and can_trim_prompt_cache(cache):
+                trim_prompt_cache(cache, 1)
+                return cache, tokens[-1:]
+            return cache, rest
+        if not _storable(tokens):
+            return cache, rest  # tokens a store cannot key (image placeholders)
         store = self.store_for(model)
         if store is None:
             return cache, rest
+        in_memory = len(tokens) - len(rest)
         try:
+            # Usually memory covers as much as the store (every insert went to both):
+            # then loading the blocks would only be thrown away.
+            if _stored_length(store, tokens) <= in_memory:
+                return cache, rest
             restored, remaining = store.fetch(tokens)
         except Exception as exc:  # the store is an optimisation: never fail a request
             self._warn_once(("fetch", model, type(exc)), "store lookup failed: %s", exc)
             return cache, rest
-        in_memory = len(tokens) - len(rest)
         from_store = len(tokens) - len(remaining)
         if restored is None or from_store <= in_memory:
             return cache, rest
@@ -145,7 +176,7 @@ class PersistentLRUPromptCache(LRUPromptCache):
                 order).
         """
         super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
-        store = self.store_for(model)
+        store = self.store_for(model) if len(tokens) else None
         if store is None:
             return
         if not _storable(tokens):
@@ -210,7 +241,7 @@ class PersistentLRUPromptCache(LRUPromptCache):
         if self._shared_store is not None:
             stores = [(None, self._shared_store)]
         out["stores"] = [
-            {"model": key, "path": s.path, "stats": s.stats()} for key, s in stores if not s._closed
+            {"model": key, "path": s.path, "stats": s.stats()} for key, s in stores if not s.closed
         ]
         return out
 
@@ -222,7 +253,7 @@ class PersistentLRUPromptCache(LRUPromptCache):
     def close(self) -> None:
         """Flush every store; close the ones this object opened. Safe to call twice."""
         if self._shared_store is not None:
-            if not self._shared_store._closed:
+            if not self._shared_store.closed:
                 self._shared_store.flush()
             return
         with self._lock:
@@ -234,7 +265,7 @@ class PersistentLRUPromptCache(LRUPromptCache):
 
     def _open_stores(self) -> list[PersistentPrefixCache]:
         if self._shared_store is not None:
-            return [] if self._shared_store._closed else [self._shared_store]
+            return [] if self._shared_store.closed else [self._shared_store]
         with self._lock:
             return list(self._stores.values())
 
@@ -250,6 +281,14 @@ class PersistentLRUPromptCache(LRUPromptCache):
                 return
             self._warned.add(key)
         log.warning("persistent prompt cache: " + message, *args)
+
+
+def _stored_length(store: PersistentPrefixCache, tokens: Sequence[int]) -> int:
+    """How many tokens ``store.fetch(tokens)`` would restore, from the index alone.
+
+    An upper bound: a damaged block found while loading makes the fetch restore less.
+    """
+    return store.peek(tokens)
 
 
 def _even_lengths(cache: list[Any]) -> list[Any]:

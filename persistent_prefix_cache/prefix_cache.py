@@ -176,8 +176,11 @@ class _StoreLink:
             self._warned = True
             warnings.warn(f"{what}: {exc}", RuntimeWarning, stacklevel=4)
 
-    def _read_through(self, tokens: Any) -> tuple[list | None, Any]:
+    def _read_through(self, tokens: Any, keep: int = 0) -> tuple[list | None, Any]:
+        """The store's hit for `tokens` if it covers more than `keep` tokens."""
         try:
+            if self.store.peek(tokens) <= keep:  # index only: load nothing needlessly
+                return None, tokens
             return self.store.fetch(tokens)
         except PrefixCacheError as exc:
             self._warn_once("could not read the store", exc)
@@ -343,7 +346,7 @@ class PrefixCacheManager(_StoreLink):
                 else:
                     cache = _copy_prefix(entry.prompt_cache, keep, total)
         if self.store is not None and keep < min(limit, len(toks) - 1):
-            disk, rest = self._read_through(tokens)
+            disk, rest = self._read_through(tokens, keep)
             if disk is not None and len(toks) - len(rest) > keep:
                 cache, keep = disk, len(toks) - len(rest)
         with self._lock:

@@ -239,6 +239,27 @@ class PersistentPrefixCache:
         self._note(touch=keys, hit=keys, hits=1, tokens_saved=matched)
         return layers, tokens[matched:]
 
+    def peek(self, tokens: Any) -> int:
+        """How many tokens `fetch` would restore, from the index alone (nothing is loaded).
+
+        A block file found damaged by the fetch itself can make the fetch restore fewer.
+
+        Args:
+            tokens: The prompt.
+
+        Returns:
+            The number of leading tokens of `tokens` a fetch would restore now.
+        """
+        self._check_open()
+        if self._unsupported is not None:
+            return 0
+        return self._lookup(as_token_array(tokens))[1]
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close()` was called."""
+        return self._closed
+
     def store(self, tokens: Any, cache: Sequence[Any]) -> int:
         """Store the KV of `tokens`; blocks already stored are not written again.
 

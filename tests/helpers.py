@@ -204,3 +204,22 @@ def run_python_json(code: str, *args: str, timeout: float = 120) -> Any:
     lines = proc.stdout.strip().splitlines()
     assert lines, f"subprocess printed nothing\n--- stderr\n{proc.stderr}"
     return json.loads(lines[-1])
+
+
+def ppc_check(
+    store_path: str | os.PathLike, *flags: str, timeout: float = 120
+) -> tuple[int, dict]:
+    """Run ``ppc check --json`` (plus `flags`) in a subprocess, as a user would.
+
+    Returns:
+        (exit code, the JSON report). A traceback on stderr fails the test.
+    """
+    proc = subprocess.run(
+        [sys.executable, "-m", "persistent_prefix_cache", "check", "--json"]
+        + ["--store", os.fspath(store_path), *flags],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc.returncode, json.loads(proc.stdout)

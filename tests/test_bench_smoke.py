@@ -19,6 +19,7 @@ CASE_FIGURES = [
     "limit_read_warm",
     "limit_write_fsync",
     "limit_memcpy",
+    "limit_read_warm_threads",
     "peer_mlx_save_fsync",
     "peer_mlx_load_warm",
     "ours_store_sync",
@@ -26,6 +27,8 @@ CASE_FIGURES = [
     "ours_store_async_total",
     "ours_fetch_disk_warm",
     "ours_fetch_ram",
+    "peer_mlx_load_warm_step",
+    "ours_fetch_disk_warm_step",
 ]
 COLD_FIGURES = ["limit_read_cold", "peer_mlx_load_cold", "ours_fetch_disk_cold"]
 CASE_RATIOS = [
@@ -47,7 +50,16 @@ def positive(value) -> bool:
 def test_bench_smoke_reports_every_figure(tmp_path):
     plot = tmp_path / "restore.png"
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--smoke", "--json", "--dir", str(tmp_path), "--plot", str(plot)],
+        [
+            sys.executable,
+            str(BENCH),
+            "--smoke",
+            "--json",
+            "--dir",
+            str(tmp_path),
+            "--plot",
+            str(plot),
+        ],
         capture_output=True,
         text=True,
         timeout=300,

@@ -142,6 +142,7 @@ def test_front_tier_answers_like_mlx_lm(serve_model, step_caches, tmp_path):
     stats = ours.persistent_stats()
     assert stats["stored_sequences"] == 3 and stats["store_skipped"] == 0
     assert stats["store_hits"] == 0  # memory always covered as much as the store
+    assert store.stats()["queries"] == 0  # ... which the index told: no block was loaded
     ours.close()
     store.close()
 
@@ -165,6 +166,16 @@ def test_store_alone_answers_like_mlx_lm(serve_model, step_caches, tmp_path):
         if cache is not None and rest:
             assert_same_logits(feed(serve_model, cache, rest), cold_logits(serve_model, tokens))
     assert ours.persistent_stats()["store_hits"] == sum(1 for _, c, _ in got if _covered(c))
+    store.close()
+
+
+def test_keep_last_token_turns_an_exact_hit_into_all_but_one(serve_model, tmp_path):
+    store = PersistentPrefixCache(tmp_path / "store", serve_model, block_size=BLOCK)
+    ours = PersistentLRUPromptCache(store, keep_last_token=True)
+    ours.insert_cache("m", A, _prefill(serve_model, A))
+    cache, rest = ours.fetch_nearest_cache("m", A)
+    assert (_covered(cache), rest) == (len(A) - 1, A[-1:])
+    assert_same_logits(feed(serve_model, cache, rest), cold_logits(serve_model, A))
     store.close()
 
 
@@ -411,6 +422,16 @@ class Server:
         with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as r:
             return json.loads(r.read())
 
+    def complete(self, prompt, max_tokens):
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+        request = urllib.request.Request(
+            self.url("/v1/completions"),
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as r:
+            return json.loads(r.read())
+
     def stop(self) -> int:
         """SIGTERM (a clean stop: pending block writes are flushed); the exit code."""
         self.proc.send_signal(signal.SIGTERM)
@@ -468,6 +489,25 @@ def test_server_restores_from_the_store_after_a_restart(serve_model_dir, tmp_pat
     assert server.restored() == [] and _cached(cold_other) == 0
     assert _answer(warm_other) == _answer(cold_other)
     assert _answer(warm_second) == _answer(cold_second)
+
+
+def test_server_survives_an_exact_hit(serve_model_dir, tmp_path):
+    # A prompt equal to a cached sequence (a prompt plus its generated token) is an
+    # exact hit, which stops stock mlx_lm.server 0.32.2's generation thread ("empty
+    # prompt"); ppc serve leaves the last token to compute instead.
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(serve_model_dir)
+    text = "A cache is a promise that the second time will be cheaper than the first.\n"
+    with Server(serve_model_dir, tmp_path / "store", tmp_path / "exact.log") as server:
+        first = server.complete(text, max_tokens=1)
+        again = text + first["choices"][0]["text"]
+        tokens = tokenizer.encode(again)
+        assert len(tokens) == first["usage"]["total_tokens"], "pick a text that round-trips"
+        second = server.complete(again, max_tokens=2)
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == len(tokens) - 1
+        assert server.chat(OTHER)["choices"][0]["finish_reason"] == "length"
+        assert server.stop() == 0, server.log()
 
 
 def test_serve_refuses_a_missing_model_folder(tmp_path, capsys):

@@ -1,0 +1,490 @@
+"""Crashes and hostile storage: kill -9 at each step of a write and inside the LMDB write
+transaction, a damaged index file, a full LMDB map, a full disk, a file-size quota.
+
+Writers are real processes (``store_worker.py``) that pause at a named point of the write
+path (``PPC_PAUSE_AT``, see ``faults.py``) and are killed there with SIGKILL. Everything
+afterwards is checked from other processes: what was committed restores bit for bit,
+what was not is a miss, and what the crash left behind is swept, but never a file that a
+live writer is still working on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import (
+    BLOCK,
+    assert_same_logits,
+    assert_tree_consistent,
+    block_files,
+    cold_logits,
+    different_tokens,
+    ppc_check,
+    prefill,
+    random_tokens,
+    read_index,
+    run_python,
+    warm_logits,
+)
+from store_worker import Worker, wait_for_pause
+
+from persistent_prefix_cache import PersistentPrefixCache
+
+# -- shared set-up ----------------------------------------------------------------------
+
+
+def _prompts() -> tuple[list[int], list[int], list[int]]:
+    """A and B (committed before the crash, sharing a first block) and P, the prompt
+    being written when the writer dies: it extends A's two full blocks with two blocks
+    of its own, so only those two are at stake."""
+    a = random_tokens(2 * BLOCK + 5, seed=200, first=1)
+    b = a[:BLOCK] + different_tokens(BLOCK + 3, a[BLOCK], seed=201)
+    p = a[: 2 * BLOCK] + different_tokens(BLOCK + 4, a[2 * BLOCK], seed=202)
+    return a, b, p
+
+
+@pytest.fixture
+def committed(store_dir, model):
+    """A store holding A and B, committed and closed; returns (A, B, P)."""
+    a, b, p = _prompts()
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        for tokens in (a, b):
+            store.store(tokens, prefill(model, tokens)[1])
+    return a, b, p
+
+
+def spec(model_dir, store_dir, steps, **options) -> dict:
+    """A `store_worker` spec."""
+    return {"model": str(model_dir), "store": str(store_dir), "steps": steps, **options}
+
+
+def pause_env(point: str, marker) -> dict:
+    return {"PPC_PAUSE_AT": point, "PPC_PAUSE_FILE": str(marker)}
+
+
+def assert_fetch(store, model, query, matched: int) -> None:
+    """`query` restores exactly `matched` tokens and continues like a cold prefill."""
+    cache, remaining = store.fetch(query)
+    assert len(query) - len(remaining) == matched
+    assert_same_logits(warm_logits(model, cache, remaining), cold_logits(model, query))
+
+
+def assert_restores(store_dir, model, expected: dict) -> None:
+    """From disk only (a fresh handle, no RAM tier): each query restores as expected."""
+    with PersistentPrefixCache(store_dir, model, memory_bytes=0) as store:
+        for query, matched in expected.items():
+            assert_fetch(store, model, list(query), matched)
+        assert store.stats()["corrupt"] == 0
+
+
+# -- 1. kill -9 at each step of a block write ---------------------------------------------
+
+
+@pytest.mark.parametrize("point", ["before_rename", "before_commit", "after_commit"])
+def test_kill9_during_a_write(tmp_path, store_dir, committed, model, tiny_model_dir, point):
+    a, b, p = committed
+    marker = tmp_path / "paused"
+    before = read_index(store_dir)["nodes"]
+    old_files = set(block_files(store_dir))
+    writer = Worker(
+        spec(tiny_model_dir, store_dir, [["store", p], ["flush"]]),
+        str(tmp_path),
+        env=pause_env(point, marker),
+    )
+    try:
+        wait_for_pause(str(marker), writer, point)
+        in_flight = os.listdir(store_dir / "tmp")
+        new_files = set(block_files(store_dir)) - old_files
+        if point == "before_rename":
+            # The first new block is written and fsynced under tmp/, named by its pid.
+            assert len(in_flight) == 1 and f".{writer.pid}." in in_flight[0]
+            assert not new_files
+            # A live writer's file survives another process's open and check --fix.
+            with PersistentPrefixCache(store_dir, model) as other:
+                other.flush()  # the open-time sweep has run
+            code, report = ppc_check(store_dir, "--fix", "--grace", "0")
+            assert code == 0 and report["clean"], report
+            assert os.listdir(store_dir / "tmp") == in_flight
+        elif point == "before_commit":
+            assert not in_flight and len(new_files) == 2  # both renamed, none committed
+            assert read_index(store_dir)["nodes"].keys() == before.keys()
+            # Young unreferenced files may be a live writer's: the open and the default
+            # grace of check --fix leave them alone.
+            with PersistentPrefixCache(store_dir, model) as other:
+                other.flush()
+            code, report = ppc_check(store_dir, "--fix")
+            assert code == 0 and report["clean"], report
+            assert new_files <= set(block_files(store_dir))
+        else:
+            assert len(read_index(store_dir)["nodes"]) == len(before) + 2
+    finally:
+        writer.reap()
+    assert writer.proc.returncode == -signal.SIGKILL
+
+    if point == "before_rename":
+        code, report = ppc_check(store_dir)
+        assert code == 1
+        assert [x["kind"] for x in report["problems"]] == ["leftover temporary file"]
+        # The next open sweeps a dead writer's temporary file.
+        with PersistentPrefixCache(store_dir, model) as store:
+            store.flush()
+        assert os.listdir(store_dir / "tmp") == []
+    elif point == "before_commit":
+        # A fresh open keeps young orphans (open-time grace: 600 s)...
+        with PersistentPrefixCache(store_dir, model) as store:
+            store.flush()
+        assert new_files <= set(block_files(store_dir))
+        # ... and check --fix with no grace removes them.
+        code, report = ppc_check(store_dir, "--fix", "--grace", "0")
+        assert code == 0 and report["fixed"] and report["removed_files"] == 2, report
+        assert report["removed_nodes"] == 0
+        assert not new_files & set(block_files(store_dir))
+    code, report = ppc_check(store_dir)
+    assert code == 0 and report["clean"], report
+    assert_tree_consistent(store_dir)
+
+    committed_p = point == "after_commit"
+    assert_restores(
+        store_dir,
+        model,
+        {
+            tuple(a): len(a) - 1,
+            tuple(b): len(b) - 1,
+            # Uncommitted work is a miss: only A's two blocks serve P.
+            tuple(p): len(p) - 1 if committed_p else 2 * BLOCK,
+        },
+    )
+
+
+# -- 2. kill -9 inside the LMDB write transaction -------------------------------------------
+
+
+def test_kill9_inside_the_write_transaction(tmp_path, store_dir, committed, model, tiny_model_dir):
+    a, b, _ = committed
+    # R is new from its first block, so the writer's first write transaction is the
+    # commit of R's blocks (a prompt extending stored blocks would first commit their
+    # access times). Q is the next writer's prompt.
+    r = random_tokens(2 * BLOCK + 4, seed=204, first=6)
+    q = random_tokens(2 * BLOCK + 3, seed=203, first=5)
+    marker = tmp_path / "paused"
+    nodes_before = read_index(store_dir)["nodes"]
+    # Another process keeps the store open across the crash: LMDB's lock file (and
+    # the dead writer's hold on its write mutex) is not reset by a fresh first open.
+    holder = Worker(
+        spec(
+            tiny_model_dir,
+            store_dir,
+            [["ready", "open"], ["wait"], ["fetch", a], ["fetch", r], ["fetch", q]],
+        ),
+        str(tmp_path),
+        name="holder",
+    )
+    workers = [holder]
+    try:
+        holder.wait_ready("open")
+        writer = Worker(
+            spec(tiny_model_dir, store_dir, [["store", r], ["flush"]]),
+            str(tmp_path),
+            env=pause_env("in_write_txn", marker),
+            name="writer",
+        )
+        workers.append(writer)
+        wait_for_pause(str(marker), writer, "in_write_txn")
+        # Readers do not wait for the writer: a read-only handle serves meanwhile.
+        with PersistentPrefixCache(store_dir, model, readonly=True, memory_bytes=0) as ro:
+            assert_fetch(ro, model, a, len(a) - 1)
+            assert_fetch(ro, model, r, 0)
+        writer.kill()
+        assert writer.proc.returncode == -signal.SIGKILL
+
+        # The next writer gets the lock the dead one held (bounded by the timeout).
+        started = time.monotonic()
+        following = Worker(
+            spec(
+                tiny_model_dir,
+                store_dir,
+                [["store", q], ["flush"], ["fetch", q], ["fetch", r]],
+            ),
+            str(tmp_path),
+            name="next",
+        )
+        workers.append(following)
+        result = following.result(timeout=60)
+        assert time.monotonic() - started < 60
+        assert result["steps"][0] == 3
+        assert result["steps"][2] == {"matched": len(q) - 1, "exact": True}
+        # The half transaction is invisible: R is a miss.
+        assert result["steps"][3] == {"matched": 0, "exact": True}
+
+        holder.go()
+        seen = holder.result()["steps"][2:]
+        assert seen == [
+            {"matched": len(a) - 1, "exact": True},
+            {"matched": 0, "exact": True},
+            {"matched": len(q) - 1, "exact": True},
+        ]
+    finally:
+        for w in workers:
+            w.reap()
+
+    nodes = read_index(store_dir)["nodes"]
+    assert nodes.keys() > nodes_before.keys() and len(nodes) == len(nodes_before) + 3
+    # R's files were renamed into blocks/ before the commit died: orphans for check.
+    code, report = ppc_check(store_dir, "--fix", "--grace", "0")
+    assert code == 0 and report["removed_files"] == 3 and report["removed_nodes"] == 0
+    assert ppc_check(store_dir)[1]["clean"]
+    assert_tree_consistent(store_dir)
+    assert_restores(
+        store_dir,
+        model,
+        {tuple(a): len(a) - 1, tuple(b): len(b) - 1, tuple(q): len(q) - 1},
+    )
+
+
+# -- 4. a damaged index file -------------------------------------------------------------------
+
+# Open the store read-write and read-only, with a stand-in model (no MLX work needed to
+# reach the index), and report what each open raised.
+_OPEN_DAMAGED = """
+    import json, sys, types
+    from persistent_prefix_cache import PersistentPrefixCache
+    model = types.SimpleNamespace(layers=[None, None])
+    out = {}
+    for mode in ("rw", "ro"):
+        try:
+            with PersistentPrefixCache(sys.argv[1], model, fingerprint="f",
+                                       readonly=mode == "ro") as store:
+                store.fetch(list(range(1, 40)))
+            out[mode] = None
+        except Exception as exc:
+            out[mode] = [type(exc).__name__, str(exc)]
+    print(json.dumps(out))
+"""
+
+
+def _zero_all(path):
+    with open(path, "r+b") as f:
+        f.write(bytes(os.path.getsize(path)))
+
+
+def _zero_after_meta(path):
+    # The two meta pages survive, every tree page reads as zeros.
+    with open(path, "r+b") as f:
+        f.seek(2 * 4096)
+        f.write(bytes(os.path.getsize(path) - 2 * 4096))
+
+
+def _truncate_to(fraction: float, minus: int = 0):
+    def damage(path):
+        os.truncate(path, int(os.path.getsize(path) * fraction) - minus)
+
+    return damage
+
+
+INDEX_DAMAGE = {
+    "zeroed": _zero_all,
+    "truncated_to_nothing": _truncate_to(0),
+    "truncated_to_half": _truncate_to(0.5),
+    "truncated_by_one_byte": _truncate_to(1, minus=1),
+    "zeroed_tree_pages": pytest.param(
+        _zero_after_meta,
+        marks=pytest.mark.xfail(
+            strict=True,
+            reason="bug: LMDB's MDB_CORRUPTED escapes as lmdb.CorruptedError, "
+            "not StoreCorruptError",
+        ),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def index_source(tiny_model_dir, tmp_path_factory):
+    """A store with a few prompts, copied by each index-damage test."""
+    from persistent_prefix_cache.tiny_model import load_tiny_model
+
+    model = load_tiny_model(tiny_model_dir)
+    path = tmp_path_factory.mktemp("index_source") / "store"
+    with PersistentPrefixCache(path, model, block_size=BLOCK) as store:
+        for i in range(6):
+            tokens = random_tokens(3 * BLOCK, seed=210 + i, first=i)
+            store.store(tokens, prefill(model, tokens)[1])
+    return path
+
+
+@pytest.mark.parametrize("damage", INDEX_DAMAGE.values(), ids=INDEX_DAMAGE.keys())
+def test_damaged_index_is_a_typed_error(tmp_path, index_source, damage):
+    store = tmp_path / "store"
+    shutil.copytree(index_source, store)
+    damage(str(store / "index" / "data.mdb"))
+    proc = run_python(_OPEN_DAMAGED, str(store), check=False)
+    # Never a crash of the interpreter (SIGBUS on a short map, say).
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    out = json.loads(proc.stdout)
+    for mode in ("rw", "ro"):
+        assert out[mode] is not None, f"{mode} open of a damaged index succeeded"
+        name, message = out[mode]
+        assert name == "StoreCorruptError", out[mode]
+        assert str(store) in message and "move the store directory aside" in message
+
+
+# -- 5. the LMDB map fills up -------------------------------------------------------------------
+
+SMALL_MAP = 256 * 1024
+
+
+def test_full_map_grows_and_other_processes_follow(tmp_path, store_dir, model, tiny_model_dir):
+    env = {"PPC_INITIAL_MAP_SIZE": str(SMALL_MAP)}
+    block = 4  # small blocks: many index records per byte of KV
+    first = random_tokens(3 * block, seed=220, first=1)
+    # Enough records to outgrow 256 KiB of map a few times over.
+    prompts = [random_tokens(48, seed=221 + i, first=2 + i) for i in range(40)]
+    late = random_tokens(20, seed=299, first=100)
+    with PersistentPrefixCache(store_dir, model, block_size=block) as store:
+        store.store(first, prefill(model, first)[1])
+    reader_steps = [["fetch", first], ["ready", "open"], ["wait"]]
+    reader_steps += [["fetch", t] for t in [first, *prompts]]
+    reader_steps += [["store", late], ["flush"], ["fetch", late]]
+    # The reader opens (and maps 256 KiB) before the writer grows the map.
+    reader = Worker(spec(tiny_model_dir, store_dir, reader_steps), str(tmp_path), env=env)
+    writer = None
+    try:
+        reader.wait_ready("open")
+        writer_steps = [["store", t] for t in prompts] + [["flush"], ["stats"]]
+        writer = Worker(
+            spec(tiny_model_dir, store_dir, writer_steps), str(tmp_path), env=env, name="wr"
+        )
+        stats = writer.result(timeout=120)["steps"][-1]
+        assert stats["write_errors"] == 0 and stats["blocks"] == 3 + 40 * 12
+        # The file cannot outgrow the map: it grew.
+        assert os.path.getsize(store_dir / "index" / "data.mdb") > SMALL_MAP
+        reader.go()
+        steps = reader.result(timeout=120)["steps"]
+    finally:
+        reader.reap()
+        if writer is not None:
+            writer.reap()
+    fetched = [s for s in steps if isinstance(s, dict)]
+    assert fetched[0] == {"matched": len(first) - 1, "exact": True}
+    for got, tokens in zip(fetched[1:], [first, *prompts]):
+        assert got == {"matched": len(tokens) - 1, "exact": True}
+    assert steps[-3] == 5 and fetched[-1] == {"matched": len(late) - 1, "exact": True}
+    # Nothing lost, seen from a process with the default map.
+    assert ppc_check(store_dir)[1]["clean"]
+    assert len(assert_tree_consistent(store_dir)) == 3 + 40 * 12 + 5
+    with PersistentPrefixCache(store_dir, model, memory_bytes=0) as store:
+        for tokens in (first, prompts[0], prompts[-1], late):
+            assert_fetch(store, model, tokens, len(tokens) - 1)
+
+
+# -- 6. disk full -------------------------------------------------------------------------------
+
+
+def _snapshot_index(store_dir) -> dict:
+    return {k: (n.file_name, n.size) for k, n in read_index(store_dir)["nodes"].items()}
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 2 MiB tmpfs mounted at tmp_path/fs (skipped where mounting is not allowed)."""
+    mount_point = tmp_path / "fs"
+    mount_point.mkdir()
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2M", "tmpfs", str(mount_point)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root/CAP_SYS_ADMIN): {proc.stderr}")
+    try:
+        yield mount_point
+    finally:
+        if subprocess.run(["umount", str(mount_point)], timeout=30).returncode != 0:
+            subprocess.run(["umount", "-l", str(mount_point)], timeout=30)
+
+
+def _fill(folder) -> str:
+    """Fill the file system holding `folder` to the last byte; returns the filler."""
+    filler = os.path.join(folder, "filler")
+    with open(filler, "wb", buffering=0) as f:
+        chunk = b"\xff" * 65536
+        while chunk:
+            try:
+                f.write(chunk)
+            except OSError:
+                chunk = chunk[: len(chunk) // 2]  # top up what is left
+    return filler
+
+
+def test_disk_full_fails_cleanly(small_tmpfs, model):
+    store_dir = small_tmpfs / "store"
+    a = random_tokens(2 * BLOCK + 5, seed=230, first=1)
+    p = random_tokens(3 * BLOCK + 2, seed=231, first=2)
+    store = PersistentPrefixCache(store_dir, model, block_size=BLOCK)
+    try:
+        store.store(a, prefill(model, a)[1])
+        store.flush()
+        index_before, files_before = _snapshot_index(store_dir), block_files(store_dir)
+        filler = _fill(small_tmpfs)
+        store.store(p, prefill(model, p)[1])  # never raises: the write is background work
+        store.flush()
+        stats = store.stats()
+        assert stats["write_errors"] >= 1
+        assert os.listdir(store_dir / "tmp") == []  # the partial file went
+        assert _snapshot_index(store_dir) == index_before
+        assert block_files(store_dir) == files_before
+        # Reads keep serving, and generation goes on uncached.
+        assert_fetch(store, model, a, len(a) - 1)
+        assert_fetch(store, model, p, 0)
+        # Once there is room again, the same prompt is stored.
+        os.unlink(filler)
+        assert store.store(p, prefill(model, p)[1]) == 4
+        store.flush()
+        assert_fetch(store, model, p, len(p) - 1)
+    finally:
+        store.close()
+    assert ppc_check(store_dir)[1]["clean"]
+    assert_tree_consistent(store_dir)
+
+
+@pytest.mark.parametrize(
+    "limit, failure",
+    [(4096, "could not write blocks"), (16384, "could not commit blocks")],
+    ids=["block_file_fails", "index_commit_fails"],
+)
+def test_file_size_quota_fails_cleanly(
+    tmp_path, store_dir, committed, model, tiny_model_dir, limit, failure
+):
+    # A block file is ~8.5 KiB: at 4 KiB its own write fails; at 16 KiB it is written
+    # but the index commit (pages past 16 KiB of data.mdb) fails, and the files go.
+    a, b, p = committed
+    index_before, files_before = _snapshot_index(store_dir), block_files(store_dir)
+    steps = [
+        ["fsize_limit", limit],
+        ["store", p],
+        ["flush"],
+        ["stats"],
+        ["fetch", a],
+        ["fetch", p],
+    ]
+    worker = Worker(spec(tiny_model_dir, store_dir, steps, memory_bytes=64 << 20), str(tmp_path))
+    try:
+        result = worker.result(timeout=120)
+    finally:
+        worker.reap()
+    assert failure in worker.stderr()  # the step of the write path that was refused
+    store_step, stats, fetch_a, fetch_p = result["steps"][1], *result["steps"][3:]
+    assert store_step == 2 and stats["write_errors"] >= 1
+    assert fetch_a == {"matched": len(a) - 1, "exact": True}
+    assert fetch_p == {"matched": 2 * BLOCK, "exact": True}  # P's own blocks: uncached
+    assert os.listdir(store_dir / "tmp") == []
+    assert _snapshot_index(store_dir) == index_before
+    assert block_files(store_dir) == files_before
+    assert ppc_check(store_dir)[1]["clean"]

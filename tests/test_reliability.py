@@ -1,0 +1,516 @@
+"""Damaged block files, unwritable stores, schema versions and bad arguments.
+
+test_store.py already covers a truncated, emptied, deleted or swapped block file and a
+flipped tensor byte under an unchanged record, read-only handles, a newer schema and
+the common bad arguments; this module adds what is missing:
+
+- every structural damage the strict decoder exists for, first under the original
+  record (the checksum catches it) and then with the record's size and checksum
+  rewritten to match the damaged file, as if the writer itself were buggy, so that the
+  decoder is what must catch it;
+- a store the process cannot write (another user, in a real subprocess);
+- an older schema migrated on open, refused untouched read-only, and a writer killed
+  in the middle of its migration;
+- the bad arguments test_store.py does not try.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import tempfile
+
+import lmdb
+import pytest
+from helpers import (
+    BLOCK,
+    assert_same_logits,
+    assert_tree_consistent,
+    block_files,
+    cold_logits,
+    nodes_by_position,
+    ppc_check,
+    prefill,
+    random_tokens,
+    read_index,
+    warm_logits,
+)
+from mlx_lm.models.cache import make_prompt_cache
+from store_worker import Worker, wait_for_pause
+from test_cli_maintenance import _v1_store_like
+
+from persistent_prefix_cache import (
+    InvalidArgumentError,
+    PersistentPrefixCache,
+    StoreVersionError,
+)
+from persistent_prefix_cache import codec
+from persistent_prefix_cache.index import SCHEMA_VERSION, Index
+from persistent_prefix_cache.maintenance import StoreAdmin
+
+NOBODY = 65534
+
+
+def assert_fetch(store, model, query, matched: int) -> None:
+    """`query` restores exactly `matched` tokens and continues like a cold prefill."""
+    cache, remaining = store.fetch(query)
+    assert len(query) - len(remaining) == matched
+    assert_same_logits(warm_logits(model, cache, remaining), cold_logits(model, query))
+
+
+def _snapshot(root) -> dict:
+    """Hash of every file but LMDB's lock file (its reader table changes on open)."""
+    out = {}
+    for folder, _, names in os.walk(root):
+        for name in names:
+            if name != "lock.mdb":
+                with open(os.path.join(folder, name), "rb") as f:
+                    out[os.path.relpath(os.path.join(folder, name), root)] = hashlib.sha256(
+                        f.read()
+                    ).hexdigest()
+    return out
+
+
+# -- 3. damaged block files ------------------------------------------------------------------
+
+
+def _split(data: bytes) -> tuple[dict, bytes]:
+    n = int.from_bytes(data[:8], "little")
+    return json.loads(data[8 : 8 + n]), data[8 + n :]
+
+
+def _join(header: dict, body: bytes) -> bytes:
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + body
+
+
+def _tensors(header: dict) -> list[str]:
+    return sorted(k for k in header if k != "__metadata__")
+
+
+def truncated_body(data: bytes) -> bytes:
+    return data[:-7]
+
+
+def empty(data: bytes) -> bytes:
+    return b""
+
+
+def truncated_header(data: bytes) -> bytes:
+    return data[: 8 + int.from_bytes(data[:8], "little") // 2]
+
+
+def header_length_absurd(data: bytes) -> bytes:
+    return (2**62).to_bytes(8, "little") + data[8:]
+
+
+def invalid_json(data: bytes) -> bytes:
+    return data[:8] + b"#" + data[9:]  # the header's opening brace
+
+
+def unknown_dtype(data: bytes) -> bytes:
+    header, body = _split(data)
+    header[_tensors(header)[0]]["dtype"] = "F33"
+    return _join(header, body)
+
+
+def shape_not_matching_bytes(data: bytes) -> bytes:
+    header, body = _split(data)
+    header[_tensors(header)[0]]["shape"][-1] -= 1
+    return _join(header, body)
+
+
+def trailing_bytes(data: bytes) -> bytes:
+    return data + bytes(8)
+
+
+def overlapping_offsets(data: bytes) -> bytes:
+    # Every tensor reads the first tensor's bytes (all have one shape here), which
+    # safetensors and mx.load accept.
+    header, body = _split(data)
+    names = _tensors(header)
+    first = header[names[0]]["data_offsets"]
+    for name in names:
+        header[name]["data_offsets"] = list(first)
+    return _join(header, body[first[0] : first[1]])
+
+
+# Caught by the checksum under the original record (test_store.py covers the first two).
+STRUCTURAL = [
+    truncated_header,
+    header_length_absurd,
+    invalid_json,
+    unknown_dtype,
+    shape_not_matching_bytes,
+    trailing_bytes,
+    overlapping_offsets,
+]
+
+
+def metadata_not_an_object(data: bytes) -> bytes:
+    header, body = _split(data)
+    header["__metadata__"] = "ppc-block/1"
+    return _join(header, body)
+
+
+def deeply_nested_header(data: bytes) -> bytes:
+    text = b"[" * 100_000 + b"]" * 100_000  # valid JSON, 100k levels deep
+    return len(text).to_bytes(8, "little") + text + _split(data)[1]
+
+
+def well_formed_but_wrong_dtype(data: bytes) -> bytes:
+    # Decodes cleanly: the first half of every tensor's bytes, read as float16.
+    header, body = _split(data)
+    parts, offset = [], 0
+    for name in sorted(_tensors(header), key=lambda n: header[n]["data_offsets"][0]):
+        start, end = header[name]["data_offsets"]
+        half = body[start : start + (end - start) // 2]
+        header[name].update(dtype="F16", data_offsets=[offset, offset + len(half)])
+        parts.append(half)
+        offset += len(half)
+    return _join(header, b"".join(parts))
+
+
+def well_formed_but_wrong_shape(data: bytes) -> bytes:
+    header, body = _split(data)
+    for name in _tensors(header):
+        shape = header[name]["shape"]
+        shape[-1], shape[-2] = shape[-2], shape[-1]
+    return _join(header, body)
+
+
+@pytest.fixture
+def three_blocks(store_dir, model):
+    """A store holding one prompt of three full blocks; returns the prompt."""
+    tokens = random_tokens(3 * BLOCK, seed=300)
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        store.store(tokens, prefill(model, tokens)[1])
+    return tokens
+
+
+def _damage(store_dir, node, damage, *, rewrite_record: bool) -> None:
+    """Damage `node`'s file; with `rewrite_record`, make its record describe the damage
+    (size, checksum and so the file name), as a buggy writer would have."""
+    path = os.path.join(store_dir, "blocks", node.file_name)
+    with open(path, "rb") as f:
+        bad = damage(f.read())
+    if not rewrite_record:
+        with open(path, "wb") as f:
+            f.write(bad)
+        return
+    os.unlink(path)
+    size_before = node.size
+    node.size, node.checksum = len(bad), codec.checksum(bad)
+    with open(os.path.join(store_dir, "blocks", node.file_name), "wb") as f:
+        f.write(bad)
+    index = Index(os.path.join(store_dir, "index"))
+
+    def rewrite(w):
+        w._add_totals(len(bad) - size_before, 0)  # the writer recorded what it wrote
+        w.txn.put(node.key, node.pack(), db=index.dbs["nodes"])
+
+    try:
+        index.write(rewrite)
+    finally:
+        index.close()
+
+
+def _assert_damage_is_a_counted_miss(store_dir, model, tokens, problem: str) -> None:
+    # Maintenance sees it first, without raising.
+    with StoreAdmin(str(store_dir), readonly=True) as admin:
+        report = admin.check()
+    assert [p[0] for p in report.problems] == [problem]
+    query = tokens + [1, 2, 3]
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        assert_fetch(store, model, query, BLOCK)  # the block before the damage serves
+        assert store.stats()["corrupt"] == 1
+        store.flush()
+    # The damaged block and the one after it are gone, files included.
+    nodes = assert_tree_consistent(store_dir)
+    assert [n.position for n in nodes.values()] == [0]
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        assert_fetch(store, model, query, BLOCK)
+        assert store.stats()["corrupt"] == 0  # removed: never read again
+
+
+@pytest.mark.parametrize("damage", STRUCTURAL, ids=lambda f: f.__name__)
+def test_structural_damage_is_caught_by_the_checksum(store_dir, model, three_blocks, damage):
+    victim = nodes_by_position(store_dir)[1]
+    _damage(store_dir, victim, damage, rewrite_record=False)
+    _assert_damage_is_a_counted_miss(
+        store_dir, model, three_blocks, "file size or checksum mismatch"
+    )
+
+
+@pytest.mark.parametrize("damage", [truncated_body, empty, *STRUCTURAL], ids=lambda f: f.__name__)
+def test_structural_damage_under_a_matching_record_is_caught_by_the_decoder(
+    store_dir, model, three_blocks, damage
+):
+    victim = nodes_by_position(store_dir)[1]
+    _damage(store_dir, victim, damage, rewrite_record=True)
+    _assert_damage_is_a_counted_miss(store_dir, model, three_blocks, "file does not decode")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: a header whose __metadata__ is not an object, or that nests too deep, "
+    "raises AttributeError / RecursionError out of fetch() and StoreAdmin.check()",
+)
+@pytest.mark.parametrize(
+    "damage", [metadata_not_an_object, deeply_nested_header], ids=lambda f: f.__name__
+)
+def test_malformed_header_under_a_matching_record_is_a_miss(store_dir, model, three_blocks, damage):
+    victim = nodes_by_position(store_dir)[1]
+    _damage(store_dir, victim, damage, rewrite_record=True)
+    _assert_damage_is_a_counted_miss(store_dir, model, three_blocks, "file does not decode")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: decoded tensors are not checked against the layout: a wrong dtype is "
+    "served as KV (NaN logits), a wrong shape is an uncounted miss of the whole path",
+)
+@pytest.mark.parametrize(
+    "damage",
+    [well_formed_but_wrong_dtype, well_formed_but_wrong_shape],
+    ids=lambda f: f.__name__,
+)
+def test_tensors_not_fitting_the_layout_are_a_counted_miss(store_dir, model, three_blocks, damage):
+    victim = nodes_by_position(store_dir)[1]
+    _damage(store_dir, victim, damage, rewrite_record=True)
+    query = three_blocks + [1, 2, 3]
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        assert_fetch(store, model, query, BLOCK)
+        assert store.stats()["corrupt"] == 1
+
+
+# -- 7. a store this process cannot write -------------------------------------------------------
+
+
+@pytest.fixture
+def shared_root():
+    """A folder another user can read (pytest's own tmp folders are private to root)."""
+    root = tempfile.mkdtemp(prefix="ppc-readonly-")
+    os.chmod(root, 0o755)
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_unwritable_store_serves_hits_and_warns_once(shared_root, model, tiny_model_dir):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run the reader as another user")
+    store_dir = os.path.join(shared_root, "store")
+    a = random_tokens(2 * BLOCK + 5, seed=310, first=1)
+    p = random_tokens(BLOCK + 3, seed=311, first=2)
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        store.store(a, prefill(model, a)[1])
+    # Readable by everyone, writable by root only (chmod alone does not stop root).
+    for folder, dirs, files in os.walk(shared_root):
+        os.chmod(folder, 0o755)
+        for name in files:
+            os.chmod(os.path.join(folder, name), 0o644)
+    before = _snapshot(store_dir)
+    steps = [["fetch", a], ["store", p], ["store", p], ["flush"], ["fetch", p], ["stats"]]
+    results = {}
+    for readonly in (False, True):
+        worker = Worker(
+            {
+                "model": str(tiny_model_dir),
+                "store": store_dir,
+                "steps": steps,
+                "readonly": readonly,
+                "memory_bytes": 64 << 20,
+                "uid": NOBODY,
+            },
+            shared_root,
+            name=f"nobody-{readonly}",
+        )
+        try:
+            results[readonly] = worker.result(timeout=120)
+        finally:
+            worker.reap()
+    for readonly, result in results.items():
+        fetch_a, stored, stored_again, _, fetch_p, stats = result["steps"]
+        assert fetch_a == {"matched": len(a) - 1, "exact": True}
+        assert (stored, stored_again) == (0, 0)
+        assert fetch_p == {"matched": 0, "exact": True}
+        assert stats["write_errors"] == 0 and stats["blocks"] == 3
+        # One clear message per handle, not one per refused write.
+        assert len(result["warnings"]) == 1, result["warnings"]
+        assert ("not writable" if not readonly else "read-only") in result["warnings"][0]
+    assert _snapshot(store_dir) == before
+
+
+# -- 9. schema versions ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def v1_store(tmp_path, model):
+    """A store at schema v1 holding two prompts that share a block; returns (path, prompts)."""
+    base = random_tokens(BLOCK, seed=320, first=5)
+    prompts = [base + random_tokens(BLOCK + 7, seed=321), base + random_tokens(9, seed=322)]
+    current = tmp_path / "current"
+    with PersistentPrefixCache(current, model, block_size=BLOCK) as store:
+        for tokens in prompts:
+            store.store(tokens, prefill(model, tokens)[1])
+    old = tmp_path / "v1"
+    _v1_store_like(current, old)
+    return old, prompts
+
+
+def _version(store_dir) -> int:
+    index = Index(os.path.join(store_dir, "index"), readonly=True, migrate=False)
+    try:
+        return index.version()
+    finally:
+        index.close()
+
+
+def test_older_store_read_only_is_refused_untouched(v1_store, model):
+    path, _ = v1_store
+    before = _snapshot(path)
+    with pytest.raises(StoreVersionError, match="ppc migrate"):
+        PersistentPrefixCache(path, model, readonly=True)
+    assert _snapshot(path) == before and _version(path) == 1
+
+
+def _assert_migrated_by_a_writable_open(path, prompts, model) -> None:
+    with PersistentPrefixCache(path, model, memory_bytes=0) as store:
+        for tokens in prompts:
+            assert_fetch(store, model, tokens, len(tokens) - 1)
+    assert _version(path) == SCHEMA_VERSION
+    assert ppc_check(path)[1]["clean"]
+    assert_tree_consistent(path)
+
+
+def test_older_store_is_migrated_by_a_writable_open(v1_store, model):
+    _assert_migrated_by_a_writable_open(*v1_store, model)
+
+
+def test_kill9_during_the_migration_leaves_the_old_schema(
+    tmp_path, v1_store, model, tiny_model_dir
+):
+    path, prompts = v1_store
+    before = _snapshot(path)
+    marker = tmp_path / "paused"
+    # The migration is the first write transaction of a writable open.
+    worker = Worker(
+        {"model": str(tiny_model_dir), "store": str(path), "steps": []},
+        str(tmp_path),
+        env={"PPC_PAUSE_AT": "in_write_txn", "PPC_PAUSE_FILE": str(marker)},
+    )
+    try:
+        wait_for_pause(str(marker), worker, "in_write_txn")
+    finally:
+        worker.reap()
+    assert worker.proc.returncode == -signal.SIGKILL
+    assert _version(path) == 1 and _snapshot(path) == before
+    _assert_migrated_by_a_writable_open(path, prompts, model)
+
+
+# -- 11. bad arguments ---------------------------------------------------------------------------
+
+
+def _assert_nothing_written(store_dir) -> None:
+    nodes = read_index(store_dir)["nodes"]
+    assert nodes == {} and block_files(store_dir) == {}
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"block_size": -1},
+        {"block_size": True},
+        {"memory_bytes": 1.5},
+        {"memory_bytes": True},
+        {"disk_bytes": 2.5},
+        {"namespace": None},
+        {"fingerprint": 5},
+    ],
+    ids=lambda kw: f"{next(iter(kw))}={next(iter(kw.values()))!r}",
+)
+def test_more_bad_constructor_arguments_are_refused(store_dir, model, kwargs):
+    with pytest.raises(InvalidArgumentError) as excinfo:
+        PersistentPrefixCache(store_dir, model, **kwargs)
+    assert next(iter(kwargs)) in str(excinfo.value)  # it names the argument
+    assert not store_dir.exists()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: kv_bits, kv_group_size and model_path are not checked before the store "
+    "is created (nonsense is accepted; a missing model_path raises FileNotFoundError)",
+)
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"kv_bits": 0},
+        {"kv_bits": 7},
+        {"kv_bits": "4"},
+        {"kv_bits": 4, "kv_group_size": 0},
+        {"model_path": "/nonexistent/model"},
+    ],
+    ids=["kv_bits=0", "kv_bits=7", "kv_bits='4'", "kv_group_size=0", "model_path_missing"],
+)
+def test_unchecked_constructor_arguments_are_refused(store_dir, model, kwargs):
+    with pytest.raises(InvalidArgumentError):
+        PersistentPrefixCache(store_dir, model, **kwargs)
+    assert not store_dir.exists()
+
+
+@pytest.mark.parametrize(
+    "tokens, cache",
+    [
+        (None, "prefilled"),
+        ("some text", "prefilled"),
+        ([1, None, 3], "prefilled"),
+        ("prompt", None),
+        ("prompt", "one layer"),
+        ("prompt", "empty"),
+        ("prompt[:10]", "prefilled"),
+    ],
+    ids=[
+        "tokens_none",
+        "tokens_str",
+        "tokens_with_none",
+        "cache_none",
+        "cache_not_a_list",
+        "cache_covers_nothing",
+        "cache_covers_more",
+    ],
+)
+def test_more_bad_store_arguments_are_refused(store_dir, model, tokens, cache):
+    prompt = random_tokens(BLOCK + 4, seed=330)
+    _, prefilled = prefill(model, prompt)
+    if isinstance(tokens, str):  # names of the prompt's slices; other text as is
+        tokens = {"prompt": prompt, "prompt[:10]": prompt[:10]}.get(tokens, tokens)
+    caches = {"prefilled": prefilled, "one layer": prefilled[0], None: None}
+    cache = make_prompt_cache(model) if cache == "empty" else caches[cache]
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        with pytest.raises(InvalidArgumentError):
+            store.store(tokens, cache)
+        store.flush()
+        assert store.stats()["blocks_in_memory"] == 0
+    _assert_nothing_written(store_dir)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: a negative grace is accepted by the API (the CLI refuses it) and sweeps "
+    "files a live writer in another process is about to commit",
+)
+@pytest.mark.parametrize("api", ["sweep_orphans", "StoreAdmin.check"])
+def test_negative_grace_is_refused(store_dir, model, api):
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        with pytest.raises(InvalidArgumentError):
+            if api == "sweep_orphans":
+                store.sweep_orphans(grace=-1)
+            else:
+                with StoreAdmin(str(store_dir)) as admin:
+                    admin.check(fix=True, grace=-1)
