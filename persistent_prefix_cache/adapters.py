@@ -55,16 +55,32 @@ def _copy(x: mx.array, start: int, end: int) -> mx.array:
     return mx.contiguous(x[..., start:end, :])
 
 
-def _gather(blocks: Sequence[BlockView], name: str, lo: int, hi: int) -> mx.array:
-    """Positions [lo, hi) of tensor `name`, joined from the slices of the blocks."""
-    parts = []
-    for b in blocks:
-        a, z = max(lo, b.start), min(hi, b.end)
-        if a < z:
-            parts.append(b.tensors[name][..., a - b.start : z - b.start, :])
-    # Always a new array object: mlx-lm updates caches in place (after a trim), which
-    # must never write into the arrays the RAM tier holds.
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+class BlockSource:
+    """One leaf's tensors in consecutive blocks, joined on demand (the RAM-tier path).
+
+    Every array it hands out is a new object: mlx-lm updates caches in place (after a
+    trim), which must never write into the arrays the RAM tier holds.
+    """
+
+    def __init__(self, views: Sequence[BlockView]):
+        self.views = views
+
+    @property
+    def last(self) -> BlockView:
+        return self.views[-1]
+
+    def range(self, name: str, lo: int, hi: int) -> mx.array:
+        """Positions [lo, hi) of tensor `name`."""
+        parts = []
+        for b in self.views:
+            a, z = max(lo, b.start), min(hi, b.end)
+            if a < z:
+                parts.append(b.tensors[name][..., a - b.start : z - b.start, :])
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+
+    def snapshot(self, name: str) -> mx.array:
+        """Tensor `name` of the last block's snapshot."""
+        return self.last.tensors[name][...]
 
 
 def _covered(blocks: Sequence[BlockView], ranges: list[tuple[int, int]]) -> bool:
@@ -107,7 +123,8 @@ class _SeqAdapter:
         """Whether `blocks` (the path up to `position`) rebuild the leaf there."""
         return _covered(blocks, self.needed(template, position))
 
-    def rebuild(self, template, blocks: Sequence[BlockView], position: int):
+    def rebuild(self, template, source: BlockSource, position: int):
+        """A fresh layer at `position` from `source` (where `can_rebuild` said yes)."""
         raise NotImplementedError
 
 
@@ -117,9 +134,9 @@ class KVAdapter(_SeqAdapter):
     def signature(self, layer: KVCache) -> str:
         return "KVCache"
 
-    def rebuild(self, template, blocks, position):
+    def rebuild(self, template, source, position):
         return KVCache.from_state(
-            (_gather(blocks, "k", 0, position), _gather(blocks, "v", 0, position), position)
+            (source.range("k", 0, position), source.range("v", 0, position), position)
         )
 
 
@@ -143,9 +160,9 @@ class QuantizedKVAdapter(_SeqAdapter):
                 out[f"{prefix}{i}"] = x[..., :n, :]
         return out, 0
 
-    def rebuild(self, template, blocks, position):
-        keys = tuple(_gather(blocks, f"k{i}", 0, position) for i in range(3))
-        values = tuple(_gather(blocks, f"v{i}", 0, position) for i in range(3))
+    def rebuild(self, template, source, position):
+        keys = tuple(source.range(f"k{i}", 0, position) for i in range(3))
+        values = tuple(source.range(f"v{i}", 0, position) for i in range(3))
         return QuantizedKVCache.from_state(
             (keys, values, position, template.group_size, template.bits)
         )
@@ -186,16 +203,16 @@ class _WindowAdapter(_SeqAdapter):
             return True
         return super().can_rebuild(template, blocks, position)
 
-    def window(self, template, blocks, position) -> tuple[mx.array, mx.array]:
+    def window(self, template, source, position) -> tuple[mx.array, mx.array]:
         """Keys and values of the window at `position`, in temporal order."""
-        last = blocks[-1]
+        last = source.last
         if last.end == position and last.has_snapshot:
-            return last.tensors["snap_k"][...], last.tensors["snap_v"][...]
+            return source.snapshot("snap_k"), source.snapshot("snap_v")
         ranges = [(lo, hi) for lo, hi in self.needed(template, position) if lo < hi]
         return tuple(
-            mx.concatenate([_gather(blocks, f, lo, hi) for lo, hi in ranges], axis=2)
+            mx.concatenate([source.range(f, lo, hi) for lo, hi in ranges], axis=2)
             if len(ranges) > 1
-            else _gather(blocks, f, *ranges[0])
+            else source.range(f, *ranges[0])
             for f in ("k", "v")
         )
 
@@ -243,8 +260,8 @@ class RotatingAdapter(_WindowAdapter):
             for f, x in (("k", keys), ("v", values))
         }
 
-    def rebuild(self, template, blocks, position):
-        keys, values = self.window(template, blocks, position)
+    def rebuild(self, template, source, position):
+        keys, values = self.window(template, source, position)
         return RotatingKVCache.from_state(
             (keys, values, position, template.keep, template.max_size, keys.shape[2])
         )
@@ -268,8 +285,8 @@ class ChunkedAdapter(_WindowAdapter):
         n = layer.offset - layer.start_position
         return {"k": layer.keys[..., :n, :], "v": layer.values[..., :n, :]}, layer.start_position
 
-    def rebuild(self, template, blocks, position):
-        keys, values = self.window(template, blocks, position)
+    def rebuild(self, template, source, position):
+        keys, values = self.window(template, source, position)
         start = position - keys.shape[2]
         return ChunkedKVCache.from_state((keys, values, position, template.chunk_size, start))
 
@@ -299,10 +316,10 @@ class ArraysAdapter:
     def can_rebuild(self, template, blocks, position):
         return bool(blocks) and blocks[-1].end == position and blocks[-1].has_snapshot
 
-    def rebuild(self, template, blocks, position):
+    def rebuild(self, template, source, position):
         layer = ArraysCache(len(template.cache))
-        for name, x in blocks[-1].tensors.items():
-            layer.cache[int(name[1:])] = x[...]  # a new object: see _gather
+        for name in source.last.tensors:
+            layer.cache[int(name[1:])] = source.snapshot(name)
         return layer
 
 

@@ -44,7 +44,15 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-from .adapters import BlockView, adapter_for, cache_length, leaves, rebuild_cache, signature_of
+from .adapters import (
+    BlockSource,
+    BlockView,
+    adapter_for,
+    cache_length,
+    leaves,
+    rebuild_cache,
+    signature_of,
+)
 from .errors import InvalidArgumentError, PrefixCacheError, UnsupportedCacheError
 from .keys import as_token_array, common_prefix
 from .paged_cache import BlockTable, CacheBlock, PagedCacheManager
@@ -87,7 +95,7 @@ def _copy_prefix(cache: Sequence[Any], keep: int, total: int) -> list:
             view = BlockView(0, keep, *adapter.pieces(layer, 0, keep, keep == total))
             if not adapter.can_rebuild(layer, [view], keep):
                 raise UnsupportedCacheError(f"layer {leaf} cannot be rebuilt at {keep}")
-            rebuilt[leaf] = adapter.rebuild(layer, [view], keep)
+            rebuilt[leaf] = adapter.rebuild(layer, BlockSource([view]), keep)
         return rebuild_cache(cache, rebuilt)
     except PrefixCacheError:
         # Objects the adapters do not know: copy them whole, then trim.
@@ -650,7 +658,7 @@ class BlockAwarePrefixCache(_StoreLink):
             datas = [b.cache_data for b in blocks]
             template = datas[0].template
             rebuilt = {
-                leaf: adapter_for(t, leaf).rebuild(t, [d.views[leaf] for d in datas], position)
+                leaf: adapter_for(t, leaf).rebuild(t, BlockSource([d.views[leaf] for d in datas]), position)
                 for leaf, t in leaves(template)
             }
             return rebuild_cache(template, rebuilt)

@@ -32,6 +32,7 @@ import numpy as np
 from . import codec
 from .adapters import (
     STATE,
+    BlockSource,
     BlockView,
     Tensors,
     adapter_for,
@@ -567,7 +568,7 @@ class PersistentPrefixCache:
         try:
             for lid, template, adapter in self.leaves:
                 views = [self._view(n, lid, b[lid]) for n, b in zip(path[first:], blocks)]
-                rebuilt[lid] = adapter.rebuild(template, views, matched)
+                rebuilt[lid] = adapter.rebuild(template, BlockSource(views), matched)
         except (KeyError, ValueError, IndexError) as exc:
             log.warning("stored blocks do not fit the layout: %s", exc)
             return None
