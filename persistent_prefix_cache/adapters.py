@@ -18,6 +18,7 @@ contract: a rebuilt layer must continue exactly like a cold prefill of the same 
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -82,16 +83,42 @@ class BlockSource:
         """Tensor `name` of the last block's snapshot."""
         return self.last.tensors[name][...]
 
+    def buffer(self, name: str, position: int) -> mx.array:
+        """Positions [0, position) of `name` (here: exactly that long)."""
+        return self.range(name, 0, position)
 
-def _covered(blocks: Sequence[BlockView], ranges: list[tuple[int, int]]) -> bool:
-    for lo, hi in ranges:
-        if lo >= hi:
-            continue
-        if any(b.start < hi and b.end > lo and not b.has_slice for b in blocks):
-            return False
-        if not blocks or blocks[0].start > lo or max(b.end for b in blocks) < hi:
-            return False
-    return True
+
+class ViewPath(list):
+    """Consecutive `BlockView`s of one leaf, with a running count of blocks lacking a
+    slice, so that `covered` costs O(log n) however long the prompt (a 32k-token store
+    checks every block boundary)."""
+
+    def __init__(self, views: Sequence[BlockView] = ()):
+        super().__init__()
+        self._missing = [0]  # _missing[i]: blocks without a slice among the first i
+        for v in views:
+            self.append(v)
+
+    def append(self, view: BlockView) -> None:
+        super().append(view)
+        self._missing.append(self._missing[-1] + (not view.has_slice))
+
+    def covered(self, ranges: Sequence[tuple[int, int]]) -> bool:
+        """Whether every block overlapping each [lo, hi) holds a slice."""
+        for lo, hi in ranges:
+            if lo >= hi:
+                continue
+            if not self or self[0].start > lo or self[-1].end < hi:
+                return False
+            first = bisect.bisect_right(self, lo, key=lambda v: v.end)  # first with end > lo
+            last = bisect.bisect_left(self, hi, key=lambda v: v.start)  # first with start >= hi
+            if self._missing[last] - self._missing[first]:
+                return False
+        return True
+
+
+def _covered(blocks: Sequence[BlockView], ranges: Sequence[tuple[int, int]]) -> bool:
+    return (blocks if isinstance(blocks, ViewPath) else ViewPath(blocks)).covered(ranges)
 
 
 class _SeqAdapter:
@@ -135,8 +162,10 @@ class KVAdapter(_SeqAdapter):
         return "KVCache"
 
     def rebuild(self, template, source, position):
+        # `buffer` may be longer than `position`: mlx-lm then writes the next tokens in
+        # place (KVCache only ever reads [:offset]).
         return KVCache.from_state(
-            (source.range("k", 0, position), source.range("v", 0, position), position)
+            (source.buffer("k", position), source.buffer("v", position), position)
         )
 
 
@@ -161,8 +190,8 @@ class QuantizedKVAdapter(_SeqAdapter):
         return out, 0
 
     def rebuild(self, template, source, position):
-        keys = tuple(source.range(f"k{i}", 0, position) for i in range(3))
-        values = tuple(source.range(f"v{i}", 0, position) for i in range(3))
+        keys = tuple(source.buffer(f"k{i}", position) for i in range(3))
+        values = tuple(source.buffer(f"v{i}", position) for i in range(3))
         return QuantizedKVCache.from_state(
             (keys, values, position, template.group_size, template.bits)
         )

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import math
-from typing import BinaryIO
+from dataclasses import dataclass
+from typing import Any, BinaryIO
 
 import mlx.core as mx
 import numpy as np
@@ -33,6 +34,11 @@ _DTYPES = {
     "BOOL": (mx.bool_, np.dtype("?")),
 }
 _NAME_OF = {mx_dtype: name for name, (mx_dtype, _) in _DTYPES.items()}
+
+
+def dtype_name(dtype) -> str:
+    """The safetensors name of an mlx dtype."""
+    return _NAME_OF[dtype]
 MAX_HEADER = 16 * 1024 * 1024
 
 
@@ -89,8 +95,75 @@ def checksum(data: bytes | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a block file: name, where its bytes lie in the body, and its type."""
+
+    name: str
+    start: int
+    end: int
+    shape: tuple[int, ...]
+    mx_dtype: Any
+    np_dtype: np.dtype
+
+
+def parse_header(head: bytes | memoryview, file_size: int) -> tuple[int, list[Entry], dict]:
+    """Parse and check a block file's header against the file's size.
+
+    Args:
+        head: The file's first bytes: at least the 8-byte length and the header.
+        file_size: The whole file's size.
+
+    Returns:
+        (offset of the body, entries sorted by position, header metadata).
+
+    Raises:
+        BlockDecodeError: On any inconsistency: bad header length or JSON, unknown
+            dtype, a shape that does not match its bytes, gaps, overlaps, or a body
+            that is longer or shorter than its tensors.
+    """
+    view = memoryview(head)
+    if len(view) < 8 or file_size < 8:
+        raise BlockDecodeError("file shorter than its header length field")
+    n = int.from_bytes(view[:8], "little")
+    if n > MAX_HEADER or 8 + n > file_size:
+        raise BlockDecodeError(f"header length {n} does not fit the file")
+    if 8 + n > len(view):
+        raise ValueError("parse_header needs the whole header")  # a caller bug, not damage
+    try:
+        header = json.loads(bytes(view[8 : 8 + n]))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise BlockDecodeError(f"header is not JSON: {type(exc).__name__}") from None
+    if not isinstance(header, dict):
+        raise BlockDecodeError("header is not a JSON object")
+    metadata = header.pop("__metadata__", {}) or {}
+    if not isinstance(metadata, dict):
+        raise BlockDecodeError("header metadata is not an object")
+    entries = []
+    for name, info in header.items():
+        try:
+            mx_dtype, np_dtype = _DTYPES[info["dtype"]]
+            shape = tuple(int(d) for d in info["shape"])
+            start, end = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise BlockDecodeError(f"tensor {name!r}: bad header entry") from None
+        if any(d < 0 for d in shape) or end - start != math.prod(shape) * np_dtype.itemsize:
+            raise BlockDecodeError(f"tensor {name!r}: shape does not match its bytes")
+        entries.append(Entry(name, start, end, shape, mx_dtype, np_dtype))
+    entries.sort(key=lambda e: (e.start, e.end))
+    cursor = 0
+    for e in entries:
+        if e.start != cursor:
+            raise BlockDecodeError(f"tensor {e.name!r}: gap or overlap at byte {e.start}")
+        cursor = e.end
+    body = file_size - 8 - n
+    if cursor != body:
+        raise BlockDecodeError(f"tensors end at byte {cursor} but the body holds {body}")
+    return 8 + n, entries, metadata
+
+
 def decode(data: bytes | memoryview) -> tuple[dict[str, mx.array], dict[str, str]]:
-    """Parse a block file strictly.
+    """Parse a whole block file strictly (see `parse_header`) into mlx arrays.
 
     Args:
         data: The whole file.
@@ -99,46 +172,13 @@ def decode(data: bytes | memoryview) -> tuple[dict[str, mx.array], dict[str, str
         (tensors by name, header metadata).
 
     Raises:
-        BlockDecodeError: On any inconsistency: bad header length or JSON, unknown
-            dtype, a shape that does not match its bytes, gaps, overlaps or
-            trailing bytes.
+        BlockDecodeError: If the file is inconsistent.
     """
     view = memoryview(data)
-    if len(view) < 8:
-        raise BlockDecodeError("file shorter than its header length field")
-    n = int.from_bytes(view[:8], "little")
-    if n > MAX_HEADER or 8 + n > len(view):
-        raise BlockDecodeError(f"header length {n} does not fit the file")
-    try:
-        header = json.loads(bytes(view[8 : 8 + n]))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise BlockDecodeError(f"header is not JSON: {exc}") from None
-    if not isinstance(header, dict):
-        raise BlockDecodeError("header is not a JSON object")
-    metadata = header.pop("__metadata__", {}) or {}
-    body = view[8 + n :]
-    entries = []
-    for name, info in header.items():
-        try:
-            mx_dtype, np_dtype = _DTYPES[info["dtype"]]
-            shape = [int(d) for d in info["shape"]]
-            start, end = (int(o) for o in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise BlockDecodeError(f"tensor {name!r}: bad header entry") from None
-        if any(d < 0 for d in shape) or end - start != math.prod(shape) * np_dtype.itemsize:
-            raise BlockDecodeError(f"tensor {name!r}: shape does not match its bytes")
-        entries.append((start, end, name, shape, mx_dtype, np_dtype))
-    entries.sort()
-    cursor = 0
-    for start, end, name, *_ in entries:
-        if start != cursor:
-            raise BlockDecodeError(f"tensor {name!r}: gap or overlap at byte {start}")
-        cursor = end
-    if cursor != len(body):
-        raise BlockDecodeError(f"tensors end at byte {cursor} but the body holds {len(body)}")
+    body_at, entries, metadata = parse_header(view, len(view))
     tensors = {}
-    for start, end, name, shape, mx_dtype, np_dtype in entries:
-        arr = np.frombuffer(body, dtype=np_dtype, count=(end - start) // np_dtype.itemsize, offset=start)
-        out = mx.array(arr.reshape(shape))
-        tensors[name] = out.view(mx_dtype) if out.dtype != mx_dtype else out
+    for e in entries:
+        arr = np.frombuffer(view, dtype=e.np_dtype, count=(e.end - e.start) // e.np_dtype.itemsize, offset=body_at + e.start)
+        out = mx.array(arr.reshape(e.shape))
+        tensors[e.name] = out.view(e.mx_dtype) if out.dtype != e.mx_dtype else out
     return tensors, metadata

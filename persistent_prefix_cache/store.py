@@ -35,6 +35,7 @@ from .adapters import (
     BlockSource,
     BlockView,
     Tensors,
+    ViewPath,
     adapter_for,
     cache_length,
     leaves,
@@ -42,6 +43,7 @@ from .adapters import (
     signature_of,
     template_cache,
 )
+from .assemble import JoinedSource, read_path
 from .errors import (
     InvalidArgumentError,
     LayoutMismatchError,
@@ -144,6 +146,7 @@ class PersistentPrefixCache:
             self.layout = signature_of(self.template)
             # (leaf id, empty template layer, adapter) for every leaf of the layout.
             self.leaves = [(lid, t, adapter_for(t, lid)) for lid, t in leaves(self.template)]
+            self._kinds = {lid: adapter.kind for lid, _, adapter in self.leaves}
             self._unsupported = None
         except UnsupportedCacheError as exc:
             # Open anyway (fetch misses), so that a server can run uncached; store() raises.
@@ -222,12 +225,11 @@ class PersistentPrefixCache:
         layers = None
         while path and layers is None:
             first = self._first_needed(path, matched)
-            blocks = self._load(path[first:])
-            if len(blocks) == len(path) - first:
-                layers = self._rebuild(path, first, blocks, matched)
-                break
+            layers, intact = self._restore(path[first:], matched)
+            if layers is not None or intact == len(path) - first:
+                break  # restored, or the blocks do not fit the layout (a miss)
             # A damaged block cut the path short: fall back to what comes before it.
-            path, matched = self._cut(path[: first + len(blocks)], matched)
+            path, matched = self._cut(path[: first + intact], matched)
         if layers is None:
             with self._lock:
                 self._counters["misses"] += 1
@@ -325,7 +327,7 @@ class PersistentPrefixCache:
 
         now = time.time_ns()
         layers_by_id = dict(leaves(cache))
-        views = {lid: [self._view(n, lid) for n in path] for lid, _, _ in self.leaves}
+        views = {lid: ViewPath(self._view(n, lid) for n in path) for lid, _, _ in self.leaves}
         new = []
         for i in range(first_new, len(keys)):
             start = i * self.block_size
@@ -521,54 +523,55 @@ class PersistentPrefixCache:
             first = min(first, next(i for i, n in enumerate(path) if n.end > lo))
         return first
 
-    def _load(self, path: list[Node]) -> list[dict[str, Tensors]]:
-        """Each block's tensors by leaf, stopping before the first damaged block."""
-        blocks = []
-        for node in path:
+    def _restore(self, nodes: list[Node], matched: int) -> tuple[list | None, int]:
+        """Rebuild the cache at `matched` from `nodes` (the blocks any leaf needs).
+
+        Returns:
+            (cache or None, how many of `nodes` were intact). Blocks in the RAM tier
+            are used as they are; the rest are read from disk into joined buffers (see
+            `assemble`).
+        """
+        cached = []
+        for node in nodes:
             entry = self.memory.get(node.key)
-            if entry is not None:
-                blocks.append(entry[1])
-                continue
-            tensors = self._read_block(node)
-            if tensors is None:
-                with self._lock:
-                    self._counters["corrupt"] += 1
-                self._note(corrupt=1)
-                self.memory.discard(node.key)
-                if self._executor is not None:
-                    self._submit(self._drop_subtree, node.key)
-                break
-            self.memory.put(node, tensors)
-            blocks.append(tensors)
-        return blocks
+            cached.append(entry[1] if entry is not None else None)
+        if all(c is not None for c in cached):
+            sources = {
+                lid: BlockSource([self._view(n, lid, c[lid]) for n, c in zip(nodes, cached)])
+                for lid, _, _ in self.leaves
+            }
+            return self._build(sources, matched), len(nodes)
+        intact, runs, snaps = read_path(
+            nodes, cached, [self.files.path_of(n) for n in nodes], self._kinds, matched
+        )
+        if intact < len(nodes):
+            self._damaged(nodes[intact])
+            return None, intact
+        # Blocks read from disk do not join the RAM tier: views of the returned buffers
+        # would stop mlx-lm from growing them in place (it copies shared buffers).
+        last = nodes[-1]
+        sources = {
+            lid: JoinedSource(self._view(last, lid, snaps.get(lid, {})), runs.get(lid, {}))
+            for lid, _, _ in self.leaves
+        }
+        return self._build(sources, matched), len(nodes)
 
-    def _read_block(self, node: Node) -> dict[str, Tensors] | None:
-        data = self.files.read(node)
-        if data is None:
-            return None
-        try:
-            flat, metadata = codec.decode(data)
-        except codec.BlockDecodeError as exc:
-            log.warning("block %s is damaged: %s", node.key.hex(), exc)
-            return None
-        if metadata.get("key") != node.key.hex():
-            return None
-        tensors: dict[str, Tensors] = {lid: {} for lid, _, _ in self.leaves}
-        for name, arr in flat.items():
-            lid, _, field = name.rpartition(".")
-            if lid not in tensors:
-                return None
-            tensors[lid][field] = arr
-        return tensors
+    def _damaged(self, node: Node) -> None:
+        """Count a damaged block and drop it, with everything stored after it."""
+        log.warning("block %s is missing or damaged; dropping it", node.key.hex())
+        with self._lock:
+            self._counters["corrupt"] += 1
+        self._note(corrupt=1)
+        self.memory.discard(node.key)
+        if self._executor is not None:
+            self._submit(self._drop_subtree, node.key)
 
-    def _rebuild(
-        self, path: list[Node], first: int, blocks: list[dict[str, Tensors]], matched: int
-    ) -> list | None:
-        rebuilt = {}
+    def _build(self, sources: dict, matched: int) -> list | None:
         try:
-            for lid, template, adapter in self.leaves:
-                views = [self._view(n, lid, b[lid]) for n, b in zip(path[first:], blocks)]
-                rebuilt[lid] = adapter.rebuild(template, BlockSource(views), matched)
+            rebuilt = {
+                lid: adapter.rebuild(template, sources[lid], matched)
+                for lid, template, adapter in self.leaves
+            }
         except (KeyError, ValueError, IndexError) as exc:
             log.warning("stored blocks do not fit the layout: %s", exc)
             return None
