@@ -16,8 +16,6 @@ mlx-lm's next ``update_and_fetch`` writes in place instead of copying the whole 
 
 from __future__ import annotations
 
-import io
-import json
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -63,57 +61,9 @@ def _capacity(position: int) -> int:
     return (position // KV_STEP + 1) * KV_STEP
 
 
-class _Unwritten(io.RawIOBase):
-    """A safetensors "file" whose tensor bytes are never written: ``mx.load`` then
-    returns arrays in fresh MLX buffers without filling them (``mx.zeros`` would memset
-    them first, a full extra pass over memory that every byte is read into anyway)."""
-
-    def __init__(self, specs: list[tuple[str, tuple[int, ...], Any]]):
-        header, offset = {}, 0
-        for name, shape, dtype in specs:
-            n = int(np.prod(shape)) * dtype.size
-            header[name] = {"dtype": codec.dtype_name(dtype), "shape": list(shape), "data_offsets": [offset, offset + n]}
-            offset += n
-        text = json.dumps(header).encode()
-        text += b" " * (-len(text) % 8)
-        self.header = len(text).to_bytes(8, "little") + text
-        self.size = len(self.header) + offset
-        self.pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self.pos = {0: 0, 1: self.pos, 2: self.size}[whence] + offset
-        return self.pos
-
-    def readinto(self, buffer) -> int:
-        view = memoryview(buffer).cast("B")
-        if self.pos < len(self.header):
-            n = min(len(view), len(self.header) - self.pos)
-            view[:n] = self.header[self.pos : self.pos + n]
-        else:
-            n = min(len(view), self.size - self.pos)  # leave the tensor bytes as they are
-        self.pos += n
-        return n
-
-
 def _allocate(specs: list[tuple[str, tuple[int, ...], Any]]) -> dict[str, mx.array]:
-    """Fresh, evaluated MLX arrays (contents undefined) of the given shapes and dtypes."""
-    if not specs:
-        return {}
-    try:
-        arrays = mx.load(_Unwritten(specs))
-        if all(tuple(arrays[n].shape) == tuple(s) and arrays[n].dtype == d for n, s, d in specs):
-            return arrays
-    except Exception:  # an MLX that loads differently: fall back to zeroed memory
-        pass
+    """Fresh, evaluated MLX arrays of the given shapes and dtypes (allocated on the
+    caller's thread, as MLX wants; every byte is overwritten by the reads)."""
     arrays = {name: mx.zeros(shape, dtype=dtype) for name, shape, dtype in specs}
     mx.eval(list(arrays.values()))
     return arrays

@@ -535,12 +535,6 @@ class PersistentPrefixCache:
         for node in nodes:
             entry = self.memory.get(node.key)
             cached.append(entry[1] if entry is not None else None)
-        if all(c is not None for c in cached):
-            sources = {
-                lid: BlockSource([self._view(n, lid, c[lid]) for n, c in zip(nodes, cached)])
-                for lid, _, _ in self.leaves
-            }
-            return self._build(sources, matched), len(nodes)
         intact, runs, snaps = read_path(
             nodes, cached, [self.files.path_of(n) for n in nodes], self._kinds, matched
         )
