@@ -308,6 +308,10 @@ class Reader:
         except ValueError:
             return None
 
+    def get_raw(self, key: bytes) -> bytes | None:
+        """The packed record stored under `key` (see `Node.raw_matches`)."""
+        return self.txn.get(key, db=self.dbs["nodes"])
+
     def children(self, parent: bytes) -> list[Node]:
         """Child nodes of `parent`, in key order."""
         out = []

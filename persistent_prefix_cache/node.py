@@ -72,6 +72,18 @@ class Node:
         )
         return head + self.tokens + tail
 
+    @staticmethod
+    def raw_matches(raw: bytes, parent: bytes, position: int, tokens: bytes) -> bool:
+        """Whether a packed record has this parent, position and tokens, without
+        decoding it (the lookup checks every block of a prompt this way)."""
+        t = _HEAD.size
+        return (
+            raw[1:17] == parent
+            and raw[t : t + len(tokens)] == tokens
+            and int.from_bytes(raw[17:25], "little") == position
+            and int.from_bytes(raw[25:29], "little") * 4 == len(tokens)
+        )
+
     @classmethod
     def unpack(cls, key: bytes, raw: bytes) -> "Node":
         """Decode a record.

@@ -230,6 +230,7 @@ class PersistentPrefixCache:
                 break  # restored, or the blocks do not fit the layout (a miss)
             # A damaged block cut the path short: fall back to what comes before it.
             path, matched = self._cut(path[: first + intact], matched)
+        path = list(path)
         if layers is None:
             with self._lock:
                 self._counters["misses"] += 1
@@ -256,7 +257,7 @@ class PersistentPrefixCache:
         self._check_open()
         if self._unsupported is not None:
             return 0
-        return self._lookup(as_token_array(tokens))[1]
+        return self._lookup(as_token_array(tokens), decode=False)[1]
 
     @property
     def closed(self) -> bool:
@@ -433,24 +434,35 @@ class PersistentPrefixCache:
             found.setdefault(n.key, n)
         return list(found.values())
 
-    def _lookup(self, toks: np.ndarray) -> tuple[list[Node], int]:
-        """The nodes to restore and how many tokens of them to use."""
+    def _lookup(self, toks: np.ndarray, *, decode: bool = True) -> tuple[list[Node], int]:
+        """The nodes to restore and how many tokens of them to use.
+
+        With ``decode=False`` (`peek`) only the records the cut-back looks at are
+        decoded, and the returned path is not for use.
+        """
         n = len(toks)
         if n == 0:
             return [], 0
         data = toks.tobytes()
         step = 4 * self.block_size
-        path: list[Node] = []
+        path = _LazyPath()
         parent, pos = self.root, 0
         with self.index.reader() as reader:
-            # Full blocks: their keys follow from the tokens, no scan needed.
+            # Full blocks: their keys follow from the tokens, no scan needed; records
+            # are checked as stored bytes and decoded only when used.
             while n - pos >= self.block_size:
                 block = data[4 * pos : 4 * pos + step]
                 key = block_key(parent, block)
-                node = self._node(reader, key)
-                if node is None or node.parent != parent or node.tokens != block or node.position != pos:
-                    break
-                path.append(node)
+                node = self.memory.node(key)
+                if node is not None:
+                    if node.parent != parent or node.tokens != block or node.position != pos:
+                        break
+                    path.append(node)
+                else:
+                    raw = reader.get_raw(key)
+                    if raw is None or not Node.raw_matches(raw, parent, pos, block):
+                        break
+                    path.append((key, raw))
                 parent, pos = key, pos + self.block_size
             # Then the stored child sharing the longest prefix with what is left
             # (a partial block, or a longer block that will be trimmed).
@@ -471,12 +483,15 @@ class PersistentPrefixCache:
         if best is not None:
             path.append(best[1])
             matched = pos + best[2]
-        return self._cut(path, min(matched, n - 1))
+        path, matched = self._cut(path, min(matched, n - 1))
+        return ([path[i] for i in range(len(path))] if decode else path), matched
 
     @staticmethod
     def _cut(path: list[Node], matched: int) -> tuple[list[Node], int]:
-        """Back off to the longest point at most `matched` where every layer can be rebuilt."""
-        path = list(path)
+        """Back off to the longest point at most `matched` where every layer can be rebuilt.
+
+        Pops from `path` (the caller's list) in place.
+        """
         while path:
             last = path[-1]
             matched = min(matched, last.end)
@@ -746,6 +761,19 @@ def _check_int(name: str, value: Any, *, minimum: int, optional: bool = False) -
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise InvalidArgumentError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+class _LazyPath(list):
+    """A lookup's path: `Node`s, or ``(key, packed record)`` pairs decoded on access."""
+
+    def __getitem__(self, i):
+        item = super().__getitem__(i)
+        if isinstance(i, slice):
+            return _LazyPath(item)
+        if isinstance(item, tuple):
+            item = Node.unpack(*item)
+            super().__setitem__(i, item)
+        return item
 
 
 class _Bookkeeping:
