@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -55,7 +55,7 @@ def encode(tensors: dict[str, mx.array], metadata: dict[str, str]) -> tuple[byte
 
     Returns:
         The header bytes (length prefix included) and the list of buffers to write
-        after it, in order.
+        after it, in order (see `files.BlockFiles.write_many`).
     """
     header: dict = {"__metadata__": metadata}
     buffers = []
@@ -73,21 +73,6 @@ def encode(tensors: dict[str, mx.array], metadata: dict[str, str]) -> tuple[byte
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the format allows space padding; align the data
     return len(text).to_bytes(8, "little") + text, buffers
-
-
-def write(f: BinaryIO, header: bytes, buffers: list) -> tuple[int, int]:
-    """Write an encoded block to an open file, hashing as it goes.
-
-    Returns:
-        (bytes written, xxh3-64 checksum of the whole file).
-    """
-    h = xxhash.xxh3_64()
-    size = 0
-    for chunk in (header, *buffers):
-        h.update(chunk)
-        f.write(chunk)
-        size += len(chunk)
-    return size, h.intdigest()
 
 
 def checksum(data: bytes | memoryview) -> int:

@@ -7,14 +7,44 @@ temporary file or an unreferenced block file, both swept later.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 import threading
 import time
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
+
+import xxhash
 
 from . import codec
 from .faults import pause_point
 from .node import Node
+
+
+_BATCH = 64  # files written (and fsynced) per batch: bounds open work and tmp space
+_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
+
+
+def _load_sync_file_range():
+    # Linux can start a file's writeback without waiting (sync_file_range), so that
+    # the fsync that follows finds most of the data on its way to the disk already.
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.sync_file_range
+        fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        return fn
+    except (OSError, AttributeError):
+        return None
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()
+
+
+def _start_writeback(fd: int) -> None:
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, 0, 0, 2)  # SYNC_FILE_RANGE_WRITE; a failure only costs speed
 
 
 def _fsync_dir(path: str) -> None:
@@ -54,43 +84,86 @@ class BlockFiles:
         """Absolute path of a node's file."""
         return os.path.join(self.blocks, node.file_name)
 
-    def write(self, key: bytes, header: bytes, buffers: list) -> tuple[int, int, str]:
-        """Write one encoded block durably under its final name.
+    def write_many(self, items: Sequence[tuple[bytes, bytes, list]]) -> list[tuple[int, int, str]]:
+        """Write encoded blocks durably under their final names.
+
+        Files are written in batches: each file is written with ``writev`` straight from
+        the tensors' memory and its writeback started at once, then the batch is
+        fsynced, renamed into ``blocks/`` and each folder fsynced. The caller commits
+        the index only after this returns.
 
         Args:
-            key: The block key (names the file, with the checksum).
-            header, buffers: From `codec.encode`.
+            items: ``(key, header, buffers)`` per block, from `codec.encode`.
 
         Returns:
-            (size, checksum, folder the file was renamed into); the caller fsyncs that
-            folder (once per batch) before committing the index.
+            ``(size, checksum, folder)`` per block.
 
         Raises:
-            OSError: On any failure (disk full, permissions); the temporary file is
-                removed first.
+            OSError: On any failure (disk full, permissions). Temporary files are
+                removed; files already renamed are left for the orphan sweep, since a
+                writer in another process may have published the same (content-named)
+                file and be about to commit it.
         """
+        results: list[tuple[int, int, str]] = []
+        folders: set[str] = set()
+        for i in range(0, len(items), _BATCH):
+            batch = items[i : i + _BATCH]
+            written = []  # (fd, tmp path, final path, size, checksum, folder)
+            try:
+                for key, header, buffers in batch:
+                    written.append(self._write_tmp(key, header, buffers))
+                # Every file's writeback is under way: wait for each to be durable.
+                while written and written[-1][0] is not None:
+                    for k, (fd, *rest) in enumerate(written):
+                        os.fsync(fd)
+                        os.close(fd)
+                        written[k] = (None, *rest)
+                pause_point("before_rename")
+                for _, tmp, final, size, checksum, folder in written:
+                    if not os.path.isdir(folder):
+                        os.makedirs(folder, exist_ok=True)
+                        _fsync_dir(self.blocks)
+                    os.replace(tmp, final)
+                    folders.add(folder)
+                    results.append((size, checksum, folder))
+            except BaseException:
+                for fd, tmp, *_ in written:
+                    if fd is not None:
+                        os.close(fd)
+                    self._remove(tmp)
+                raise
+        for folder in folders:
+            _fsync_dir(folder)
+        return results
+
+    def _write_tmp(self, key: bytes, header: bytes, buffers: list) -> tuple:
+        """Write one file under ``tmp/`` and start its writeback; the fd stays open."""
         hex_key = key.hex()
         tmp = os.path.join(self.tmp, f"{hex_key}.{os.getpid()}.{threading.get_ident()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            with open(tmp, "wb") as f:
-                size, checksum = codec.write(f, header, buffers)
-                f.flush()
-                os.fsync(f.fileno())
-            pause_point("before_rename")
-            folder = os.path.join(self.blocks, hex_key[:2])
-            if not os.path.isdir(folder):
-                os.makedirs(folder, exist_ok=True)
-                _fsync_dir(self.blocks)
-            os.replace(tmp, os.path.join(folder, f"{hex_key}-{checksum:016x}.safetensors"))
+            h = xxhash.xxh3_64()
+            chunks = [memoryview(header)] + [memoryview(b).cast("B") for b in buffers if len(b)]
+            size = 0
+            for j in range(0, len(chunks), _IOV_MAX):
+                group = chunks[j : j + _IOV_MAX]
+                want = sum(len(c) for c in group)
+                done = os.writev(fd, group)
+                while done < want:  # a short write: finish it piece by piece
+                    rest = b"".join(bytes(c) for c in group)[done:]
+                    done += os.write(fd, rest)
+                size += want
+                for c in group:
+                    h.update(c)
+            _start_writeback(fd)
         except BaseException:
+            os.close(fd)
             self._remove(tmp)
             raise
-        return size, checksum, folder
-
-    def sync_folders(self, folders: Iterable[str]) -> None:
-        """fsync each folder once, so that the renames into it are durable."""
-        for folder in set(folders):
-            _fsync_dir(folder)
+        checksum = h.intdigest()
+        folder = os.path.join(self.blocks, hex_key[:2])
+        final = os.path.join(folder, f"{hex_key}-{checksum:016x}.safetensors")
+        return fd, tmp, final, size, checksum, folder
 
     def read(self, node: Node) -> bytes | None:
         """The verified bytes of a node's file, or None if missing, resized or damaged."""

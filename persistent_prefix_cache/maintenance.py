@@ -406,8 +406,7 @@ class StoreAdmin:
                 )
             records = _read_member(tar, "nodes.bin", in_path)
             nodes = list(_unpack_records(records, in_path))
-            added, skipped, size = [], 0, 0
-            folders = []
+            added, items, skipped, size = [], [], 0, 0
             now = time.time_ns()
             with self.index.reader() as reader:
                 present = {n.key for n in nodes if reader.get(n.key) is not None}
@@ -418,12 +417,11 @@ class StoreAdmin:
                 data = _read_member(tar, f"blocks/{n.file_name}", in_path)
                 if len(data) != n.size or codec.checksum(data) != n.checksum:
                     raise InvalidArgumentError(f"{in_path}: block {n.key.hex()} is damaged")
-                _, _, folder = self.files.write(n.key, data, [])  # verified bytes, same name
-                folders.append(folder)
+                items.append((n.key, data, []))  # verified bytes: the same name again
                 n.child_count, n.last_access = 0, now
                 added.append(n)
                 size += n.size
-            self.files.sync_folders(folders)
+            self.files.write_many(items)
 
             def commit(w: Writer):
                 for root_hex, desc in manifest["models"].items():

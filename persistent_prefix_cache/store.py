@@ -607,27 +607,24 @@ class PersistentPrefixCache:
             with self._lock:
                 self._counters["write_errors"] += 1
 
-    def _write_blocks(self, new: list[tuple[Node, list[Tensors]]]) -> None:
-        written, folders = [], []
+    def _write_blocks(self, new: list[tuple[Node, dict[str, Tensors]]]) -> None:
+        items = []
+        for node, tensors in new:
+            flat = {f"{lid}.{f}": x for lid, part in tensors.items() for f, x in part.items()}
+            meta = {"format": BLOCK_FORMAT, "key": node.key.hex(), "position": str(node.position)}
+            items.append((node.key, *codec.encode(flat, meta)))
         try:
-            for node, tensors in new:
-                flat = {f"{lid}.{f}": x for lid, part in tensors.items() for f, x in part.items()}
-                header, buffers = codec.encode(
-                    flat,
-                    {"format": BLOCK_FORMAT, "key": node.key.hex(), "position": str(node.position)},
-                )
-                node.size, node.checksum, folder = self.files.write(node.key, header, buffers)
-                written.append(node)
-                folders.append(folder)
-            self.files.sync_folders(folders)
+            for (node, _), (size, checksum, _) in zip(new, self.files.write_many(items)):
+                node.size, node.checksum = size, checksum
         except OSError as exc:
+            # Nothing was committed; renamed files (if any) are left to the orphan sweep.
             log.warning("could not write blocks to %s: %s", self.path, exc)
             with self._lock:
                 self._counters["write_errors"] += 1
-            self.files.unlink(written)
             for node, _ in new:
                 self.memory.discard(node.key)
             return
+        written = [node for node, _ in new]
         book = self._book.take(self._lock)
 
         def commit(w: Writer):
@@ -652,12 +649,12 @@ class PersistentPrefixCache:
         try:
             rejected, removed = self.index.write(commit)
         except (lmdb.Error, OSError) as exc:
-            # The index could not take the records (disk full, say): the files are
-            # unreferenced, so remove them; the index is as it was.
+            # The index could not take the records (disk full, say) and is as it was.
+            # The files stay for the orphan sweep: their names are content-addressed,
+            # and another writer may have published the same file and committed it.
             log.warning("could not commit blocks to %s: %s", self.path, exc)
             with self._lock:
                 self._counters["write_errors"] += 1
-            self.files.unlink(written)
             for node in written:
                 self.memory.discard(node.key)
             return
