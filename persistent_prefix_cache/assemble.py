@@ -64,9 +64,17 @@ def _capacity(position: int) -> int:
 def _allocate(specs: list[tuple[str, tuple[int, ...], Any]]) -> dict[str, mx.array]:
     """Fresh, evaluated MLX arrays of the given shapes and dtypes (allocated on the
     caller's thread, as MLX wants; every byte is overwritten by the reads)."""
-    arrays = {name: mx.zeros(shape, dtype=dtype) for name, shape, dtype in specs}
+    # Zero-filling some dtypes (bfloat16) is slow on the CPU: allocate unsigned ints of
+    # the same width and reinterpret them.
+    arrays = {
+        name: mx.zeros(shape, dtype=_UINT[dtype.size]).view(dtype)
+        for name, shape, dtype in specs
+    }
     mx.eval(list(arrays.values()))
     return arrays
+
+
+_UINT = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 
 
 class JoinedSource:
@@ -309,22 +317,32 @@ def _read_all(files: list) -> int | None:
 
 def _copy_cached(nodes, cached, runs) -> None:
     """Copy the slices of blocks that came from the RAM tier into their runs."""
+    targets: dict[int, np.ndarray] = {}
     for node, have in zip(nodes, cached):
         if have is None:
             continue
         for lid, part in have.items():
             for fld, x in part.items():
                 r = _run_of(runs, f"{lid}.{fld}", node)
-                if r is not None:
-                    dst = _numpy_view(r.array)
-                    dst[:, :, node.position - r.start : node.end - r.start, :] = _numpy_view(x)
+                if r is None:
+                    continue
+                if id(r) not in targets:
+                    targets[id(r)] = _bits(r.bytes_view, r.array)
+                dst = targets[id(r)]
+                dst[:, :, node.position - r.start : node.end - r.start, :] = _bits(memoryview(x), x)
 
 
-def _numpy_view(x: mx.array) -> np.ndarray:
-    if x.dtype == mx.bfloat16:
-        x = x.view(mx.uint16)  # numpy has no bfloat16; the bits are what we copy
-    mx.eval(x)
-    return np.asarray(memoryview(x))
+_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _bits(view: memoryview, x: mx.array) -> np.ndarray:
+    """A numpy view of an evaluated array's bits (numpy has no bfloat16; the bits are
+    what we copy), without any MLX operation."""
+    if not view.c_contiguous:
+        x = mx.contiguous(x)
+        mx.eval(x)
+        view = memoryview(x)
+    return np.frombuffer(view.cast("B"), dtype=_BITS[x.itemsize]).reshape(x.shape)
 
 
 def _read_file(f: _File) -> bool:
