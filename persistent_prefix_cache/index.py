@@ -17,7 +17,7 @@ from typing import Callable, Iterator, TypeVar
 
 import lmdb
 
-from .errors import StoreCorruptError, StoreVersionError
+from .errors import ReadOnlyStoreError, StoreCorruptError, StoreVersionError
 from .faults import pause_point
 from .node import Node
 
@@ -61,7 +61,48 @@ SCHEMA_VERSION = MIGRATIONS[-1].VERSION
 
 # --- one environment per store per process ------------------------------------------
 
-_ENVS: dict[tuple[int, str], list] = {}  # (pid, path) -> [env, refcount]
+class _Gate:
+    """Any number of transactions at once, or one map resize alone: LMDB requires that
+    no transaction of this process be active while the map size changes."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._active = 0
+        self._resizing = False
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        with self._cond:
+            while self._resizing:
+                self._cond.wait()
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active -= 1
+                if not self._active:
+                    self._cond.notify_all()
+
+    def resize(self, env: lmdb.Environment, size: int) -> None:
+        """Set the map size (0: adopt the size another process grew it to)."""
+        with self._cond:
+            while self._resizing:
+                self._cond.wait()
+            self._resizing = True
+            while self._active:
+                self._cond.wait()
+        try:
+            env.reader_check()  # readers of dead processes pin pages; free them first
+            if size == 0 or size > env.info()["map_size"]:
+                env.set_mapsize(size)
+        finally:
+            with self._cond:
+                self._resizing = False
+                self._cond.notify_all()
+
+
+_ENVS: dict[tuple[int, str], list] = {}  # (pid, path) -> [env, refcount, gate]
 _ENVS_LOCK = threading.Lock()
 
 
@@ -73,27 +114,36 @@ def _check_data_file(path: str) -> None:
         raise StoreCorruptError(f"index file {data} is truncated ({os.path.getsize(data)} bytes)")
 
 
-def _acquire_env(path: str, readonly: bool) -> lmdb.Environment:
+def _acquire_env(path: str, readonly: bool) -> tuple[lmdb.Environment, _Gate]:
     ident = (os.getpid(), os.path.realpath(path))
     with _ENVS_LOCK:
         held = _ENVS.get(ident)
         if held is not None:
+            if not readonly and held[0].flags()["readonly"]:
+                raise ReadOnlyStoreError(
+                    f"store index {path} is already open read-only in this process",
+                    hint="open the writable handle first, or close the read-only one",
+                )
             held[1] += 1
-            return held[0]
+            return held[0], held[2]
         _check_data_file(path)
+        writable = os.access(path, os.W_OK)
+        # A read-only handle opens the environment read-only: then even a writer
+        # paused inside its transaction in another process never blocks it.
+        env_readonly = readonly
         try:
             env = lmdb.open(
                 path,
                 map_size=INITIAL_MAP_SIZE,
                 max_dbs=len(LAYOUT_DBS) + 4,
-                readonly=readonly,
+                readonly=env_readonly,
                 create=not readonly,
                 max_readers=512,
                 # A reader of a directory it cannot write cannot take LMDB's reader
                 # lock either; no writer can be at work there (same permissions).
-                lock=not (readonly and not os.access(path, os.W_OK)),
+                lock=writable or not readonly,
             )
-        except lmdb.InvalidError as exc:
+        except (lmdb.InvalidError, lmdb.CorruptedError) as exc:
             raise StoreCorruptError(f"index at {path} is not a valid LMDB environment: {exc}")
         except lmdb.VersionMismatchError as exc:
             raise StoreCorruptError(f"index at {path} was written by another LMDB: {exc}")
@@ -102,14 +152,17 @@ def _acquire_env(path: str, readonly: bool) -> lmdb.Environment:
         if os.path.exists(data) and (info["last_pgno"] + 1) * env.stat()["psize"] > os.path.getsize(data):
             env.close()
             raise StoreCorruptError(f"index file {data} is shorter than its last page")
-        _ENVS[ident] = [env, 1]
-        return env
+        if not env_readonly:
+            env.reader_check()
+        gate = _Gate()
+        _ENVS[ident] = [env, 1, gate]
+        return env, gate
 
 
 def _forget_inherited_envs() -> None:
     # LMDB environments must not be used across fork(): a child closes the copies it
     # inherited (which clears lmdb's "already open" guard) so that it can open anew.
-    for (pid, _), (env, _) in list(_ENVS.items()):
+    for (pid, _), (env, *_) in list(_ENVS.items()):
         if pid != os.getpid():
             try:
                 env.close()
@@ -160,15 +213,25 @@ class Index:
         self.readonly = readonly
         if not readonly:
             os.makedirs(path, exist_ok=True)
-        self.env = _acquire_env(path, readonly)
+        self.env, self._gate = _acquire_env(path, readonly)
         self._closed = False
+        self._commits = 0
         try:
-            if migrate:
-                self._migrate(block_size)
-            self._open_dbs()
+            self._retrying(lambda: (self._migrate(block_size) if migrate else None, self._open_dbs()))
+        except lmdb.Error as exc:
+            self.close()
+            raise StoreCorruptError(f"store index {path} cannot be read: {type(exc).__name__}: {exc}")
         except BaseException:
             self.close()
             raise
+
+    def _retrying(self, fn: Callable[[], T]) -> T:
+        # Another process may grow the map at any time: adopt its size and retry.
+        while True:
+            try:
+                return fn()
+            except lmdb.MapResizedError:
+                self._gate.resize(self.env, 0)
 
     def _open_dbs(self) -> None:
         self.dbs = {}
@@ -187,8 +250,8 @@ class Index:
             meta = self.env.open_db(b"meta", create=False)
         except lmdb.NotFoundError:
             return 0
-        with self.env.begin(db=meta) as txn:
-            raw = txn.get(b"version")
+        with self.reader() as r:
+            raw = r.txn.get(b"version", db=meta)
         return int(raw) if raw else 0
 
     def pending_migrations(self) -> list:
@@ -247,14 +310,17 @@ class Index:
         # Retry after growing a full map, or after another process grew it.
         while True:
             try:
-                with self.env.begin(write=True) as txn:
+                with self._gate.transaction(), self.env.begin(write=True) as txn:
                     result = fn(txn)
                     pause_point("in_write_txn")
-                    return result
+                self._commits += 1
+                if self._commits % 256 == 0:
+                    self.env.reader_check()  # free slots of readers that died
+                return result
             except lmdb.MapFullError:
-                self.env.set_mapsize(self.env.info()["map_size"] * 2)
+                self._gate.resize(self.env, self.env.info()["map_size"] * 2)
             except lmdb.MapResizedError:
-                self.env.set_mapsize(0)
+                self._gate.resize(self.env, 0)
 
     def write(self, fn: Callable[["Writer"], T]) -> T:
         """Run `fn` with a `Writer` inside one write transaction (committed on return)."""
@@ -264,19 +330,22 @@ class Index:
     def reader(self) -> Iterator["Reader"]:
         """A read transaction, as a `Reader`."""
         while True:
-            try:
-                txn = self.env.begin()
-                break
-            except lmdb.MapResizedError:
-                self.env.set_mapsize(0)
-        try:
-            yield Reader(self, txn)
-        finally:
-            txn.abort()
+            with self._gate.transaction():
+                try:
+                    txn = self.env.begin()
+                except lmdb.MapResizedError:
+                    pass
+                else:
+                    try:
+                        yield Reader(self, txn)
+                    finally:
+                        txn.abort()
+                    return
+            self._gate.resize(self.env, 0)
 
     def _meta(self, name: bytes) -> bytes:
-        with self.env.begin(db=self.dbs["meta"]) as txn:
-            return txn.get(name)
+        with self.reader() as r:
+            return r.txn.get(name, db=self.dbs["meta"])
 
     def totals(self) -> tuple[int, int]:
         """(bytes of block files, number of blocks) as recorded in the index."""
@@ -296,7 +365,7 @@ class Reader:
     def __init__(self, index: Index, txn: lmdb.Transaction):
         self.index = index
         self.txn = txn
-        self.dbs = index.dbs
+        self.dbs = getattr(index, "dbs", {})  # not yet set while the index opens
 
     def get(self, key: bytes) -> Node | None:
         """The node stored under `key`, or None (also None for a malformed record)."""

@@ -185,6 +185,8 @@ class StoreAdmin:
         Returns:
             A `CheckReport`.
         """
+        if not isinstance(grace, (int, float)) or grace < 0:
+            raise InvalidArgumentError(f"grace must be a number of seconds >= 0, got {grace!r}")
         report = CheckReport()
         with self.index.reader() as reader:
             nodes = {n.key: n for n in reader.iter_nodes()}

@@ -128,6 +128,12 @@ class PersistentPrefixCache:
             raise InvalidArgumentError(f"namespace must be a str, got {type(namespace).__name__}")
         if fingerprint is not None and (not isinstance(fingerprint, str) or not fingerprint):
             raise InvalidArgumentError("fingerprint must be a non-empty str")
+        if kv_bits is not None and kv_bits not in (2, 3, 4, 5, 6, 8):
+            raise InvalidArgumentError(f"kv_bits must be one of 2, 3, 4, 5, 6, 8 (or None), got {kv_bits!r}")
+        if kv_group_size not in (32, 64, 128):
+            raise InvalidArgumentError(f"kv_group_size must be 32, 64 or 128, got {kv_group_size!r}")
+        if model_path is not None and not os.path.isdir(model_path):
+            raise InvalidArgumentError(f"model_path {model_path!r} is not a folder")
         self.path = os.path.abspath(os.fspath(path))
         self.readonly = readonly
         self.disk_bytes = disk_bytes
@@ -368,6 +374,7 @@ class PersistentPrefixCache:
 
     def flush(self) -> None:
         """Wait until every pending write and access update is committed."""
+        self._check_open()
         if self._executor is None:
             return
         self._submit(self._apply_bookkeeping)
@@ -399,6 +406,9 @@ class PersistentPrefixCache:
     def stats(self) -> dict[str, int]:
         """Counters of this handle plus the store's totals.
 
+        Raises:
+            InvalidArgumentError: If the store is closed, or was opened before a fork.
+
         Returns:
             queries, hits, misses, tokens_saved, corrupt, evictions, write_errors (this
             handle); blocks, bytes_on_disk (the store, all processes);
@@ -406,6 +416,7 @@ class PersistentPrefixCache:
             store_hits, store_misses, store_tokens_saved, store_corrupt (all processes
             since the store was made, as far as committed).
         """
+        self._check_open()
         with self._lock:
             out = dict(self._counters)
             out["pending_writes"] = len(self._futures)
@@ -718,6 +729,9 @@ class PersistentPrefixCache:
         Returns:
             How many files were removed.
         """
+        self._check_open()
+        if not isinstance(grace, (int, float)) or grace < 0:
+            raise InvalidArgumentError(f"grace must be a number of seconds >= 0, got {grace!r}")
         with self.index.reader() as reader:
             named = {n.file_name for n in reader.iter_nodes()}
         return self.files.sweep_orphans(named.__contains__, grace=grace)
