@@ -48,7 +48,7 @@ def prefill(
     toks = as_token_array(tokens)
     if len(toks) == 0:
         raise InvalidArgumentError("prefill needs at least one token")
-    if not isinstance(blocks_per_chunk, int) or blocks_per_chunk < 1:
+    if not isinstance(blocks_per_chunk, int) or isinstance(blocks_per_chunk, bool) or blocks_per_chunk < 1:
         raise InvalidArgumentError(f"blocks_per_chunk must be an int >= 1, got {blocks_per_chunk!r}")
     ids = toks.tolist()
     cache, remaining = store.fetch(ids)

@@ -578,11 +578,15 @@ class PersistentPrefixCache:
 
     def _damaged(self, node: Node) -> None:
         """Count a damaged block and drop it, with everything stored after it."""
+        self.memory.discard(node.key)
+        with self.index.reader() as reader:
+            current = reader.get(node.key)
+        if current is None or current.checksum != node.checksum:
+            return  # removed (evicted, superseded) or replaced by another process meanwhile
         log.warning("block %s is missing or damaged; dropping it", node.key.hex())
         with self._lock:
             self._counters["corrupt"] += 1
         self._note(corrupt=1)
-        self.memory.discard(node.key)
         if self._executor is not None:
             self._submit(self._drop_subtree, node.key)
 

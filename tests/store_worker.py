@@ -10,9 +10,11 @@ line ``RESULT <json>`` with what each step returned. Steps:
   a cold prefill done here (``{"matched": n, "exact": bool}``).
 - ``["ready", label]``: print ``READY <label>`` so the test knows the worker got there.
 - ``["wait"]``: block until the test writes a line to stdin (or closes it).
-- A spec's ``uid`` makes the worker drop to that user before it opens the store.
 - ``["fsize_limit", n]``: cap file writes at ``n`` bytes (RLIMIT_FSIZE) with SIGXFSZ
   ignored, so writes past it fail with EFBIG instead of killing the process.
+
+Options besides the steps: ``block_size``, ``readonly``, ``memory_bytes`` (0 unless
+given), ``sync_writes``, and ``uid``: drop to that user before opening the store.
 
 Crash tests add ``PPC_PAUSE_AT`` / ``PPC_PAUSE_FILE`` to the environment and SIGKILL
 the worker where it pauses. The module also holds the test-side helpers that start,
@@ -103,11 +105,20 @@ def _run(spec: dict) -> dict:
     return out
 
 
+def _exit_with_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(3)
+
+
 def main() -> None:
     import faulthandler
 
     # A test that gives up on a stuck worker asks it for its stacks (SIGUSR1) first.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # A worker outlives a test process that was killed (a timeout, say) only until
+    # it notices: a worker paused at a pause point would otherwise sleep forever.
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     with open(sys.argv[1]) as f:
         spec = json.load(f)
     result = _run(spec)

@@ -599,8 +599,9 @@ class Bench:
         settle()
         query = prompts[-1]
         with self.open_store(folder, shape, memory_bytes=0) as s:
-            lookup = getattr(s, "lookup", None) or s._lookup  # no public lookup (yet)
-            _, matched = lookup(query)
+            # peek(): the longest-prefix lookup alone, as fetch() does it, loading nothing.
+            lookup = s.peek if hasattr(s, "peek") else lambda t: s._lookup(t)[1]
+            matched = lookup(query)
             if matched < len(query) - args.block_size:
                 raise RuntimeError(f"lookup matched {matched} of {len(query)} tokens")
             times = contest([Contender("lookup", lambda _: lookup(query))], max(self.repeat, 20), 3)

@@ -82,12 +82,17 @@ def make_pool(seed: int, size: int, vocab: int) -> list[list[int]]:
 
 
 class _Counters:
-    """Thread-safe counters, saved atomically so a SIGKILL loses at most a moment's worth."""
+    """Thread-safe counters, saved atomically so a SIGKILL loses at most a moment's worth.
+
+    The store's own counters (damaged blocks seen, write errors) are sampled with each
+    save, so that a worker that is killed still reports them.
+    """
 
     def __init__(self, path: str):
         self.path = path
         self.values = dict.fromkeys(COUNTERS, 0)
         self.store: dict[str, int] = dict.fromkeys(STORE_COUNTERS, 0)
+        self.stats_fn = None
         self.lock = threading.Lock()
         self.saved = 0.0
 
@@ -97,16 +102,22 @@ class _Counters:
                 self.values[name] += n
 
     def save(self, *, force: bool = False) -> None:
-        now = time.monotonic()
-        with self.lock:
+        with self.lock:  # one save at a time, so that a newer one is never overwritten
+            now = time.monotonic()
             if not force and now - self.saved < 0.25:
                 return
             self.saved = now
+            if self.stats_fn is not None:
+                try:
+                    stats = self.stats_fn()
+                    self.store = {k: stats[k] for k in STORE_COUNTERS}
+                except Exception:
+                    pass  # the store is closing: keep the last sample
             data = json.dumps({"counters": self.values, "store": self.store})
-        tmp = f"{self.path}.{threading.get_ident()}.tmp"
-        with open(tmp, "w") as f:
-            f.write(data)
-        os.replace(tmp, self.path)
+            tmp = f"{self.path}.tmp"
+            with open(tmp, "w") as f:
+                f.write(data)
+            os.replace(tmp, self.path)
 
 
 def run_worker(spec: dict) -> int:
@@ -194,16 +205,16 @@ def run_worker(spec: dict) -> int:
         memory_bytes=spec["memory_bytes"],
         disk_bytes=spec["disk_bytes"],
     )
+    counters.stats_fn = store.stats
     threads = [threading.Thread(target=thread_main, args=(i,)) for i in range(spec["threads"])]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     store.flush()
-    stats = store.stats()
-    counters.store = {k: stats[k] for k in STORE_COUNTERS}
+    counters.save(force=True)  # with the store's final counters
+    counters.stats_fn = None
     store.close()
-    counters.save(force=True)
     return 0
 
 
@@ -303,6 +314,7 @@ class Supervisor:
     def run(self) -> None:
         rng = random.Random(self.args.seed)
         workers = [self.spawn() for _ in range(self.args.procs)]
+        killed: set[int] = set()  # pids we killed (their slot may stay empty near the end)
         try:
             while True:
                 left = self.deadline - time.time()
@@ -315,7 +327,7 @@ class Supervisor:
                 if time.time() >= self.deadline:
                     break
                 for i, w in enumerate(workers):  # a worker that died on its own
-                    if w.poll() is not None:
+                    if w.poll() is not None and w.pid not in killed:
                         self.crashed += w.returncode != 0
                         workers[i] = self.spawn()
                         self.restarts += 1
@@ -324,6 +336,7 @@ class Supervisor:
                     if workers[i].poll() is None:
                         workers[i].send_signal(signal.SIGKILL)
                         workers[i].wait(timeout=60)
+                        killed.add(workers[i].pid)
                         self.kills += 1
                     if self.deadline - time.time() > 3:  # room for a new one to work
                         workers[i] = self.spawn()
@@ -402,6 +415,18 @@ def supervise(args: argparse.Namespace) -> int:
     fixed = _ppc_check(store, "--fix", "--grace", "0") if kinds else None
     after = _ppc_check(store) if kinds else before
     verified = sup.verify()
+    blocks_dir = os.path.join(store, "blocks")
+    sizes = {
+        # An index much larger than its blocks means freed pages are not reused (LMDB
+        # readers left behind by killed processes pin them).
+        "index_bytes": os.path.getsize(os.path.join(store, "index", "data.mdb")),
+        "block_bytes": sum(
+            e.stat().st_size
+            for d in os.scandir(blocks_dir)
+            if d.is_dir()
+            for e in os.scandir(d.path)
+        ),
+    }
 
     ok = (
         totals["corrupt_served"] == 0
@@ -430,6 +455,7 @@ def supervise(args: argparse.Namespace) -> int:
             "clean_after_fix": after.get("clean", False),
         },
         "verify": verified,
+        "sizes": sizes,
         "errors_sample": _first_errors(sup.errors_path),
         "workdir": workdir,
         "store": store,
@@ -438,9 +464,11 @@ def supervise(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=1))
     else:
         print(_render(summary))
-    if not args.keep and ok and args.store is None:
+    if ok and not args.keep:
         import shutil
 
+        # The work folder (logs, counters, the built model, the default store); a
+        # store given with --store lives elsewhere and is the caller's.
         shutil.rmtree(workdir, ignore_errors=True)
     return 0 if ok else 1
 
@@ -462,6 +490,8 @@ def _render(s: dict) -> str:
         f"  after fix         removed {c['fix_removed_files']} files, "
         f"{'clean' if c['clean_after_fix'] else 'NOT CLEAN'}",
         f"  verify            {s['verify']}",
+        f"  on disk           index {s['sizes']['index_bytes']:,} bytes, "
+        f"blocks {s['sizes']['block_bytes']:,} bytes",
         "OK" if s["ok"] else f"FAILED (details in {s['workdir']})",
     ]
     return "\n".join(lines)
