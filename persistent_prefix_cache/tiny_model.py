@@ -97,6 +97,19 @@ def _write_json(path: Path, data: Mapping[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", "utf-8")
 
 
+# The shape the tests, the soak tool and the server tests share: 1 KV head of width 32,
+# the smallest head mlx's quantizer accepts (group size 32), so kv_bits works too.
+TEST_MODEL = dict(
+    family="llama",
+    hidden_size=64,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    vocab_size=512,
+    dtype="float32",
+)
+
+
 def write_tiny_model(
     path: str | Path,
     *,

@@ -9,18 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from persistent_prefix_cache.tiny_model import load_tiny_model, write_tiny_model
+from persistent_prefix_cache.tiny_model import TEST_MODEL, load_tiny_model, write_tiny_model
 
 # Every option that decides the model's shapes; the "other model" differs only by seed.
-TINY_MODEL = dict(
-    family="llama",
-    hidden_size=64,
-    num_layers=2,
-    num_heads=2,
-    num_kv_heads=1,
-    vocab_size=512,
-    dtype="float32",
-)
+TINY_MODEL = dict(TEST_MODEL)
 
 
 @pytest.fixture(scope="session")

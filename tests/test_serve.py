@@ -33,18 +33,10 @@ from persistent_prefix_cache import PersistentPrefixCache
 from persistent_prefix_cache.cliutil import UserError
 from persistent_prefix_cache.commands import serve
 from persistent_prefix_cache.lru_prompt_cache import PersistentLRUPromptCache
-from persistent_prefix_cache.tiny_model import load_tiny_model, write_tiny_model
+from persistent_prefix_cache.tiny_model import TEST_MODEL, load_tiny_model, write_tiny_model
 
 BLOCK = 16
-SHAPE = dict(
-    family="llama",
-    hidden_size=64,
-    num_layers=2,
-    num_heads=2,
-    num_kv_heads=1,
-    vocab_size=512,
-    dtype="float32",
-)
+SHAPE = dict(TEST_MODEL)
 RESTORED = re.compile(r"Restored (\d+) of (\d+) prompt tokens from the persistent store")
 
 

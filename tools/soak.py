@@ -31,18 +31,13 @@ import threading
 import time
 import traceback
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from persistent_prefix_cache.tiny_model import TEST_MODEL  # noqa: E402
+
 # Problems a SIGKILL may leave behind by design (DESIGN.md: "at most an unreferenced
 # file, which the next open (or `ppc check --fix`) sweeps").
 CRASH_LEFTOVERS = {"unreferenced file", "leftover temporary file"}
-TINY_MODEL = dict(
-    family="llama",
-    hidden_size=64,
-    num_layers=2,
-    num_heads=2,
-    num_kv_heads=1,
-    vocab_size=512,
-    dtype="float32",
-)
+TINY_MODEL = dict(TEST_MODEL)
 COUNTERS = (
     "operations",
     "fetches",
