@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from persistent_prefix_cache.tiny_model import DEMO_TEXT, write_tiny_model
+from persistent_prefix_cache.tiny_model import DEMO_TEXT, TEST_MODEL, write_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 16
@@ -24,9 +24,7 @@ LINES = DEMO_TEXT.splitlines()
 SYSTEM = "\n".join(LINES[:8])  # a long shared system prompt: ~15 blocks of 16 tokens
 QUESTION = "The closer the shelf, the smaller it is. Why?"
 
-TINY = dict(
-    family="llama", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, vocab_size=512
-)
+TINY = dict(TEST_MODEL)
 HYBRID = dict(
     family="qwen3_next",
     hidden_size=64,
