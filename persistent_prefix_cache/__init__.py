@@ -3,6 +3,11 @@
 Start with `PersistentPrefixCache`: ``fetch(tokens)`` restores the longest stored prefix
 as fresh mlx-lm cache objects, ``store(tokens, cache)`` keeps a prompt's KV on disk.
 
+The package's folders are its wings (see docs/architecture.md): ``disk/`` (the index,
+block files, maintenance), ``layers/`` (mlx-lm's cache classes), ``tiers/`` (the RAM
+tier), the facade `store` with `lookup`, `restore` and `writeback` beside it,
+``compat/`` (vllm-mlx's and mlx-lm's APIs) and ``cli/`` (``ppc``).
+
 Names are imported on first use, so that store maintenance (``ppc stats``, ``ppc
 check``, …) does not pay for importing mlx-lm and transformers.
 """
@@ -17,6 +22,7 @@ from .errors import (
     StoreCorruptError,
     StoreVersionError,
     UnsupportedCacheError,
+    UnsupportedServerError,
 )
 
 __version__ = "0.1.0"
@@ -26,16 +32,16 @@ _LAZY = {
     "PersistentPrefixCache": ".store",
     "fingerprint_model": ".fingerprint",
     "prefill": ".prefill",
-    "PersistentLRUPromptCache": ".lru_prompt_cache",
+    "PersistentLRUPromptCache": ".compat.lru_prompt_cache",
     # the seed's API (vllm_mlx.prefix_cache / vllm_mlx.paged_cache)
-    "PrefixCacheStats": ".prefix_cache",
-    "CacheEntry": ".prefix_cache",
-    "PrefixCacheManager": ".prefix_cache",
-    "BlockCacheEntry": ".prefix_cache",
-    "BlockAwarePrefixCache": ".prefix_cache",
-    "PagedCacheManager": ".paged_cache",
-    "BlockTable": ".paged_cache",
-    "CacheBlock": ".paged_cache",
+    "PrefixCacheStats": ".compat.prefix_cache",
+    "CacheEntry": ".compat.prefix_cache",
+    "PrefixCacheManager": ".compat.prefix_cache",
+    "BlockCacheEntry": ".compat.block_aware",
+    "BlockAwarePrefixCache": ".compat.block_aware",
+    "PagedCacheManager": ".compat.paged_cache",
+    "BlockTable": ".compat.paged_blocks",
+    "CacheBlock": ".compat.paged_blocks",
 }
 
 __all__ = [
@@ -58,6 +64,7 @@ __all__ = [
     "StoreCorruptError",
     "StoreVersionError",
     "UnsupportedCacheError",
+    "UnsupportedServerError",
 ]
 
 

@@ -60,3 +60,9 @@ class ReadOnlyStoreError(PrefixCacheError):
     """A write was asked of a store opened read-only."""
 
     hint = "open the store with readonly=False in a writable directory"
+
+
+class UnsupportedServerError(PrefixCacheError):
+    """The installed ``mlx_lm.server`` does not have the structure ``ppc serve`` patches."""
+
+    hint = "install an mlx-lm version ppc serve was checked with"

@@ -7,13 +7,14 @@ before it, a block is only ever reused at the same position after the same token
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 import numpy as np
 import xxhash
 
 from .errors import InvalidArgumentError
 
+T = TypeVar("T")
 FORMAT_TAG = b"persistent_prefix_cache/block-key/v1"
 KEY_BYTES = 16
 _INT32_MAX = 2**31 - 1
@@ -28,9 +29,9 @@ def root_key(fingerprint: str, namespace: str, layout: str) -> bytes:
     """The key every chain starts from.
 
     Args:
-        fingerprint: The model fingerprint (see `fingerprint.model_fingerprint`).
+        fingerprint: The model fingerprint (see `fingerprint.fingerprint_model`).
         namespace: A tenant or cache salt; "" for none.
-        layout: The cache layout signature (see `adapters.layout_signature`).
+        layout: The cache layout signature (see `layers.signature_of`).
 
     Returns:
         16 bytes.
@@ -44,7 +45,7 @@ def block_key(parent: bytes, token_bytes: bytes) -> bytes:
 
     Args:
         parent: The previous block's key (or the root key).
-        token_bytes: The block's tokens as int32 little-endian (see `encode_tokens`).
+        token_bytes: The block's tokens as int32 little-endian (see `as_token_array`).
 
     Returns:
         16 bytes.
@@ -110,3 +111,34 @@ def common_prefix(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) 
         return 0
     diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
     return int(diff[0]) if diff.size else n
+
+
+def best_continuation(
+    rest: np.ndarray,
+    children: Iterable[tuple[bytes, Any, T]],
+    *,
+    partial_ok: Callable[[T], bool],
+) -> tuple[T, int] | None:
+    """The trie's rule for the last step of a prefix walk: of the children of the last
+    full block, the one sharing the longest prefix with what is left of the query.
+
+    Ties go to the child with fewer tokens (less to trim), then to the smaller `tie`.
+
+    Args:
+        rest: What is left of the query (at most one block).
+        children: ``(token bytes, tie, item)`` per child.
+        partial_ok: Whether a child may be used for fewer tokens than it holds.
+
+    Returns:
+        ``(item, tokens shared)``, or None if no child shares a token.
+    """
+    best = None
+    for tokens, tie, item in children:
+        n = len(tokens) // 4
+        shared = common_prefix(np.frombuffer(tokens, dtype="<i4"), rest)
+        if shared == 0 or (shared < n and not partial_ok(item)):
+            continue
+        rank = (-shared, n, tie)
+        if best is None or rank < best[0]:
+            best = (rank, item, shared)
+    return None if best is None else (best[1], best[2])

@@ -17,8 +17,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from persistent_prefix_cache.index import Index
-from persistent_prefix_cache.node import Node
+from persistent_prefix_cache.disk.index import Index
+from persistent_prefix_cache.disk.node import Node
 
 BLOCK = 16  # block size of most test stores: small, so prompts stay tiny
 VOCAB = 512

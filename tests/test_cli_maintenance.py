@@ -6,6 +6,8 @@ Stores are filled in-process with the real model code; every command runs as a r
 
 from __future__ import annotations
 
+import argparse
+
 import json
 import os
 import subprocess
@@ -15,7 +17,7 @@ import pytest
 from helpers import BLOCK, assert_same_logits, block_files, cold_logits, random_tokens, warm_logits
 
 from persistent_prefix_cache import PersistentPrefixCache, StoreVersionError
-from persistent_prefix_cache.index import Index, Writer
+from persistent_prefix_cache.disk.index import Index, Writer
 from persistent_prefix_cache.prefill import prefill
 
 
@@ -224,3 +226,20 @@ def test_top_level_usage():
     assert "unknown command" in ppc("frobnicate", expect=2).stderr
     for command in ("stats", "inspect", "check", "gc", "migrate", "export", "import", "demo"):
         assert "usage: ppc " + command in ppc(command, "--help").stdout
+
+
+def test_one_size_parser_for_every_command():
+    # Bare letters are binary (as `ppc gc` always took them), B suffixes decimal, iB binary.
+    from persistent_prefix_cache.cli import gc, serve
+    from persistent_prefix_cache.cli.common import parse_size
+
+    assert parse_size("512MiB") == 512 * 2**20
+    assert parse_size("4GB") == 4 * 10**9
+    assert parse_size("2G") == parse_size("2GiB") == 2 * 2**30
+    assert parse_size("1.5g") == int(1.5 * 2**30)
+    assert parse_size("100K") == 100 * 1024 and parse_size("100kb") == 100_000
+    assert parse_size("1000") == parse_size("1000B") == 1000
+    for bad in ("lots", "-5M", "2X", "", "G"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_size(bad)
+    assert gc.parse_size is parse_size and serve.parse_size is parse_size

@@ -37,7 +37,7 @@ from helpers import (
     warm_logits,
 )
 
-import persistent_prefix_cache.index as index_module
+import persistent_prefix_cache.disk.index_env as index_module
 from persistent_prefix_cache import PersistentPrefixCache, ReadOnlyStoreError
 from persistent_prefix_cache.fingerprint import fingerprint_model
 

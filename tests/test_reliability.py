@@ -45,10 +45,10 @@ from persistent_prefix_cache import (
     InvalidArgumentError,
     PersistentPrefixCache,
     StoreVersionError,
-    codec,
 )
-from persistent_prefix_cache.index import SCHEMA_VERSION, Index
-from persistent_prefix_cache.maintenance import StoreAdmin
+from persistent_prefix_cache.disk import codec
+from persistent_prefix_cache.disk.index import SCHEMA_VERSION, Index
+from persistent_prefix_cache.disk.maintenance import StoreAdmin
 
 NOBODY = 65534
 

@@ -4,7 +4,7 @@ Process A loads the model from its folder, prefills prompts, stores them and exi
 Process B, a fresh interpreter, opens the same store, fetches queries, feeds what is
 left and saves the next-token logits. This process compares them with a cold prefill
 of the whole query, bit for bit (float32 split prefill of llama is bitwise identical
-to a one-shot prefill on this machine, see DESIGN.md).
+to a one-shot prefill on this machine: README, "Supported cache classes").
 """
 
 from __future__ import annotations

@@ -30,8 +30,9 @@ from helpers import assert_same_logits, cold_logits, feed, random_tokens, run_py
 from mlx_lm.models.cache import LRUPromptCache, QuantizedKVCache, make_prompt_cache
 
 from persistent_prefix_cache import PersistentPrefixCache
-from persistent_prefix_cache.cliutil import UserError
-from persistent_prefix_cache.commands import serve
+from persistent_prefix_cache.cli import serve
+from persistent_prefix_cache.compat import server_patch
+from persistent_prefix_cache.errors import UnsupportedServerError
 from persistent_prefix_cache.lru_prompt_cache import PersistentLRUPromptCache
 from persistent_prefix_cache.tiny_model import TEST_MODEL, load_tiny_model, write_tiny_model
 
@@ -320,10 +321,10 @@ def test_class_restores_across_a_restart(serve_model_dir, serve_model, tmp_path)
 def test_patch_matches_the_installed_server_and_is_undone():
     from mlx_lm import server
 
-    serve.check_server(server)
+    server_patch.check_server(server)
     original = (server.run, server.LRUPromptCache)
     made = []
-    with serve.patched_server(server, lambda *a: made.append(a) or "cache") as built:
+    with server_patch.patched_server(server, lambda *a: made.append(a) or "cache") as built:
         assert server.LRUPromptCache(7) == "cache"
         assert made == [(None, 7, 1 << 63)] and built["cache"] == "cache"
     assert (server.run, server.LRUPromptCache) == original
@@ -331,19 +332,10 @@ def test_patch_matches_the_installed_server_and_is_undone():
 
 def test_an_unknown_server_structure_is_refused():
     fake = types.SimpleNamespace(main=lambda: None, run=lambda host, port: None)
-    with pytest.raises(UserError) as info:
-        serve.check_server(fake)
+    with pytest.raises(UnsupportedServerError) as info:
+        server_patch.check_server(fake)
     text = str(info.value)
-    assert "no LRUPromptCache" in text and serve.CHECKED_MLX_LM_VERSIONS[-1] in text
-
-
-def test_sizes():
-    assert serve.parse_size("512MiB") == 512 * 2**20
-    assert serve.parse_size("4GB") == 4 * 10**9
-    assert serve.parse_size("1.5G") == 1_500_000_000
-    assert serve.parse_size("1000") == 1000
-    with pytest.raises(Exception):
-        serve.parse_size("lots")
+    assert "no LRUPromptCache" in text and server_patch.CHECKED_MLX_LM_VERSIONS[-1] in text
 
 
 # -- the server, end to end -------------------------------------------------------------

@@ -49,9 +49,9 @@ from persistent_prefix_cache import (
     StoreVersionError,
     UnsupportedCacheError,
 )
-from persistent_prefix_cache.index import SCHEMA_VERSION, Index
+from persistent_prefix_cache.disk.index import SCHEMA_VERSION, Index
 from persistent_prefix_cache.keys import block_key
-from persistent_prefix_cache.node import Node
+from persistent_prefix_cache.disk.node import Node
 
 # Tensor bytes of one full block of the tiny model: 2 layers x (k, v) x 1 KV head x
 # BLOCK positions x head_dim 32 x 4 bytes.

@@ -11,7 +11,7 @@ import sys
 # The repository root, so that `persistent_prefix_cache` imports from this checkout.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from persistent_prefix_cache.commands.precompute import main  # noqa: E402
+from persistent_prefix_cache.cli.precompute import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

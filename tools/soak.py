@@ -34,8 +34,8 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from persistent_prefix_cache.tiny_model import TEST_MODEL  # noqa: E402
 
-# Problems a SIGKILL may leave behind by design (DESIGN.md: "at most an unreferenced
-# file, which the next open (or `ppc check --fix`) sweeps").
+# Problems a SIGKILL may leave behind by design (README, "Crashes": at most an
+# unreferenced file, which the next open or `ppc check --fix` sweeps).
 CRASH_LEFTOVERS = {"unreferenced file", "leftover temporary file"}
 TINY_MODEL = dict(TEST_MODEL)
 COUNTERS = (

@@ -1,0 +1,42 @@
+"""The ``ppc`` command line: ``ppc <command> [options]``; ``ppc <command> --help``."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> (module in persistent_prefix_cache/cli/, one-line summary)
+COMMANDS = {
+    "demo": ("demo", "warm-start demo on a tiny model (no network)"),
+    "precompute": ("precompute", "fill a store from prompts, offline"),
+    "generate": ("generate", "generate with a warm start from the store"),
+    "serve": ("serve", "mlx_lm.server with a persistent prompt cache"),
+    "stats": ("stats", "counters and totals of a store"),
+    "inspect": ("inspect", "models, fingerprints and the longest stored prefixes"),
+    "check": ("check", "verify every block file and the index (--fix repairs)"),
+    "gc": ("gc", "evict least recently used blocks down to a byte budget"),
+    "migrate": ("migrate", "apply pending schema migrations"),
+    "export": ("export", "pack a store (or one model's part) into one file"),
+    "import": ("import_", "load a packed file into a store"),
+}
+
+
+def _usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: ppc <command> [options]   (ppc <command> --help for details)", "", "commands:"]
+    lines += [f"  {name.ljust(width)}  {text}" for name, (_, text) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch to a subcommand; returns the process exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"ppc: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"persistent_prefix_cache.cli.{COMMANDS[name][0]}")
+    return module.main(rest)

@@ -1,0 +1,188 @@
+"""Pieces every ``ppc`` subcommand shares: options, sizes, model loading, output, errors.
+
+A subcommand module defines ``main(argv) -> int``, builds its parser with
+`make_parser`, and wraps its work in `run`, which turns user mistakes (bad paths,
+wrong model for a store, unreadable files) into one line on stderr and exit code 2,
+never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Callable, Sequence
+
+from ..errors import PrefixCacheError
+
+EXIT_USAGE = 2
+
+
+class UserError(Exception):
+    """A mistake the user can fix; printed without a traceback."""
+
+
+def make_parser(command: str, description: str) -> argparse.ArgumentParser:
+    """A parser for ``ppc <command>``."""
+    return argparse.ArgumentParser(prog=f"ppc {command}", description=description)
+
+
+def add_store_option(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
+    """``--store DIR``, defaulting to ``$PPC_STORE``."""
+    parser.add_argument(
+        "--store",
+        default=os.environ.get("PPC_STORE"),
+        help="store directory (default: $PPC_STORE)",
+    )
+    parser.set_defaults(_store_required=required)
+
+
+def add_model_option(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
+    """``--model PATH_OR_ID`` and the options that shape the store's layout."""
+    parser.add_argument("--model", required=required, help="local model folder or hub id")
+    parser.add_argument("--namespace", default="", help="tenant or cache salt (default: none)")
+    parser.add_argument("--kv-bits", type=int, default=None, help="quantize the stored KV (as mlx-lm)")
+    parser.add_argument("--kv-group-size", type=int, default=64, help="group size for --kv-bits")
+
+
+def add_json_option(parser: argparse.ArgumentParser) -> None:
+    """``--json``: machine-readable output."""
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+# Binary units for bare letters (``2G`` = 2 * 2**30), as ``ppc gc`` always took them;
+# ``GB`` and friends are decimal, ``GiB`` and friends binary.
+_SIZE_UNITS = {"": 1, "B": 1}
+for _i, _letter in enumerate("KMGT", start=1):
+    _SIZE_UNITS[_letter] = _SIZE_UNITS[_letter + "IB"] = 2 ** (10 * _i)
+    _SIZE_UNITS[_letter + "B"] = 10 ** (3 * _i)
+
+
+def parse_size(text: str) -> int:
+    """A byte count such as ``1000000``, ``512M``, ``2G`` (binary: 2 * 2**30), ``4GB``
+    (decimal: 4 * 10**9), ``512MiB`` (binary) or ``1.5G``; for argparse's ``type=``.
+
+    Raises:
+        argparse.ArgumentTypeError: If `text` is not a size.
+    """
+    s = text.strip()
+    i = len(s)
+    while i and not (s[i - 1].isdigit() or s[i - 1] == "."):
+        i -= 1
+    unit = s[i:].strip().upper()
+    try:
+        number = float(s[:i])
+    except ValueError:
+        number = -1.0
+    if unit not in _SIZE_UNITS or not number >= 0:
+        raise argparse.ArgumentTypeError(
+            f"not a size: {text!r} (expected a size like 500M, 2G, 4GB, 512MiB or 1000000)"
+        )
+    return int(number * _SIZE_UNITS[unit])
+
+
+def store_path(args: argparse.Namespace, *, must_exist: bool = False) -> str:
+    """The store directory from ``--store``/``$PPC_STORE``.
+
+    Raises:
+        UserError: If none was given, or (with `must_exist`) there is no store there.
+    """
+    path = getattr(args, "store", None)
+    if not path:
+        raise UserError("no store given: pass --store DIR or set PPC_STORE")
+    if must_exist and not os.path.isdir(os.path.join(path, "index")):
+        raise UserError(f"no store at {path} (expected {os.path.join(path, 'index')})")
+    return path
+
+
+def load_model(spec: str, *, with_tokenizer: bool = True):
+    """Load a model (and tokenizer) with mlx-lm, as ``(model, tokenizer, local_path)``.
+
+    Raises:
+        UserError: If the model cannot be found or loaded.
+    """
+    looks_local = os.path.exists(spec) or spec.startswith((".", "/", "~"))
+    if looks_local and not os.path.isdir(os.path.expanduser(spec)):
+        raise UserError(f"--model {spec}: no such folder")
+    try:
+        from mlx_lm import load
+        from mlx_lm.utils import load_model as load_weights
+
+        if with_tokenizer:
+            model, tokenizer = load(os.path.expanduser(spec) if looks_local else spec)
+        else:
+            model, tokenizer = load_weights(os.path.expanduser(spec))[0], None
+    except Exception as exc:  # mlx-lm raises many kinds; all mean "cannot load this"
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        hint = "" if looks_local else " (not a local folder; a hub id needs the network or a local copy)"
+        raise UserError(f"cannot load model {spec!r}: {type(exc).__name__}: {first_line}{hint}") from None
+    return model, tokenizer, (os.path.expanduser(spec) if looks_local else None)
+
+
+def open_store(args: argparse.Namespace, model: Any, local_path: str | None, **kwargs):
+    """Open the store of ``--store`` for `model` with the layout options of `args`."""
+    from ..store import PersistentPrefixCache
+
+    return PersistentPrefixCache(
+        store_path(args),
+        model,
+        model_path=local_path,
+        namespace=getattr(args, "namespace", ""),
+        kv_bits=getattr(args, "kv_bits", None),
+        kv_group_size=getattr(args, "kv_group_size", 64),
+        **kwargs,
+    )
+
+
+def table(rows: Sequence[Sequence[Any]], *, header: Sequence[str] | None = None) -> str:
+    """Rows as aligned text columns (numbers right-aligned)."""
+    rows = [list(map(_cell, r)) for r in rows]
+    if header:
+        rows.insert(0, list(header))
+    if not rows:
+        return ""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for n, r in enumerate(rows):
+        cells = [
+            c.rjust(w) if _is_number(c) and not (header and n == 0) else c.ljust(w)
+            for c, w in zip(r, widths)
+        ]
+        lines.append("  ".join(cells).rstrip())
+        if header and n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    return str(value)
+
+
+def _is_number(text: str) -> bool:
+    return text.replace(",", "").replace(".", "", 1).lstrip("-").isdigit()
+
+
+def emit(data: Any, as_json: bool, render: Callable[[Any], str]) -> None:
+    """Print `data` as JSON or through `render`."""
+    print(json.dumps(data, indent=2, default=str) if as_json else render(data))
+
+
+def run(work: Callable[[], int]) -> int:
+    """Run a subcommand, turning user-facing failures into a message and exit code 2."""
+    try:
+        return work()
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+    except PrefixCacheError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+    except OSError as exc:
+        print(f"error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), file=sys.stderr)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return EXIT_USAGE

@@ -1,0 +1,26 @@
+"""``ppc export``: pack a store, or one model's part of it, into one file."""
+
+from __future__ import annotations
+
+from .common import add_json_option, add_store_option, emit, make_parser, run, store_path
+from ..disk.maintenance import StoreAdmin
+
+
+def main(argv: list[str]) -> int:
+    """Write a store (or the part for one model) to one tar file."""
+    parser = make_parser("export", "Pack a store, or the part for one model, into one file.")
+    add_store_option(parser)
+    parser.add_argument("output", help="the file to write (e.g. prompts.ppc.tar)")
+    parser.add_argument("--model", help="a model's root key or fingerprint prefix (see `ppc inspect`)")
+    add_json_option(parser)
+    args = parser.parse_args(argv)
+
+    def work() -> int:
+        with StoreAdmin(store_path(args, must_exist=True), readonly=True) as admin:
+            result = admin.export_pack(args.output, model=args.model)
+        emit(result, args.json, lambda r: (
+            f"exported {r['blocks']:,} block(s) of {r['models']} model(s), {r['bytes']:,} bytes, to {args.output}"
+        ))  # fmt: skip
+        return 0
+
+    return run(work)

@@ -1,0 +1,53 @@
+"""``ppc inspect``: the models in a store and its longest stored prefixes."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from .common import add_json_option, add_store_option, emit, make_parser, run, store_path, table
+from ..disk.maintenance import StoreAdmin
+
+
+def _render(s: dict) -> str:
+    out = [f"store {s['store']}: {s['blocks']:,} blocks, {s['bytes_on_disk']:,} bytes, "
+           f"block size {s['block_size']}", "", "models:"]  # fmt: skip
+    out.append(
+        table(
+            [
+                (m["root"][:12], m["fingerprint"][:16], m["namespace"] or "-", m["blocks"], m["bytes"], m["hits"], m["layout"])
+                for m in s["models"]
+            ],
+            header=("model", "fingerprint", "namespace", "blocks", "bytes", "hits", "layout"),
+        )
+    )
+    out += ["", "longest stored prefixes:"]
+    out.append(
+        table(
+            [
+                (p["model"], p["tokens"], "yes" if p["resumable"] else "no", p["hits"],
+                 datetime.fromtimestamp(p["last_access"] / 1e9).strftime("%Y-%m-%d %H:%M:%S"))
+                for p in s["longest_prefixes"]
+            ],  # fmt: skip
+            header=("model", "tokens", "resumable", "hits", "last used"),
+        )
+        or "(none)"
+    )
+    return "\n".join(out)
+
+
+def main(argv: list[str]) -> int:
+    """Print the models, fingerprints and longest prefixes stored."""
+    parser = make_parser("inspect", "Models, fingerprints and the longest stored prefixes.")
+    add_store_option(parser)
+    parser.add_argument("--top", type=int, default=10, help="how many prefixes to list (default: %(default)s)")
+    add_json_option(parser)
+    args = parser.parse_args(argv)
+    if args.top < 1:
+        parser.error("--top must be at least 1")
+
+    def work() -> int:
+        with StoreAdmin(store_path(args, must_exist=True), readonly=True) as admin:
+            emit(admin.summary(longest=args.top), args.json, _render)
+        return 0
+
+    return run(work)

@@ -1,0 +1,394 @@
+"""``ppc precompute``: fill a store from prompts ahead of time, offline.
+
+Inputs are plain text files (one prompt each), JSONL files with one
+``{"prompt": ...}`` or ``{"messages": [...]}`` object per line, or standard input
+(``-``, or no inputs with a pipe). Prompts go through the model's chat template the
+way ``mlx_lm.cache_prompt`` does: as an open message that a later prompt continues.
+
+Prompts are sorted by their tokens, so prompts that share a beginning (a system
+prompt, a document) run one after the other and each restores what the previous one
+stored: a shared prefix is computed and written once. Each prompt is prefilled with
+`prefill`, which stores as it goes, so models with recurrent or sliding-window layers
+can resume at every block boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+
+from .common import (
+    UserError,
+    add_json_option,
+    add_model_option,
+    add_store_option,
+    emit,
+    load_model,
+    make_parser,
+    run,
+    table,
+)
+from .prompting import (
+    CountingStore,
+    Progress,
+    add_block_size_option,
+    add_prefill_option,
+    add_template_options,
+    blocks_of,
+    check_positive,
+    check_store_path,
+    encode_raw,
+    kv_quantization_errors,
+    open_checked_store,
+    prefill_step_blocks,
+    render_chat,
+    template_kwargs,
+    uses_chat_template,
+)
+
+STDIN = "-"
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+
+
+@dataclass
+class PromptInput:
+    """One prompt as read, before tokenization.
+
+    Attributes:
+        where: Names it in messages: a file, ``file:line``, or ``<stdin>``.
+        text: A plain prompt (None for a chat).
+        messages: Chat messages (None for a plain prompt).
+    """
+
+    where: str
+    text: str | None = None
+    messages: list | None = None
+
+
+# -- reading inputs -----------------------------------------------------------------------
+
+
+def _read(path: str) -> tuple[str, str]:
+    """(name for messages, decoded text) of a file or of stdin."""
+    name = "<stdin>" if path == STDIN else path
+    try:
+        if path == STDIN:
+            data = sys.stdin.buffer.read()
+        else:
+            with open(path, "rb") as f:
+                data = f.read()
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise UserError(
+            f"{path}: is a directory; pass the files in it (e.g. {path}/*.txt)"
+        ) from None
+    except PermissionError:
+        raise UserError(f"{path}: permission denied; check the file's permissions") from None
+    try:
+        # utf-8-sig drops the byte-order mark some editors write.
+        return name, data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise UserError(
+            f"{name}: not UTF-8 text (bad byte at offset {exc.start}); "
+            "convert it first, e.g. with iconv -t UTF-8"
+        ) from None
+
+
+def _looks_like_jsonl(text: str) -> bool:
+    """Whether piped input is JSONL: its first non-blank line is a prompt object."""
+    for line in text.splitlines():
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                return False
+            return isinstance(row, dict) and ("prompt" in row or "messages" in row)
+    return False
+
+
+def _parse_row(line: str, where: str) -> PromptInput:
+    """One JSONL line as a prompt.
+
+    Raises:
+        UserError: Naming the line, if it is not a valid prompt object.
+    """
+    try:
+        row = json.loads(line)
+    except ValueError as exc:
+        raise UserError(
+            f"{where}: invalid JSON ({exc}); each line must be one JSON object"
+        ) from None
+    if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
+        raise UserError(
+            f'{where}: expected an object with either "prompt" or "messages", '
+            f'e.g. {{"prompt": "..."}} or {{"messages": [{{"role": "user", "content": "..."}}]}}'
+        )
+    if "prompt" in row:
+        if not isinstance(row["prompt"], str) or not row["prompt"]:
+            raise UserError(f'{where}: "prompt" must be a non-empty string')
+        return PromptInput(where, text=row["prompt"])
+    messages = row["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise UserError(f'{where}: "messages" must be a non-empty list of messages')
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise UserError(
+                f'{where}: message {i} must be an object with a "role" string, '
+                'e.g. {"role": "system", "content": "..."}'
+            )
+    return PromptInput(where, messages=messages)
+
+
+def read_inputs(paths: list[str], fmt: str) -> list[PromptInput]:
+    """Read every prompt of `paths` (``-`` is stdin).
+
+    Args:
+        paths: Files, or ``-``; none means stdin when it is piped.
+        fmt: ``auto`` (JSONL by a .jsonl/.ndjson suffix, or for stdin when its first
+            line is a prompt object), ``text`` or ``jsonl``.
+
+    Returns:
+        The prompts, in input order.
+
+    Raises:
+        UserError: On a missing or unreadable file, an invalid JSONL line, or no prompt.
+    """
+    if not paths:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise UserError(
+                "no inputs: give text or JSONL files, or pipe prompts on stdin "
+                "(see ppc precompute --help)"
+            )
+        paths = [STDIN]
+    if paths.count(STDIN) > 1:
+        raise UserError("'-' (stdin) is given more than once; stdin can be read only once")
+    prompts: list[PromptInput] = []
+    for path in paths:
+        name, text = _read(path)
+        if fmt == "auto":
+            is_jsonl = _looks_like_jsonl(text) if path == STDIN else path.endswith(JSONL_SUFFIXES)
+        else:
+            is_jsonl = fmt == "jsonl"
+        if not is_jsonl:
+            # Like "$(cat file)" in a shell: trailing newlines are not part of the prompt,
+            # so a precomputed file is a token prefix of the same text typed as --prompt.
+            text = text.rstrip("\r\n")
+            if not text.strip():
+                raise UserError(f"{name}: empty; nothing to precompute")
+            prompts.append(PromptInput(name, text=text))
+            continue
+        rows = [
+            _parse_row(line, f"{name}:{n}")
+            for n, line in enumerate(text.splitlines(), 1)
+            if line.strip()
+        ]
+        if not rows:
+            raise UserError(f"{name}: no JSONL rows; nothing to precompute")
+        prompts.extend(rows)
+    return prompts
+
+
+# -- tokenizing ---------------------------------------------------------------------------
+
+
+def tokenize(prompt: PromptInput, tokenizer, args, kwargs: dict) -> list[int]:
+    """The tokens of one prompt, as ``mlx_lm.cache_prompt`` would build them.
+
+    A plain prompt becomes a user message (after ``--system-prompt``, if given); the
+    last message is left open (``continue_final_message``) so that the stored prefix
+    is a prefix of any later prompt that continues or closes it.
+
+    Raises:
+        UserError: If a chat cannot be rendered, or the prompt has no tokens.
+    """
+    if uses_chat_template(tokenizer, args):
+        messages = prompt.messages
+        if messages is None:
+            messages = [{"role": "user", "content": prompt.text}]
+            if args.system_prompt is not None:
+                messages.insert(0, {"role": "system", "content": args.system_prompt})
+        ids = render_chat(
+            tokenizer,
+            messages,
+            add_generation_prompt=False,
+            continue_final_message=True,
+            kwargs=kwargs,
+            where=prompt.where,
+        )
+    elif prompt.messages is not None:
+        why = "--ignore-chat-template was given" if args.ignore_chat_template else "it has none"
+        raise UserError(
+            f"{prompt.where}: a messages row needs the tokenizer's chat template, but {why}; "
+            'use {"prompt": ...} rows instead'
+        )
+    else:
+        ids = encode_raw(tokenizer, prompt.text)
+    if not ids:
+        raise UserError(f"{prompt.where}: the prompt has no tokens")
+    return ids
+
+
+# -- the command --------------------------------------------------------------------------
+
+
+def _render(summary: dict) -> str:
+    rows = [
+        ("prompts", summary["prompts"]),
+        ("duplicates skipped", summary["duplicates"]),
+        ("tokens stored", summary["tokens"]),
+        ("tokens restored", summary["tokens_restored"]),
+        ("tokens computed", summary["tokens_computed"]),
+        ("blocks written", summary["blocks_written"]),
+        ("blocks reused", summary["blocks_reused"]),
+        ("blocks in store", summary["blocks_in_store"]),
+        ("bytes on disk", summary["bytes_on_disk"]),
+        ("bytes added", summary["bytes_added"]),
+        ("seconds", f"{summary['seconds']:.2f}"),
+        ("tokens/s computed", round(summary["tokens_per_second"])),
+    ]
+    return f"store {summary['store']} (block size {summary['block_size']})\n" + table(rows)
+
+
+def _precompute(args) -> int:
+    check_positive("--block-size", args.block_size)
+    check_positive("--prefill-step-size", args.prefill_step_size)
+    kwargs = template_kwargs(args)
+    if args.system_prompt is not None and args.ignore_chat_template:
+        print("note: --system-prompt is only used with the chat template", file=sys.stderr)
+    # Read and check every input before loading the model: a typo fails in a second.
+    check_store_path(args)
+    inputs = read_inputs(args.inputs, args.format)
+    model, tokenizer, local_path = load_model(args.model)
+    seen: dict[tuple, str] = {}
+    for prompt in inputs:
+        seen.setdefault(tuple(tokenize(prompt, tokenizer, args, kwargs)), prompt.where)
+    # Lexicographic order puts prompts with a shared prefix next to each other, so each
+    # one restores the prefix the previous one has just stored (from the RAM tier).
+    order = sorted(seen)
+
+    from ..prefill import prefill
+
+    store = open_checked_store(args, model, local_path, need_write=True)
+    with store:
+        before = store.stats()["bytes_on_disk"]
+        bs = store.block_size
+        blocks_per_chunk = prefill_step_blocks(store, args.prefill_step_size)
+        total = sum(map(len, order))
+        progress = Progress(len(order), total, enabled=not args.no_progress)
+        restored = computed = reused = written = 0
+        details = []
+        counting = CountingStore(store)
+
+        def report(done: int, _total: int) -> None:
+            # Tokens/s counts what the model ran, not what the store restored.
+            progress.update(done, computed + max(0, done - counting.restored))
+
+        start = time.perf_counter()
+        try:
+            for ids in order:
+                counting.reset()
+                with kv_quantization_errors(args):
+                    cache, _ = prefill(
+                        model,
+                        list(ids),
+                        counting,
+                        blocks_per_chunk=blocks_per_chunk,
+                        progress=report,
+                    )
+                # prefill stores up to the last token (where an identical prompt resumes);
+                # the full prompt is stored as well, for prompts that extend it.
+                counting.store(list(ids), cache)
+                details.append(
+                    {
+                        "input": seen[ids],
+                        "tokens": len(ids),
+                        "restored": counting.restored,
+                        "new_blocks": counting.new_blocks,
+                    }
+                )
+                restored += counting.restored
+                computed += len(ids) - counting.restored
+                reused += blocks_of(counting.restored, bs)
+                written += counting.new_blocks
+                progress.prompt_done(len(ids))
+            store.flush()
+        finally:
+            progress.close()
+        seconds = time.perf_counter() - start
+        stats = store.stats()
+    summary = {
+        "store": store.path,
+        "block_size": bs,
+        "prompts": len(order),
+        "duplicates": len(inputs) - len(order),
+        "tokens": total,
+        "tokens_restored": restored,
+        "tokens_computed": computed,
+        "blocks_written": written,
+        "blocks_reused": reused,
+        "blocks_in_store": stats["blocks"],
+        "bytes_on_disk": stats["bytes_on_disk"],
+        "bytes_added": stats["bytes_on_disk"] - before,
+        "write_errors": stats["write_errors"],
+        "seconds": round(seconds, 3),
+        "tokens_per_second": round(computed / seconds, 1) if seconds > 0 else 0.0,
+        "per_prompt": details,
+    }
+    emit(summary, args.json, _render)
+    if stats["write_errors"]:
+        print(
+            f"error: {stats['write_errors']} block writes failed (see the log above)",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def build_parser():
+    """The argument parser of ``ppc precompute``."""
+    parser = make_parser(
+        "precompute",
+        "Fill a store from prompts ahead of time, offline: text files, JSONL or stdin.",
+    )
+    parser.add_argument(
+        "inputs",
+        nargs="*",
+        metavar="INPUT",
+        help="text file (one prompt), JSONL file ({'prompt': ...} or {'messages': [...]} "
+        "per line), or '-' for stdin (default: stdin when piped)",
+    )
+    add_model_option(parser)
+    add_store_option(parser)
+    add_block_size_option(parser)
+    parser.add_argument(
+        "--format",
+        choices=["auto", "text", "jsonl"],
+        default="auto",
+        help="how to read inputs (default: auto: JSONL for .jsonl/.ndjson files, and for "
+        "stdin when its first line is a JSON prompt object; text otherwise)",
+    )
+    add_template_options(parser)
+    add_prefill_option(parser)
+    parser.add_argument("--no-progress", action="store_true", help="do not draw a progress line")
+    add_json_option(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``ppc precompute``.
+
+    Args:
+        argv: The arguments after ``precompute`` (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit code: 0 on success, 2 on a user error, 1 if block writes failed.
+    """
+    args = build_parser().parse_args(argv)
+    return run(lambda: _precompute(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

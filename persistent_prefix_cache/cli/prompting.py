@@ -1,0 +1,406 @@
+"""Private helpers shared by ``ppc precompute`` and ``ppc generate``.
+
+Both commands turn text into tokens the way mlx-lm's own tools do (so that a prompt
+precomputed here and a prompt typed into ``ppc generate`` share their token prefix),
+open the store with checks that turn a mismatched store into a clear message, and
+count what the store restored and wrote during a `prefill`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from typing import Any, Iterator, Sequence
+
+from .common import UserError, open_store, store_path
+
+# Tokens per forward pass for models whose every layer is sliceable (mlx-lm's default).
+DEFAULT_PREFILL_STEP_SIZE = 2048
+
+
+# -- options ------------------------------------------------------------------------------
+
+
+def add_block_size_option(parser: argparse.ArgumentParser) -> None:
+    """``--block-size N``: tokens per block of a new store (an existing store keeps its own)."""
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="tokens per block when the store is created (default: 64); "
+        "an existing store must be given its own value or none",
+    )
+
+
+def add_template_options(parser: argparse.ArgumentParser) -> None:
+    """The chat-template options of ``mlx_lm.generate``."""
+    parser.add_argument(
+        "--system-prompt", default=None, help="system prompt to be used for the chat template"
+    )
+    parser.add_argument(
+        "--ignore-chat-template",
+        action="store_true",
+        help="use the raw prompt without the tokenizer's chat template",
+    )
+    parser.add_argument(
+        "--chat-template-config",
+        default=None,
+        help="additional keyword arguments for apply_chat_template, as a JSON object",
+    )
+
+
+def add_prefill_option(parser: argparse.ArgumentParser) -> None:
+    """``--prefill-step-size N``: tokens per forward pass while prefilling."""
+    parser.add_argument(
+        "--prefill-step-size",
+        type=int,
+        default=None,
+        help=f"prompt tokens per forward pass, rounded down to whole blocks (default: "
+        f"{DEFAULT_PREFILL_STEP_SIZE}; one block for models with recurrent or sliding-window "
+        "layers, so that they can resume at every block boundary)",
+    )
+
+
+def template_kwargs(args: argparse.Namespace) -> dict:
+    """The parsed ``--chat-template-config``.
+
+    Raises:
+        UserError: If it is not a JSON object.
+    """
+    if args.chat_template_config is None:
+        return {}
+    try:
+        value = json.loads(args.chat_template_config)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"--chat-template-config is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise UserError(
+            "--chat-template-config must be a JSON object, e.g. '{\"enable_thinking\": false}'"
+        )
+    return value
+
+
+def check_positive(name: str, value: int | None) -> None:
+    """Raise a `UserError` unless `value` is None or at least 1."""
+    if value is not None and value < 1:
+        raise UserError(f"{name} must be at least 1, got {value}")
+
+
+# -- prompts to tokens --------------------------------------------------------------------
+
+
+def uses_chat_template(tokenizer: Any, args: argparse.Namespace) -> bool:
+    """Whether prompts go through the chat template (as in ``mlx_lm.generate``)."""
+    return not args.ignore_chat_template and bool(getattr(tokenizer, "has_chat_template", False))
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: list,
+    *,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    kwargs: dict,
+    where: str,
+) -> list[int]:
+    """Apply the chat template to `messages` and tokenize the text as mlx-lm does.
+
+    Args:
+        tokenizer: The mlx-lm tokenizer wrapper.
+        messages: Chat messages (dicts with ``role`` and ``content``).
+        add_generation_prompt: Append the assistant header (a prompt to answer).
+        continue_final_message: Leave the last message open (a prefix to extend).
+        kwargs: Extra keyword arguments for ``apply_chat_template``.
+        where: Names the input in error messages.
+
+    Returns:
+        The token ids.
+
+    Raises:
+        UserError: If the template cannot render the messages.
+    """
+    try:
+        text = tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **kwargs,
+        )
+    except Exception as exc:  # jinja and transformers raise many kinds; all mean "bad input"
+        raise UserError(f"{where}: the chat template cannot render it: {exc}") from None
+    # The template already wrote any special tokens: do not let the tokenizer add a BOS.
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def encode_raw(tokenizer: Any, text: str) -> list[int]:
+    """Tokenize text without a chat template (the tokenizer adds its BOS, as mlx-lm does)."""
+    return list(tokenizer.encode(text))
+
+
+# -- the store ----------------------------------------------------------------------------
+
+
+def check_store_path(args: argparse.Namespace) -> str:
+    """The ``--store`` path, if it is a store or a place where one can be made.
+
+    Called before the model loads, so a wrong path fails at once.
+
+    Raises:
+        UserError: If no store was given, the path is a file, or it is a folder with
+            other files in it (a store is never created among unrelated files).
+    """
+    path = store_path(args)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"--store {path}: not a directory")
+    if os.path.isdir(path) and not os.path.isdir(os.path.join(path, "index")) and os.listdir(path):
+        raise UserError(
+            f"--store {path}: folder has files but no store in it (no index/); "
+            "give a new or empty folder"
+        )
+    return path
+
+
+def open_checked_store(
+    args: argparse.Namespace, model: Any, local_path: str | None, *, need_write: bool, **kwargs
+):
+    """Open ``--store`` for `model`, refusing a store that cannot be meant for it.
+
+    A store directory may hold several models. What is refused: a folder that is not
+    a store but already has files in it, a ``--block-size`` other than the store's,
+    and a store that holds this very model only under another KV layout (a
+    ``--kv-bits``/``--kv-group-size`` that differs from the one it was filled with).
+    A store that holds only other models opens, with a note on stderr; so does a store
+    this process cannot write to, unless `need_write`.
+
+    Args:
+        args: Parsed options (``--store``, ``--block-size``, ``--namespace``, ``--kv-bits``...).
+        model: The loaded model.
+        local_path: The model folder, so the fingerprint is remembered by the store.
+        need_write: Refuse a store this process cannot write to (else it serves hits only).
+        kwargs: More keyword arguments for `PersistentPrefixCache`.
+
+    Returns:
+        The open `PersistentPrefixCache`.
+
+    Raises:
+        UserError: If the store does not fit the options (see above).
+    """
+    path = check_store_path(args)
+    exists = os.path.isdir(os.path.join(path, "index"))
+    # An existing store keeps its block size: compare rather than pass it, so the
+    # message can name the option the user typed.
+    block_size = None if exists else getattr(args, "block_size", None)
+    with warnings.catch_warnings(record=True) as caught:
+        # The store warns (e.g. "not writable: serving hits only"); say it as one line.
+        warnings.simplefilter("always")
+        store = open_store(args, model, local_path, block_size=block_size, **kwargs)
+    notes = [str(w.message) for w in caught]
+    try:
+        if need_write and store.readonly:
+            raise UserError(
+                f"store {store.path} is not writable; give a store directory you can write to"
+            )
+        wanted = getattr(args, "block_size", None)
+        if wanted is not None and wanted != store.block_size:
+            raise UserError(
+                f"store {store.path} uses --block-size {store.block_size}, not {wanted}: "
+                "omit --block-size, or use another store directory"
+            )
+        notes.append(_check_models(store))
+    except BaseException:
+        store.close()
+        raise
+    for note in filter(None, notes):
+        print(f"note: {note}", file=sys.stderr)
+    return store
+
+
+def _kv_options(signature: str) -> str:
+    """The ``--kv-bits`` options a layout signature was made with, for messages."""
+    from ..layers import kv_quantization
+
+    quantized = kv_quantization(signature)
+    if quantized:
+        return f"--kv-bits {quantized[0]} --kv-group-size {quantized[1]}"
+    return "no --kv-bits"
+
+
+def _check_models(store: Any) -> str | None:
+    """Compare the models stored with the one opened; raise on a KV-layout mismatch.
+
+    Returns:
+        A note for stderr when the store holds nothing of this model, else None.
+    """
+    stored = store.stored_models()
+    ours = store.root.hex()
+    if any(d["root"] == ours for d in stored):
+        return None  # this model, layout and namespace already have blocks
+    others = [d for d in stored if d["root"] != ours]
+    if not others:
+        return None
+    layout = store.layout.signature
+    same_model = [d for d in others if d.get("fingerprint") == store.fingerprint]
+    for desc in same_model:
+        if desc.get("namespace") == store.namespace and desc.get("layout") != layout:
+            theirs, mine = _kv_options(desc.get("layout", "")), _kv_options(layout)
+            if theirs == mine:
+                theirs, mine = desc.get("layout"), layout
+            raise UserError(
+                f"store {store.path} holds this model's KV made with {theirs}, but this run "
+                f"asks for {mine}: pass the same options it was filled with, "
+                "or use another store directory"
+            )
+    if same_model:
+        spaces = sorted({repr(d.get("namespace", "")) for d in same_model})
+        return (
+            f"store {store.path} holds this model only under --namespace "
+            f"{', '.join(spaces)} (this run: {store.namespace!r}); nothing will be restored"
+        )
+    return (
+        f"store {store.path} holds KV of {len(others)} other model(s) and none of --model; "
+        "nothing will be restored (is --model the one the store was filled with?)"
+    )
+
+
+@contextlib.contextmanager
+def kv_quantization_errors(args: argparse.Namespace) -> Iterator[None]:
+    """Turn MLX's refusal of a ``--kv-bits``/``--kv-group-size`` into a `UserError`.
+
+    MLX only finds out that a group size does not divide the model's head dimension
+    when it first quantizes a key, deep inside a forward pass.
+    """
+    try:
+        yield
+    except ValueError as exc:
+        if getattr(args, "kv_bits", None) is not None and "quantiz" in str(exc).lower():
+            raise UserError(
+                f"--kv-bits {args.kv_bits} --kv-group-size {args.kv_group_size} does not fit "
+                f"this model ({exc}); try --kv-group-size 32"
+            ) from None
+        raise
+
+
+def prefill_step_blocks(store: Any, step_tokens: int | None) -> int:
+    """Blocks per forward pass for `prefill`.
+
+    A model whose layers are all sliced along the sequence (``KVCache``,
+    ``QuantizedKVCache``) can resume at any block boundary whatever the chunking, so
+    it prefills in large steps; any other layer resumes only where a chunk ended, so
+    such models default to one block per step.
+    """
+    from ..layers import all_sliced
+
+    if step_tokens is None:
+        sliceable = all_sliced(store.make_cache())
+        step_tokens = DEFAULT_PREFILL_STEP_SIZE if sliceable else store.block_size
+    return max(1, step_tokens // store.block_size)
+
+
+class CountingStore:
+    """A stand-in for the store that `prefill` talks to, counting restored tokens and
+    new blocks (prefill returns only the cache and logits).
+
+    Args:
+        store: The `PersistentPrefixCache` to forward to.
+    """
+
+    def __init__(self, store: Any):
+        self._store = store
+        self.block_size = store.block_size
+        self.restored = 0
+        self.new_blocks = 0
+
+    def reset(self) -> None:
+        """Zero the counters (before the next prompt)."""
+        self.restored = 0
+        self.new_blocks = 0
+
+    def fetch(self, tokens: Any):
+        """`PersistentPrefixCache.fetch`, remembering how many tokens it restored."""
+        cache, remaining = self._store.fetch(tokens)
+        self.restored = len(tokens) - len(remaining) if cache is not None else 0
+        return cache, remaining
+
+    def store(self, tokens: Any, cache: Sequence[Any]) -> int:
+        """`PersistentPrefixCache.store`, adding up the new blocks."""
+        new = self._store.store(tokens, cache)
+        self.new_blocks += new
+        return new
+
+    def make_cache(self) -> list:
+        """`PersistentPrefixCache.make_cache`."""
+        return self._store.make_cache()
+
+
+def blocks_of(tokens: int, block_size: int) -> int:
+    """How many blocks `tokens` positions touch."""
+    return math.ceil(tokens / block_size)
+
+
+# -- progress -----------------------------------------------------------------------------
+
+
+class Progress:
+    """A one-line progress display on stderr, redrawn in place on a terminal.
+
+    Off a terminal (a log file, CI) it stays silent: the summary says it all, and a
+    file full of carriage returns helps nobody.
+
+    Args:
+        total_prompts: Prompts to process.
+        total_tokens: Tokens in all prompts.
+        enabled: False to draw nothing.
+    """
+
+    WIDTH = 24
+
+    def __init__(self, total_prompts: int, total_tokens: int, *, enabled: bool = True):
+        self.total_prompts = total_prompts
+        self.total_tokens = total_tokens
+        self.enabled = enabled and sys.stderr.isatty()
+        self.start = time.perf_counter()
+        self.prompts_done = 0
+        self.tokens_before = 0  # tokens of the prompts already finished
+        self.computed = 0  # tokens actually run through the model
+        self._last = 0.0
+        self._width = 0
+
+    def update(self, done_in_prompt: int, computed: int, *, force: bool = False) -> None:
+        """Redraw with `done_in_prompt` tokens of the current prompt covered, `computed`
+        tokens prefilled so far in total."""
+        self.computed = computed
+        now = time.perf_counter()
+        if not self.enabled or (not force and now - self._last < 0.1):
+            return
+        self._last = now
+        done = self.tokens_before + done_in_prompt
+        frac = done / self.total_tokens if self.total_tokens else 1.0
+        filled = int(frac * self.WIDTH)
+        rate = self.computed / max(now - self.start, 1e-9)
+        line = (
+            f"\r[{'#' * filled}{'.' * (self.WIDTH - filled)}] "
+            f"{self.prompts_done}/{self.total_prompts} prompts  "
+            f"{done:,}/{self.total_tokens:,} tokens  {rate:,.0f} tok/s"
+        )
+        self._width = max(self._width, len(line))
+        sys.stderr.write(line.ljust(self._width))
+        sys.stderr.flush()
+
+    def prompt_done(self, n_tokens: int) -> None:
+        """Count one finished prompt of `n_tokens` tokens."""
+        self.prompts_done += 1
+        self.tokens_before += n_tokens
+        self.update(0, self.computed, force=True)
+
+    def close(self) -> None:
+        """End the progress line."""
+        if self.enabled and self._width:
+            sys.stderr.write("\n")
+            sys.stderr.flush()

@@ -1,0 +1,218 @@
+"""``ppc serve``: mlx-lm's OpenAI-compatible server with a persistent prompt cache.
+
+This runs mlx-lm's own ``mlx_lm.server`` (every option of it works, and is passed
+through), with one change: the in-memory ``LRUPromptCache`` it builds is replaced by a
+`PersistentLRUPromptCache`, so prompt caches are also written to the store and a
+restarted server restores shared prefixes (system prompts, chat histories) from disk.
+How the class gets into the server: `compat.server_patch`.
+
+What is persisted: every cache the server inserts (system-prompt segments, finished
+prompts with their generated tokens), on both its batched and its sequential path.
+Caches the store cannot hold stay in memory only, with one warning: KV the server has
+quantized (``--kv-bits`` past ``--quantized-kv-start``) and prompts with images.
+
+One behaviour differs from a stock server on purpose: an exact in-memory hit is served
+as all but the last token (``keep_last_token``), because mlx-lm 0.32.2's batched path
+stops its generation thread on an empty rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from .common import UserError, add_store_option, parse_size, run, store_path
+
+log = logging.getLogger("persistent_prefix_cache.serve")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ppc serve",
+        description=(
+            "Run mlx_lm.server with its prompt cache kept in a store, so a restarted "
+            "server restores shared prefixes from disk. Options not listed here go to "
+            "mlx_lm.server (--model, --host, --port, --prompt-cache-size, ...)."
+        ),
+        usage="ppc serve --model M --store S [store options] [mlx_lm.server options]",
+        add_help=False,
+        # Never let a prefix of one of our options swallow an mlx_lm.server option.
+        allow_abbrev=False,
+    )
+    parser.add_argument("-h", "--help", action="store_true", help="show this help and exit")
+    parser.add_argument(
+        "--model", metavar="M", help="model folder or hub id (passed to mlx_lm.server)"
+    )
+    add_store_option(parser)
+    parser.add_argument(
+        "--namespace", default="", metavar="NAME", help="tenant or cache salt (default: none)"
+    )
+    parser.add_argument(
+        "--store-memory-bytes",
+        type=parse_size,
+        metavar="SIZE",
+        default=None,
+        help="RAM for the store's block tier, besides the server's own prompt cache "
+        "(default: the library's, 512MiB; 0 turns it off)",
+    )
+    parser.add_argument(
+        "--store-disk-bytes",
+        type=parse_size,
+        metavar="SIZE",
+        default=None,
+        help="disk budget of the store; least recently used blocks go first "
+        "(default: unbounded)",
+    )
+    parser.add_argument(
+        "--store-block-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokens per block of a new store",
+    )
+    parser.add_argument(
+        "--store-readonly", action="store_true", help="restore from the store, never write it"
+    )
+    return parser
+
+
+def _store_options(args: argparse.Namespace) -> dict[str, Any]:
+    options: dict[str, Any] = {"namespace": args.namespace, "readonly": args.store_readonly}
+    if args.store_memory_bytes is not None:
+        options["memory_bytes"] = args.store_memory_bytes
+    if args.store_disk_bytes is not None:
+        options["disk_bytes"] = args.store_disk_bytes
+    if args.store_block_size is not None:
+        options["block_size"] = args.store_block_size
+    return options
+
+
+def _print_help(parser: argparse.ArgumentParser) -> int:
+    parser.print_help()
+    print("\nmlx_lm.server options (passed through):\n")
+    sys.stdout.flush()
+    saved = sys.argv
+    sys.argv = ["ppc serve", "--help"]
+    try:
+        from mlx_lm import server
+
+        server.main()
+    except SystemExit:
+        pass
+    finally:
+        sys.argv = saved
+    return 0
+
+
+def _serve(args: argparse.Namespace, server_argv: list[str]) -> int:
+    path = store_path(args)
+    if args.store_readonly and not os.path.isdir(os.path.join(path, "index")):
+        raise UserError(f"--store-readonly: no store at {path}")
+    if args.model is not None:
+        if args.model.startswith((".", "/", "~")) and not os.path.isdir(
+            os.path.expanduser(args.model)
+        ):
+            raise UserError(f"--model {args.model}: no such folder")
+        server_argv = ["--model", os.path.expanduser(args.model), *server_argv]
+    if not args.store_readonly:
+        _check_writable(path)  # fail now, not at the first request
+
+    from mlx_lm import server
+
+    from ..compat.server_patch import ProviderStores, check_server, patched_server
+
+    check_server(server)  # before importing our class, which needs the same mlx-lm
+
+    from ..compat.lru_prompt_cache import PersistentLRUPromptCache
+
+    options = _store_options(args)
+
+    def make_cache(provider, max_size, max_bytes):
+        return PersistentLRUPromptCache(
+            ProviderStores(path, options, provider),
+            max_size=max_size,
+            max_bytes=max_bytes,
+            keep_last_token=True,  # an exact hit would stop mlx-lm 0.32's batched path
+        )
+
+    # mlx_lm.server stops cleanly (stops its generation thread) on KeyboardInterrupt;
+    # make SIGTERM do the same so pending block writes are flushed on `kill`.
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    saved_argv = sys.argv
+    sys.argv = ["ppc serve", *server_argv]
+    try:
+        with patched_server(server, make_cache) as built:
+            try:
+                server.main()
+            finally:
+                cache = built.get("cache")
+                if cache is not None:
+                    stats = cache.persistent_stats()
+                    cache.close()  # waits for pending block writes
+                    log.info(
+                        "persistent prompt cache closed: %d prompts restored from the store "
+                        "(%d tokens), %d written, %d kept in memory only",
+                        stats["store_hits"],
+                        stats["restored_tokens"],
+                        stats["stored_sequences"],
+                        stats["store_skipped"],
+                    )
+    except SystemExit as exc:  # mlx_lm.server's argparse: usage already printed
+        return exc.code if isinstance(exc.code, int) else 2
+    finally:
+        sys.argv = saved_argv
+        signal.signal(signal.SIGTERM, previous)
+    if built.get("cache") is not None:
+        _exit_now(0)
+    return 0
+
+
+def _exit_now(code: int) -> None:
+    """Leave the process without interpreter teardown, once the server has stopped.
+
+    mlx_lm.server (0.32.2 with mlx 0.32.4, measured here: 8 of 15 clean SIGINT stops of
+    a stock server) often dies in native code during interpreter teardown ("terminate
+    called without an active exception", SIGABRT), after all its work is done. The
+    stores are closed by now, so skipping the teardown loses nothing and keeps the exit
+    code meaningful for supervisors.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _check_writable(path: str) -> None:
+    # The store opens at the first request; a directory that cannot be created there
+    # should stop the server before it starts, with a message.
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--store {path}: {exc.strerror or exc}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``ppc serve``.
+
+    Args:
+        argv: Our options and mlx_lm.server's (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit code, when the server could not start (bad options, a store that cannot
+        be opened). Once the server has run and stopped, the process exits here (code 0)
+        without interpreter teardown: see `_exit_now`.
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.help:
+        return _print_help(parser)
+    return run(lambda: _serve(args, rest))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

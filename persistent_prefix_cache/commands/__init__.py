@@ -1,1 +1,0 @@
-"""One module per ``ppc`` subcommand, each with ``main(argv) -> int``."""

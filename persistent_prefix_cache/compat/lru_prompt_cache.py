@@ -1,0 +1,298 @@
+"""`PersistentLRUPromptCache`: mlx-lm's `LRUPromptCache`, with a store behind it.
+
+``mlx_lm.server`` keeps the KV caches of recent prompts in an in-memory
+``LRUPromptCache`` and loses them when the process stops. This class is a drop-in
+replacement: it *is* that in-memory LRU (a subclass, so every method the server calls
+behaves as before), and it puts a `PersistentPrefixCache` behind it:
+
+- ``insert_cache`` writes through: the cache goes into the in-memory LRU as before and
+  its new blocks into the store (written on the store's writer thread).
+- ``fetch_nearest_cache`` reads through: it asks the in-memory LRU first and, unless
+  that was an exact hit, the store's index; blocks are loaded only when the store
+  covers more of the prompt than memory (after a restart memory holds nothing, so the
+  store answers).
+
+The answers have mlx-lm's shape: ``(cache, rest)`` where ``cache`` covers
+``len(tokens) - len(rest)`` tokens (None on a miss, with ``rest`` the whole prompt).
+One difference: an answer from the store never covers the whole prompt (``rest`` keeps
+at least the last token), while the in-memory LRU gives ``rest == []`` on an exact hit.
+Recomputing one token gives the same output, and mlx-lm 0.32's batched path cannot
+start a sequence from an empty ``rest`` (``keep_last_token=True`` treats exact
+in-memory hits the same way).
+
+The store holds one model's KV (its layout and fingerprint are fixed when it opens),
+while the server keys caches by a model key and may load several models over its life.
+Give the class either one store (every key shares it: a single-model server) or a
+function from model key to store, called the first time a key is seen.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from typing import Any, Callable, Hashable, Sequence, Union
+
+from mlx_lm.models.cache import LRUPromptCache
+
+from ..errors import InvalidArgumentError
+from ..layers import cache_length, can_trim, offset_trimmable, trim
+from ..store import PersistentPrefixCache
+from .through import StoreLink, WarnOnce
+
+log = logging.getLogger(__name__)
+
+_INT32_MAX = 2**31 - 1
+_NO_LIMIT = 1 << 63
+
+#: A store, or a function giving the store for a model key (None: memory only).
+StoreSource = Union[PersistentPrefixCache, Callable[[Hashable], Union[PersistentPrefixCache, None]]]
+
+
+class PersistentLRUPromptCache(LRUPromptCache):
+    """mlx-lm's in-memory prompt cache with a persistent store behind it.
+
+    Args:
+        store: A `PersistentPrefixCache` used for every model key, or a callable
+            ``store(model_key) -> PersistentPrefixCache | None`` called once per new key
+            (None means: keep that model's caches in memory only; the callable is asked
+            again for that key next time). Stores the callable opens are closed by
+            `close`; a store passed in directly is only flushed (its owner closes it).
+        max_size: Most sequences the in-memory LRU holds (as mlx-lm's ``max_size``).
+        max_bytes: Most bytes the in-memory LRU holds (as mlx-lm's ``max_bytes``).
+        keep_last_token: Turn an exact in-memory hit (``rest == []``) into a hit on all
+            but the last token when the cache can be trimmed. mlx-lm 0.32's server
+            cannot continue from an empty ``rest`` on its batched path (its generation
+            thread dies with "Sequence has an empty prompt"); ``ppc serve`` sets this.
+
+    Raises:
+        InvalidArgumentError: If `store` is neither a store nor callable.
+    """
+
+    def __init__(
+        self,
+        store: StoreSource,
+        max_size: int = 10,
+        max_bytes: int = _NO_LIMIT,
+        *,
+        keep_last_token: bool = False,
+    ):
+        super().__init__(max_size=max_size, max_bytes=max_bytes)
+        self.keep_last_token = keep_last_token
+        if isinstance(store, PersistentPrefixCache):
+            self._shared_store, self._open_store = store, None
+        elif callable(store):
+            self._shared_store, self._open_store = None, store
+        else:
+            raise InvalidArgumentError(
+                f"store must be a PersistentPrefixCache or a callable, got {type(store).__name__}"
+            )
+        self._stores: dict[Hashable, PersistentPrefixCache] = {}
+        self._failed: set[Hashable] = set()
+        self._warn_once = WarnOnce(lambda message: log.warning("persistent prompt cache: %s", message))
+        self._lock = threading.Lock()
+        self._counters = dict.fromkeys(
+            ("store_hits", "restored_tokens", "stored_sequences", "store_skipped"), 0
+        )
+
+    # -- the interface mlx_lm.server uses (the rest is inherited) -------------------
+
+    def fetch_nearest_cache(self, model: Hashable, tokens: list[int]) -> tuple[list | None, list]:
+        """The cache of the longest known prefix of `tokens`, from memory or the store.
+
+        Args:
+            model: The model key (as the server passes it).
+            tokens: The prompt tokens.
+
+        Returns:
+            ``(cache, rest)``: a fresh cache the caller may extend (None on a miss) and
+            the tokens it does not cover, as mlx-lm's ``LRUPromptCache`` returns them.
+        """
+        cache, rest = super().fetch_nearest_cache(model, tokens)
+        if len(rest) == 0 and len(tokens) and cache is not None:
+            # An exact hit in memory: nothing can cover more.
+            if self.keep_last_token and can_trim(cache):
+                trim(cache, 1)
+                return cache, tokens[-1:]
+            return cache, rest
+        if not _storable(tokens):
+            return cache, rest  # tokens a store cannot key (image placeholders)
+        store = self.store_for(model)
+        if store is None:
+            return cache, rest
+        in_memory = len(tokens) - len(rest)
+        # Usually memory covers as much as the store (every insert went to both): then
+        # the store loads nothing.
+        restored, remaining = self._link(model, store).read(tokens, in_memory)
+        from_store = len(tokens) - len(remaining)
+        if restored is None or from_store <= in_memory:
+            return cache, rest
+        with self._lock:
+            self._counters["store_hits"] += 1
+            self._counters["restored_tokens"] += from_store
+        # Tests and operators read this line: keep its wording stable.
+        log.info(
+            "Restored %d of %d prompt tokens from the persistent store %s (memory had %d)",
+            from_store,
+            len(tokens),
+            store.path,
+            in_memory,
+        )
+        return restored, tokens[from_store:]
+
+    def insert_cache(
+        self,
+        model: Hashable,
+        tokens: list[int],
+        prompt_cache: list[Any],
+        *,
+        cache_type: str = "assistant",
+    ) -> None:
+        """Keep `prompt_cache` in memory (as mlx-lm does) and write its new blocks through.
+
+        Caches the store cannot hold (another layout, e.g. KV quantized by the server
+        past ``--quantized-kv-start``; image placeholder ids in `tokens`) stay in memory
+        only; a warning says so once per model and reason.
+
+        Args:
+            model: The model key.
+            tokens: The tokens `prompt_cache` covers.
+            prompt_cache: The cache layers; the in-memory LRU keeps this object.
+            cache_type: ``"assistant"``, ``"user"`` or ``"system"`` (mlx-lm's eviction
+                order).
+        """
+        super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        store = self.store_for(model) if len(tokens) else None
+        if store is None:
+            return
+        if not _storable(tokens):
+            self._skip(model, "tokens", "token ids outside [0, 2**31) are kept in memory only")
+            return
+        try:
+            prompt_cache = _even_lengths(prompt_cache)
+            covered = cache_length(prompt_cache)
+            if covered is not None and covered < len(tokens):
+                # Keys may run ahead of the KV (a token sampled but not yet fed).
+                tokens = tokens[:covered]
+            elif covered is not None and covered > len(tokens):
+                self._skip(model, "length", "a cache longer than its tokens is kept in memory only")
+                return
+        except Exception as exc:  # a cache the adapters cannot measure: memory only
+            self._skip(model, type(exc), f"not persisted ({exc}); kept in memory only")
+            return
+        if not self._link(model, store).write(tokens, prompt_cache):
+            with self._lock:
+                self._counters["store_skipped"] += 1
+            return
+        with self._lock:
+            self._counters["stored_sequences"] += 1
+
+    # -- the persistent side ------------------------------------------------------------
+
+    def store_for(self, model: Hashable) -> PersistentPrefixCache | None:
+        """The store holding `model`'s caches, opening it on first use.
+
+        Args:
+            model: The model key.
+
+        Returns:
+            The store, or None if this model's caches stay in memory only.
+        """
+        if self._shared_store is not None:
+            return self._shared_store
+        with self._lock:
+            if model in self._stores:
+                return self._stores[model]
+            if model in self._failed:
+                return None
+            try:
+                store = self._open_store(model)
+            except Exception as exc:
+                # Opening again on every request would repeat the cost and the error.
+                self._failed.add(model)
+                log.warning("cannot open a store for model %r: %s; memory only", model, exc)
+                return None
+            if store is not None:
+                self._stores[model] = store
+            return store
+
+    def persistent_stats(self) -> dict[str, Any]:
+        """Counters of the persistent side and each open store's `stats()`.
+
+        Returns:
+            store_hits (fetches answered by the store), restored_tokens,
+            stored_sequences (inserts written through), store_skipped (inserts kept in
+            memory only), and ``stores``: a list of ``{"model", "path", "stats"}``.
+        """
+        with self._lock:
+            out: dict[str, Any] = dict(self._counters)
+            stores = list(self._stores.items())
+        if self._shared_store is not None:
+            stores = [(None, self._shared_store)]
+        out["stores"] = [
+            {"model": key, "path": s.path, "stats": s.stats()} for key, s in stores if not s.closed
+        ]
+        return out
+
+    def flush(self) -> None:
+        """Wait until every store's pending writes are on disk."""
+        for store in self._open_stores():
+            store.flush()
+
+    def close(self) -> None:
+        """Flush every store; close the ones this object opened. Safe to call twice."""
+        if self._shared_store is not None:
+            if not self._shared_store.closed:
+                self._shared_store.flush()
+            return
+        with self._lock:
+            stores, self._stores = list(self._stores.values()), {}
+        for store in stores:
+            store.close()
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def _open_stores(self) -> list[PersistentPrefixCache]:
+        if self._shared_store is not None:
+            return [] if self._shared_store.closed else [self._shared_store]
+        with self._lock:
+            return list(self._stores.values())
+
+    def _link(self, model: Hashable, store: PersistentPrefixCache) -> StoreLink:
+        # Never fail a request for the store's sake: every error is a warning there.
+        def warn(cause, message):
+            self._warn_once((model, *cause), message)
+
+        return StoreLink(store, warn=warn, errors=(Exception,))
+
+    def _skip(self, model: Hashable, reason: Any, message: str) -> None:
+        with self._lock:
+            self._counters["store_skipped"] += 1
+        self._warn_once(("insert", model, reason), message)
+
+
+def _even_lengths(cache: list[Any]) -> list[Any]:
+    """`cache` itself, or a view trimmed to its shortest layer if layers differ in length.
+
+    With speculative decoding the server's cache is the model's layers followed by the
+    draft model's, and they may end a token or two apart; the common prefix is still
+    a valid cache. The view shares the caller's arrays (trimming only moves offsets).
+    """
+    lengths = [cache_length([layer]) for layer in cache]
+    known = {n for n in lengths if n is not None}
+    if len(known) < 2:
+        return cache
+    if not all(offset_trimmable(layer) for layer in cache):
+        return cache  # store() then refuses it, and it stays in memory only
+    shortest = min(known)
+    view = []
+    for layer, n in zip(cache, lengths):
+        layer = copy.copy(layer)
+        layer.trim(n - shortest)
+        view.append(layer)
+    return view
+
+
+def _storable(tokens: Sequence[int]) -> bool:
+    """True if a store can key `tokens` (mlx-lm marks image positions with ids < 0)."""
+    return len(tokens) > 0 and min(tokens) >= 0 and max(tokens) <= _INT32_MAX

@@ -1,0 +1,210 @@
+"""How ``ppc serve`` gives ``mlx_lm.server`` a persistent prompt cache.
+
+``mlx_lm.server.main`` parses its options and calls the module's ``run(host, port,
+model_provider)``, which builds ``LRUPromptCache(prompt_cache_size)`` and hands it to
+the ``ResponseGenerator``. `patched_server` replaces two names in the ``mlx_lm.server``
+module while the server runs: ``run`` by a wrapper that notes the ``ModelProvider`` and
+calls the original, and ``LRUPromptCache`` by a factory of our class. The server keys
+caches by ``model_provider.model_key`` and loads one model at a time; `ProviderStores`
+opens one store handle per model key (all in one directory, told apart by each model's
+fingerprint) from the model the provider has loaded. Nothing else in mlx-lm is touched,
+and both names are put back when the server returns.
+
+With ``--draft-model`` the store holds the model's and the draft's layers together
+under a fingerprint of both. With ``--adapter-path`` the weights are hashed at every
+start (an adapter changes the KV without changing the model folder the hash is
+remembered by).
+
+Checked against the source of mlx-lm 0.31.3, 0.32.0, 0.32.1 and 0.32.2 (tested on
+0.32.2). Versions up to 0.31.1 defined a different ``LRUPromptCache`` (no
+``cache_type``); `check_server` refuses any server whose structure differs from what the
+patch relies on, with a message, instead of running uncached.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from contextlib import contextmanager
+from typing import Any, Callable, Hashable, Iterator
+
+from ..errors import UnsupportedServerError
+from ..fingerprint import fingerprint_model
+from ..layers import model_cache
+from ..store import PersistentPrefixCache
+
+log = logging.getLogger("persistent_prefix_cache.serve")
+
+CHECKED_MLX_LM_VERSIONS = ("0.31.3", "0.32.0", "0.32.1", "0.32.2")
+_CACHE_METHODS = ("fetch_nearest_cache", "insert_cache", "trim_to", "stats_by_type")
+
+
+def check_server(server: Any) -> None:
+    """Verify that `server` (the ``mlx_lm.server`` module) has the structure we patch.
+
+    Args:
+        server: The imported ``mlx_lm.server`` module.
+
+    Raises:
+        UnsupportedServerError: Naming what differs, the installed mlx-lm version and
+            the checked ones.
+    """
+    problems = []
+    for name in ("main", "run", "LRUPromptCache", "ModelProvider", "ResponseGenerator"):
+        if not hasattr(server, name):
+            problems.append(f"mlx_lm.server has no {name}")
+    if not problems:
+        cls = server.LRUPromptCache
+        # Our class extends mlx_lm.models.cache.LRUPromptCache: it must be the server's.
+        try:
+            from mlx_lm.models.cache import LRUPromptCache
+        except ImportError:
+            LRUPromptCache = None
+        if LRUPromptCache is not cls:
+            problems.append("its LRUPromptCache is not mlx_lm.models.cache.LRUPromptCache")
+        missing = [m for m in _CACHE_METHODS if not callable(getattr(cls, m, None))]
+        if missing:
+            problems.append(f"LRUPromptCache lacks {', '.join(missing)}")
+        elif "cache_type" not in inspect.signature(cls.insert_cache).parameters:
+            problems.append("LRUPromptCache.insert_cache takes no cache_type")
+        if not isinstance(getattr(cls, "nbytes", None), property):
+            problems.append("LRUPromptCache.nbytes is not a property")
+        params = list(inspect.signature(server.run).parameters)
+        if params[:3] != ["host", "port", "model_provider"]:
+            problems.append(f"run() takes {params}, not (host, port, model_provider, ...)")
+        # Both names are looked up as module globals at call time: that is what we patch.
+        if "LRUPromptCache" not in _global_names(server.run):
+            problems.append("run() does not build the LRUPromptCache")
+        if "run" not in _global_names(server.main):
+            problems.append("main() does not call run()")
+    if problems:
+        raise UnsupportedServerError(
+            f"ppc serve cannot patch mlx_lm.server of mlx-lm {_mlx_lm_version()}: "
+            + "; ".join(problems)
+            + f". It was checked with mlx-lm {', '.join(CHECKED_MLX_LM_VERSIONS)}: install one "
+            f"of those (pip install 'mlx-lm=={CHECKED_MLX_LM_VERSIONS[-1]}'), or run "
+            "mlx_lm.server without a persistent cache",
+            hint="",
+        )
+
+
+def _global_names(fn: Callable) -> set[str]:
+    return set(fn.__code__.co_names)
+
+
+def _mlx_lm_version() -> str:
+    try:
+        from mlx_lm import __version__
+
+        return __version__
+    except ImportError:
+        return "(unknown version)"
+
+
+@contextmanager
+def patched_server(
+    server: Any, make_cache: Callable[[Any, int, int], Any]
+) -> Iterator[dict[str, Any]]:
+    """Make ``server.run`` build its prompt cache with `make_cache` while inside.
+
+    Args:
+        server: The ``mlx_lm.server`` module (checked with `check_server` first).
+        make_cache: ``make_cache(model_provider, max_size, max_bytes)`` returning the
+            object the server uses as its prompt cache.
+
+    Yields:
+        A dict that gets ``"provider"`` and ``"cache"`` once the server has built them.
+    """
+    original_run, original_cache_class = server.run, server.LRUPromptCache
+    built: dict[str, Any] = {}
+
+    def run_noting_provider(host, port, model_provider, *args, **kwargs):
+        built["provider"] = model_provider
+        return original_run(host, port, model_provider, *args, **kwargs)
+
+    def build_prompt_cache(max_size: int = 10, max_bytes: int = 1 << 63):
+        built["cache"] = make_cache(built.get("provider"), max_size, max_bytes)
+        return built["cache"]
+
+    server.run, server.LRUPromptCache = run_noting_provider, build_prompt_cache
+    try:
+        yield built
+    finally:
+        server.run, server.LRUPromptCache = original_run, original_cache_class
+
+
+class ProviderStores:
+    """Opens the store handle for a model key from the model the server has loaded.
+
+    Args:
+        path: The store directory.
+        options: Keyword arguments for `PersistentPrefixCache` (namespace, budgets…).
+        provider: The server's ``ModelProvider`` (None: every key stays in memory).
+    """
+
+    def __init__(self, path: str, options: dict[str, Any], provider: Any):
+        self.path = path
+        self.options = options
+        self.provider = provider
+
+    def __call__(self, model_key: Hashable):
+        """The store for `model_key`, or None if that model is not the loaded one."""
+
+        provider = self.provider
+        # The server only looks up the model it has loaded; anything else stays in memory.
+        if provider is None or provider.model is None or provider.model_key != model_key:
+            return None
+        model_path, adapter_path, _ = _split_key(model_key)
+        model, draft = provider.model, getattr(provider, "draft_model", None)
+        options = dict(self.options)
+        if draft is not None:
+            # The server's caches hold the model's layers, then the draft model's.
+            model = _WithDraft(model, draft)
+            options["fingerprint"] = "with-draft:%s:%s" % (
+                fingerprint_model(provider.model),
+                fingerprint_model(draft),
+            )
+        elif adapter_path is None:
+            # Remembering the fingerprint by file stats is only sound for plain weights:
+            # an adapter changes the KV without touching the model folder.
+            options["model_path"] = _local_folder(model_path)
+        store = PersistentPrefixCache(self.path, model, **options)
+        log.info(
+            "persistent prompt cache for %s: store %s, fingerprint %s",
+            model_path,
+            store.path,
+            store.fingerprint[:16],
+        )
+        return store
+
+
+class _WithDraft:
+    """A model and its draft model seen as one cache layout (what the server builds)."""
+
+    def __init__(self, model: Any, draft: Any):
+        self.model, self.draft = model, draft
+
+    def make_cache(self) -> list:
+        return model_cache(self.model) + model_cache(self.draft)
+
+
+def _split_key(model_key: Any) -> tuple[Any, Any, Any]:
+    # mlx-lm's key is (model_path, adapter_path, draft_model_path).
+    if isinstance(model_key, tuple) and len(model_key) == 3:
+        return model_key
+    return model_key, None, None
+
+
+def _local_folder(model_path: Any) -> str | None:
+    """The folder the model's files are in, without touching the network."""
+    if not isinstance(model_path, str):
+        return None
+    if os.path.isdir(model_path):
+        return model_path
+    try:
+        from mlx_lm.utils import hf_repo_to_path
+
+        return str(hf_repo_to_path(model_path))
+    except Exception:  # not in the local hub cache: hash the weights instead
+        return None

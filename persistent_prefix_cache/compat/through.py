@@ -1,0 +1,145 @@
+"""Read-through and write-through to a store, shared by every compat layer.
+
+A compat layer keeps caches in memory the way the API it imitates does, and asks the
+store only for what memory does not cover (``fetch(tokens, longer_than=...)``: nothing
+is loaded unless the store holds more). A store is an optimisation there: its errors
+become one warning per cause, never a failed request.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import warnings
+from typing import Any, Callable, Hashable, Sequence
+
+from ..errors import InvalidArgumentError, PrefixCacheError
+from ..layers import cache_length
+from ..store import PersistentPrefixCache
+
+log = logging.getLogger("persistent_prefix_cache")
+
+
+def covered(cache: Any) -> int | None:
+    """Positions a list of mlx-lm cache layers holds; None if not known (other objects)."""
+    if not isinstance(cache, (list, tuple)) or not cache:
+        return None
+    try:
+        return cache_length(cache)
+    except PrefixCacheError:
+        return None
+
+
+class WarnOnce:
+    """Say each cause of trouble once: a server would repeat it on every request.
+
+    Args:
+        say: Called with the message the first time a cause is seen.
+    """
+
+    def __init__(self, say: Callable[[str], None]):
+        self._say = say
+        self._seen: set[Hashable] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, cause: Hashable, message: str) -> None:
+        """Report `message` unless `cause` was reported before."""
+        with self._lock:
+            if cause in self._seen:
+                return
+            self._seen.add(cause)
+        self._say(message)
+
+
+class StoreLink:
+    """One store behind an in-memory cache: read-through, write-through, ownership.
+
+    Args:
+        store: A `PersistentPrefixCache`, a store directory (opened for `model` with
+            default options and closed by `close`), or None (memory only).
+        model: The model, to open a store from a directory.
+        warn: Reports a failure once per cause (see `WarnOnce`).
+        errors: The exceptions that turn into a warning (others propagate).
+
+    Raises:
+        InvalidArgumentError: If `store` is of the wrong type.
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        model: Any = None,
+        *,
+        warn: Callable[[Hashable, str], None],
+        errors: tuple[type[BaseException], ...] = (PrefixCacheError,),
+    ):
+        self.owns_store = isinstance(store, (str, os.PathLike))
+        if self.owns_store:
+            store = PersistentPrefixCache(store, model)
+        elif store is not None and not isinstance(store, PersistentPrefixCache):
+            raise InvalidArgumentError(
+                f"store must be a PersistentPrefixCache or a path, got {type(store).__name__}"
+            )
+        self.store: PersistentPrefixCache | None = store
+        self._warn = warn
+        self._errors = errors
+
+    def read(self, tokens: Any, have: int = 0) -> tuple[list | None, Any]:
+        """The store's hit for `tokens` if it restores more than `have` tokens.
+
+        Returns:
+            ``(cache, rest)`` as `PersistentPrefixCache.fetch` returns them, or
+            ``(None, tokens)`` when the store holds no more than `have` (or failed).
+        """
+        if self.store is None:
+            return None, tokens
+        try:
+            return self.store.fetch(tokens, longer_than=have)
+        except self._errors as exc:
+            self._warn(("read", type(exc)), f"could not read the store: {exc}")
+            return None, tokens
+
+    def write(self, tokens: Any, cache: Sequence[Any]) -> bool:
+        """Store `cache` for `tokens`; False (after one warning per cause) if it failed."""
+        if self.store is None:
+            return False
+        try:
+            self.store.store(tokens, cache)
+        except self._errors as exc:
+            self._warn(("write", type(exc)), f"cache kept in memory only, not written to the store: {exc}")
+            return False
+        return True
+
+    def close(self) -> None:
+        """Close the store if this link opened it (from a path); idempotent."""
+        if self.store is not None and self.owns_store:
+            self.store.close()
+
+
+def warn_once_per_object() -> WarnOnce:
+    """One `RuntimeWarning` per compat object, whatever the cause (a server would
+    otherwise repeat it on every request)."""
+    once = WarnOnce(lambda message: warnings.warn(message, RuntimeWarning, stacklevel=6))
+    return lambda cause, message: once("store", message)
+
+
+class Linked:
+    """A compat object with an optional store behind it (see `StoreLink`)."""
+
+    link: StoreLink
+
+    @property
+    def store(self):
+        """The `PersistentPrefixCache` behind this object, or None."""
+        return self.link.store
+
+    def close(self) -> None:
+        """Close the store if this object opened it (from a path); idempotent."""
+        self.link.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

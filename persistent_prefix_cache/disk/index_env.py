@@ -1,0 +1,147 @@
+"""The LMDB environments of this process: one per store, shared by its handles.
+
+LMDB forbids opening one environment twice in a process and using one across
+``fork()``; a map resize must wait until no transaction of this process is active.
+This module (with `index`, the only code that imports ``lmdb``) owns those rules.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+import lmdb
+
+from ..errors import ReadOnlyStoreError, StoreCorruptError
+
+# The map grows on demand (doubling); the start is small so tiny stores stay tiny.
+INITIAL_MAP_SIZE = int(os.environ.get("PPC_INITIAL_MAP_SIZE", 64 * 1024 * 1024))
+# Named databases opened per environment: the current schema's, and a few spare.
+MAX_DBS = 12
+
+class Gate:
+    """Any number of transactions at once, or one map resize alone: LMDB requires that
+    no transaction of this process be active while the map size changes."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._active = 0
+        self._resizing = False
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        with self._cond:
+            while self._resizing:
+                self._cond.wait()
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active -= 1
+                if not self._active:
+                    self._cond.notify_all()
+
+    def resize(self, env: lmdb.Environment, size: int) -> None:
+        """Set the map size (0: adopt the size another process grew it to)."""
+        with self._cond:
+            while self._resizing:
+                self._cond.wait()
+            self._resizing = True
+            while self._active:
+                self._cond.wait()
+        try:
+            env.reader_check()  # readers of dead processes pin pages; free them first
+            if size == 0 or size > env.info()["map_size"]:
+                env.set_mapsize(size)
+        finally:
+            with self._cond:
+                self._resizing = False
+                self._cond.notify_all()
+
+
+_ENVS: dict[tuple[int, str], list] = {}  # (pid, path) -> [env, refcount, gate]
+_ENVS_LOCK = threading.Lock()
+
+
+def _check_data_file(path: str) -> None:
+    # A truncated data.mdb can SIGBUS the interpreter on first read: check that the
+    # file holds at least the two meta pages before LMDB maps it.
+    data = os.path.join(path, "data.mdb")
+    if os.path.exists(data) and os.path.getsize(data) < 2 * 4096:
+        raise StoreCorruptError(f"index file {data} is truncated ({os.path.getsize(data)} bytes)")
+
+
+def acquire_env(path: str, readonly: bool) -> tuple[lmdb.Environment, Gate]:
+    ident = (os.getpid(), os.path.realpath(path))
+    with _ENVS_LOCK:
+        held = _ENVS.get(ident)
+        if held is not None:
+            if not readonly and held[0].flags()["readonly"]:
+                raise ReadOnlyStoreError(
+                    f"store index {path} is already open read-only in this process",
+                    hint="open the writable handle first, or close the read-only one",
+                )
+            held[1] += 1
+            return held[0], held[2]
+        _check_data_file(path)
+        writable = os.access(path, os.W_OK)
+        # A read-only handle opens the environment read-only: then even a writer
+        # paused inside its transaction in another process never blocks it.
+        env_readonly = readonly
+        try:
+            env = lmdb.open(
+                path,
+                map_size=INITIAL_MAP_SIZE,
+                max_dbs=MAX_DBS,
+                readonly=env_readonly,
+                create=not readonly,
+                max_readers=512,
+                # A reader of a directory it cannot write cannot take LMDB's reader
+                # lock either; no writer can be at work there (same permissions).
+                lock=writable or not readonly,
+            )
+        except (lmdb.InvalidError, lmdb.CorruptedError) as exc:
+            raise StoreCorruptError(f"index at {path} is not a valid LMDB environment: {exc}")
+        except lmdb.VersionMismatchError as exc:
+            raise StoreCorruptError(f"index at {path} was written by another LMDB: {exc}")
+        info = env.info()
+        data = os.path.join(path, "data.mdb")
+        if os.path.exists(data) and (info["last_pgno"] + 1) * env.stat()["psize"] > os.path.getsize(data):
+            env.close()
+            raise StoreCorruptError(f"index file {data} is shorter than its last page")
+        if not env_readonly:
+            env.reader_check()
+        gate = Gate()
+        _ENVS[ident] = [env, 1, gate]
+        return env, gate
+
+
+def _forget_inherited_envs() -> None:
+    # LMDB environments must not be used across fork(): a child closes the copies it
+    # inherited (which clears lmdb's "already open" guard) so that it can open anew.
+    for (pid, _), (env, *_) in list(_ENVS.items()):
+        if pid != os.getpid():
+            try:
+                env.close()
+            except lmdb.Error:
+                pass
+    _ENVS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_inherited_envs)
+
+
+def release_env(path: str) -> None:
+    ident = (os.getpid(), os.path.realpath(path))
+    with _ENVS_LOCK:
+        held = _ENVS.get(ident)
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] == 0:
+            del _ENVS[ident]
+            held[0].close()

@@ -1,0 +1,416 @@
+"""Store maintenance without a model: summaries, verification and repair, eviction,
+migrations, and packing a store (or one model's part of it) into one file.
+
+`StoreAdmin` opens a store directory's index and files directly; the ``ppc`` commands
+``stats``, ``inspect``, ``check``, ``gc``, ``migrate``, ``export`` and ``import`` are
+thin layers over it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import struct
+import tarfile
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from ..errors import InvalidArgumentError, StoreVersionError
+from ..keys import block_key
+from . import codec
+from .blockfile import BlockFiles
+from .index import SCHEMA_VERSION, Index, Reader, Writer
+from .node import Node
+
+EXPORT_FORMAT = "ppc-export/1"
+_RECORD_HEAD = struct.Struct("<16sI")
+
+
+@dataclass
+class CheckReport:
+    """What `StoreAdmin.check` found (and, with ``fix``, repaired)."""
+
+    nodes: int = 0
+    files_verified: int = 0
+    problems: list[tuple[str, str]] = field(default_factory=list)
+    removed_nodes: int = 0
+    removed_files: int = 0
+    fixed: bool = False
+
+    @property
+    def clean(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict:
+        return {
+            "clean": self.clean,
+            "nodes": self.nodes,
+            "files_verified": self.files_verified,
+            "problems": [{"kind": k, "detail": d} for k, d in self.problems],
+            "fixed": self.fixed,
+            "removed_nodes": self.removed_nodes,
+            "removed_files": self.removed_files,
+        }
+
+
+class StoreAdmin:
+    """A store directory opened for maintenance (no model needed).
+
+    Args:
+        path: The store directory.
+        readonly: Open without writing.
+        create: Create an empty store if there is none (for `import_pack`).
+        block_size: Block size of a store created here.
+
+    Raises:
+        InvalidArgumentError: If there is no store at `path` (and not `create`).
+        StoreVersionError: If the store's schema is not this library's (run
+            ``ppc migrate`` for an older one).
+    """
+
+    def __init__(self, path: str, *, readonly: bool = False, create: bool = False, block_size: int = 64):
+        self.path = os.path.abspath(path)
+        if not create and not os.path.isdir(os.path.join(self.path, "index")):
+            raise InvalidArgumentError(f"no store at {self.path}")
+        self.index = Index(
+            os.path.join(self.path, "index"), readonly=readonly, block_size=block_size, migrate=create
+        )
+        version = self.index.version()
+        if version != SCHEMA_VERSION:
+            self.index.close()
+            if version > SCHEMA_VERSION:
+                raise StoreVersionError(f"store {self.path} has schema v{version}, newer than v{SCHEMA_VERSION}")
+            raise StoreVersionError(
+                f"store {self.path} has schema v{version}; this library uses v{SCHEMA_VERSION}",
+                hint=f"run `ppc migrate --store {path}`",
+            )
+        self.files = BlockFiles(self.path, readonly=readonly)
+
+    def close(self) -> None:
+        """Release the index."""
+        self.index.close()
+
+    def __enter__(self) -> "StoreAdmin":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- reading ----------------------------------------------------------------------
+
+    def models(self, reader: Reader) -> dict[bytes, dict]:
+        """Root key -> description (fingerprint, namespace, layout) of every model."""
+        out = {}
+        for root, raw in reader.models().items():
+            try:
+                out[root] = json.loads(raw)
+            except ValueError:
+                out[root] = {"fingerprint": "?", "namespace": "?", "layout": "?"}
+        return out
+
+    def walk(self, reader: Reader, root: bytes) -> Iterator[Node]:
+        """Every node under one model's root, parents before children."""
+        stack = list(reader.children(root))
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(reader.children(node.key))
+
+    def summary(self, *, longest: int = 0) -> dict:
+        """Totals, counters, per-model figures and (optionally) the longest prefixes."""
+        with self.index.reader() as reader:
+            size, count = reader.totals()
+            models = []
+            prefixes = []
+            for root, desc in self.models(reader).items():
+                nodes = list(self.walk(reader, root))
+                models.append(
+                    {
+                        "root": root.hex(),
+                        "fingerprint": desc.get("fingerprint"),
+                        "namespace": desc.get("namespace"),
+                        "layout": desc.get("layout"),
+                        "blocks": len(nodes),
+                        "bytes": sum(n.size for n in nodes),
+                        "hits": sum(reader.hits(n.key) for n in nodes),
+                    }
+                )
+                if longest:
+                    for n in nodes:
+                        if n.child_count == 0:
+                            prefixes.append(
+                                {
+                                    "model": root.hex()[:12],
+                                    "tokens": n.end,
+                                    "resumable": n.resumable,
+                                    "hits": reader.hits(n.key),
+                                    "last_access": n.last_access,
+                                    "leaf": n.key.hex(),
+                                }
+                            )
+            counters = reader.counters()
+        prefixes.sort(key=lambda p: (-p["tokens"], p["leaf"]))
+        out = {
+            "store": self.path,
+            "schema_version": self.index.version(),
+            "block_size": self.index.block_size,
+            "blocks": count,
+            "bytes_on_disk": size,
+            **counters,
+            "models": models,
+        }
+        if longest:
+            out["longest_prefixes"] = prefixes[:longest]
+        return out
+
+    # -- verification -------------------------------------------------------------------
+
+    def check(self, *, fix: bool = False, grace: float = 60.0) -> CheckReport:
+        """Verify every block file and the index's invariants; with `fix`, repair.
+
+        Checks: each node's parent exists (or is a model root), its position follows
+        the parent, its key follows from parent and tokens, its file has the recorded
+        size and checksum and decodes; child counts, trie edges and LRU entries agree
+        with the nodes; the recorded totals equal the nodes' sum; no block file is
+        unreferenced and no temporary file is left by a dead writer.
+
+        Args:
+            fix: Drop broken nodes (and everything below them), rebuild counts, edges,
+                LRU entries and totals, and remove leftover files.
+            grace: Leave unreferenced block files younger than this (seconds): a
+                writer in another process may be about to commit them.
+
+        Returns:
+            A `CheckReport`.
+        """
+        if not isinstance(grace, (int, float)) or grace < 0:
+            raise InvalidArgumentError(f"grace must be a number of seconds >= 0, got {grace!r}")
+        report = CheckReport()
+        with self.index.reader() as reader:
+            nodes = {n.key: n for n in reader.iter_nodes()}
+            roots = set(reader.models())
+            edges = reader.edges()
+            lru = reader.lru_entries()
+            totals = reader.totals()
+        report.nodes = len(nodes)
+        broken = set()
+        for key, node in nodes.items():
+            problem = self._node_problem(node, nodes, roots)
+            if problem is None:
+                problem = self.files.verify(node)
+                report.files_verified += problem is None
+            if problem:
+                report.problems.append((problem, key.hex()))
+                broken.add(key)
+        # Everything below a broken node goes with it.
+        doomed = self._descendants(broken, nodes)
+        alive = {k: n for k, n in nodes.items() if k not in doomed}
+        child_counts: dict[bytes, int] = {}
+        for n in nodes.values():
+            child_counts[n.parent] = child_counts.get(n.parent, 0) + 1
+        for key, n in nodes.items():
+            if n.child_count != child_counts.get(key, 0):
+                report.problems.append(("child count", f"{key.hex()}: {n.child_count} != {child_counts.get(key, 0)}"))
+        want_edges = {(n.parent, k) for k, n in nodes.items()}
+        for p, c in edges ^ want_edges:
+            report.problems.append(("trie edge", f"{p.hex()} -> {c.hex()}"))
+        want_lru = {(n.last_access, k) for k, n in nodes.items()}
+        for _, k in lru ^ want_lru:
+            report.problems.append(("lru entry", k.hex()))
+        if totals != (sum(n.size for n in nodes.values()), len(nodes)):
+            report.problems.append(("totals", f"recorded {totals}"))
+        named = {n.file_name for n in nodes.values()}
+        orphans = self.files.orphans(named.__contains__, grace=grace)
+        for rel in orphans:
+            report.problems.append(("unreferenced file", rel))
+        for name in self.files.stale_tmp():
+            report.problems.append(("leftover temporary file", name))
+        if fix and report.problems:
+            report.removed_nodes = self._repair(alive, doomed, nodes)
+            report.removed_files = self.files.sweep_orphans(
+                {n.file_name for n in alive.values()}.__contains__, grace=grace
+            )
+            report.removed_files += self.files.sweep_tmp()
+            report.fixed = True
+        return report
+
+    @staticmethod
+    def _node_problem(node: Node, nodes: dict, roots: set) -> str | None:
+        if node.parent in roots:
+            if node.position != 0:
+                return "position after a root"
+        elif node.parent not in nodes:
+            return "missing parent"
+        elif nodes[node.parent].end != node.position:
+            return "position does not follow parent"
+        if block_key(node.parent, node.tokens) != node.key:
+            return "key does not match tokens"
+        return None
+
+    @staticmethod
+    def _descendants(keys: set[bytes], nodes: dict[bytes, Node]) -> set[bytes]:
+        children: dict[bytes, list[bytes]] = {}
+        for k, n in nodes.items():
+            children.setdefault(n.parent, []).append(k)
+        out, stack = set(), list(keys)
+        while stack:
+            k = stack.pop()
+            if k not in out:
+                out.add(k)
+                stack.extend(children.get(k, ()))
+        return out
+
+    def _repair(self, alive: dict[bytes, Node], doomed: set[bytes], nodes: dict[bytes, Node]) -> int:
+        """Rewrite the index from the surviving nodes, then unlink the doomed files."""
+        self.index.write(lambda w: w.rebuild(alive, doomed))
+        self.files.unlink(nodes[k] for k in doomed)
+        return len(doomed)
+
+    # -- eviction -------------------------------------------------------------------------
+
+    def gc(self, max_bytes: int) -> list[Node]:
+        """Evict least recently used leaves until the block files total `max_bytes`."""
+        removed = self.index.write(lambda w: w.evict(max_bytes))
+        self.files.unlink(removed)
+        return removed
+
+    # -- packing ----------------------------------------------------------------------------
+
+    def export_pack(self, out_path: str, *, model: str | None = None) -> dict:
+        """Write the store (or the part for one model) into one tar file.
+
+        Args:
+            out_path: The file to write (replaced atomically).
+            model: A prefix of a model's root key or fingerprint (see ``ppc inspect``);
+                None exports every model.
+
+        Returns:
+            Counts of models, blocks and bytes exported.
+
+        Raises:
+            InvalidArgumentError: If `model` matches no model, or several.
+        """
+        with self.index.reader() as reader:
+            models = self.models(reader)
+            if model is not None:
+                chosen = [r for r, d in models.items() if r.hex().startswith(model) or str(d.get("fingerprint", "")).startswith(model)]
+                if len(chosen) != 1:
+                    raise InvalidArgumentError(f"--model {model!r} matches {len(chosen)} models in {self.path} (see `ppc inspect`)")
+                models = {chosen[0]: models[chosen[0]]}
+            nodes = [n for root in models for n in self.walk(reader, root)]
+        nodes.sort(key=lambda n: n.position)  # parents before children
+        tmp = f"{out_path}.{os.getpid()}.tmp"
+        total = 0
+        try:
+            with tarfile.open(tmp, "w") as tar:
+                manifest = {
+                    "format": EXPORT_FORMAT,
+                    "block_size": self.index.block_size,
+                    "models": {r.hex(): d for r, d in models.items()},
+                    "blocks": len(nodes),
+                }
+                _add_bytes(tar, "manifest.json", json.dumps(manifest, indent=1).encode())
+                records = b"".join(_RECORD_HEAD.pack(n.key, len(n.pack())) + n.pack() for n in nodes)
+                _add_bytes(tar, "nodes.bin", records)
+                for n in nodes:
+                    tar.add(self.files.path_of(n), arcname=f"blocks/{n.file_name}")
+                    total += n.size
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, out_path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return {"models": len(models), "blocks": len(nodes), "bytes": total}
+
+    def import_pack(self, in_path: str) -> dict:
+        """Load a file written by `export_pack` into this store.
+
+        Every block file is verified against its record before it is added; blocks
+        already stored are skipped. Files are written (and fsynced) before the index
+        records that name them, as for any store write.
+
+        Returns:
+            Counts of blocks added and skipped, and bytes added.
+
+        Raises:
+            InvalidArgumentError: If the file is not an export, a damaged one, or was
+                made with another block size.
+        """
+        try:
+            tar = tarfile.open(in_path, "r")
+        except (tarfile.TarError, OSError) as exc:
+            raise InvalidArgumentError(f"{in_path} is not a ppc export: {exc}") from None
+        with tar:
+            manifest = _read_json(tar, "manifest.json", in_path)
+            if manifest.get("format") != EXPORT_FORMAT:
+                raise InvalidArgumentError(f"{in_path}: unknown export format {manifest.get('format')!r}")
+            if manifest["block_size"] != self.index.block_size:
+                raise InvalidArgumentError(
+                    f"{in_path} has block_size {manifest['block_size']}, the store {self.index.block_size}",
+                    hint="import into a new store directory",
+                )
+            records = _read_member(tar, "nodes.bin", in_path)
+            nodes = list(_unpack_records(records, in_path))
+            added, items, skipped, size = [], [], 0, 0
+            now = time.time_ns()
+            with self.index.reader() as reader:
+                present = {n.key for n in nodes if reader.get(n.key) is not None}
+            for n in nodes:
+                if n.key in present:
+                    skipped += 1
+                    continue
+                data = _read_member(tar, f"blocks/{n.file_name}", in_path)
+                if len(data) != n.size or codec.checksum(data) != n.checksum:
+                    raise InvalidArgumentError(f"{in_path}: block {n.key.hex()} is damaged")
+                items.append((n.key, data, []))  # verified bytes: the same name again
+                n.child_count, n.last_access = 0, now
+                added.append(n)
+                size += n.size
+            self.files.write_many(items)
+
+            def commit(w: Writer):
+                for root_hex, desc in manifest["models"].items():
+                    w.register_model(bytes.fromhex(root_hex), json.dumps(desc).encode())
+                return sum(w.insert(n) for n in added)
+
+            inserted = self.index.write(commit)
+        return {"added": inserted, "skipped": skipped, "bytes": size}
+
+
+def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.mtime = int(time.time())
+    tar.addfile(info, io.BytesIO(data))
+
+
+def _read_member(tar: tarfile.TarFile, name: str, path: str) -> bytes:
+    try:
+        f = tar.extractfile(name)
+    except KeyError:
+        f = None
+    if f is None:
+        raise InvalidArgumentError(f"{path} is not a complete ppc export: {name} is missing")
+    return f.read()
+
+
+def _read_json(tar: tarfile.TarFile, name: str, path: str) -> dict:
+    try:
+        return json.loads(_read_member(tar, name, path))
+    except ValueError:
+        raise InvalidArgumentError(f"{path}: {name} is not valid JSON") from None
+
+
+def _unpack_records(data: bytes, path: str) -> Iterator[Node]:
+    pos = 0
+    while pos < len(data):
+        try:
+            key, n = _RECORD_HEAD.unpack_from(data, pos)
+            pos += _RECORD_HEAD.size
+            yield Node.unpack(key, data[pos : pos + n])
+        except (struct.error, ValueError):
+            raise InvalidArgumentError(f"{path}: damaged node records") from None
+        pos += n

@@ -1,0 +1,65 @@
+"""mlx-lm's cache classes: the only package that names them or relies on their ``state``.
+
+`adapters` turns one cache layer into the tensors of one block and back, per class;
+`layout` applies them to a model's whole layout (cutting caches into blocks, deciding
+where a path of blocks can be resumed, rebuilding fresh caches); `cache_ops` holds the
+few operations on whole cache lists the compat layers and the CLI need. The store, the
+read path and the compat layers see cache layers only through these names.
+"""
+
+from .adapters import (
+    SEQ,
+    STATE,
+    WINDOW,
+    BlockSource,
+    BlockView,
+    JoinedSource,
+    Tensors,
+    ViewPath,
+    adapter_for,
+    cache_length,
+    leaves,
+    model_cache,
+    rebuild_cache,
+    signature_of,
+    template_cache,
+)
+from .cache_ops import (
+    all_sliced,
+    can_trim,
+    copy_prefix,
+    empty_like,
+    kv_quantization,
+    layer_from_seed,
+    offset_trimmable,
+    trim,
+)
+from .layout import Layout, cut_block
+
+__all__ = [
+    "SEQ",
+    "STATE",
+    "WINDOW",
+    "BlockSource",
+    "BlockView",
+    "JoinedSource",
+    "Layout",
+    "Tensors",
+    "ViewPath",
+    "adapter_for",
+    "all_sliced",
+    "cache_length",
+    "can_trim",
+    "copy_prefix",
+    "cut_block",
+    "empty_like",
+    "kv_quantization",
+    "layer_from_seed",
+    "leaves",
+    "model_cache",
+    "offset_trimmable",
+    "rebuild_cache",
+    "signature_of",
+    "template_cache",
+    "trim",
+]

@@ -1,0 +1,117 @@
+"""Operations on whole mlx-lm cache lists that the compat layers and the CLI need."""
+
+from __future__ import annotations
+
+import copy
+import re
+from typing import Any, Sequence
+
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    ChunkedKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+)
+
+from ..errors import PrefixCacheError, UnsupportedCacheError
+from .adapters import BlockSource, adapter_for, leaves, rebuild_cache
+from .layout import cut_block
+
+
+def all_sliced(cache: Sequence[Any]) -> bool:
+    """Whether every leaf is sliced along the sequence (``KVCache``, ``QuantizedKVCache``):
+    such a cache resumes at any block boundary, whatever the prefill chunking."""
+    return all(type(layer) in (KVCache, QuantizedKVCache) for _, layer in leaves(cache))
+
+
+def kv_quantization(signature: str) -> tuple[int, int] | None:
+    """``(bits, group_size)`` of the quantized KV in a layout signature, or None."""
+    m = re.search(r"QuantizedKVCache\(group_size=(\d+),bits=(\d+)\)", signature)
+    return (int(m.group(2)), int(m.group(1))) if m else None
+
+
+def can_trim(cache: Any) -> bool:
+    """Whether every layer of a cache list can be trimmed (mlx-lm's ``is_trimmable``).
+
+    Every layer must agree: trimming the attention layers of a hybrid model while its
+    recurrent layers keep the longer state gives a cache that matches no prompt.
+    """
+    return (
+        isinstance(cache, (list, tuple))
+        and len(cache) > 0
+        and all(callable(getattr(c, "is_trimmable", None)) and c.is_trimmable() for c in cache)
+    )
+
+
+def trim(cache: Sequence[Any], n: int) -> None:
+    """Trim the last `n` positions of every layer, in place (see `can_trim`)."""
+    for layer in cache:
+        layer.trim(n)
+
+
+def offset_trimmable(layer: Any) -> bool:
+    """Whether ``layer.trim`` only moves an offset (so a shallow copy trims safely)."""
+    return type(layer) in (KVCache, QuantizedKVCache)
+
+
+def copy_prefix(cache: Sequence[Any], keep: int, total: int) -> list:
+    """New layers holding the first `keep` of the `total` positions of `cache`.
+
+    Only those positions are copied, and `cache` itself is never modified. Objects
+    the adapters do not know are deep-copied whole, then trimmed.
+    """
+    try:
+        views = cut_block(cache, 0, keep, keep == total)
+        rebuilt = {}
+        for lid, layer in leaves(cache):
+            adapter = adapter_for(layer, lid)
+            if not adapter.can_rebuild(layer, [views[lid]], keep):
+                raise UnsupportedCacheError(f"layer {lid} cannot be rebuilt at {keep}")
+            rebuilt[lid] = adapter.rebuild(layer, BlockSource([views[lid]]), keep)
+        return rebuild_cache(cache, rebuilt)
+    except PrefixCacheError:
+        out = copy.deepcopy(list(cache))
+        for layer in out if keep < total else ():
+            layer.trim(total - keep)
+        return out
+
+
+def empty_like(layer: Any) -> Any:
+    """An empty layer with the parameters the adapters rebuild `layer` with."""
+    kind = type(layer)
+    if kind is CacheList:
+        return CacheList(*(empty_like(c) for c in layer.caches))
+    if kind is QuantizedKVCache:
+        return QuantizedKVCache(group_size=layer.group_size, bits=layer.bits)
+    if kind is RotatingKVCache:
+        return RotatingKVCache(max_size=layer.max_size, keep=layer.keep)
+    if kind is ChunkedKVCache:
+        return ChunkedKVCache(layer.chunk_size)
+    if kind is ArraysCache:
+        return ArraysCache(len(layer.cache))
+    return kind()
+
+
+def layer_from_seed(entry: dict) -> Any:
+    """An mlx-lm layer from vllm-mlx's per-layer dict (``state``, ``class_name``, ...),
+    or None if it does not describe one."""
+    state = entry.get("state")
+    ref = entry.get("class_ref")
+    name = entry.get("class_name") or getattr(ref, "__name__", "")
+    try:
+        if ref is KVCache or (ref is None and name == "KVCache"):
+            keys, values = state[0], state[1]
+            if keys.ndim != 4:
+                return None  # only [batch, heads, seq, dim] is what mlx-lm's KVCache holds
+            offset = int(state[2]) if len(state) > 2 else keys.shape[2]
+            return KVCache.from_state((keys, values, offset))
+        if ref is ArraysCache or (ref is None and name == "ArraysCache"):
+            arrays = state[0] if len(state) == 3 and isinstance(state[0], list) else state
+            layer = ArraysCache(len(arrays))
+            layer.cache = list(arrays)
+            return layer
+        return ref.from_state(state) if ref is not None else None
+    except (TypeError, ValueError, IndexError, AttributeError):
+        return None

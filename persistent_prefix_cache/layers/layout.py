@@ -1,0 +1,184 @@
+"""A model's cache layout as a whole: cutting caches into blocks and rebuilding them."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from typing import Any, Sequence
+
+import mlx.core as mx
+
+from ..disk.node import RESUMABLE, TRIMMABLE, Node
+from ..errors import UnsupportedCacheError
+from .adapters import (
+    STATE,
+    BlockView,
+    Tensors,
+    ViewPath,
+    adapter_for,
+    leaves,
+    rebuild_cache,
+    signature_of,
+)
+
+log = logging.getLogger("persistent_prefix_cache")
+
+
+def cut_block(cache: Sequence[Any], start: int, end: int, last: bool) -> dict[str, BlockView]:
+    """What a block keeps of every leaf of `cache` for positions ``[start, end)``.
+
+    The one place caches are cut into blocks (the store and the compat layers use it).
+    Tensors are lazy copies: evaluate them before the caller's cache changes.
+
+    Args:
+        cache: The cache layers.
+        start: First position of the block.
+        end: One past its last position.
+        last: Whether the block ends what `cache` holds (window and recurrent leaves
+            then keep a snapshot).
+
+    Returns:
+        Leaf id -> `BlockView` (tensors, has_slice, has_snapshot).
+    """
+    return {
+        lid: BlockView(start, end, *adapter_for(layer, lid).pieces(layer, start, end, last))
+        for lid, layer in leaves(cache)
+    }
+
+
+class Layout:
+    """A model's cache layout: its leaves and how they rebuild from stored blocks.
+
+    Blocks are described to it by duck-typed nodes (``position``, ``end`` and the
+    ``extra`` dict the store records: leaf ids under ``"noslice"`` and ``"snap"``).
+
+    Args:
+        template: An empty cache of the layout (see `template_cache`).
+
+    Attributes:
+        signature: The layout's signature string (part of every root key).
+        leaves: ``(leaf id, empty template leaf, adapter)`` for every leaf.
+        unsupported: The `UnsupportedCacheError` if a class cannot be stored (the
+            layout then has no leaves).
+    """
+
+    def __init__(self, template: list):
+        self.template = template
+        self.unsupported: UnsupportedCacheError | None = None
+        try:
+            self.signature = signature_of(template)
+            self.leaves = [(lid, t, adapter_for(t, lid)) for lid, t in leaves(template)]
+        except UnsupportedCacheError as exc:
+            self.signature = "unsupported:" + "|".join(type(c).__name__ for c in template)
+            self.leaves = []
+            self.unsupported = exc
+        self.kinds = {lid: adapter.kind for lid, _, adapter in self.leaves}
+
+    def make_cache(self) -> list:
+        """A fresh, empty cache of this layout."""
+        return copy.deepcopy(self.template)
+
+    def cut(self, cache: Sequence[Any], start: int, end: int, last: bool) -> tuple[dict[str, Tensors], dict, dict[str, BlockView]]:
+        """`cut_block`, with what the store records about the block.
+
+        Returns:
+            (tensors by leaf, the node's ``extra`` record, views by leaf).
+        """
+        views = cut_block(cache, start, end, last)
+        noslice = [lid for lid, v in views.items() if not v.has_slice and self.kinds[lid] != STATE]
+        snap = [lid for lid, v in views.items() if v.has_snapshot]
+        extra = {k: v for k, v in (("noslice", noslice), ("snap", snap)) if v}
+        return {lid: v.tensors for lid, v in views.items()}, extra, views
+
+    @staticmethod
+    def view(node: Any, lid: str, tensors: Tensors | None = None) -> BlockView:
+        """What a stored block holds for leaf `lid`, from its record."""
+        return BlockView(
+            node.position,
+            node.end,
+            tensors,
+            lid not in node.extra.get("noslice", ()),
+            lid in node.extra.get("snap", ()),
+        )
+
+    def flags(self, views: dict[str, Sequence[BlockView]], start: int, end: int) -> int:
+        """RESUMABLE if every leaf can be rebuilt at `end` from the path's views;
+        TRIMMABLE if also at every position inside the block."""
+        flags = 0
+        if all(a.can_rebuild(t, views[lid], end) for lid, t, a in self.leaves):
+            flags |= RESUMABLE
+        inside = [p for p in (start + 1, end - 1) if start < p < end]
+        if all(a.kind != STATE for _, _, a in self.leaves) and all(
+            a.can_rebuild(t, views[lid], p) for lid, t, a in self.leaves for p in inside
+        ):
+            flags |= TRIMMABLE
+        return flags
+
+    def first_needed(self, path: Sequence[Any], position: int) -> int:
+        """Index of the first block of `path` any leaf needs to be rebuilt at `position`."""
+        first = len(path) - 1
+        last = path[-1]
+        for lid, template, adapter in self.leaves:
+            ranges = [(lo, hi) for lo, hi in adapter.needed(template, position) if lo < hi]
+            if not ranges or (last.end == position and lid in last.extra.get("snap", ())):
+                continue  # rebuilt from the last block's snapshot
+            lo = min(r[0] for r in ranges)
+            first = min(first, next(i for i, n in enumerate(path) if n.end > lo))
+        return first
+
+    def rebuild(self, sources: dict[str, Any], position: int) -> list | None:
+        """Fresh cache layers at `position` from a source of block tensors per leaf.
+
+        Returns:
+            The cache, or None if the tensors do not fit the layout (a miss).
+        """
+        try:
+            rebuilt = {
+                lid: adapter.rebuild(template, sources[lid], position)
+                for lid, template, adapter in self.leaves
+            }
+        except (KeyError, ValueError, IndexError) as exc:
+            log.warning("stored blocks do not fit the layout: %s", exc)
+            return None
+        return rebuild_cache(self.template, rebuilt)
+
+    def new_blocks(
+        self, cache: Sequence[Any], keys: list[bytes], data: bytes, path: Sequence[Node], *, root: bytes, block_size: int
+    ) -> list[tuple[Node, dict[str, Tensors]]]:
+        """The blocks of `cache` after the stored `path`, with their index records.
+
+        Args:
+            cache: The cache of the prompt, covering every token of `data`.
+            keys: The prompt's chain of block keys.
+            data: The prompt's tokens as int32 bytes.
+            path: The nodes of the blocks already stored (the first ``len(path)``).
+            root: The chain's root key.
+            block_size: Tokens per full block.
+
+        Returns:
+            ``(node, tensors by leaf)`` per new block; tensors are evaluated copies
+            (size and checksum of the nodes are set once their files are written).
+        """
+        now, n, bs = time.time_ns(), len(data) // 4, block_size
+        views = {lid: ViewPath(self.view(node, lid) for node in path) for lid, _, _ in self.leaves}
+        new = []
+        for i in range(len(path), len(keys)):
+            start, end = i * bs, min((i + 1) * bs, n)
+            tensors, extra, cut = self.cut(cache, start, end, i == len(keys) - 1)
+            for lid, view in cut.items():
+                views[lid].append(view)
+            node = Node(
+                key=keys[i],
+                parent=keys[i - 1] if i else root,
+                position=start,
+                tokens=data[4 * start : 4 * end],
+                flags=self.flags(views, start, end),
+                size=0,
+                checksum=0,
+                last_access=now,
+                extra=extra,
+            )
+            new.append((node, tensors))
+        mx.eval([x for _, tensors in new for part in tensors.values() for x in part.values()])
+        return new

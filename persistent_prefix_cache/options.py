@@ -1,0 +1,40 @@
+"""Checks of the options `PersistentPrefixCache` is opened with."""
+
+from __future__ import annotations
+
+import os
+
+from .errors import InvalidArgumentError
+
+
+def existing_but_not_writable(path: str) -> bool:
+    """Whether a store exists at `path` that this process cannot write to."""
+    index = os.path.join(path, "index")
+    return os.path.isdir(index) and not all(
+        os.access(p, os.W_OK) for p in (path, index, os.path.join(path, "blocks")) if os.path.exists(p)
+    )
+
+
+def check_options(
+    *, fingerprint, model_path, namespace, block_size, memory_bytes, disk_bytes, kv_bits, kv_group_size
+) -> None:
+    """Raise `InvalidArgumentError` for a malformed option of `PersistentPrefixCache`."""
+    for name, value, minimum, optional in (
+        ("block_size", block_size, 1, True),
+        ("memory_bytes", memory_bytes, 0, False),
+        ("disk_bytes", disk_bytes, 0, True),
+    ):
+        if value is None and optional:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise InvalidArgumentError(f"{name} must be an int >= {minimum}, got {value!r}")
+    if not isinstance(namespace, str):
+        raise InvalidArgumentError(f"namespace must be a str, got {type(namespace).__name__}")
+    if fingerprint is not None and (not isinstance(fingerprint, str) or not fingerprint):
+        raise InvalidArgumentError("fingerprint must be a non-empty str")
+    if kv_bits is not None and kv_bits not in (2, 3, 4, 5, 6, 8):
+        raise InvalidArgumentError(f"kv_bits must be one of 2, 3, 4, 5, 6, 8 (or None), got {kv_bits!r}")
+    if kv_group_size not in (32, 64, 128):
+        raise InvalidArgumentError(f"kv_group_size must be 32, 64 or 128, got {kv_group_size!r}")
+    if model_path is not None and not os.path.isdir(model_path):
+        raise InvalidArgumentError(f"model_path {model_path!r} is not a folder")

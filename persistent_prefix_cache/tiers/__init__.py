@@ -1,0 +1,1 @@
+"""Tiers in front of the disk store: the RAM tier of recently used blocks."""

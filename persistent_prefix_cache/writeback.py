@@ -1,0 +1,326 @@
+"""Write-back: the writer thread, what fetches and stores leave for it, and the commit policy.
+
+`store()` cuts new blocks on the caller's thread (MLX evaluates there) and hands them
+to `WriteBack.write_blocks`, which runs on the writer thread: write the files (see
+`disk.blockfile`), then commit their records in one index transaction together with
+the queued bookkeeping (LRU touches, hit counts, counters), superseded partial leaves
+and, under a disk budget, evictions; only after the commit are files unlinked.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Callable, Iterable
+
+from .disk.blockfile import BlockFiles
+from .disk.faults import pause_point
+from .disk.index import WRITE_ERRORS, Index, Writer
+from .disk.node import Node
+from .tiers.memory import MemoryTier
+
+log = logging.getLogger("persistent_prefix_cache")
+
+ORPHAN_GRACE_SECONDS = 600.0
+
+
+class Worker:
+    """Runs jobs one at a time, in submission order, on a daemon thread.
+
+    Not a ``ThreadPoolExecutor``: its pools are shut down by ``concurrent.futures``'
+    exit hook before ``atexit`` handlers run, while our exit hook still has to finish
+    pending writes. A daemon thread lives until interpreter finalization, after them.
+
+    Args:
+        name: The thread's name.
+    """
+
+    def __init__(self, name: str):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Queue ``fn(*args)``; its result or exception lands in the returned future."""
+        future: Future = Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def stop(self) -> None:
+        """Finish the queued jobs, then end the thread."""
+        self._jobs.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            future, fn, args = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # handed to whoever waits on the future
+                future.set_exception(exc)
+
+
+class Counters:
+    """A handle's counters, shared by the caller's threads and the writer thread."""
+
+    def __init__(self, *names: str):
+        self.lock = threading.Lock()
+        self._values = dict.fromkeys(names, 0)
+
+    def add(self, **deltas: int) -> None:
+        """Add to counters."""
+        with self.lock:
+            for name, n in deltas.items():
+                self._values[name] += n
+
+    def snapshot(self) -> dict[str, int]:
+        """A copy of every counter."""
+        with self.lock:
+            return dict(self._values)
+
+
+class Bookkeeping:
+    """What fetches and stores leave for the index: recency, hit counts, counters.
+
+    Batched so that a fetch costs no write transaction; the writer thread applies it
+    with its next commit.
+    """
+
+    def __init__(self):
+        self.touched: set[bytes] = set()
+        self.hits: dict[bytes, int] = {}
+        self.deltas: dict[str, int] = {}
+
+    def empty(self) -> bool:
+        """Whether nothing is queued."""
+        return not (self.touched or self.hits or self.deltas)
+
+    def add(self, touch: Iterable[bytes], hit: Iterable[bytes], deltas: dict[str, int]) -> None:
+        """Queue LRU touches, block hits and store-wide counter deltas."""
+        self.touched.update(touch)
+        for key in hit:
+            self.hits[key] = self.hits.get(key, 0) + 1
+        for name, n in deltas.items():
+            self.deltas[name] = self.deltas.get(name, 0) + n
+
+    def take(self, lock: threading.Lock) -> "Bookkeeping":
+        """Hand over what was queued and start afresh."""
+        taken = Bookkeeping()
+        with lock:
+            taken.touched, self.touched = self.touched, set()
+            taken.hits, self.hits = self.hits, {}
+            taken.deltas, self.deltas = self.deltas, {}
+        return taken
+
+    def apply(self, w: Writer) -> None:
+        """Write what was queued (inside the caller's transaction)."""
+        now = time.time_ns()
+        for key in self.touched:
+            w.touch(key, now)
+        w.count_hits(self.hits)
+        w.add_counters(self.deltas)
+
+
+class WriteBack:
+    """The store's writer thread and everything it commits.
+
+    Args:
+        index: The store's index.
+        files: The store's block files.
+        memory: The RAM tier (blocks that fail to be written or are removed leave it).
+        counters: The handle's counters (``write_errors``, ``evictions``).
+        root: The model's root key, and `description` its JSON record, registered
+            with the first block.
+        disk_bytes: Budget of the block files (None: unbounded).
+    """
+
+    def __init__(
+        self,
+        index: Index,
+        files: BlockFiles,
+        memory: MemoryTier,
+        counters: Counters,
+        *,
+        root: bytes,
+        description: bytes,
+        disk_bytes: int | None,
+    ):
+        self.index, self.files, self.memory, self.counters = index, files, memory, counters
+        self.root, self.description, self.disk_bytes = root, description, disk_bytes
+        self._book = Bookkeeping()
+        self._futures: set[Future] = set()
+        self._lock = threading.Lock()
+        self._worker = Worker("ppc-writer")
+        self.submit(self.sweep)
+
+    # -- the queue --------------------------------------------------------------------
+
+    @property
+    def pending(self) -> int:
+        """Jobs queued or running."""
+        with self._lock:
+            return len(self._futures)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Run ``fn(*args)`` on the writer thread; failures are logged and counted."""
+        future = self._worker.submit(self._guarded, fn, *args)
+        with self._lock:
+            self._futures.add(future)
+        future.add_done_callback(self._forget_future)
+        return future
+
+    def _forget_future(self, future: Future) -> None:
+        with self._lock:
+            self._futures.discard(future)
+
+    def _guarded(self, fn, *args):
+        try:
+            return fn(*args)
+        except Exception:  # never let a failed background write reach the caller
+            log.exception("background work failed in store %s", self.files.root)
+            self.counters.add(write_errors=1)
+
+    def flush(self) -> None:
+        """Wait until every job queued so far, and the bookkeeping, is committed."""
+        self.submit(self._apply_bookkeeping)
+        while True:
+            with self._lock:
+                pending = list(self._futures)
+            if not pending:
+                return
+            for f in pending:
+                f.result()
+
+    def stop(self) -> None:
+        """Finish every queued job, then end the thread."""
+        self.flush()
+        self._worker.stop()
+
+    # -- bookkeeping ------------------------------------------------------------------
+
+    def note(self, *, touch: Iterable[bytes] = (), hit: Iterable[bytes] = (), **deltas: int) -> None:
+        """Queue LRU touches, block hit counts and store-wide counter deltas."""
+        with self._lock:
+            was_empty = self._book.empty()
+            self._book.add(touch, hit, deltas)
+        if was_empty:
+            self.submit(self._apply_bookkeeping)
+
+    def _apply_bookkeeping(self) -> None:
+        book = self._book.take(self._lock)
+        if not book.empty():
+            self.index.write(book.apply)
+
+    # -- blocks -----------------------------------------------------------------------
+
+    def write_blocks(self, new: list[tuple[Node, dict]]) -> None:
+        """Write new blocks' files, then commit their records (a writer-thread job).
+
+        Args:
+            new: ``(node, tensors by leaf)`` per block, tensors evaluated.
+        """
+        items = [self.files.encode(node, tensors) for node, tensors in new]
+        try:
+            for (node, _), (size, checksum, _) in zip(new, self.files.write_many(items)):
+                node.size, node.checksum = size, checksum
+        except OSError as exc:
+            # Nothing was committed; renamed files (if any) are left to the orphan sweep.
+            self._failed("write", [node for node, _ in new], exc)
+            return
+        written = [node for node, _ in new]
+        book = self._book.take(self._lock)
+
+        def commit(w: Writer):
+            # The model is recorded with its first block, not at open: a run that
+            # stores nothing leaves no trace in the store.
+            w.register_model(self.root, self.description)
+            rejected, removed = [], []
+            for node in written:
+                existing = w.get(node.key)
+                if not w.insert(node):
+                    # Someone else stored this block first (same key): keep theirs.
+                    if existing is None or existing.checksum != node.checksum:
+                        rejected.append(node)
+                    continue
+                removed.extend(_superseded(w, node))
+            book.apply(w)
+            if self.disk_bytes is not None:
+                removed.extend(w.evict(self.disk_bytes))
+            return rejected, removed
+
+        pause_point("before_commit")
+        try:
+            rejected, removed = self.index.write(commit)
+        except WRITE_ERRORS as exc:
+            # The index could not take the records (disk full, say) and is as it was.
+            # The files stay for the orphan sweep: their names are content-addressed,
+            # and another writer may have published the same file and committed it.
+            self._failed("commit", written, exc)
+            return
+        pause_point("after_commit")
+        self.files.unlink(rejected + removed)
+        self._forget(removed)
+
+    def _failed(self, what: str, nodes: list[Node], exc: Exception) -> None:
+        log.warning("could not %s blocks to %s: %s", what, self.files.root, exc)
+        self.counters.add(write_errors=1)
+        for node in nodes:
+            self.memory.discard(node.key)
+
+    def _forget(self, removed: list[Node]) -> None:
+        for node in removed:
+            self.memory.discard(node.key)
+        if removed:
+            self.counters.add(evictions=len(removed))
+
+    def drop_subtree(self, key: bytes) -> None:
+        """Remove a block and everything stored after it (a writer-thread job)."""
+        removed = self.index.write(lambda w: w.remove_subtree(key))
+        self.files.unlink(removed)
+        for node in removed:
+            self.memory.discard(node.key)
+
+    # -- sweeps -----------------------------------------------------------------------
+
+    def sweep(self) -> None:
+        """Remove temporary files of dead writers and old unreferenced block files."""
+        self.files.sweep_tmp()
+        sweep_orphans(self.index, self.files, grace=ORPHAN_GRACE_SECONDS)
+
+
+def sweep_orphans(index: Index, files: BlockFiles, *, grace: float) -> int:
+    """Remove block files no index record names, older than `grace` seconds.
+
+    Returns:
+        How many files were removed.
+    """
+    with index.reader() as reader:
+        named = {n.file_name for n in reader.iter_nodes()}
+    return files.sweep_orphans(named.__contains__, grace=grace)
+
+
+def _superseded(w: Writer, node: Node) -> list[Node]:
+    # A partial leaf whose tokens start the new block serves nothing the new block
+    # cannot (by trimming): drop it so shared prefixes are stored once.
+    if not node.trimmable:
+        return []
+    removed = []
+    for sib in w.children(node.parent):
+        if (
+            sib.key != node.key
+            and sib.child_count == 0
+            and sib.n_tokens < node.n_tokens
+            and node.tokens.startswith(sib.tokens)
+        ):
+            w.remove_leaf(sib)
+            removed.append(sib)
+    return removed

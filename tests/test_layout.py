@@ -1,0 +1,218 @@
+"""The package layout's rules (docs/architecture.md), checked on the source itself.
+
+Each rule is a boundary a reader relies on: only the index touches LMDB, only
+``layers/`` knows mlx-lm's cache classes, nothing imports a wing above its own, the
+compat layers use the store's public names only, no module grows past ~600 lines, and
+the architecture page names every module there is.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "persistent_prefix_cache"
+NAME = "persistent_prefix_cache"
+
+# Wings from the bottom up: a module imports only from its own wing or those below.
+WINGS = [
+    ("base", ["errors", "keys", "fingerprint", "tiny_model", "migrations"]),
+    ("disk", ["disk"]),
+    ("layers", ["layers"]),
+    ("tiers", ["tiers"]),
+    ("core", ["store", "lookup", "restore", "writeback", "prefill", "options"]),
+    ("compat", ["compat", "prefix_cache", "paged_cache", "lru_prompt_cache"]),
+    ("cli", ["cli", "__main__"]),
+]
+INTERNAL = ("disk", "tiers", "lookup", "restore", "writeback")  # not for compat
+CACHE_CLASSES = {
+    "KVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache", "ArraysCache",
+    "CacheList", "make_prompt_cache", "can_trim_prompt_cache", "trim_prompt_cache",
+}  # fmt: skip
+MAX_LINES = 600
+
+
+def _modules() -> dict[str, tuple[Path, ast.Module]]:
+    """Dotted name (below the package) -> (path, tree) of every library module."""
+    out = {}
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = (path, ast.parse(path.read_text(), str(path)))
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, tree: ast.Module) -> list[tuple[str, list[str], int]]:
+    """(absolute module, imported names, line) for every import in a module."""
+    is_package = MODULES[name][0].name == "__init__.py"
+    here = [NAME] + (name.split(".") if name else [])
+    if not is_package:
+        here = here[:-1]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, [], node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here[: len(here) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            out.append((module, [a.name for a in node.names], node.lineno))
+    return out
+
+
+def _own(module: str, names: list[str]) -> list[str]:
+    """The package modules an import statement reaches (``from . import codec`` too)."""
+    if module != NAME and not module.startswith(NAME + "."):
+        return []
+    inner = module[len(NAME) + 1 :]
+    reached = [inner]
+    for n in names:
+        sub = f"{inner}.{n}" if inner else n
+        if sub in MODULES:
+            reached.append(sub)
+    return reached
+
+
+def _wing(name: str) -> int:
+    top = name.split(".")[0]
+    for rank, (_, tops) in enumerate(WINGS):
+        if top in tops:
+            return rank
+    raise AssertionError(f"module {name!r} belongs to no wing: add it to WINGS and docs/architecture.md")
+
+
+def test_only_the_index_imports_lmdb():
+    users = {
+        name
+        for name, (_, tree) in MODULES.items()
+        for module, _, _ in _imports(name, tree)
+        if module == "lmdb" or module.startswith("lmdb.")
+    }
+    assert users == {"disk.index", "disk.index_env"}
+
+
+def test_only_layers_names_mlx_lm_cache_classes():
+    found = []
+    for name, (_, tree) in MODULES.items():
+        if name.split(".")[0] == "layers":
+            continue
+        for module, names, line in _imports(name, tree):
+            if module == "mlx_lm.models" and "cache" in names:
+                found.append(f"{name}:{line} imports mlx_lm.models.cache")
+            if module == "mlx_lm.models.cache" and set(names) - {"LRUPromptCache"}:
+                found.append(f"{name}:{line} imports {sorted(set(names) - {'LRUPromptCache'})}")
+        for node in ast.walk(tree):
+            ident = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+            if ident in CACHE_CLASSES:
+                found.append(f"{name}:{node.lineno} names {ident}")
+    assert not found
+
+
+def test_no_module_imports_a_wing_above_its_own():
+    found = []
+    for name, (_, tree) in MODULES.items():
+        if name == "":
+            continue  # the package root re-exports lazily from every wing
+        for module, names, line in _imports(name, tree):
+            for target in _own(module, names):
+                if target and _wing(target) > _wing(name):
+                    found.append(f"{name}:{line} imports {target} ({WINGS[_wing(target)][0]})")
+    assert not found
+
+
+def test_no_import_cycles():
+    graph = {
+        name: {t for m, ns, _ in _imports(name, tree) for t in _own(m, ns) if t and t != name}
+        for name, (_, tree) in MODULES.items()
+        if name
+    }
+    state: dict[str, int] = {}
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1 and not _is_package(nxt):
+                pytest.fail("import cycle: " + " -> ".join(trail + [node, nxt]))
+            if nxt not in state:
+                visit(nxt, trail + [node])
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [])
+
+
+def _is_package(name: str) -> bool:
+    # A package's __init__ re-exporting its own modules is not a cycle between modules.
+    return MODULES[name][0].name == "__init__.py"
+
+
+def test_compat_uses_only_public_names_of_the_store():
+    found = []
+    for name, (_, tree) in MODULES.items():
+        if name.split(".")[0] != "compat":
+            continue
+        for module, names, line in _imports(name, tree):
+            for target in _own(module, names):
+                if target.split(".")[0] in INTERNAL:
+                    found.append(f"{name}:{line} imports internal {target}")
+            if module.startswith(NAME):
+                found += [f"{name}:{line} imports private {n}" for n in names if n.startswith("_")]
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+            ):
+                found.append(f"{name}:{node.lineno} uses private attribute {node.attr}")
+    assert not found
+
+
+def test_no_library_module_is_over_600_lines():
+    sizes = {name: len(path.read_text().splitlines()) for name, (path, _) in MODULES.items()}
+    assert {n: s for n, s in sizes.items() if s > MAX_LINES} == {}
+
+
+def test_every_module_says_what_it_holds():
+    assert [n for n, (_, tree) in MODULES.items() if not ast.get_docstring(tree)] == []
+
+
+def test_architecture_page_names_every_module_and_nothing_else():
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    named = set(re.findall(r"`([a-z0-9_]+(?:/[a-z0-9_]+)*\.py)`", page))
+    in_package = {str(p.relative_to(PKG)) for p in PKG.rglob("*.py")}
+    in_repo = {str(p.relative_to(ROOT)) for p in ROOT.glob("*/*.py")}
+    modules = {m for m in in_package if not m.endswith("/__init__.py")}
+    modules |= {m for m in in_repo if m.startswith("migrations/0")}
+    assert modules - named == set(), "modules the architecture page does not name"
+    assert named - in_package - in_repo == set(), "files it names that do not exist"
+
+
+def test_nothing_cites_a_document_that_is_not_in_the_repository():
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    present = set(tracked)
+    citing = []
+    for rel in tracked:
+        if not rel.endswith((".py", ".md", ".toml", ".cfg", ".txt")) or rel == "tests/test_layout.py":
+            continue
+        text = (ROOT / rel).read_text(errors="replace")
+        for doc in set(re.findall(r"\b((?:[\w.-]+/)*[A-Za-z][\w-]*\.md)\b", text)):
+            candidates = {doc, str((Path(rel).parent / doc)), f"docs/{doc}"}
+            if not candidates & present:
+                citing.append(f"{rel} cites {doc}")
+    assert citing == []
