@@ -1,27 +1,28 @@
 """Rebuilding fresh caches from a path of stored blocks.
 
-Blocks in the RAM tier are used as they are; the rest are read from their files into
-joined buffers (`disk.assemble`), and every leaf is rebuilt from those (`layers.Layout`).
+Blocks in the RAM tier are used as they are; the rest are read from their segments
+into joined buffers (`disk.assemble`), checked against the dtypes and shapes the
+model's layout holds, and every leaf is rebuilt from those (`layers.Layout`).
 """
 
 from __future__ import annotations
 
 from .disk.assemble import read_path
-from .disk.blockfile import BlockFiles
+from .disk.segment import SegmentFiles
 from .disk.node import Node
 from .layers import JoinedSource, Layout
 from .tiers.memory import MemoryTier
 
 
 def restore(
-    layout: Layout, memory: MemoryTier, files: BlockFiles, nodes: list[Node], position: int
+    layout: Layout, memory: MemoryTier, files: SegmentFiles, nodes: list[Node], position: int
 ) -> tuple[list | None, int]:
     """Rebuild the cache at `position` from `nodes` (the blocks any leaf needs).
 
     Args:
         layout: The store's layout.
         memory: The RAM tier.
-        files: The block files.
+        files: The segment files.
         nodes: Consecutive blocks, from the first one a leaf needs to the last.
         position: Where the cache is rebuilt (inside or at the end of the last block).
 
@@ -34,7 +35,7 @@ def restore(
     for node in nodes:
         entry = memory.get(node.key)
         cached.append(entry[1] if entry is not None else None)
-    intact, runs, snaps = read_path(nodes, cached, files, layout.kinds, position)
+    intact, runs, snaps = read_path(nodes, cached, files, layout.kinds, position, layout.fields)
     if intact < len(nodes):
         return None, intact
     # Blocks read from disk do not join the RAM tier: views of the returned buffers

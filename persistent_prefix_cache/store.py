@@ -21,7 +21,7 @@ import warnings
 import weakref
 from typing import Any, Sequence
 
-from .disk.blockfile import BlockFiles
+from .disk.segment import SegmentFiles
 from .disk.index import Index
 from .disk.node import Node
 from .errors import (
@@ -121,7 +121,7 @@ class PersistentPrefixCache:
         self.layout = Layout(template_cache(model, kv_bits=kv_bits, kv_group_size=kv_group_size))
         if not readonly:
             os.makedirs(self.path, exist_ok=True)
-        self.files = BlockFiles(self.path, readonly=readonly)
+        self.files = SegmentFiles(self.path, readonly=readonly)
         self.index = Index(
             os.path.join(self.path, "index"), readonly=readonly, block_size=block_size or DEFAULT_BLOCK_SIZE
         )
@@ -144,15 +144,15 @@ class PersistentPrefixCache:
             self.index.close()
             raise
         self.root = root_key(self.fingerprint, namespace, self.layout.signature)
+        self.layout.fields = self._recorded_fields()
         self.memory = MemoryTier(memory_bytes)
         self.trie = Trie(self.index, self.memory, self.root, self.block_size)
         self.counters = Counters(*COUNTERS)
         self.writeback = None
         if not readonly:
-            description = {"fingerprint": self.fingerprint, "namespace": namespace, "layout": self.layout.signature}
             self.writeback = WriteBack(
                 self.index, self.files, self.memory, self.counters,
-                root=self.root, description=json.dumps(description).encode(), disk_bytes=disk_bytes,
+                root=self.root, describe=self._describe, disk_bytes=disk_bytes,
             )  # fmt: skip
         _OPEN_STORES.add(self)
 
@@ -283,6 +283,8 @@ class PersistentPrefixCache:
             return 0
         self._note(touch=keys[: len(path)])
         new = self.layout.new_blocks(cache, keys, data, path, root=self.root, block_size=self.block_size)
+        for _, tensors in new:
+            self.layout.learn_fields(tensors)  # the dtypes and shapes a read must find
         for node, tensors in new:
             self.memory.put(node, tensors)
         if new:
@@ -324,11 +326,11 @@ class PersistentPrefixCache:
             # belong to the parent, and the child has already dropped the latter.
             self._closed = True
             return
-        if self.writeback is not None:
-            self.writeback.stop()
+        finished = self.writeback.stop() if self.writeback is not None else True
         self._closed = True
         self.memory.clear()
-        self.index.close()
+        if finished:  # else the writer thread may still wait on the index's lock
+            self.index.close()
         _OPEN_STORES.discard(self)
 
     def stats(self) -> dict[str, int]:
@@ -341,7 +343,9 @@ class PersistentPrefixCache:
             queries, hits, misses (queries = hits + misses), not_longer (fetches
             stopped by ``longer_than``, loading nothing), tokens_saved, corrupt,
             evictions, write_errors (this handle);
-            blocks, bytes_on_disk (the store, all processes); bytes_in_memory,
+            blocks, block_bytes (their tensors' bytes: what ``disk_bytes`` bounds) and
+            bytes_on_disk (of the segment files: headers and space not yet reclaimed
+            included) for the store, all processes; bytes_in_memory,
             blocks_in_memory, memory_evictions (the RAM tier); pending_writes;
             store_hits, store_misses, store_tokens_saved, store_corrupt (all processes
             since the store was made, as far as committed).
@@ -349,12 +353,13 @@ class PersistentPrefixCache:
         self._check_open()
         out = self.counters.snapshot()
         out["pending_writes"] = self.writeback.pending if self.writeback is not None else 0
-        out["bytes_on_disk"], out["blocks"] = self.index.totals()
+        with self.index.reader() as reader:
+            out["block_bytes"], out["blocks"] = reader.totals()
+            out["bytes_on_disk"] = reader.file_bytes()
+            out.update({f"store_{k}": v for k, v in reader.counters().items()})
         out["bytes_in_memory"] = self.memory.nbytes
         out["blocks_in_memory"] = len(self.memory)
         out["memory_evictions"] = self.memory.evictions
-        with self.index.reader() as reader:
-            out.update({f"store_{k}": v for k, v in reader.counters().items()})
         return out
 
     def __enter__(self) -> "PersistentPrefixCache":
@@ -370,13 +375,32 @@ class PersistentPrefixCache:
         self.memory.discard(node.key)
         with self.index.reader() as reader:
             current = reader.get(node.key)
-        if current is None or current.checksum != node.checksum:
-            return  # removed (evicted, superseded) or replaced by another process meanwhile
+        if current is None or (current.checksum, current.segment) != (node.checksum, node.segment):
+            return  # removed, replaced or moved (compacted) by this or another process meanwhile
         log.warning("block %s is missing or damaged; dropping it", node.key.hex())
         self.counters.add(corrupt=1)
         self._note(corrupt=1)
         if self.writeback is not None:
             self.writeback.submit(self.writeback.drop_subtree, node.key)
+
+    def _describe(self) -> bytes:
+        """The model's record: what its root key stands for, and its KV's dtypes and shapes."""
+        return json.dumps(
+            {
+                "fingerprint": self.fingerprint,
+                "namespace": self.namespace,
+                "layout": self.layout.signature,
+                "fields": self.layout.fields or {},
+            }
+        ).encode()
+
+    def _recorded_fields(self) -> dict | None:
+        with self.index.reader() as reader:
+            raw = reader.model(self.root)
+        try:
+            return json.loads(raw).get("fields") or None if raw else None
+        except (ValueError, AttributeError):
+            return None
 
     def _note(self, **kwargs: Any) -> None:
         if self.writeback is not None:

@@ -1,22 +1,25 @@
 """Write-back: the writer thread, what fetches and stores leave for it, and the commit policy.
 
 `store()` cuts new blocks on the caller's thread (MLX evaluates there) and hands them
-to `WriteBack.write_blocks`, which runs on the writer thread: write the files (see
-`disk.blockfile`), then commit their records in one index transaction together with
-the queued bookkeeping (LRU touches, hit counts, counters), superseded partial leaves
-and, under a disk budget, evictions; only after the commit are files unlinked.
+to `WriteBack.write_blocks`, which runs on the writer thread: write them into one new
+segment (see `disk.segment`), then commit their records in one index transaction
+together with the queued bookkeeping (LRU touches, hit counts, counters), superseded
+partial leaves and, under a disk budget, evictions; only after the commit are the
+segments whose last block went unlinked.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
 from concurrent.futures import Future
 from typing import Any, Callable, Iterable
 
-from .disk.blockfile import BlockFiles
+from .disk.segment import SegmentFiles
+from .disk.compaction import compact_sparse
 from .disk.faults import pause_point
 from .disk.index import WRITE_ERRORS, Index, Writer
 from .disk.node import Node
@@ -25,6 +28,9 @@ from .tiers.memory import MemoryTier
 log = logging.getLogger("persistent_prefix_cache")
 
 ORPHAN_GRACE_SECONDS = 600.0
+# How long `close()` waits for recency and hit counts alone behind another process's
+# write lock (a writer stopped inside its commit holds it for ever).
+BOOKKEEPING_WAIT_SECONDS = float(os.environ.get("PPC_BOOKKEEPING_WAIT", 2.0))
 
 
 class Worker:
@@ -135,29 +141,30 @@ class WriteBack:
 
     Args:
         index: The store's index.
-        files: The store's block files.
+        files: The store's segment files.
         memory: The RAM tier (blocks that fail to be written or are removed leave it).
         counters: The handle's counters (``write_errors``, ``evictions``).
-        root: The model's root key, and `description` its JSON record, registered
-            with the first block.
+        root: The model's root key, and `describe` what gives its JSON record
+            (registered with the first block, and when the record learns more).
         disk_bytes: Budget of the block files (None: unbounded).
     """
 
     def __init__(
         self,
         index: Index,
-        files: BlockFiles,
+        files: SegmentFiles,
         memory: MemoryTier,
         counters: Counters,
         *,
         root: bytes,
-        description: bytes,
+        describe: Callable[[], bytes],
         disk_bytes: int | None,
     ):
         self.index, self.files, self.memory, self.counters = index, files, memory, counters
-        self.root, self.description, self.disk_bytes = root, description, disk_bytes
+        self.root, self.describe, self.disk_bytes = root, describe, disk_bytes
         self._book = Bookkeeping()
         self._futures: set[Future] = set()
+        self._data: set[Future] = set()  # jobs that write blocks (never abandoned)
         self._lock = threading.Lock()
         self._worker = Worker("ppc-writer")
         self.submit(self.sweep)
@@ -170,17 +177,25 @@ class WriteBack:
         with self._lock:
             return len(self._futures)
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """Run ``fn(*args)`` on the writer thread; failures are logged and counted."""
+    def submit(self, fn: Callable[..., Any], *args: Any, data: bool = True) -> Future:
+        """Run ``fn(*args)`` on the writer thread; failures are logged and counted.
+
+        Args:
+            data: False for bookkeeping only (recency, hit counts), which `stop` may
+                leave behind.
+        """
         future = self._worker.submit(self._guarded, fn, *args)
         with self._lock:
             self._futures.add(future)
+            if data:
+                self._data.add(future)
         future.add_done_callback(self._forget_future)
         return future
 
     def _forget_future(self, future: Future) -> None:
         with self._lock:
             self._futures.discard(future)
+            self._data.discard(future)
 
     def _guarded(self, fn, *args):
         try:
@@ -191,7 +206,7 @@ class WriteBack:
 
     def flush(self) -> None:
         """Wait until every job queued so far, and the bookkeeping, is committed."""
-        self.submit(self._apply_bookkeeping)
+        self.submit(self._apply_bookkeeping, data=False)
         while True:
             with self._lock:
                 pending = list(self._futures)
@@ -200,10 +215,36 @@ class WriteBack:
             for f in pending:
                 f.result()
 
-    def stop(self) -> None:
-        """Finish every queued job, then end the thread."""
-        self.flush()
+    def stop(self) -> bool:
+        """Finish the queued jobs, then end the thread.
+
+        Block writes are always waited for. Bookkeeping alone is waited for at most
+        `BOOKKEEPING_WAIT_SECONDS` when the index's write lock is held elsewhere: a
+        handle that only read must not hang behind a stopped writer.
+
+        Returns:
+            False if bookkeeping was left behind (the writer thread may still be
+            waiting for the lock: the caller must then not close the index).
+        """
+        self.submit(self._apply_bookkeeping, data=False)
+        while True:
+            with self._lock:
+                data, pending = list(self._data), list(self._futures)
+            if data:
+                for f in data:
+                    f.result()
+                continue
+            if not pending:
+                break
+            done = [f for f in pending if f.done() or _wait(f, BOOKKEEPING_WAIT_SECONDS)]
+            if len(done) < len(pending):
+                log.warning(
+                    "store %s: recency and hit counts of this handle not committed: another "
+                    "process holds the index's write lock", self.files.root,
+                )  # fmt: skip
+                return False
         self._worker.stop()
+        return True
 
     # -- bookkeeping ------------------------------------------------------------------
 
@@ -213,7 +254,7 @@ class WriteBack:
             was_empty = self._book.empty()
             self._book.add(touch, hit, deltas)
         if was_empty:
-            self.submit(self._apply_bookkeeping)
+            self.submit(self._apply_bookkeeping, data=False)
 
     def _apply_bookkeeping(self) -> None:
         book = self._book.take(self._lock)
@@ -223,52 +264,50 @@ class WriteBack:
     # -- blocks -----------------------------------------------------------------------
 
     def write_blocks(self, new: list[tuple[Node, dict]]) -> None:
-        """Write new blocks' files, then commit their records (a writer-thread job).
+        """Write new blocks into one segment, then commit their records (a writer-thread job).
 
         Args:
-            new: ``(node, tensors by leaf)`` per block, tensors evaluated.
+            new: ``(node, tensors by leaf)`` per block, consecutive, tensors evaluated.
         """
-        items = [self.files.encode(node, tensors) for node, tensors in new]
-        try:
-            for (node, _), (size, checksum, _) in zip(new, self.files.write_many(items)):
-                node.size, node.checksum = size, checksum
-        except OSError as exc:
-            # Nothing was committed; renamed files (if any) are left to the orphan sweep.
-            self._failed("write", [node for node, _ in new], exc)
-            return
         written = [node for node, _ in new]
+        try:
+            segment, size = self.files.write(new)
+        except (OSError, ValueError) as exc:
+            self._failed("write", written, exc)  # nothing was renamed into place
+            return
         book = self._book.take(self._lock)
+        description = self.describe()
 
         def commit(w: Writer):
             # The model is recorded with its first block, not at open: a run that
             # stores nothing leaves no trace in the store.
-            w.register_model(self.root, self.description)
-            rejected, removed = [], []
+            w.register_model(self.root, description)
+            w.add_segment(segment, size)
+            removed = []
             for node in written:
-                existing = w.get(node.key)
-                if not w.insert(node):
-                    # Someone else stored this block first (same key): keep theirs.
-                    if existing is None or existing.checksum != node.checksum:
-                        rejected.append(node)
-                    continue
-                removed.extend(_superseded(w, node))
+                if w.insert(node):  # else someone stored this block first: theirs stays
+                    removed.extend(_superseded(w, node))
             book.apply(w)
             if self.disk_bytes is not None:
                 removed.extend(w.evict(self.disk_bytes))
-            return rejected, removed
+            held = w.segment(segment)
+            if held is not None and held[0] == 0:
+                w.free_segment(segment)  # none of its blocks was taken
+            return removed, w.freed
 
         pause_point("before_commit")
         try:
-            rejected, removed = self.index.write(commit)
+            removed, freed = self.index.write(commit)
         except WRITE_ERRORS as exc:
             # The index could not take the records (disk full, say) and is as it was.
-            # The files stay for the orphan sweep: their names are content-addressed,
-            # and another writer may have published the same file and committed it.
+            # The segment's id is this writer's alone: nobody else can reference it.
             self._failed("commit", written, exc)
+            self.files.unlink([segment])
             return
         pause_point("after_commit")
-        self.files.unlink(rejected + removed)
+        self.files.unlink(freed)
         self._forget(removed)
+        compact_sparse(self.index, self.files, (n.segment for n in removed))
 
     def _failed(self, what: str, nodes: list[Node], exc: Exception) -> None:
         log.warning("could not %s blocks to %s: %s", what, self.files.root, exc)
@@ -284,10 +323,11 @@ class WriteBack:
 
     def drop_subtree(self, key: bytes) -> None:
         """Remove a block and everything stored after it (a writer-thread job)."""
-        removed = self.index.write(lambda w: w.remove_subtree(key))
-        self.files.unlink(removed)
+        removed, freed = self.index.write(lambda w: (w.remove_subtree(key), w.freed))
+        self.files.unlink(freed)
         for node in removed:
             self.memory.discard(node.key)
+        compact_sparse(self.index, self.files, (n.segment for n in removed))
 
     # -- sweeps -----------------------------------------------------------------------
 
@@ -297,15 +337,24 @@ class WriteBack:
         sweep_orphans(self.index, self.files, grace=ORPHAN_GRACE_SECONDS)
 
 
-def sweep_orphans(index: Index, files: BlockFiles, *, grace: float) -> int:
-    """Remove block files no index record names, older than `grace` seconds.
+def _wait(future: Future, seconds: float) -> bool:
+    try:
+        future.result(timeout=seconds)
+    except Exception:  # a timeout, or a failure already logged by _guarded
+        return future.done()
+    return True
+
+
+def sweep_orphans(index: Index, files: SegmentFiles, *, grace: float) -> int:
+    """Remove segment files the index does not reference, older than `grace` seconds
+    (and files a schema v1-v2 store left in ``blocks/``).
 
     Returns:
         How many files were removed.
     """
     with index.reader() as reader:
-        named = {n.file_name for n in reader.iter_nodes()}
-    return files.sweep_orphans(named.__contains__, grace=grace)
+        referenced = set(reader.segments())
+    return files.sweep_orphans(referenced.__contains__, grace=grace)
 
 
 def _superseded(w: Writer, node: Node) -> list[Node]:

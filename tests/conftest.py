@@ -45,3 +45,26 @@ def other_model(other_model_dir):
 def store_dir(tmp_path):
     """A fresh, not yet existing store directory."""
     return tmp_path / "store"
+
+
+@pytest.fixture
+def legacy(tmp_path):
+    """Stores written by this project before schema v3 (see data/make_legacy_stores.py),
+    extracted afresh: a dict with ``model`` (loaded), ``model_dir``, ``v1``, ``v2``
+    (store paths), ``prompts`` and ``block_size``."""
+    import json
+    import tarfile
+    from pathlib import Path
+
+    with tarfile.open(Path(__file__).parent / "data" / "legacy_stores.tar.gz") as tar:
+        tar.extractall(tmp_path / "legacy", filter="data")
+    root = tmp_path / "legacy"
+    spec = json.loads((root / "prompts.json").read_text())
+    return {
+        "model": load_tiny_model(root / "model"),
+        "model_dir": root / "model",
+        "v1": root / "v1",
+        "v2": root / "v2",
+        "prompts": spec["prompts"],
+        "block_size": spec["block_size"],
+    }

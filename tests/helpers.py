@@ -83,9 +83,9 @@ def assert_same_logits(got: mx.array, want: mx.array) -> None:
 # -- looking at a store from the outside ------------------------------------------
 
 
-def block_files(store_path: str | os.PathLike) -> dict[str, int]:
-    """Every file under ``blocks/``: path relative to ``blocks/`` -> size in bytes."""
-    root = os.path.join(os.fspath(store_path), "blocks")
+def segment_files(store_path: str | os.PathLike) -> dict[str, int]:
+    """Every file under ``segments/``: path relative to ``segments/`` -> size in bytes."""
+    root = os.path.join(os.fspath(store_path), "segments")
     out = {}
     for folder, _, names in os.walk(root):
         for name in names:
@@ -103,29 +103,27 @@ def read_index(store_path: str | os.PathLike) -> dict[str, Any]:
     Returns:
         nodes (key -> Node), roots (set of model root keys), edges (set of
         (parent, child) pairs), lru (set of (access, key) pairs), totals
-        ((bytes, blocks) as recorded), block_size.
+        ((bytes, blocks) as recorded), segments (id -> (live blocks, live bytes,
+        file bytes)), file_bytes (as recorded), block_size.
     """
     index = Index(os.path.join(os.fspath(store_path), "index"), readonly=True)
     try:
         with index.reader() as r:
             nodes = {n.key: n for n in r.iter_nodes()}
             roots = set(r.models())
-            with r.txn.cursor(db=index.dbs["children"]) as cur:
-                edges = {
-                    (bytes(k[:16]), bytes(k[16:])) for k in cur.iternext(values=False)
-                }
-            with r.txn.cursor(db=index.dbs["lru"]) as cur:
-                lru = {
-                    (int.from_bytes(k[:8], "big"), bytes(k[8:]))
-                    for k in cur.iternext(values=False)
-                }
+            edges = r.edges()
+            lru = r.lru_entries()
             totals = r.totals()
+            segments = r.segments()
+            file_bytes = r.file_bytes()
         return {
             "nodes": nodes,
             "roots": roots,
             "edges": edges,
             "lru": lru,
             "totals": totals,
+            "segments": segments,
+            "file_bytes": file_bytes,
             "block_size": index.block_size,
         }
     finally:
@@ -139,8 +137,9 @@ def assert_tree_consistent(store_path: str | os.PathLike) -> dict[bytes, Node]:
     - every node's child count equals its children in the index, and the edge table
       holds exactly one edge per node;
     - the LRU table holds exactly one entry per node, at its last access;
-    - the recorded totals equal the nodes' sizes, and the files on disk are exactly
-      the nodes' files, each of the recorded size.
+    - the recorded totals equal the nodes' sizes; every node's segment is referenced,
+      each segment's live counts equal its nodes', and the files on disk are exactly
+      the referenced segments, each of the recorded size.
 
     Returns:
         The nodes by key.
@@ -160,8 +159,15 @@ def assert_tree_consistent(store_path: str | os.PathLike) -> dict[bytes, Node]:
     assert snap["edges"] == {(n.parent, n.key) for n in nodes.values()}
     assert snap["lru"] == {(n.last_access, n.key) for n in nodes.values()}
     assert snap["totals"] == (sum(n.size for n in nodes.values()), len(nodes))
-    files = block_files(store_path)
-    assert files == {n.file_name.replace("/", os.sep): n.size for n in nodes.values()}
+    live: dict[bytes, tuple[int, int]] = {}
+    for n in nodes.values():
+        blocks, nbytes = live.get(n.segment, (0, 0))
+        live[n.segment] = (blocks + 1, nbytes + n.size)
+    assert {seg: rec[:2] for seg, rec in snap["segments"].items()} == live
+    files = segment_files(store_path)
+    want = {os.path.join(s.hex()[:2], f"{s.hex()}.seg"): rec[2] for s, rec in snap["segments"].items()}
+    assert files == want
+    assert snap["file_bytes"] == sum(files.values())
     return nodes
 
 
@@ -223,3 +229,40 @@ def ppc_check(
     )
     assert "Traceback" not in proc.stderr, proc.stderr
     return proc.returncode, json.loads(proc.stdout)
+
+
+def segment_path(store_path: str | os.PathLike, node: Node) -> str:
+    """The segment file holding `node`."""
+    h = node.segment.hex()
+    return os.path.join(os.fspath(store_path), "segments", h[:2], f"{h}.seg")
+
+
+def block_pieces(store_path: str | os.PathLike, node: Node) -> list[tuple[int, int]]:
+    """(file offset, length) of every piece of `node`'s bytes inside its segment, in
+    checksum order (the format's own header tells where they are)."""
+    from persistent_prefix_cache.disk.segment import SegmentFiles
+
+    seg = SegmentFiles(os.fspath(store_path), readonly=True).open(node.segment)
+    assert seg is not None, "segment missing or damaged"
+    try:
+        i = seg.block_index(node)
+        assert i is not None
+        out = []
+        for f in seg.fields_of(i):
+            p0 = node.position - f.start
+            for r in range(f.rows):
+                out.append((seg.body + f.at + (r * f.tokens + p0) * f.row_bytes, node.n_tokens * f.row_bytes))
+        out += [(seg.body + s.at, s.nbytes) for s in seg.snaps_of(i)]
+        return out
+    finally:
+        seg.close()
+
+
+def flip_block_byte(store_path: str | os.PathLike, node: Node, *, piece: int = 0, at: int = 0) -> None:
+    """Flip one byte of `node`'s bytes in its segment (other blocks stay intact)."""
+    offset, length = block_pieces(store_path, node)[piece]
+    with open(segment_path(store_path, node), "r+b") as f:
+        f.seek(offset + min(at, length - 1))
+        byte = f.read(1)
+        f.seek(offset + min(at, length - 1))
+        f.write(bytes([byte[0] ^ 0x5A]))

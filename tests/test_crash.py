@@ -24,7 +24,7 @@ from helpers import (
     BLOCK,
     assert_same_logits,
     assert_tree_consistent,
-    block_files,
+    segment_files,
     cold_logits,
     different_tokens,
     ppc_check,
@@ -93,7 +93,7 @@ def test_kill9_during_a_write(tmp_path, store_dir, committed, model, tiny_model_
     a, b, p = committed
     marker = tmp_path / "paused"
     before = read_index(store_dir)["nodes"]
-    old_files = set(block_files(store_dir))
+    old_files = set(segment_files(store_dir))
     writer = Worker(
         spec(tiny_model_dir, store_dir, [["store", p], ["flush"]]),
         str(tmp_path),
@@ -102,11 +102,11 @@ def test_kill9_during_a_write(tmp_path, store_dir, committed, model, tiny_model_
     try:
         wait_for_pause(str(marker), writer, point)
         in_flight = os.listdir(store_dir / "tmp")
-        new_files = set(block_files(store_dir)) - old_files
+        new_files = set(segment_files(store_dir)) - old_files
         if point == "before_rename":
-            # P's two new blocks are written and fsynced under tmp/ (one batch), named
-            # by the writer's pid; nothing is renamed yet.
-            assert len(in_flight) == 2
+            # P's two new blocks are written and fsynced under tmp/ (one segment),
+            # named by the writer's pid; nothing is renamed yet.
+            assert len(in_flight) == 1
             assert all(f".{writer.pid}." in name for name in in_flight)
             assert not new_files
             # A live writer's file survives another process's open and check --fix.
@@ -116,7 +116,7 @@ def test_kill9_during_a_write(tmp_path, store_dir, committed, model, tiny_model_
             assert code == 0 and report["clean"], report
             assert os.listdir(store_dir / "tmp") == in_flight
         elif point == "before_commit":
-            assert not in_flight and len(new_files) == 2  # both renamed, none committed
+            assert not in_flight and len(new_files) == 1  # renamed, not committed
             assert read_index(store_dir)["nodes"].keys() == before.keys()
             # Young unreferenced files may be a live writer's: the open and the default
             # grace of check --fix leave them alone.
@@ -124,7 +124,7 @@ def test_kill9_during_a_write(tmp_path, store_dir, committed, model, tiny_model_
                 other.flush()
             code, report = ppc_check(store_dir, "--fix")
             assert code == 0 and report["clean"], report
-            assert new_files <= set(block_files(store_dir))
+            assert new_files <= set(segment_files(store_dir))
         else:
             assert len(read_index(store_dir)["nodes"]) == len(before) + 2
     finally:
@@ -134,7 +134,7 @@ def test_kill9_during_a_write(tmp_path, store_dir, committed, model, tiny_model_
     if point == "before_rename":
         code, report = ppc_check(store_dir)
         assert code == 1
-        assert [x["kind"] for x in report["problems"]] == ["leftover temporary file"] * 2
+        assert [x["kind"] for x in report["problems"]] == ["leftover temporary file"]
         # The next open sweeps a dead writer's temporary file.
         with PersistentPrefixCache(store_dir, model) as store:
             store.flush()
@@ -143,12 +143,12 @@ def test_kill9_during_a_write(tmp_path, store_dir, committed, model, tiny_model_
         # A fresh open keeps young orphans (open-time grace: 600 s)...
         with PersistentPrefixCache(store_dir, model) as store:
             store.flush()
-        assert new_files <= set(block_files(store_dir))
+        assert new_files <= set(segment_files(store_dir))
         # ... and check --fix with no grace removes them.
         code, report = ppc_check(store_dir, "--fix", "--grace", "0")
-        assert code == 0 and report["fixed"] and report["removed_files"] == 2, report
+        assert code == 0 and report["fixed"] and report["removed_files"] == 1, report
         assert report["removed_nodes"] == 0
-        assert not new_files & set(block_files(store_dir))
+        assert not new_files & set(segment_files(store_dir))
     code, report = ppc_check(store_dir)
     assert code == 0 and report["clean"], report
     assert_tree_consistent(store_dir)
@@ -235,9 +235,9 @@ def test_kill9_inside_the_write_transaction(tmp_path, store_dir, committed, mode
 
     nodes = read_index(store_dir)["nodes"]
     assert nodes.keys() > nodes_before.keys() and len(nodes) == len(nodes_before) + 3
-    # R's files were renamed into blocks/ before the commit died: orphans for check.
+    # R's segment was renamed into segments/ before the commit died: an orphan for check.
     code, report = ppc_check(store_dir, "--fix", "--grace", "0")
-    assert code == 0 and report["removed_files"] == 3 and report["removed_nodes"] == 0
+    assert code == 0 and report["removed_files"] == 1 and report["removed_nodes"] == 0
     assert ppc_check(store_dir)[1]["clean"]
     assert_tree_consistent(store_dir)
     assert_restores(
@@ -251,15 +251,7 @@ def test_kill9_inside_the_write_transaction(tmp_path, store_dir, committed, mode
     "readonly",
     [
         True,
-        pytest.param(
-            False,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="bug: a writable open takes LMDB's write lock (open_db without a "
-                "transaction in a writable environment), so it waits for any commit in "
-                "progress, and forever behind a stopped writer",
-            ),
-        ),
+        False,
     ],
     ids=["read_only", "writable"],
 )
@@ -484,7 +476,7 @@ def test_full_map_grows_and_other_processes_follow(tmp_path, store_dir, model, t
 
 
 def _snapshot_index(store_dir) -> dict:
-    return {k: (n.file_name, n.size) for k, n in read_index(store_dir)["nodes"].items()}
+    return {k: (n.segment, n.size) for k, n in read_index(store_dir)["nodes"].items()}
 
 
 @pytest.fixture
@@ -528,7 +520,7 @@ def test_disk_full_fails_cleanly(small_tmpfs, model):
     try:
         store.store(a, prefill(model, a)[1])
         store.flush()
-        index_before, files_before = _snapshot_index(store_dir), block_files(store_dir)
+        index_before, files_before = _snapshot_index(store_dir), segment_files(store_dir)
         filler = _fill(small_tmpfs)
         store.store(p, prefill(model, p)[1])  # never raises: the write is background work
         store.flush()
@@ -536,7 +528,7 @@ def test_disk_full_fails_cleanly(small_tmpfs, model):
         assert stats["write_errors"] >= 1
         assert os.listdir(store_dir / "tmp") == []  # the partial file went
         assert _snapshot_index(store_dir) == index_before
-        assert block_files(store_dir) == files_before
+        assert segment_files(store_dir) == files_before
         # Reads keep serving, and generation goes on uncached.
         assert_fetch(store, model, a, len(a) - 1)
         assert_fetch(store, model, p, 0)
@@ -553,16 +545,16 @@ def test_disk_full_fails_cleanly(small_tmpfs, model):
 
 @pytest.mark.parametrize(
     "limit, failure",
-    [(4096, "could not write blocks"), (16384, "could not commit blocks")],
+    [(4096, "could not write blocks"), (24576, "could not commit blocks")],
     ids=["block_file_fails", "index_commit_fails"],
 )
 def test_file_size_quota_fails_cleanly(
     tmp_path, store_dir, committed, model, tiny_model_dir, limit, failure
 ):
-    # A block file is ~8.5 KiB: at 4 KiB its own write fails; at 16 KiB it is written
-    # and renamed, but the index commit (pages past 16 KiB of data.mdb) fails.
+    # P's segment (two blocks) is ~17 KiB: at 4 KiB its own write fails; at 24 KiB it
+    # is written and renamed, but the index commit (pages past 24 KiB of data.mdb) fails.
     a, b, p = committed
-    index_before, files_before = _snapshot_index(store_dir), block_files(store_dir)
+    index_before, files_before = _snapshot_index(store_dir), segment_files(store_dir)
     steps = [
         ["fsize_limit", limit],
         ["store", p],
@@ -583,11 +575,11 @@ def test_file_size_quota_fails_cleanly(
     assert fetch_p == {"matched": 2 * BLOCK, "exact": True}  # P's own blocks: uncached
     assert os.listdir(store_dir / "tmp") == []
     assert _snapshot_index(store_dir) == index_before
-    # Renamed files stay for the orphan sweep (another writer may have published the
-    # same content-named file and committed it); nothing else on disk changed.
-    left = set(block_files(store_dir)) - set(files_before)
-    assert len(left) == (2 if failure == "could not commit blocks" else 0)
-    assert {k: v for k, v in block_files(store_dir).items() if k in files_before} == files_before
+    # A segment that could not be committed is removed at once (its id is this
+    # writer's alone); nothing else on disk changed.
+    left = set(segment_files(store_dir)) - set(files_before)
+    assert len(left) == 0
+    assert {k: v for k, v in segment_files(store_dir).items() if k in files_before} == files_before
     code, report = ppc_check(store_dir, "--fix", "--grace", "0")
     assert code == 0 and report["removed_files"] == len(left) and report["removed_nodes"] == 0
     assert ppc_check(store_dir)[1]["clean"]

@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import tempfile
 
 import pytest
@@ -28,26 +27,25 @@ from helpers import (
     BLOCK,
     assert_same_logits,
     assert_tree_consistent,
-    block_files,
     cold_logits,
+    flip_block_byte,
     nodes_by_position,
-    ppc_check,
     prefill,
     random_tokens,
     read_index,
+    segment_files,
+    segment_path,
     warm_logits,
 )
 from mlx_lm.models.cache import make_prompt_cache
-from store_worker import Worker, wait_for_pause
-from test_cli_maintenance import _v1_store_like
+from store_worker import Worker
 
 from persistent_prefix_cache import (
     InvalidArgumentError,
     PersistentPrefixCache,
-    StoreVersionError,
 )
-from persistent_prefix_cache.disk import codec
-from persistent_prefix_cache.disk.index import SCHEMA_VERSION, Index
+from persistent_prefix_cache.disk.segment import SegmentFiles
+from persistent_prefix_cache.disk.index import Index
 from persistent_prefix_cache.disk.maintenance import StoreAdmin
 
 NOBODY = 65534
@@ -87,8 +85,8 @@ def _join(header: dict, body: bytes) -> bytes:
     return len(text).to_bytes(8, "little") + text + body
 
 
-def _tensors(header: dict) -> list[str]:
-    return sorted(k for k in header if k != "__metadata__")
+# A segment header's sliced fields: [name, dtype, batch, heads, width, first block, at].
+NAME, DTYPE, BATCH, HEADS, WIDTH, FIRST, AT = range(7)
 
 
 def truncated_body(data: bytes) -> bytes:
@@ -113,13 +111,13 @@ def invalid_json(data: bytes) -> bytes:
 
 def unknown_dtype(data: bytes) -> bytes:
     header, body = _split(data)
-    header[_tensors(header)[0]]["dtype"] = "F33"
+    header["fields"][0][DTYPE] = "F33"
     return _join(header, body)
 
 
 def shape_not_matching_bytes(data: bytes) -> bytes:
     header, body = _split(data)
-    header[_tensors(header)[0]]["shape"][-1] -= 1
+    header["fields"][0][WIDTH] -= 1
     return _join(header, body)
 
 
@@ -128,31 +126,18 @@ def trailing_bytes(data: bytes) -> bytes:
 
 
 def overlapping_offsets(data: bytes) -> bytes:
-    # Every tensor reads the first tensor's bytes (all have one shape here), which
-    # safetensors and mx.load accept.
+    # Every field reads the first field's bytes (all have one shape here).
     header, body = _split(data)
-    names = _tensors(header)
-    first = header[names[0]]["data_offsets"]
-    for name in names:
-        header[name]["data_offsets"] = list(first)
-    return _join(header, body[first[0] : first[1]])
-
-
-# Caught by the checksum under the original record (test_store.py covers the first two).
-STRUCTURAL = [
-    truncated_header,
-    header_length_absurd,
-    invalid_json,
-    unknown_dtype,
-    shape_not_matching_bytes,
-    trailing_bytes,
-    overlapping_offsets,
-]
+    first = header["fields"][0][AT]
+    for f in header["fields"]:
+        f[AT] = first
+    size = len(body) // len(header["fields"])
+    return _join(header, body[first : first + size])
 
 
 def metadata_not_an_object(data: bytes) -> bytes:
     header, body = _split(data)
-    header["__metadata__"] = "ppc-block/1"
+    header["blocks"] = "ppc-segment/3"
     return _join(header, body)
 
 
@@ -161,14 +146,30 @@ def deeply_nested_header(data: bytes) -> bytes:
     return len(text).to_bytes(8, "little") + text + _split(data)[1]
 
 
+# Damage to the structure of the segment holding the victim (alone in its segment).
+STRUCTURAL = [
+    truncated_body,
+    empty,
+    truncated_header,
+    header_length_absurd,
+    invalid_json,
+    unknown_dtype,
+    shape_not_matching_bytes,
+    trailing_bytes,
+    overlapping_offsets,
+    metadata_not_an_object,
+    deeply_nested_header,
+]
+
+
 def well_formed_but_wrong_dtype(data: bytes) -> bytes:
-    # Decodes cleanly: the first half of every tensor's bytes, read as float16.
+    # Parses cleanly: the first half of every field's bytes, read as float16.
     header, body = _split(data)
     parts, offset = [], 0
-    for name in sorted(_tensors(header), key=lambda n: header[n]["data_offsets"][0]):
-        start, end = header[name]["data_offsets"]
-        half = body[start : start + (end - start) // 2]
-        header[name].update(dtype="F16", data_offsets=[offset, offset + len(half)])
+    for f in sorted(header["fields"], key=lambda f: f[AT]):
+        n = f[BATCH] * f[HEADS] * f[WIDTH] * 4 * sum(t for _, _, t in header["blocks"][f[FIRST] :])
+        half = body[f[AT] : f[AT] + n // 2]
+        f[DTYPE], f[AT] = "F16", offset
         parts.append(half)
         offset += len(half)
     return _join(header, b"".join(parts))
@@ -176,41 +177,51 @@ def well_formed_but_wrong_dtype(data: bytes) -> bytes:
 
 def well_formed_but_wrong_shape(data: bytes) -> bytes:
     header, body = _split(data)
-    for name in _tensors(header):
-        shape = header[name]["shape"]
-        shape[-1], shape[-2] = shape[-2], shape[-1]
+    for f in header["fields"]:
+        f[HEADS], f[WIDTH] = f[WIDTH], f[HEADS]
     return _join(header, body)
 
 
 @pytest.fixture
 def three_blocks(store_dir, model):
-    """A store holding one prompt of three full blocks; returns the prompt."""
+    """A store holding one prompt of three full blocks, each alone in its segment;
+    returns the prompt."""
     tokens = random_tokens(3 * BLOCK, seed=300)
     with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
-        store.store(tokens, prefill(model, tokens)[1])
+        for n in (BLOCK, 2 * BLOCK, 3 * BLOCK):
+            store.store(tokens[:n], prefill(model, tokens[:n])[1])
     return tokens
 
 
 def _damage(store_dir, node, damage, *, rewrite_record: bool) -> None:
-    """Damage `node`'s file; with `rewrite_record`, make its record describe the damage
-    (size, checksum and so the file name), as a buggy writer would have."""
-    path = os.path.join(store_dir, "blocks", node.file_name)
+    """Damage `node`'s segment; with `rewrite_record`, make its record describe the
+    damage (size and checksum of what the segment now holds for it, where the header
+    still tells), as a buggy writer would have."""
+    path = segment_path(store_dir, node)
     with open(path, "rb") as f:
         bad = damage(f.read())
-    if not rewrite_record:
-        with open(path, "wb") as f:
-            f.write(bad)
-        return
-    os.unlink(path)
-    size_before = node.size
-    node.size, node.checksum = len(bad), codec.checksum(bad)
-    with open(os.path.join(store_dir, "blocks", node.file_name), "wb") as f:
+    with open(path, "wb") as f:
         f.write(bad)
+    if not rewrite_record:
+        return
+    seg = SegmentFiles(str(store_dir), readonly=True).open(node.segment)
+    if seg is None:
+        return  # nothing a writer could have described
+    try:
+        i = seg.block_index(node)
+        pieces = {f.name: bytearray(f.nbytes) for f in seg.fields_of(i)}
+        for f in seg.fields_of(i):
+            assert seg.read_rows(f, i, i + 1, [memoryview(pieces[f.name])], [0], f.nbytes // f.rows)
+        step = {name: len(b) // seg.fields[name].rows for name, b in pieces.items()}
+        node.checksum = seg.block_digest(i, lambda f, r: memoryview(pieces[f.name])[r * step[f.name] : (r + 1) * step[f.name]])
+        size_before, node.size = node.size, sum(len(b) for b in pieces.values())
+    finally:
+        seg.close()
     index = Index(os.path.join(store_dir, "index"))
 
     def rewrite(w):
-        w._add_totals(len(bad) - size_before, 0)  # the writer recorded what it wrote
-        w.txn.put(node.key, node.pack(), db=index.dbs["nodes"])
+        w._add_meta(b"bytes", node.size - size_before)  # the writer recorded what it wrote
+        w._put(node)
 
     try:
         index.write(rewrite)
@@ -236,34 +247,20 @@ def _assert_damage_is_a_counted_miss(store_dir, model, tokens, problem: str) -> 
         assert store.stats()["corrupt"] == 0  # removed: never read again
 
 
+@pytest.mark.parametrize("rewrite_record", [False, True], ids=["record_as_written", "record_describing_damage"])
 @pytest.mark.parametrize("damage", STRUCTURAL, ids=lambda f: f.__name__)
-def test_structural_damage_is_caught_by_the_checksum(store_dir, model, three_blocks, damage):
+def test_structural_damage_is_caught_by_the_decoder(store_dir, model, three_blocks, damage, rewrite_record):
     victim = nodes_by_position(store_dir)[1]
-    _damage(store_dir, victim, damage, rewrite_record=False)
-    _assert_damage_is_a_counted_miss(
-        store_dir, model, three_blocks, "file size or checksum mismatch"
-    )
-
-
-@pytest.mark.parametrize(
-    "damage",
-    [truncated_body, empty, *STRUCTURAL, metadata_not_an_object, deeply_nested_header],
-    ids=lambda f: f.__name__,
-)
-def test_structural_damage_under_a_matching_record_is_caught_by_the_decoder(
-    store_dir, model, three_blocks, damage
-):
-    victim = nodes_by_position(store_dir)[1]
-    _damage(store_dir, victim, damage, rewrite_record=True)
+    _damage(store_dir, victim, damage, rewrite_record=rewrite_record)
     _assert_damage_is_a_counted_miss(store_dir, model, three_blocks, "file does not decode")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: tensors are not checked against the layout: a lone block of the wrong "
-    "dtype is served as KV (NaN logits); behind an intact block, a wrong dtype or shape "
-    "makes the whole path a miss (the dtype uncounted) instead of falling back",
-)
+def test_a_flipped_byte_is_caught_by_the_checksum(store_dir, model, three_blocks):
+    victim = nodes_by_position(store_dir)[1]
+    flip_block_byte(store_dir, victim, piece=1, at=5)
+    _assert_damage_is_a_counted_miss(store_dir, model, three_blocks, "file size or checksum mismatch")
+
+
 @pytest.mark.parametrize(
     "damage, victim",
     [
@@ -346,76 +343,12 @@ def test_unwritable_store_serves_hits_and_warns_once(shared_root, model, tiny_mo
 # -- 9. schema versions ------------------------------------------------------------------------
 
 
-@pytest.fixture
-def v1_store(tmp_path, model):
-    """A store at schema v1 holding two prompts that share a block; returns (path, prompts)."""
-    base = random_tokens(BLOCK, seed=320, first=5)
-    prompts = [base + random_tokens(BLOCK + 7, seed=321), base + random_tokens(9, seed=322)]
-    current = tmp_path / "current"
-    with PersistentPrefixCache(current, model, block_size=BLOCK) as store:
-        for tokens in prompts:
-            store.store(tokens, prefill(model, tokens)[1])
-    old = tmp_path / "v1"
-    _v1_store_like(current, old)
-    return old, prompts
-
-
-def _version(store_dir) -> int:
-    index = Index(os.path.join(store_dir, "index"), readonly=True, migrate=False)
-    try:
-        return index.version()
-    finally:
-        index.close()
-
-
-def test_older_store_read_only_is_refused_untouched(v1_store, model):
-    path, _ = v1_store
-    before = _snapshot(path)
-    with pytest.raises(StoreVersionError, match="ppc migrate"):
-        PersistentPrefixCache(path, model, readonly=True)
-    assert _snapshot(path) == before and _version(path) == 1
-
-
-def _assert_migrated_by_a_writable_open(path, prompts, model) -> None:
-    with PersistentPrefixCache(path, model, memory_bytes=0) as store:
-        for tokens in prompts:
-            assert_fetch(store, model, tokens, len(tokens) - 1)
-    assert _version(path) == SCHEMA_VERSION
-    assert ppc_check(path)[1]["clean"]
-    assert_tree_consistent(path)
-
-
-def test_older_store_is_migrated_by_a_writable_open(v1_store, model):
-    _assert_migrated_by_a_writable_open(*v1_store, model)
-
-
-def test_kill9_during_the_migration_leaves_the_old_schema(
-    tmp_path, v1_store, model, tiny_model_dir
-):
-    path, prompts = v1_store
-    before = _snapshot(path)
-    marker = tmp_path / "paused"
-    # The migration is the first write transaction of a writable open.
-    worker = Worker(
-        {"model": str(tiny_model_dir), "store": str(path), "steps": []},
-        str(tmp_path),
-        env={"PPC_PAUSE_AT": "in_write_txn", "PPC_PAUSE_FILE": str(marker)},
-    )
-    try:
-        wait_for_pause(str(marker), worker, "in_write_txn")
-    finally:
-        worker.reap()
-    assert worker.proc.returncode == -signal.SIGKILL
-    assert _version(path) == 1 and _snapshot(path) == before
-    _assert_migrated_by_a_writable_open(path, prompts, model)
-
-
 # -- 11. bad arguments ---------------------------------------------------------------------------
 
 
 def _assert_nothing_written(store_dir) -> None:
     nodes = read_index(store_dir)["nodes"]
-    assert nodes == {} and block_files(store_dir) == {}
+    assert nodes == {} and segment_files(store_dir) == {}
 
 
 @pytest.mark.parametrize(

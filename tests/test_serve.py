@@ -448,7 +448,7 @@ def test_server_restores_from_the_store_after_a_restart(serve_model_dir, tmp_pat
         first = server.chat(FIRST)
         assert server.stop() == 0, server.log()
     assert _cached(first) == 0 and server.restored() == []
-    assert os.listdir(store / "blocks"), "the first server stored nothing"
+    assert os.listdir(store / "segments"), "the first server stored nothing"
 
     second = FIRST + [
         {"role": "assistant", "content": first["choices"][0]["message"]["content"]},

@@ -417,7 +417,7 @@ class Bench:
         store_dir = folder / "store"
         with self.open_store(store_dir, shape, sync_writes=True, memory_bytes=0) as s:
             s.store(tokens, cache)
-        blocks = files_under(store_dir / "blocks")
+        blocks = files_under(store_dir / "segments")
         ram = self.open_store(folder / "ram", shape, memory_bytes=2 * nbytes + 64 * MiB)
         ram.store(tokens, cache)
         ram.flush()
@@ -642,11 +642,11 @@ class Bench:
                 save_prompt_cache(str(mlx_file), cache)
                 mlx_bytes += mlx_file.stat().st_size
                 mlx_file.unlink()
-        block_files = files_under(store_dir / "blocks")
+        segment_files = files_under(store_dir / "segments")
         index_files = files_under(store_dir / "index")
-        block_bytes = sum(os.path.getsize(p) for p in block_files)
+        block_bytes = sum(os.path.getsize(p) for p in segment_files)
         index_bytes = sum(os.path.getsize(p) for p in index_files)
-        allocated = sum(os.stat(p).st_blocks * 512 for p in block_files + index_files)
+        allocated = sum(os.stat(p).st_blocks * 512 for p in segment_files + index_files)
         distinct_tokens = prefix + n * suffix
         remove(folder)
         release_memory()
@@ -660,7 +660,7 @@ class Bench:
             "ours_index_bytes": index_bytes,
             "ours_bytes": block_bytes + index_bytes,
             "ours_allocated_bytes": allocated,
-            "ours_block_files": len(block_files),
+            "ours_segment_files": len(segment_files),
             "mlx_lm_files_bytes": mlx_bytes,
         }
 
@@ -793,10 +793,10 @@ def format_report(result: dict) -> str:
             f"== bytes on disk: {sp['prompts']} prompts sharing a {sp['prefix_tokens']}-token "
             f"prefix, {sp['suffix_tokens']} own tokens each ({sp['distinct_tokens']} distinct)",
         ]
-        files = f"{sp['ours_block_files']} files, index {sp['ours_index_bytes'] / MiB:.2f} MiB"
+        files = f"{sp['ours_segment_files']} files, index {sp['ours_index_bytes'] / MiB:.2f} MiB"
         rows = [
             ("KV of the distinct tokens", f"{sp['distinct_kv_bytes'] / MiB:.1f} MiB", ""),
-            ("ours: block files + index", f"{sp['ours_bytes'] / MiB:.1f} MiB", files),
+            ("ours: segment files + index", f"{sp['ours_bytes'] / MiB:.1f} MiB", files),
             (f"{sp['prompts']} mlx-lm files", f"{sp['mlx_lm_files_bytes'] / MiB:.1f} MiB", ""),
             ("ours / distinct KV", f"{r['value']:.3f}", f"target {r['target']} {verdict(r)}"),
             ("mlx-lm files / ours", f"{result['ratios']['mlx_lm_files_vs_ours']['value']:.2f}", ""),

@@ -410,7 +410,7 @@ def supervise(args: argparse.Namespace) -> int:
     fixed = _ppc_check(store, "--fix", "--grace", "0") if kinds else None
     after = _ppc_check(store) if kinds else before
     verified = sup.verify()
-    blocks_dir = os.path.join(store, "blocks")
+    blocks_dir = os.path.join(store, "segments")
     sizes = {
         # An index much larger than its blocks means freed pages are not reused (LMDB
         # readers left behind by killed processes pin them).

@@ -1,4 +1,5 @@
-"""``ppc gc --max-bytes N``: evict least recently used blocks down to a budget."""
+"""``ppc gc --max-bytes N``: evict least recently used blocks down to a budget (of the
+blocks' bytes; segment files that became mostly dead are compacted)."""
 
 from __future__ import annotations
 
@@ -19,20 +20,23 @@ def main(argv: list[str]) -> int:
 
         budget = args.max_bytes
         with StoreAdmin(store_path(args, must_exist=True)) as admin:
-            before = admin.index.totals()
+            before = admin.summary()
             removed = admin.gc(budget)
-            after = admin.index.totals()
+            after = admin.summary()
         result = {
             "max_bytes": budget,
             "removed_blocks": len(removed),
             "removed_bytes": sum(n.size for n in removed),
-            "bytes_before": before[0],
-            "bytes_after": after[0],
-            "blocks_after": after[1],
+            "block_bytes_before": before["block_bytes"],
+            "block_bytes_after": after["block_bytes"],
+            "bytes_before": before["bytes_on_disk"],
+            "bytes_after": after["bytes_on_disk"],
+            "blocks_after": after["blocks"],
         }
         emit(result, args.json, lambda r: (
             f"removed {r['removed_blocks']:,} block(s), {r['removed_bytes']:,} bytes; "
-            f"{r['bytes_after']:,} bytes in {r['blocks_after']:,} block(s) remain (budget {r['max_bytes']:,})"
+            f"{r['block_bytes_after']:,} bytes in {r['blocks_after']:,} block(s) remain (budget {r['max_bytes']:,}), "
+            f"{r['bytes_after']:,} bytes of segment files"
         ))  # fmt: skip
         return 0
 

@@ -13,6 +13,7 @@ def _render(s: dict) -> str:
         ("block size (tokens)", s["block_size"]),
         ("blocks", s["blocks"]),
         ("bytes on disk", s["bytes_on_disk"]),
+        ("bytes of the blocks", s["block_bytes"]),
         ("models", len(s["models"])),
         ("hits", s["hits"]),
         ("misses", s["misses"]),

@@ -1,33 +1,35 @@
-"""The disk read path: block files read straight into joined, ready-to-use buffers.
+"""The disk read path: segments read straight into joined, ready-to-use buffers.
 
-Restoring a prefix joins each layer's per-block slices along the sequence axis. Reading
-each file into memory, decoding its tensors and then concatenating them copies every
-byte three times; here each file's header is parsed, buffers for the joined tensors are
-allocated once, and the file body is read with one ``preadv`` whose vectors point at
-the places the bytes belong (a tensor ``[batch, heads, tokens, dim]`` of one block is
-one contiguous run per (batch, head) in the joined tensor). The checksum is computed
-over those same vectors in file order, so damage is still caught before anything is
-used. Files are read on a few threads (``preadv`` releases the GIL).
-
-Blocks already in the RAM tier are copied into the same buffers. The joined key and
-value buffers of ``KVCache``-like layers get room for the tokens that follow, so that
-mlx-lm's next ``update_and_fetch`` writes in place instead of copying the whole cache.
+Restoring a prefix joins each layer's per-block slices along the sequence axis. A
+segment stores each sliced field head-major (see `segment`), so the blocks of one
+segment that a restore needs arrive, per field, with one ``preadv`` whose vectors are
+the rows of the joined buffer: a few hundred vectors for a whole prompt, not one per
+head per block. Buffers are allocated once, without a zero-fill (`allocate`), and get
+room for the tokens that follow, so that mlx-lm's next ``update_and_fetch`` writes in
+place instead of copying the cache. Every block's checksum is then computed over its
+pieces in the buffers, before anything is used. Segments are read on a few threads
+(``preadv`` and xxh3 release the GIL). Blocks already in the RAM tier are copied into
+the same buffers.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import mlx.core as mx
 import numpy as np
-from .blockfile import BlockFiles, OpenBlock
+
+from .codec import dtype_info, mx_dtype
 from .node import Node
+from .segment import OpenSegment, SegmentFiles, is_sliced
 
 Tensors = dict[str, mx.array]
+KV_STEP = 256  # mlx-lm's KVCache grows in steps of 256 tokens
 _READERS = 4
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -50,218 +52,312 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
-KV_STEP = 256  # mlx-lm's KVCache grows in steps of 256 tokens
-
-
 def _capacity(position: int) -> int:
     """Rows to allocate for a cache restored at `position`: room for a few decode steps."""
     return (position // KV_STEP + 1) * KV_STEP
 
 
-def _allocate(specs: list[tuple[str, tuple[int, ...], Any]]) -> dict[str, mx.array]:
-    """Fresh, evaluated MLX arrays of the given shapes and dtypes (allocated on the
-    caller's thread, as MLX wants; every byte is overwritten by the reads)."""
-    # Zero-filling some dtypes (bfloat16) is slow on the CPU: allocate unsigned ints of
-    # the same width and reinterpret them.
-    arrays = {
-        name: mx.zeros(shape, dtype=_UINT[dtype.size]).view(dtype)
-        for name, shape, dtype in specs
-    }
-    mx.eval(list(arrays.values()))
-    return arrays
+# -- allocation without a zero-fill ---------------------------------------------------
 
 
-_UINT = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
+class _Unwritten:
+    """A safetensors 'file' whose tensor bytes are never written: `mx.load` of it
+    allocates evaluated arrays and leaves their memory as the allocator gave it.
+
+    MLX has no ``empty``; ``mx.zeros`` fills every byte the reads overwrite anyway
+    (a whole pass over the cache, ~13 ms per 128 MiB here).
+    """
+
+    def __init__(self, specs: list[tuple[str, tuple[int, ...], str]]):
+        header, offset = {}, 0
+        for name, shape, dtype in specs:
+            n = int(np.prod(shape, dtype=np.int64)) * dtype_info(dtype)[1]
+            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+            offset += n
+        text = json.dumps(header).encode()
+        text += b" " * (-len(text) % 8)
+        self.head = len(text).to_bytes(8, "little") + text
+        self.size = len(self.head) + offset
+        self.pos = 0
+        self.closed = False
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = offset if whence == 0 else self.pos + offset if whence == 1 else self.size + offset
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, view) -> int:
+        n = len(view)
+        if self.pos < len(self.head):  # the header; tensor bytes are left as they are
+            k = min(n, len(self.head) - self.pos)
+            view[:k] = self.head[self.pos : self.pos + k]
+        self.pos += n
+        return n
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.size - self.pos if n < 0 else n
+        buf = bytearray(n)
+        self.readinto(memoryview(buf))
+        return bytes(buf)
+
+
+def _on_gpu() -> bool:
+    return mx.default_device() == mx.gpu
+
+
+def allocate(specs: list[tuple[str, tuple[int, ...], str]]) -> dict[str, mx.array]:
+    """Evaluated MLX arrays of the given shapes and safetensors dtypes, contents undefined.
+
+    On the CPU (and Apple's unified memory) `mx.load` of an unwritten file allocates
+    them without touching their bytes. Where the default device is a GPU with its own
+    memory (CUDA), zeros made on the device stream are cheaper: memory written from the
+    CPU first migrates page by page (see docs/h200-measurements.md).
+    """
+    if not specs:
+        return {}
+    if _on_gpu() or os.environ.get("PPC_ALLOCATE") == "zeros":
+        uint = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
+        out = {
+            name: mx.zeros(shape, dtype=uint[dtype_info(dtype)[1]]).view(mx_dtype(dtype))
+            for name, shape, dtype in specs
+        }
+    else:
+        try:
+            out = mx.load(_Unwritten(specs), format="safetensors")
+        except (TypeError, ValueError, RuntimeError):  # an MLX without file-object loads
+            os.environ["PPC_ALLOCATE"] = "zeros"
+            return allocate(specs)
+    mx.eval(list(out.values()))
+    return out
+
+
+# -- the read path ---------------------------------------------------------------------
 
 
 @dataclass
 class _Run:
     """Consecutive blocks holding slices of one field: one joined buffer."""
 
-    field: str  # "<leaf>.<field>"
+    name: str  # "<leaf>.<field>"
     start: int
     end: int
-    shape: tuple[int, ...] = ()
-    dtype: Any = None
+    dims: tuple[int, int, int]  # batch, heads, width
+    dtype: str
     array: mx.array | None = None
-    bytes_view: memoryview | None = None
-    row_bytes: int = 0  # bytes of one (batch, head) row of the whole joined tensor
-
-
-def _is_slice(lid_kind: dict[str, str], name: str) -> bool:
-    lid, _, fld = name.rpartition(".")
-    return lid_kind.get(lid) in ("seq", "window") and not fld.startswith("snap_")
+    view: memoryview | None = None
+    row_stride: int = 0  # bytes from one (batch, head) row of the buffer to the next
 
 
 def read_path(
     nodes: Sequence[Node],
     cached: Sequence[dict[str, Tensors] | None],
-    files: BlockFiles,
+    files: SegmentFiles,
     lid_kind: dict[str, str],
     position: int,
+    expect: dict[str, list] | None = None,
 ) -> tuple[int, dict[str, dict[str, list]], dict[str, Tensors]]:
     """Read a path of blocks into joined buffers, for a restore at `position`.
 
     Args:
         nodes: The blocks, in order.
-        cached: For each block, its tensors from the RAM tier, or None to read its file.
-        files: The store's block files.
-        lid_kind: Leaf id -> adapter kind (which fields are sequence slices).
+        cached: For each block, its tensors from the RAM tier, or None to read it.
+        files: The store's segment files.
+        lid_kind: Leaf id -> adapter kind (sequence leaves get room to grow).
         position: Where the cache will be rebuilt (sizes the room to grow).
+        expect: Field name -> ``[dtype, batch, heads, width]`` the model's layout
+            holds; a block whose fields differ is treated as damaged.
 
     Returns:
         (number of blocks intact, runs by leaf then field as ``(start, end, array)``,
         the last block's snapshot tensors by leaf). Reading stops before the first
         missing or damaged block: then the runs are empty and only the count matters.
     """
-    opened: list[OpenBlock | None] = []
-    for node, have in zip(nodes, cached):
-        f = None if have is not None else files.open_block(node)
-        if have is None and f is None:
-            break
-        opened.append(f)
-    files = opened
+    segments: dict[bytes, OpenSegment | None] = {}
     try:
-        if len(files) < len(nodes):
-            return _verify_only(files), {}, {}
-        runs, snaps, targets = _plan(nodes, cached, files, lid_kind, position)
-        if runs is None:
-            return 0, {}, {}
-        bad = _read_all(files)
+        where: list[tuple[OpenSegment, int] | None] = []
+        for node, have in zip(nodes, cached):
+            if have is not None:
+                where.append(None)
+                continue
+            if node.segment not in segments:
+                segments[node.segment] = files.open(node.segment)
+            seg = segments[node.segment]
+            i = seg.block_index(node) if seg is not None else None
+            if i is None or not _fits(seg, i, expect):
+                return _intact_before(len(where), nodes, cached, files, lid_kind, position, expect), {}, {}
+            where.append((seg, i))
+        runs, disagree = _plan(nodes, cached, where)
+        if disagree is not None:  # a block's tensors do not continue the one before
+            return _intact_before(disagree, nodes, cached, files, lid_kind, position, expect), {}, {}
+        last = len(nodes) - 1
+        snaps_wanted = [] if where[last] is None else where[last][0].snaps_of(where[last][1])
+        specs = []
+        for k, r in enumerate(runs):
+            b, h, w = r.dims
+            rows = r.end - r.start
+            if r.start == 0 and lid_kind.get(r.name.rpartition(".")[0]) == "seq":
+                rows = max(rows, _capacity(position))  # room for mlx-lm to grow in place
+            specs.append((f"r{k}", (b, h, rows, w), r.dtype))
+        specs += [(f"s{k}", s.shape, s.dtype) for k, s in enumerate(snaps_wanted)]
+        arrays = allocate(specs)
+        for k, r in enumerate(runs):
+            r.array = arrays[f"r{k}"]
+            r.view = memoryview(r.array).cast("B")
+            r.row_stride = r.array.shape[2] * r.dims[2] * dtype_info(r.dtype)[1]
+        if not _read_segments(nodes, where, runs):
+            return _intact_before(len(nodes), nodes, cached, files, lid_kind, position, expect, verify=True), {}, {}
+        bad = _first_bad(nodes, where, runs)
         if bad is not None:
-            return bad, {}, {}
+            return _intact_before(bad, nodes, cached, files, lid_kind, position, expect), {}, {}
+        snaps: dict[str, Tensors] = {}
+        if where[last] is None:
+            for lid, part in cached[last].items():
+                snaps[lid] = {f: x for f, x in part.items() if not is_sliced(f"{lid}.{f}", x.shape, nodes[last].n_tokens)}
+        else:
+            seg = where[last][0]
+            for k, s in enumerate(snaps_wanted):
+                if seg.read_snap(s, memoryview(arrays[f"s{k}"]).cast("B")) is None:
+                    return last, {}, {}
+                lid, _, fld = s.name.rpartition(".")
+                snaps.setdefault(lid, {})[fld] = arrays[f"s{k}"]
         _copy_cached(nodes, cached, runs)
-        del targets  # release every view of the buffers before MLX owns them again
         by_leaf: dict[str, dict[str, list]] = {}
-        for name, chain in runs.items():
-            lid, _, fld = name.rpartition(".")
-            by_leaf.setdefault(lid, {})[fld] = [(r.start, r.end, r.array) for r in chain]
+        for r in runs:
+            r.view = None  # release every view of the buffers before MLX owns them again
+            lid, _, fld = r.name.rpartition(".")
+            by_leaf.setdefault(lid, {}).setdefault(fld, []).append((r.start, r.end, r.array))
         return len(nodes), by_leaf, snaps
     finally:
-        for f in files:
-            if f is not None:
-                f.close()
+        for seg in segments.values():
+            if seg is not None:
+                seg.close()
 
 
-def _verify_only(files: list) -> int:
-    """How many of the blocks before a missing one are intact (their checksums hold)."""
-    for i, f in enumerate(files):
-        if f is None:
-            continue
-        f.targets = [[memoryview(bytearray(e.end - e.start))] for e in f.entries]
-        if not f.read_into():
-            return i
-    return len(files)
+def _intact_before(j, nodes, cached, files, lid_kind, position, expect, *, verify: bool = False) -> int:
+    """How many of the blocks before index `j` are intact (j itself is not, unless
+    `verify`: then j is the whole path, which failed to read)."""
+    if verify:
+        j -= 1
+    while j > 0:
+        intact = read_path(nodes[:j], cached[:j], files, lid_kind, nodes[j - 1].end, expect)[0]
+        if intact == j:
+            return j
+        j = intact
+    return 0
 
 
-def _plan(nodes, cached, files, lid_kind, position):
-    """Allocate the joined buffers and point every file entry's bytes at their place.
+def _fits(seg: OpenSegment, i: int, expect: dict[str, list] | None) -> bool:
+    """Whether block `i`'s fields have the dtypes and shapes the model's layout holds."""
+    if expect is None:
+        return True
+    for f in seg.fields_of(i):
+        want = expect.get(f.name)
+        if want is not None and list(want) != [f.dtype, f.batch, f.heads, f.width]:
+            return False
+    return True
+
+
+def _plan(nodes, cached, where) -> tuple[list[_Run], int | None]:
+    """Group each sliced field's blocks into runs of consecutive positions.
 
     Returns:
-        (runs by field, last block's snapshots by leaf, the targets), or (None, ...) if
-        the blocks disagree on shapes or dtypes (a damaged store: a miss).
+        (the runs, the index of the first block whose dtype or dims differ from the
+        block before it, or None).
     """
-    # Group each slice field's blocks into runs of consecutive positions; every block of
-    # a run must agree on dtype and on all dims but the sequence axis.
-    runs: dict[str, list[_Run]] = {}
-    for i, node in enumerate(nodes):
-        if cached[i] is not None:
-            fields = [(f"{lid}.{fld}", tuple(x.shape), x.dtype) for lid, part in cached[i].items() for fld, x in part.items()]
+    chains: dict[str, list[_Run]] = {}
+    for k, (node, have, at) in enumerate(zip(nodes, cached, where)):
+        if have is not None:
+            fields = []
+            for lid, part in have.items():
+                for fld, x in part.items():
+                    name = f"{lid}.{fld}"
+                    if is_sliced(name, x.shape, node.n_tokens):
+                        fields.append((name, (x.shape[0], x.shape[1], x.shape[3]), dtype_info(x.dtype)[0]))
         else:
-            fields = [(e.name, e.shape, e.mx_dtype) for e in files[i].entries]
-        for name, shape, dtype in fields:
-            if not _is_slice(lid_kind, name):
-                continue
-            if len(shape) != 4 or shape[2] != node.n_tokens:
-                return None, None, None
-            chain = runs.setdefault(name, [])
-            dims = (shape[0], shape[1], shape[3])
-            if chain and chain[-1].end == node.position and (chain[-1].shape, chain[-1].dtype) == (dims, dtype):
+            seg, i = at
+            fields = [(f.name, (f.batch, f.heads, f.width), f.dtype) for f in seg.fields_of(i)]
+        for name, dims, dtype in fields:
+            chain = chains.setdefault(name, [])
+            if chain and chain[-1].end == node.position and (chain[-1].dims, chain[-1].dtype) == (dims, dtype):
                 chain[-1].end = node.end
+            elif chain and chain[-1].end == node.position:
+                return [], k
             else:
                 chain.append(_Run(name, node.position, node.end, dims, dtype))
-    all_runs = [r for chain in runs.values() for r in chain]
-    specs = []
-    for k, r in enumerate(all_runs):
-        b, h, d = r.shape
-        rows = r.end - r.start
-        if r.start == 0 and lid_kind.get(r.field.rpartition(".")[0]) == "seq":
-            rows = max(rows, _capacity(position))  # room for mlx-lm to grow in place
-        specs.append((f"r{k}", (b, h, rows, d), r.dtype))
-    last = len(nodes) - 1
-    snap_entries = []
-    if files and files[last] is not None:
-        snap_entries = [e for e in files[last].entries if not _is_slice(lid_kind, e.name)]
-        specs += [(f"s.{e.name}", e.shape, e.mx_dtype) for e in snap_entries]
-    arrays = _allocate(specs)
-    for k, r in enumerate(all_runs):
-        r.array = arrays[f"r{k}"]
-        r.bytes_view = memoryview(r.array).cast("B")
-        r.row_bytes = r.array.shape[2] * r.shape[2] * r.array.itemsize
-    snaps: dict[str, Tensors] = {}
-    if files and files[last] is None:
-        for lid, part in cached[last].items():
-            snaps[lid] = {f: x for f, x in part.items() if not _is_slice(lid_kind, f"{lid}.{f}")}
-    for e in snap_entries:
-        lid, _, fld = e.name.rpartition(".")
-        snaps.setdefault(lid, {})[fld] = arrays[f"s.{e.name}"]
-
-    targets = []
-    for i, f in enumerate(files):
-        if f is None:
-            continue
-        f.targets = []
-        for e in f.entries:
-            r = _run_of(runs, e.name, f.node) if _is_slice(lid_kind, e.name) else None
-            if r is not None:
-                b, h, d = r.shape
-                block = f.node.n_tokens * d * r.array.itemsize
-                skip = (f.node.position - r.start) * d * r.array.itemsize
-                rows = [r.bytes_view[k * r.row_bytes + skip : k * r.row_bytes + skip + block] for k in range(b * h)]
-                f.targets.append(rows)
-            elif i == last:
-                f.targets.append([memoryview(arrays[f"s.{e.name}"]).cast("B")])
-            else:  # a snapshot of an earlier block: not needed, but checksummed
-                f.targets.append([memoryview(bytearray(e.end - e.start))])
-        targets.append(f.targets)
-    return runs, snaps, targets
+    return [r for chain in chains.values() for r in chain], None
 
 
-def _run_of(runs: dict[str, list[_Run]], name: str, node: Node) -> _Run | None:
-    for r in runs.get(name, ()):
-        if r.start <= node.position and node.end <= r.end:
+def _run_of(runs: list[_Run], name: str, start: int, end: int) -> _Run | None:
+    for r in runs:
+        if r.name == name and r.start <= start and end <= r.end:
             return r
     return None
 
 
-def _read_all(files: list) -> int | None:
-    """Read every file on the reader threads; the index of the first bad one, or None."""
-    jobs = [(i, f) for i, f in enumerate(files) if f is not None]
-    if len(jobs) > 1:
-        ok = list(_reader_pool().map(lambda job: job[1].read_into(), jobs))
-    else:
-        ok = [f.read_into() for _, f in jobs]
-    for (i, _), good in zip(jobs, ok):
-        if not good:
-            return _verify_only(files[:i]) if i else 0
-    return None
-
-
-def _copy_cached(nodes, cached, runs) -> None:
-    """Copy the slices of blocks that came from the RAM tier into their runs."""
-    targets: dict[int, np.ndarray] = {}
-    for node, have in zip(nodes, cached):
-        if have is None:
+def _read_segments(nodes, where, runs) -> bool:
+    """Read every (segment, field) the path needs into the runs, on the reader threads."""
+    jobs = []
+    i = 0
+    while i < len(nodes):
+        if where[i] is None:
+            i += 1
             continue
-        for lid, part in have.items():
-            for fld, x in part.items():
-                r = _run_of(runs, f"{lid}.{fld}", node)
-                if r is None:
-                    continue
-                if id(r) not in targets:
-                    targets[id(r)] = _bits(r.bytes_view, r.array)
-                dst = targets[id(r)]
-                dst[:, :, node.position - r.start : node.end - r.start, :] = _bits(memoryview(x), x)
+        seg, lo = where[i]
+        j = i
+        while j + 1 < len(nodes) and where[j + 1] is not None and where[j + 1][0] is seg:
+            j += 1
+        hi = where[j][1] + 1
+        for f in seg.fields.values():
+            first = max(lo, f.first)
+            if first >= hi:
+                continue
+            start = seg.blocks[first][1]
+            end = seg.blocks[hi - 1][1] + seg.blocks[hi - 1][2]
+            r = _run_of(runs, f.name, start, end)
+            if r is None:
+                return False
+            jobs.append((seg, f, first, hi, r, (start - r.start) * f.row_bytes))
+        i = j + 1
+    if len(jobs) > 1:
+        done = list(_reader_pool().map(lambda job: _read_job(*job), jobs))
+    else:
+        done = [_read_job(*job) for job in jobs]
+    return all(done)
+
+
+def _read_job(seg: OpenSegment, f, lo: int, hi: int, r: _Run, offset: int) -> bool:
+    return seg.read_rows(f, lo, hi, [r.view], [offset], r.row_stride)
+
+
+def _first_bad(nodes, where, runs) -> int | None:
+    """Index of the first block read from disk whose checksum does not hold."""
+    todo = [k for k, at in enumerate(where) if at is not None]
+
+    def check(k: int) -> bool:
+        seg, i = where[k]
+        node = nodes[k]
+        views = {}
+
+        def piece(f, row: int) -> memoryview:
+            r = views.get(f.name)
+            if r is None:
+                r = views[f.name] = _run_of(runs, f.name, node.position, node.end)
+            n = node.n_tokens * f.row_bytes
+            at = row * r.row_stride + (node.position - r.start) * f.row_bytes
+            return r.view[at : at + n]
+
+        return seg.block_digest(i, piece) == node.checksum
+
+    if len(todo) > 1:
+        ok = list(_reader_pool().map(check, todo))
+    else:
+        ok = [check(k) for k in todo]
+    for k, good in zip(todo, ok):
+        if not good:
+            return k
+    return None
 
 
 _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -275,3 +371,21 @@ def _bits(view: memoryview, x: mx.array) -> np.ndarray:
         mx.eval(x)
         view = memoryview(x)
     return np.frombuffer(view.cast("B"), dtype=_BITS[x.itemsize]).reshape(x.shape)
+
+
+def _copy_cached(nodes, cached, runs) -> None:
+    """Copy the slices of blocks that came from the RAM tier into their runs."""
+    targets: dict[int, np.ndarray] = {}
+    for node, have in zip(nodes, cached):
+        if have is None:
+            continue
+        for lid, part in have.items():
+            for fld, x in part.items():
+                name = f"{lid}.{fld}"
+                if not is_sliced(name, x.shape, node.n_tokens):
+                    continue
+                r = _run_of(runs, name, node.position, node.end)
+                if id(r) not in targets:
+                    targets[id(r)] = _bits(r.view, r.array)
+                dst = targets[id(r)]
+                dst[:, :, node.position - r.start : node.end - r.start, :] = _bits(memoryview(x), x)

@@ -36,6 +36,31 @@ _DTYPES = {
 _NAME_OF = {mx_dtype: name for name, (mx_dtype, _) in _DTYPES.items()}
 
 MAX_HEADER = 16 * 1024 * 1024
+_BY_NUMPY = {np.dtype(v[1]).str: k for k, v in _DTYPES.items() if k != "BF16"}
+
+
+def mx_dtype(name: str) -> Any:
+    """The mlx dtype of a safetensors dtype name."""
+    return _DTYPES[name][0]
+
+
+def dtype_info(dtype: Any) -> tuple[str, int]:
+    """(safetensors name, item size) of an mlx or numpy dtype, or of such a name.
+
+    Raises:
+        ValueError: For a dtype the block formats do not store.
+    """
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}")
+        return dtype, _DTYPES[dtype][1].itemsize
+    name = _NAME_OF.get(dtype)
+    if name is None:
+        try:
+            name = _BY_NUMPY[np.dtype(dtype).str]
+        except (TypeError, KeyError):
+            raise ValueError(f"dtype {dtype} cannot be stored") from None
+    return name, _DTYPES[name][1].itemsize
 
 
 class BlockDecodeError(Exception):
@@ -51,7 +76,7 @@ def encode(tensors: dict[str, mx.array], metadata: dict[str, str]) -> tuple[byte
 
     Returns:
         The header bytes (length prefix included) and the list of buffers to write
-        after it, in order (see `blockfile.BlockFiles.write_many`).
+        after it, in order.
     """
     header: dict = {"__metadata__": metadata}
     buffers = []

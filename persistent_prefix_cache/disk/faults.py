@@ -5,8 +5,8 @@ A test starts a writer process with ``PPC_PAUSE_AT=<point>`` and
 name to the file and sleeps, so that the test can kill it with SIGKILL exactly there.
 Without the variable a pause point costs one dictionary lookup.
 
-Points: ``before_rename`` (block file written and fsynced under ``tmp/``),
-``before_commit`` (files renamed into ``blocks/``, index not yet committed),
+Points: ``before_rename`` (segment file written and fsynced under ``tmp/``),
+``before_commit`` (segment renamed into ``segments/``, index not yet committed),
 ``after_commit`` (index committed), ``in_write_txn`` (inside an open LMDB write
 transaction, before it commits).
 """

@@ -19,12 +19,14 @@ from typing import Iterator
 
 from ..errors import InvalidArgumentError, StoreVersionError
 from ..keys import block_key
-from . import codec
-from .blockfile import BlockFiles
+from . import legacy
+from .compaction import compact_sparse
+from .segment import SegmentFiles
 from .index import SCHEMA_VERSION, Index, Reader, Writer
 from .node import Node
 
-EXPORT_FORMAT = "ppc-export/1"
+EXPORT_FORMAT = "ppc-export/2"
+LEGACY_EXPORT_FORMAT = "ppc-export/1"  # schema v1-v2: one file per block
 _RECORD_HEAD = struct.Struct("<16sI")
 
 
@@ -86,7 +88,7 @@ class StoreAdmin:
                 f"store {self.path} has schema v{version}; this library uses v{SCHEMA_VERSION}",
                 hint=f"run `ppc migrate --store {path}`",
             )
-        self.files = BlockFiles(self.path, readonly=readonly)
+        self.files = SegmentFiles(self.path, readonly=readonly)
 
     def close(self) -> None:
         """Release the index."""
@@ -151,13 +153,15 @@ class StoreAdmin:
                                 }
                             )
             counters = reader.counters()
+            file_bytes = reader.file_bytes()
         prefixes.sort(key=lambda p: (-p["tokens"], p["leaf"]))
         out = {
             "store": self.path,
             "schema_version": self.index.version(),
             "block_size": self.index.block_size,
             "blocks": count,
-            "bytes_on_disk": size,
+            "bytes_on_disk": file_bytes,
+            "block_bytes": size,
             **counters,
             "models": models,
         }
@@ -171,10 +175,11 @@ class StoreAdmin:
         """Verify every block file and the index's invariants; with `fix`, repair.
 
         Checks: each node's parent exists (or is a model root), its position follows
-        the parent, its key follows from parent and tokens, its file has the recorded
-        size and checksum and decodes; child counts, trie edges and LRU entries agree
-        with the nodes; the recorded totals equal the nodes' sum; no block file is
-        unreferenced and no temporary file is left by a dead writer.
+        the parent, its key follows from parent and tokens, its segment is referenced
+        and holds it with the recorded checksum; child counts, trie edges, LRU entries
+        and segment counts agree with the nodes; the recorded totals equal the nodes'
+        sum; no segment file is unreferenced and no temporary file is left by a dead
+        writer.
 
         Args:
             fix: Drop broken nodes (and everything below them), rebuild counts, edges,
@@ -194,10 +199,14 @@ class StoreAdmin:
             edges = reader.edges()
             lru = reader.lru_entries()
             totals = reader.totals()
+            segments = reader.segments()
+            file_bytes = reader.file_bytes()
         report.nodes = len(nodes)
         broken = set()
         for key, node in nodes.items():
             problem = self._node_problem(node, nodes, roots)
+            if problem is None and node.segment not in segments:
+                problem = "segment not referenced"
             if problem is None:
                 problem = self.files.verify(node)
                 report.files_verified += problem is None
@@ -221,17 +230,27 @@ class StoreAdmin:
             report.problems.append(("lru entry", k.hex()))
         if totals != (sum(n.size for n in nodes.values()), len(nodes)):
             report.problems.append(("totals", f"recorded {totals}"))
-        named = {n.file_name for n in nodes.values()}
-        orphans = self.files.orphans(named.__contains__, grace=grace)
-        for rel in orphans:
+        live: dict[bytes, tuple[int, int]] = {}
+        for n in nodes.values():
+            blocks, nbytes = live.get(n.segment, (0, 0))
+            live[n.segment] = (blocks + 1, nbytes + n.size)
+        for seg, (blocks, nbytes, size) in segments.items():
+            if live.get(seg, (0, 0)) != (blocks, nbytes):
+                report.problems.append(("segment count", f"{seg.hex()}: {blocks} blocks recorded"))
+            path = self.files.path_of(seg)
+            damaged = any(n.segment == seg for k, n in nodes.items() if k in broken)
+            if not damaged and os.path.exists(path) and os.path.getsize(path) != size:
+                report.problems.append(("segment size", f"{seg.hex()}: {size} recorded"))
+        if file_bytes != sum(size for _, _, size in segments.values()):
+            report.problems.append(("totals", f"recorded {file_bytes} segment bytes"))
+        for rel in self.files.orphans(segments.__contains__, grace=grace):
             report.problems.append(("unreferenced file", rel))
         for name in self.files.stale_tmp():
             report.problems.append(("leftover temporary file", name))
         if fix and report.problems:
-            report.removed_nodes = self._repair(alive, doomed, nodes)
-            report.removed_files = self.files.sweep_orphans(
-                {n.file_name for n in alive.values()}.__contains__, grace=grace
-            )
+            report.removed_nodes, freed = self._repair(alive, doomed)
+            kept = {n.segment for n in alive.values()}
+            report.removed_files = len(freed) + self.files.sweep_orphans(kept.__contains__, grace=grace)
             report.removed_files += self.files.sweep_tmp()
             report.fixed = True
         return report
@@ -262,24 +281,36 @@ class StoreAdmin:
                 stack.extend(children.get(k, ()))
         return out
 
-    def _repair(self, alive: dict[bytes, Node], doomed: set[bytes], nodes: dict[bytes, Node]) -> int:
-        """Rewrite the index from the surviving nodes, then unlink the doomed files."""
-        self.index.write(lambda w: w.rebuild(alive, doomed))
-        self.files.unlink(nodes[k] for k in doomed)
-        return len(doomed)
+    def _repair(self, alive: dict[bytes, Node], doomed: set[bytes]) -> tuple[int, list[bytes]]:
+        """Rewrite the index from the surviving nodes, then unlink segments none uses.
+
+        Returns:
+            (nodes removed, segments unlinked).
+        """
+
+        def rewrite(w: Writer):
+            w.rebuild(alive, doomed)
+            return w.freed
+
+        freed = self.index.write(rewrite)
+        self.files.unlink(freed)
+        return len(doomed), freed
 
     # -- eviction -------------------------------------------------------------------------
 
     def gc(self, max_bytes: int) -> list[Node]:
-        """Evict least recently used leaves until the block files total `max_bytes`."""
-        removed = self.index.write(lambda w: w.evict(max_bytes))
-        self.files.unlink(removed)
+        """Evict least recently used leaves until the blocks total `max_bytes`."""
+        removed, freed = self.index.write(lambda w: (w.evict(max_bytes), w.freed))
+        self.files.unlink(freed)
+        compact_sparse(self.index, self.files, (n.segment for n in removed))
         return removed
 
     # -- packing ----------------------------------------------------------------------------
 
     def export_pack(self, out_path: str, *, model: str | None = None) -> dict:
         """Write the store (or the part for one model) into one tar file.
+
+        The tar holds a manifest, the node records and the segment files they use.
 
         Args:
             out_path: The file to write (replaced atomically).
@@ -302,7 +333,6 @@ class StoreAdmin:
             nodes = [n for root in models for n in self.walk(reader, root)]
         nodes.sort(key=lambda n: n.position)  # parents before children
         tmp = f"{out_path}.{os.getpid()}.tmp"
-        total = 0
         try:
             with tarfile.open(tmp, "w") as tar:
                 manifest = {
@@ -314,22 +344,22 @@ class StoreAdmin:
                 _add_bytes(tar, "manifest.json", json.dumps(manifest, indent=1).encode())
                 records = b"".join(_RECORD_HEAD.pack(n.key, len(n.pack())) + n.pack() for n in nodes)
                 _add_bytes(tar, "nodes.bin", records)
-                for n in nodes:
-                    tar.add(self.files.path_of(n), arcname=f"blocks/{n.file_name}")
-                    total += n.size
+                for seg in dict.fromkeys(n.segment for n in nodes):
+                    tar.add(self.files.path_of(seg), arcname=f"segments/{seg.hex()}.seg")
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, out_path)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-        return {"models": len(models), "blocks": len(nodes), "bytes": total}
+        return {"models": len(models), "blocks": len(nodes), "bytes": sum(n.size for n in nodes)}
 
     def import_pack(self, in_path: str) -> dict:
-        """Load a file written by `export_pack` into this store.
+        """Load a file written by `export_pack` (this version or an older one) into
+        this store.
 
-        Every block file is verified against its record before it is added; blocks
-        already stored are skipped. Files are written (and fsynced) before the index
+        Every block is verified against its record before it is added; blocks already
+        stored are skipped. Segment files are written (and fsynced) before the index
         records that name them, as for any store write.
 
         Returns:
@@ -345,39 +375,75 @@ class StoreAdmin:
             raise InvalidArgumentError(f"{in_path} is not a ppc export: {exc}") from None
         with tar:
             manifest = _read_json(tar, "manifest.json", in_path)
-            if manifest.get("format") != EXPORT_FORMAT:
+            if manifest.get("format") not in (EXPORT_FORMAT, LEGACY_EXPORT_FORMAT):
                 raise InvalidArgumentError(f"{in_path}: unknown export format {manifest.get('format')!r}")
             if manifest["block_size"] != self.index.block_size:
                 raise InvalidArgumentError(
                     f"{in_path} has block_size {manifest['block_size']}, the store {self.index.block_size}",
                     hint="import into a new store directory",
                 )
-            records = _read_member(tar, "nodes.bin", in_path)
-            nodes = list(_unpack_records(records, in_path))
-            added, items, skipped, size = [], [], 0, 0
-            now = time.time_ns()
+            nodes = list(_unpack_records(_read_member(tar, "nodes.bin", in_path), in_path))
             with self.index.reader() as reader:
                 present = {n.key for n in nodes if reader.get(n.key) is not None}
-            for n in nodes:
-                if n.key in present:
-                    skipped += 1
-                    continue
-                data = _read_member(tar, f"blocks/{n.file_name}", in_path)
-                if len(data) != n.size or codec.checksum(data) != n.checksum:
-                    raise InvalidArgumentError(f"{in_path}: block {n.key.hex()} is damaged")
-                items.append((n.key, data, []))  # verified bytes: the same name again
+                known = set(reader.segments())
+            todo = [n for n in nodes if n.key not in present]
+            written: dict[bytes, int] = {}  # segment -> file size, for segments this import wrote
+            try:
+                if manifest["format"] == LEGACY_EXPORT_FORMAT:
+                    self._import_legacy(tar, in_path, todo, written)
+                else:
+                    self._import_segments(tar, in_path, todo, known, written)
+            except BaseException:
+                self.files.unlink(list(written))
+                raise
+            now = time.time_ns()
+            for n in todo:
                 n.child_count, n.last_access = 0, now
-                added.append(n)
-                size += n.size
-            self.files.write_many(items)
 
             def commit(w: Writer):
                 for root_hex, desc in manifest["models"].items():
                     w.register_model(bytes.fromhex(root_hex), json.dumps(desc).encode())
-                return sum(w.insert(n) for n in added)
+                for seg, size in written.items():
+                    w.add_segment(seg, size)
+                inserted = sum(w.insert(n) for n in todo)
+                for seg in written:
+                    held = w.segment(seg)
+                    if held is not None and held[0] == 0:
+                        w.free_segment(seg)
+                return inserted, w.freed
 
-            inserted = self.index.write(commit)
-        return {"added": inserted, "skipped": skipped, "bytes": size}
+            inserted, freed = self.index.write(commit)
+            self.files.unlink(freed)
+        return {"added": inserted, "skipped": len(nodes) - len(todo), "bytes": sum(n.size for n in todo)}
+
+    def _import_segments(self, tar, in_path: str, todo: list[Node], known: set, written: dict) -> None:
+        for seg in dict.fromkeys(n.segment for n in todo):
+            if seg in known:
+                continue  # imported before: the file is there
+            data = _read_member(tar, f"segments/{seg.hex()}.seg", in_path)
+            tmp = os.path.join(self.files.tmp, f"{seg.hex()}.{os.getpid()}.0.tmp")
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            final = self.files.path_of(seg)
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            os.replace(tmp, final)
+            written[seg] = len(data)
+        for n in todo:
+            if self.files.verify(n) is not None:
+                raise InvalidArgumentError(f"{in_path}: block {n.key.hex()} is damaged")
+
+    def _import_legacy(self, tar, in_path: str, todo: list[Node], written: dict) -> None:
+        # An export of schema v1-v2: one block file each, rewritten as one segment each.
+        for n in todo:
+            data = _read_member(tar, f"blocks/{n.legacy_file_name}", in_path)
+            try:
+                tensors = legacy.decode_block(data, n)
+            except ValueError:
+                raise InvalidArgumentError(f"{in_path}: block {n.key.hex()} is damaged") from None
+            seg, size = self.files.write([(n, tensors)])
+            written[seg] = size
 
 
 def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:

@@ -6,10 +6,11 @@ import json
 import struct
 from dataclasses import dataclass, field
 
-# version, parent key, position, token count, flags, file size, checksum,
-# child count, last access (ns), length of the JSON tail.
+# version, parent key, position, token count, flags, bytes of the block, checksum,
+# child count, last access (ns), length of the JSON tail; then (version 2) the segment.
 _HEAD = struct.Struct("<B16sQIBQQIQH")
-RECORD_VERSION = 1
+_SEGMENT = 16
+RECORD_VERSION = 2  # 1: schema v1-v2 (one file per block, named by key and checksum)
 
 # Flags (computed by `layers.Layout.flags`): where this block's layers can be rebuilt.
 RESUMABLE = 1  # every layer can be rebuilt at the end of this block
@@ -18,10 +19,11 @@ TRIMMABLE = 2  # every layer can be trimmed back to any position inside the bloc
 
 @dataclass(slots=True)
 class Node:
-    """One stored block: where it sits in the trie and how to check its file.
+    """One stored block: where it sits in the trie and where its bytes are.
 
-    The file name is derived from the key and checksum (see `file_name`), so two
-    processes that race to write one block never overwrite each other's file.
+    A block's tensors live in a segment file (see `segment`) written by one writer
+    for the blocks of one store; segment ids are random, so two processes that race
+    to store one block never share, overwrite or unlink each other's file.
     """
 
     key: bytes
@@ -34,6 +36,7 @@ class Node:
     child_count: int = 0
     last_access: int = 0
     extra: dict = field(default_factory=dict)
+    segment: bytes = bytes(_SEGMENT)
 
     @property
     def n_tokens(self) -> int:
@@ -52,12 +55,13 @@ class Node:
         return bool(self.flags & TRIMMABLE)
 
     @property
-    def file_name(self) -> str:
-        """Path of the block file relative to ``blocks/``."""
+    def legacy_file_name(self) -> str:
+        """Path (relative to ``blocks/``) of the block's own file in schema v1-v2."""
         hex_key = self.key.hex()
         return f"{hex_key[:2]}/{hex_key}-{self.checksum:016x}.safetensors"
 
     def pack(self) -> bytes:
+        """The record as stored (version 2)."""
         tail = json.dumps(self.extra, separators=(",", ":")).encode() if self.extra else b""
         head = _HEAD.pack(
             RECORD_VERSION,
@@ -71,7 +75,7 @@ class Node:
             self.last_access,
             len(tail),
         )
-        return head + self.tokens + tail
+        return head + self.tokens + tail + self.segment
 
     @staticmethod
     def raw_matches(raw: bytes, parent: bytes, position: int, tokens: bytes) -> bool:
@@ -87,7 +91,7 @@ class Node:
 
     @classmethod
     def unpack(cls, key: bytes, raw: bytes) -> "Node":
-        """Decode a record.
+        """Decode a record (version 2, or version 1 for the migration from schema v2).
 
         Raises:
             ValueError: If the record is malformed.
@@ -95,9 +99,11 @@ class Node:
         if len(raw) < _HEAD.size:
             raise ValueError("index record too short")
         (ver, parent, pos, n, flags, size, csum, children, access, n_tail) = _HEAD.unpack_from(raw)
-        if ver != RECORD_VERSION or len(raw) != _HEAD.size + 4 * n + n_tail:
+        body = _HEAD.size + 4 * n + n_tail
+        if ver not in (1, RECORD_VERSION) or len(raw) != body + (_SEGMENT if ver == 2 else 0):
             raise ValueError("index record has a bad version or length")
         tokens = bytes(raw[_HEAD.size : _HEAD.size + 4 * n])
-        tail = raw[_HEAD.size + 4 * n :]
+        tail = raw[_HEAD.size + 4 * n : body]
         extra = json.loads(bytes(tail)) if n_tail else {}
-        return cls(key, parent, pos, tokens, flags, size, csum, children, access, extra)
+        segment = bytes(raw[body:]) if ver == 2 else bytes(_SEGMENT)
+        return cls(key, parent, pos, tokens, flags, size, csum, children, access, extra, segment)

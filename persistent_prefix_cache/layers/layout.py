@@ -9,7 +9,9 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
+from ..disk.codec import dtype_info
 from ..disk.node import RESUMABLE, TRIMMABLE, Node
+from ..disk.segment import SLICE_FIELDS
 from ..errors import UnsupportedCacheError
 from .adapters import (
     STATE,
@@ -74,6 +76,24 @@ class Layout:
             self.leaves = []
             self.unsupported = exc
         self.kinds = {lid: adapter.kind for lid, _, adapter in self.leaves}
+        # "<leaf>.<field>" -> [dtype, batch, heads, width] of the sliced KV tensors, once
+        # known (from the store's model record, or from the first cache stored).
+        self.fields: dict[str, list] | None = None
+
+    def learn_fields(self, tensors: dict[str, Tensors]) -> bool:
+        """Record the dtypes and shapes of a block's sliced tensors as the layout's.
+
+        Returns:
+            Whether a field was not known before.
+        """
+        fields = self.fields if self.fields is not None else {}
+        before = len(fields)
+        for lid, part in tensors.items():
+            for fld, x in part.items():
+                if x.ndim == 4 and fld in SLICE_FIELDS:
+                    fields.setdefault(f"{lid}.{fld}", [dtype_info(x.dtype)[0], x.shape[0], x.shape[1], x.shape[3]])
+        self.fields = fields or self.fields
+        return len(fields) > before
 
     def make_cache(self) -> list:
         """A fresh, empty cache of this layout."""

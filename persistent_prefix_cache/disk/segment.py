@@ -1,0 +1,557 @@
+"""Segment files (format v3): the one owner of the bytes of stored blocks.
+
+One segment holds the new blocks of one `store()` (consecutive positions of one
+prompt), laid out so that a run of blocks reads in few, large I/Os straight into the
+joined cache buffers::
+
+    [u64 LE header length n][header: JSON, space-padded to a multiple of 8][data]
+
+The header names the format (`SEGMENT_FORMAT`), the segment id, its blocks
+(``[key hex, position, tokens]``, consecutive), its *sliced fields* and its
+*snapshots*. A sliced field (a KV tensor ``[batch, heads, tokens, width]`` of a layer
+sliced along the sequence) covers the blocks from ``first`` on and is stored head-major:
+for each of its ``rows`` (batch x heads), the tokens of all those blocks, contiguous.
+A snapshot (a recurrent state, a window) belongs to one block and is stored whole,
+with the xxh3-64 digest of its bytes in the header.
+
+A block's checksum (kept in its index record, verified on every read) is xxh3-64 over
+its piece of every sliced field (header order, row by row), then the digests of its
+snapshots: a damaged byte, a damaged header or a file of another block is a miss.
+
+Write order: write under ``tmp/``, fsync, rename into ``segments/``, fsync the folder;
+only then does the caller commit the index records. Segment ids are random, so no two
+writers ever share a file; a file is unlinked only after the commit that removed its
+last block (see `index_tables.Writer.freed`). A crash leaves at most a temporary file
+or an unreferenced segment, both swept later.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import xxhash
+
+from .codec import MAX_HEADER, dtype_info
+from .faults import pause_point
+from .node import Node
+
+SEGMENT_FORMAT = "ppc-segment/3"
+# Fields stored sliced along the sequence (what `layers.adapters` names them).
+SLICE_FIELDS = frozenset({"k", "v", "k0", "k1", "k2", "v0", "v1", "v2"})
+IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
+
+
+def _load_sync_file_range():
+    # Linux can start a file's writeback without waiting (sync_file_range), so that
+    # the fsync that follows finds most of the data on its way to the disk already.
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.sync_file_range
+        fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        return fn
+    except (OSError, AttributeError):
+        return None
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _dtype(x: Any) -> str:
+    # A tensor is an mlx or numpy array, or (numpy array of its bits, dtype name).
+    return x[1] if isinstance(x, tuple) else dtype_info(x.dtype)[0]
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    return tuple((x[0] if isinstance(x, tuple) else x).shape)
+
+
+def is_sliced(name: str, shape: Sequence[int], n_tokens: int) -> bool:
+    """Whether tensor ``<leaf>.<field>`` of a block is stored sliced (else a snapshot)."""
+    return name.rpartition(".")[2] in SLICE_FIELDS and len(shape) == 4 and shape[2] == n_tokens
+
+
+def _bytes(x: Any) -> memoryview:
+    view = memoryview(x[0] if isinstance(x, tuple) else x)
+    if not view.c_contiguous:
+        raise ValueError("block tensors must be row-contiguous")
+    return view.cast("B")
+
+
+class SegmentFiles:
+    """The ``segments/`` and ``tmp/`` folders of one store.
+
+    Args:
+        root: The store directory.
+        readonly: Create nothing.
+    """
+
+    def __init__(self, root: str, *, readonly: bool = False):
+        self.root = root
+        self.segments = os.path.join(root, "segments")
+        self.tmp = os.path.join(root, "tmp")
+        self.legacy = os.path.join(root, "blocks")  # schema v1-v2: one file per block
+        if not readonly:
+            for folder in (self.segments, self.tmp):
+                os.makedirs(folder, exist_ok=True)
+
+    def path_of(self, segment: bytes) -> str:
+        """Absolute path of a segment's file."""
+        h = segment.hex()
+        return os.path.join(self.segments, h[:2], f"{h}.seg")
+
+    # -- writing --------------------------------------------------------------------
+
+    def write(self, blocks: Sequence[tuple[Node, dict[str, dict[str, Any]]]]) -> tuple[bytes, int]:
+        """Write consecutive blocks into a new segment, durably.
+
+        Sets each node's ``segment``, ``size`` and ``checksum``. The caller commits
+        the index records only after this returns.
+
+        Args:
+            blocks: ``(node, tensors by leaf, then field)`` per block, in position
+                order; tensors are evaluated, row-contiguous mlx or numpy arrays, or
+                ``(numpy array of the bits, dtype name)`` (as `block_tensors` gives).
+
+        Returns:
+            (segment id, file size).
+
+        Raises:
+            OSError: On any failure (disk full, permissions); the temporary file is
+                removed and nothing is referenced.
+            ValueError: If the blocks are not consecutive or their tensors disagree.
+        """
+        segment = os.urandom(16)
+        header, chunks = _layout(segment, blocks)
+        tmp = os.path.join(self.tmp, f"{segment.hex()}.{os.getpid()}.{threading.get_ident()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            size = _writev_all(fd, [memoryview(header)] + chunks)
+            if _SYNC_FILE_RANGE is not None:
+                _SYNC_FILE_RANGE(fd, 0, 0, 2)  # SYNC_FILE_RANGE_WRITE; a failure costs speed
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            self._remove(tmp)
+            raise
+        os.close(fd)
+        pause_point("before_rename")
+        final = self.path_of(segment)
+        try:
+            folder = os.path.dirname(final)
+            if not os.path.isdir(folder):
+                os.makedirs(folder, exist_ok=True)
+                _fsync_dir(self.segments)
+            os.replace(tmp, final)
+            _fsync_dir(folder)
+        except BaseException:
+            self._remove(tmp)
+            raise
+        return segment, size
+
+    # -- reading --------------------------------------------------------------------
+
+    def open(self, segment: bytes) -> "OpenSegment | None":
+        """Open a segment and check its header; None if missing or damaged.
+
+        The caller closes the handle (`OpenSegment.close`).
+        """
+        try:
+            fd = os.open(self.path_of(segment), os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            return OpenSegment(fd, segment)
+        except (ValueError, OSError):
+            os.close(fd)
+            return None
+
+    def verify(self, node: Node) -> str | None:
+        """What is wrong with a node's bytes (None if nothing): every piece is read
+        and checksummed, every snapshot checked against its digest."""
+        if not os.path.exists(self.path_of(node.segment)):
+            return "missing file"
+        seg = self.open(node.segment)
+        if seg is None:
+            return "file does not decode"
+        try:
+            if seg.block_index(node) is None:
+                return "file belongs to another block"
+            return None if seg.block_tensors(node) is not None else "file size or checksum mismatch"
+        finally:
+            seg.close()
+
+    # -- removing -------------------------------------------------------------------
+
+    def unlink(self, segments: Sequence[bytes]) -> None:
+        """Remove the files of segments the index no longer references (commit first)."""
+        for segment in segments:
+            self._remove(self.path_of(segment))
+
+    @staticmethod
+    def _remove(path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    def stale_tmp(self) -> list[str]:
+        """Temporary files whose writing process is gone (ours in flight are not)."""
+        try:
+            names = sorted(os.listdir(self.tmp))
+        except FileNotFoundError:
+            return []
+        stale = []
+        for name in names:
+            parts = name.split(".")
+            pid = int(parts[1]) if len(parts) == 4 and parts[1].isdigit() else None
+            if pid == os.getpid() or (pid is not None and _pid_alive(pid)):
+                continue  # a live writer (this process or another) is still at work
+            stale.append(name)
+        return stale
+
+    def sweep_tmp(self) -> int:
+        """Remove temporary files whose writing process is gone.
+
+        Returns:
+            How many were removed.
+        """
+        stale = self.stale_tmp()
+        for name in stale:
+            self._remove(os.path.join(self.tmp, name))
+        return len(stale)
+
+    def orphans(self, is_referenced: Callable[[bytes], bool], *, grace: float) -> list[str]:
+        """Segment files (paths relative to the store) no index entry references, and
+        files left by schema v1-v2 (``blocks/``, which nothing references any more).
+
+        Args:
+            is_referenced: Whether the index references a segment id.
+            grace: Leave out segments younger than this many seconds (a writer in
+                another process may be about to commit them).
+        """
+        out = []
+        cutoff = time.time() - grace
+        for top, legacy in ((self.segments, False), (self.legacy, True)):
+            subs = sorted(os.scandir(top), key=lambda e: e.name) if os.path.isdir(top) else ()
+            for sub in subs:
+                if not sub.is_dir():
+                    continue
+                for entry in sorted(os.scandir(sub.path), key=lambda e: e.name):
+                    rel = os.path.relpath(entry.path, self.root)
+                    if legacy:
+                        out.append(rel)
+                        continue
+                    try:
+                        if is_referenced(bytes.fromhex(entry.name.removesuffix(".seg"))):
+                            continue
+                        if entry.stat().st_mtime > cutoff:
+                            continue
+                    except (ValueError, FileNotFoundError):
+                        pass
+                    out.append(rel)
+        return out
+
+    def sweep_orphans(self, is_referenced: Callable[[bytes], bool], *, grace: float) -> int:
+        """Remove the files `orphans` lists.
+
+        Returns:
+            How many were removed.
+        """
+        found = self.orphans(is_referenced, grace=grace)
+        for rel in found:
+            self._remove(os.path.join(self.root, rel))
+        return len(found)
+
+
+def _writev_all(fd: int, chunks: list[memoryview]) -> int:
+    size = 0
+    for j in range(0, len(chunks), IOV_MAX):
+        group = chunks[j : j + IOV_MAX]
+        want = sum(len(c) for c in group)
+        done = os.writev(fd, group)
+        while done < want:  # a short write: finish it piece by piece
+            rest = b"".join(bytes(c) for c in group)[done:]
+            done += os.write(fd, rest)
+        size += want
+    return size
+
+
+def _layout(segment: bytes, blocks: Sequence[tuple[Node, dict]]) -> tuple[bytes, list[memoryview]]:
+    """The header and the data chunks of a segment; sets each node's size and checksum."""
+    if not blocks:
+        raise ValueError("a segment needs at least one block")
+    for (a, _), (b, _) in zip(blocks, blocks[1:]):
+        if b.position != a.end:
+            raise ValueError("a segment's blocks must be consecutive")
+    flat = [
+        {f"{lid}.{f}": x for lid, part in tensors.items() for f, x in part.items()}
+        for _, tensors in blocks
+    ]
+    sliced: dict[str, list] = {}  # name -> [dtype, batch, heads, width, first block]
+    for i, ((node, _), tensors) in enumerate(zip(blocks, flat)):
+        for name in sorted(tensors):
+            shape = _shape(tensors[name])
+            if not is_sliced(name, shape, node.n_tokens):
+                continue
+            spec = [_dtype(tensors[name]), shape[0], shape[1], shape[3]]
+            if name not in sliced:
+                sliced[name] = spec + [i]
+            elif sliced[name][:4] != spec:
+                raise ValueError(f"{name}: blocks of one segment disagree on dtype or shape")
+    for name, (*_, first) in sliced.items():
+        if any(name not in t for t in flat[first:]):
+            raise ValueError(f"{name}: a block after the first holding it lacks it")
+    chunks: list[memoryview] = []
+    fields, at = [], 0
+    for name in sorted(sliced):
+        dtype, batch, heads, width, first = sliced[name]
+        rows = batch * heads
+        fields.append([name, dtype, batch, heads, width, first, at])
+        pieces = [_bytes(flat[i][name]) for i in range(first, len(blocks))]
+        lens = [len(p) // rows for p in pieces]
+        for r in range(rows):
+            chunks.extend(p[r * n : (r + 1) * n] for p, n in zip(pieces, lens))
+        at += sum(len(p) for p in pieces)
+    snaps = []
+    for i, tensors in enumerate(flat):
+        for name in sorted(tensors):
+            if name in sliced and i >= sliced[name][4]:
+                continue
+            view = _bytes(tensors[name])
+            digest = xxhash.xxh3_64_intdigest(view)
+            snaps.append([i, name, _dtype(tensors[name]), list(_shape(tensors[name])), at, f"{digest:016x}"])
+            chunks.append(view)
+            at += len(view)
+    for i, ((node, _), tensors) in enumerate(zip(blocks, flat)):
+        h = xxhash.xxh3_64()
+        size = 0
+        for name, *_, first, _ in fields:
+            if i >= first:
+                view = _bytes(tensors[name])  # [batch, heads, n, width]: rows in order
+                h.update(view)
+                size += len(view)
+        for j, name, _, _, _, digest in snaps:
+            if j == i:
+                h.update(int(digest, 16).to_bytes(8, "little"))
+                size += _bytes(tensors[name]).nbytes
+        node.segment, node.size, node.checksum = segment, size, h.intdigest()
+    header = {
+        "format": SEGMENT_FORMAT,
+        "segment": segment.hex(),
+        "blocks": [[node.key.hex(), node.position, node.n_tokens] for node, _ in blocks],
+        "fields": fields,
+        "snaps": snaps,
+    }
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text, chunks
+
+
+class Field:
+    """A sliced field of a segment: where each row (batch x head) of its tokens lies."""
+
+    __slots__ = ("name", "dtype", "itemsize", "batch", "heads", "rows", "width", "first", "at", "start", "tokens", "row_bytes")
+
+    def __init__(self, name, dtype, itemsize, batch, heads, width, first, at, start, tokens):
+        self.name, self.dtype, self.itemsize = name, dtype, itemsize
+        self.batch, self.heads, self.rows = batch, heads, batch * heads
+        self.width, self.first, self.at = width, first, at
+        self.start, self.tokens = start, tokens  # first position held, tokens per row
+        self.row_bytes = width * itemsize  # bytes of one token in one row
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.tokens * self.row_bytes
+
+
+class Snap:
+    """A snapshot of one block: a whole tensor and the digest of its bytes."""
+
+    __slots__ = ("block", "name", "dtype", "shape", "at", "digest", "nbytes")
+
+    def __init__(self, block, name, dtype, shape, at, digest, nbytes):
+        self.block, self.name, self.dtype, self.shape = block, name, dtype, tuple(shape)
+        self.at, self.digest, self.nbytes = at, digest, nbytes
+
+
+class OpenSegment:
+    """An open segment file whose header was parsed and checked against its size.
+
+    Raises:
+        ValueError: If the header is damaged or does not describe the file.
+    """
+
+    def __init__(self, fd: int, segment: bytes):
+        self.fd = fd
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, min(size, 65536), 0)
+        n = int.from_bytes(head[:8], "little") if len(head) >= 8 else -1
+        if n < 0 or n > MAX_HEADER or 8 + n > size:
+            raise ValueError("bad header length")
+        if 8 + n > len(head):
+            head = os.pread(fd, 8 + n, 0)
+        try:
+            h = json.loads(head[8 : 8 + n])
+            if h["format"] != SEGMENT_FORMAT or h["segment"] != segment.hex():
+                raise ValueError("another format or segment")
+            self.blocks = [(bytes.fromhex(k), int(p), int(t)) for k, p, t in h["blocks"]]
+            self.body = 8 + n
+            self.fields: dict[str, Field] = {}
+            for name, dtype, batch, heads, width, first, at in h["fields"]:
+                first = int(first)
+                start = self.blocks[first][1]
+                tokens = sum(t for _, _, t in self.blocks[first:])
+                self.fields[name] = Field(
+                    name, dtype, dtype_info(dtype)[1], int(batch), int(heads), int(width), first, int(at), start, tokens
+                )
+            self.snaps = [
+                Snap(int(i), name, dtype, shape, int(at), int(d, 16), math.prod(shape) * dtype_info(dtype)[1])
+                for i, name, dtype, shape, at, d in h["snaps"]
+            ]
+        except (KeyError, TypeError, IndexError, AttributeError, ValueError, RecursionError) as exc:
+            raise ValueError(f"damaged header: {type(exc).__name__}") from None
+        ends = sorted([(f.at, f.at + f.nbytes) for f in self.fields.values()] + [(s.at, s.at + s.nbytes) for s in self.snaps])
+        cursor = 0
+        for a, b in ends:
+            if a != cursor or b < a:
+                raise ValueError("gap or overlap in the data")
+            cursor = b
+        if self.body + cursor != size:
+            raise ValueError("data does not end where the file does")
+        for (_, p, t), (_, q, _) in zip(self.blocks, self.blocks[1:]):
+            if q != p + t:
+                raise ValueError("blocks are not consecutive")
+        self._by_key = {k: i for i, (k, _, _) in enumerate(self.blocks)}
+
+    def close(self) -> None:
+        """Close the file."""
+        os.close(self.fd)
+
+    def block_index(self, node: Node) -> int | None:
+        """Where `node` is among the segment's blocks (None if it is not there)."""
+        i = self._by_key.get(node.key)
+        if i is None or self.blocks[i][1:] != (node.position, node.n_tokens):
+            return None
+        return i
+
+    def tokens_of(self, i: int) -> int:
+        """Tokens of block `i`."""
+        return self.blocks[i][2]
+
+    def fields_of(self, i: int) -> list[Field]:
+        """The sliced fields block `i` has a piece of, in header order."""
+        return [f for f in self.fields.values() if f.first <= i]
+
+    def snaps_of(self, i: int) -> list[Snap]:
+        """The snapshots of block `i`, in header order."""
+        return [s for s in self.snaps if s.block == i]
+
+    def read_rows(self, f: Field, lo: int, hi: int, dests: list[memoryview], offsets: list[int], stride: int) -> bool:
+        """Read blocks ``[lo, hi)`` of field `f` into row buffers.
+
+        Row ``r`` goes to ``dests[r % len(dests)]`` at ``offsets[...] + r * stride``
+        if one destination is given for all rows (``len(dests) == 1``), else to its own.
+
+        Returns:
+            False on a short read (the file shrank under us).
+        """
+        p0 = self.blocks[lo][1] - f.start
+        p1 = self.blocks[hi - 1][1] + self.blocks[hi - 1][2] - f.start
+        n = (p1 - p0) * f.row_bytes
+        whole = p0 == 0 and p1 == f.tokens  # the rows lie back to back in the file
+        vectors = []
+        for r in range(f.rows):
+            dest, base = (dests[0], offsets[0] + r * stride) if len(dests) == 1 else (dests[r], offsets[r])
+            vectors.append(dest[base : base + n])
+        try:
+            if whole:
+                for j in range(0, len(vectors), IOV_MAX):
+                    group = vectors[j : j + IOV_MAX]
+                    at = self.body + f.at + j * f.tokens * f.row_bytes
+                    if os.preadv(self.fd, group, at) != n * len(group):
+                        return False
+            else:
+                for r, v in enumerate(vectors):
+                    at = self.body + f.at + (r * f.tokens + p0) * f.row_bytes
+                    if os.preadv(self.fd, [v], at) != n:
+                        return False
+        except OSError:
+            return False
+        return True
+
+    def block_digest(self, i: int, piece: Callable[[Field, int], memoryview]) -> int:
+        """The checksum of block `i`, given its piece of each field's row (already read)."""
+        h = xxhash.xxh3_64()
+        for f in self.fields_of(i):
+            for r in range(f.rows):
+                h.update(piece(f, r))
+        for s in self.snaps_of(i):
+            h.update(s.digest.to_bytes(8, "little"))
+        return h.intdigest()
+
+    def read_snap(self, s: Snap, dest: memoryview) -> memoryview | None:
+        """Read a snapshot into `dest` and check its digest; None if damaged."""
+        try:
+            if os.preadv(self.fd, [dest], self.body + s.at) != s.nbytes:
+                return None
+        except OSError:
+            return None
+        return dest if xxhash.xxh3_64_intdigest(dest) == s.digest else None
+
+    def block_tensors(self, node: Node) -> dict[str, dict[str, tuple[np.ndarray, str]]] | None:
+        """A block's tensors (by leaf, then field) as ``(numpy array of the bits, dtype
+        name)``, verified against the node's checksum; None if missing or damaged."""
+        i = self.block_index(node)
+        if i is None:
+            return None
+        n = self.tokens_of(i)
+        out: dict[str, dict[str, tuple[np.ndarray, str]]] = {}
+        pieces = {}
+        for f in self.fields_of(i):
+            buf = np.empty(f.rows * n * f.row_bytes, dtype=np.uint8)
+            if not self.read_rows(f, i, i + 1, [memoryview(buf)], [0], n * f.row_bytes):
+                return None
+            pieces[f.name] = buf
+            lid, _, fld = f.name.rpartition(".")
+            bits = buf.view(np.dtype(f"<u{f.itemsize}")).reshape(f.batch, f.heads, n, f.width)
+            out.setdefault(lid, {})[fld] = (bits, f.dtype)
+        step = {name: len(b) // self.fields[name].rows for name, b in pieces.items()}
+        digest = self.block_digest(i, lambda f, r: memoryview(pieces[f.name])[r * step[f.name] : (r + 1) * step[f.name]])
+        if digest != node.checksum:
+            return None
+        for s in self.snaps_of(i):
+            buf = np.empty(s.nbytes, dtype=np.uint8)
+            if self.read_snap(s, memoryview(buf)) is None:
+                return None
+            lid, _, fld = s.name.rpartition(".")
+            itemsize = dtype_info(s.dtype)[1]
+            out.setdefault(lid, {})[fld] = (buf.view(np.dtype(f"<u{itemsize}")).reshape(s.shape), s.dtype)
+        return out

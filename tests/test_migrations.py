@@ -1,0 +1,139 @@
+"""Stores written before schema v3, migrated in place (migration 0003, and 0002 before
+it for a v1 store). The stores were written by the v2 code itself (see
+data/make_legacy_stores.py); every restore is compared bit for bit with a cold prefill.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from helpers import assert_same_logits, assert_tree_consistent, cold_logits, ppc_check, warm_logits
+from store_worker import Worker, wait_for_pause
+
+from persistent_prefix_cache import PersistentPrefixCache, StoreVersionError
+from persistent_prefix_cache.disk.index import SCHEMA_VERSION, Index
+
+
+def _snapshot(root) -> dict:
+    """Hash of every file but LMDB's lock file (its reader table changes on open)."""
+    out = {}
+    for folder, _, names in os.walk(root):
+        for name in names:
+            if name != "lock.mdb":
+                with open(os.path.join(folder, name), "rb") as f:
+                    out[os.path.relpath(os.path.join(folder, name), root)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def _version(store_dir) -> int:
+    index = Index(os.path.join(store_dir, "index"), readonly=True, migrate=False)
+    try:
+        return index.version()
+    finally:
+        index.close()
+
+
+def ppc(*args, expect: int = 0) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, "-m", "persistent_prefix_cache", *map(str, args)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == expect, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc
+
+
+def _assert_restores_exactly(path, legacy) -> None:
+    model = legacy["model"]
+    with PersistentPrefixCache(path, model, memory_bytes=0) as store:
+        for tokens in legacy["prompts"]:
+            cache, remaining = store.fetch(tokens)
+            assert cache is not None and len(tokens) - len(remaining) == len(tokens) - 1
+            assert_same_logits(warm_logits(model, cache, remaining), cold_logits(model, tokens))
+        assert store.stats()["corrupt"] == 0
+
+
+@pytest.mark.parametrize("schema", ["v1", "v2"])
+def test_read_only_open_of_an_older_store_says_to_migrate_and_changes_nothing(legacy, schema):
+    path = legacy[schema]
+    before = _snapshot(path)
+    with pytest.raises(StoreVersionError, match="ppc migrate"):
+        PersistentPrefixCache(path, legacy["model"], readonly=True)
+    assert "ppc migrate" in ppc("stats", "--store", path, expect=2).stderr
+    assert _snapshot(path) == before and _version(path) == int(schema[1])
+
+
+@pytest.mark.parametrize("schema, pending", [("v1", [2, 3]), ("v2", [3])])
+def test_ppc_migrate_converts_an_older_store_in_place(legacy, schema, pending):
+    path = legacy[schema]
+    dry = json.loads(ppc("migrate", "--store", path, "--dry-run", "--json").stdout)
+    assert [p["version"] for p in dry["pending"]] == pending
+    done = json.loads(ppc("migrate", "--store", path, "--json").stdout)
+    assert done["applied"] == pending and done["to_version"] == SCHEMA_VERSION == 3
+    assert json.loads(ppc("migrate", "--store", path, "--json").stdout)["pending"] == []
+    # Every block now lives in a segment; the v2 block files are gone.
+    assert not (path / "blocks").exists() and any((path / "segments").iterdir())
+    assert ppc_check(path)[1]["clean"]
+    nodes = assert_tree_consistent(path)
+    assert len(nodes) == 8  # 2 + 1 + 1 + 4 blocks of the three prompts, shared one once
+    stats = json.loads(ppc("stats", "--store", path, "--json").stdout)
+    assert stats["schema_version"] == 3
+    assert stats["hits"] == (1 if schema == "v2" else 0)  # v2's counters came along
+    _assert_restores_exactly(path, legacy)
+
+
+def test_a_writable_open_migrates(legacy):
+    _assert_restores_exactly(legacy["v2"], legacy)
+    assert _version(legacy["v2"]) == SCHEMA_VERSION
+    assert ppc_check(legacy["v2"])[1]["clean"]
+
+
+def test_a_damaged_block_file_is_dropped_by_the_migration(legacy):
+    # A read would have found the damage: the migration drops the block and what was
+    # stored after it, and everything else restores exactly.
+    path = legacy["v2"]
+    blocks = sorted(os.path.join(d, n) for d, _, ns in os.walk(path / "blocks") for n in ns)
+    victim = blocks[0]
+    size = os.path.getsize(victim)
+    with open(victim, "r+b") as f:
+        f.seek(size - 5)
+        byte = f.read(1)
+        f.seek(size - 5)
+        f.write(bytes([byte[0] ^ 1]))
+    ppc("migrate", "--store", path)
+    assert ppc_check(path)[1]["clean"]
+    assert len(assert_tree_consistent(path)) < 8
+    model = legacy["model"]
+    with PersistentPrefixCache(path, model, memory_bytes=0) as store:
+        for tokens in legacy["prompts"]:
+            cache, remaining = store.fetch(tokens)
+            assert_same_logits(warm_logits(model, cache, remaining), cold_logits(model, tokens))
+
+
+def test_kill9_during_the_migration_leaves_the_old_store(tmp_path, legacy):
+    path = legacy["v2"]
+    before = _snapshot(path)
+    marker = tmp_path / "paused"
+    # The migration is the first write transaction of a writable open.
+    worker = Worker(
+        {"model": str(legacy["model_dir"]), "store": str(path), "steps": []},
+        str(tmp_path),
+        env={"PPC_PAUSE_AT": "in_write_txn", "PPC_PAUSE_FILE": str(marker)},
+    )
+    try:
+        wait_for_pause(str(marker), worker, "in_write_txn")
+    finally:
+        worker.reap()
+    assert worker.proc.returncode == -signal.SIGKILL
+    assert _version(path) == 2
+    # The v2 files are untouched; only segments the dead migration wrote are new.
+    after = _snapshot(path)
+    assert {k: v for k, v in after.items() if k in before} == before
+    assert all(k.startswith(("segments", "tmp")) for k in set(after) - set(before))
+    _assert_restores_exactly(path, legacy)
+    assert ppc_check(path)[1]["clean"]
