@@ -95,8 +95,8 @@ def upgrade(env, txn, params):
             blocks.append((node, tensors))
         if not blocks:
             continue
-        segment, size = files.write(blocks)
-        w.add_segment(segment, size)
+        segment, size, digest = files.write(blocks)
+        w.add_segment(segment, size, digest)
         for node, _ in blocks:
             if w.insert(node) and node.key in hits:
                 w.count_hits({node.key: int.from_bytes(hits[node.key], "little")})

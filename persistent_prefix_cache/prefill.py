@@ -10,6 +10,7 @@ least one token to produce logits).
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import mlx.core as mx
@@ -59,8 +60,10 @@ def prefill(
     stop = len(ids) - 1  # the last token is fed below, for the logits
     while pos < stop:
         end = min((pos // chunk + 1) * chunk, stop)
+        started = time.perf_counter()
         model(mx.array(ids[pos:end])[None], cache=cache)
         mx.eval([c.state for c in cache])
+        store.observe_prefill(end - pos, time.perf_counter() - started)  # for the cost model
         store.store(ids[:end], cache)
         pos = end
         if progress is not None:

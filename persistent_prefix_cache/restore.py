@@ -15,7 +15,12 @@ from .tiers.memory import MemoryTier
 
 
 def restore(
-    layout: Layout, memory: MemoryTier, files: SegmentFiles, nodes: list[Node], position: int
+    layout: Layout,
+    memory: MemoryTier,
+    files: SegmentFiles,
+    nodes: list[Node],
+    position: int,
+    digests: dict[bytes, int] | None = None,
 ) -> tuple[list | None, int]:
     """Rebuild the cache at `position` from `nodes` (the blocks any leaf needs).
 
@@ -25,6 +30,7 @@ def restore(
         files: The segment files.
         nodes: Consecutive blocks, from the first one a leaf needs to the last.
         position: Where the cache is rebuilt (inside or at the end of the last block).
+        digests: The index's whole-segment digests of the segments involved.
 
     Returns:
         ``(cache or None, how many of nodes were intact)``. Fewer than ``len(nodes)``
@@ -35,7 +41,7 @@ def restore(
     for node in nodes:
         entry = memory.get(node.key)
         cached.append(entry[1] if entry is not None else None)
-    intact, runs, snaps = read_path(nodes, cached, files, layout.kinds, position, layout.fields)
+    intact, runs, snaps = read_path(nodes, cached, files, layout.kinds, position, layout.fields, digests)
     if intact < len(nodes):
         return None, intact
     # Blocks read from disk do not join the RAM tier: views of the returned buffers

@@ -17,6 +17,7 @@ import atexit
 import json
 import logging
 import os
+import time
 import warnings
 import weakref
 from typing import Any, Sequence
@@ -33,6 +34,7 @@ from .fingerprint import cached_fingerprint
 from .keys import as_token_array, chain_keys, root_key
 from .layers import Layout, cache_length, signature_of, template_cache
 from .lookup import Trie, back_off
+from .costs import Costs
 from .options import check_options, existing_but_not_writable
 from .restore import restore
 from .tiers.memory import MemoryTier
@@ -43,7 +45,8 @@ log = logging.getLogger("persistent_prefix_cache")
 DEFAULT_BLOCK_SIZE = 64
 DEFAULT_MEMORY_BYTES = 512 * 1024 * 1024
 COUNTERS = (
-    "queries", "hits", "misses", "not_longer", "tokens_saved", "corrupt", "evictions", "write_errors",
+    "queries", "hits", "misses", "not_longer", "tokens_saved", "skipped_slower", "tokens_skipped",
+    "corrupt", "evictions", "write_errors",
 )  # fmt: skip
 
 _OPEN_STORES: "weakref.WeakSet[PersistentPrefixCache]" = weakref.WeakSet()
@@ -78,6 +81,9 @@ class PersistentPrefixCache:
             returns ``QuantizedKVCache`` layers).
         kv_group_size: Group size for `kv_bits`.
         sync_writes: Make `store()` return only once its blocks are on disk.
+        cost_model: Restore only the prefix that is faster to restore than to compute,
+            by the rates this handle measured (see `costs`); False restores whatever
+            is stored.
 
     Raises:
         InvalidArgumentError: On bad arguments.
@@ -100,6 +106,7 @@ class PersistentPrefixCache:
         kv_bits: int | None = None,
         kv_group_size: int = 64,
         sync_writes: bool = False,
+        cost_model: bool = True,
     ):
         check_options(
             fingerprint=fingerprint, model_path=model_path, namespace=namespace, block_size=block_size,
@@ -148,6 +155,7 @@ class PersistentPrefixCache:
         self.memory = MemoryTier(memory_bytes)
         self.trie = Trie(self.index, self.memory, self.root, self.block_size)
         self.counters = Counters(*COUNTERS)
+        self.costs = Costs(enabled=cost_model)
         self.writeback = None
         if not readonly:
             self.writeback = WriteBack(
@@ -183,10 +191,15 @@ class PersistentPrefixCache:
         if longer_than is not None and matched <= longer_than:
             self.counters.add(not_longer=1)
             return None, tokens
+        if path:
+            path, matched = self._cheaper(path, matched)
         layers = None
         while path and layers is None:
             first = self.layout.first_needed(path, matched)
-            layers, intact = restore(self.layout, self.memory, self.files, path[first:], matched)
+            started = time.perf_counter()
+            layers, intact = restore(self.layout, self.memory, self.files, path[first:], matched, self._digests(path[first:]))
+            if layers is not None:
+                self._timed(path[first:], time.perf_counter() - started)
             if intact < len(path) - first:
                 self._damaged(path[first + intact])
             elif layers is None:
@@ -222,6 +235,31 @@ class PersistentPrefixCache:
     def make_cache(self) -> list:
         """A fresh, empty cache of this store's layout (what `fetch` returns on a hit)."""
         return self.layout.make_cache()
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """Tell the cost model that the model prefilled `tokens` tokens in `seconds`
+        (`prefill()` does; so can a caller that prefills on its own)."""
+        self.costs.observe_prefill(tokens, seconds)
+
+    def calibrate(self, model: Any, *, tokens: int = 512) -> float:
+        """Measure how fast `model` prefills on this machine, for the cost model.
+
+        Runs two forward passes of `tokens` tokens on a fresh cache (the first warms
+        up); a fetch that follows knows what a restore must beat.
+
+        Returns:
+            Tokens per second.
+        """
+        import mlx.core as mx
+
+        ids = mx.array([[(7 * i + 1) % 251 for i in range(tokens)]])
+        for _ in range(2):
+            cache = self.make_cache()
+            started = time.perf_counter()
+            mx.eval(model(ids, cache=cache))
+            seconds = time.perf_counter() - started
+        self.observe_prefill(tokens, seconds)
+        return tokens / seconds
 
     def stored_models(self) -> list[dict]:
         """Every model (with namespace and layout) that has blocks in this store.
@@ -341,8 +379,12 @@ class PersistentPrefixCache:
 
         Returns:
             queries, hits, misses (queries = hits + misses), not_longer (fetches
-            stopped by ``longer_than``, loading nothing), tokens_saved, corrupt,
-            evictions, write_errors (this handle);
+            stopped by ``longer_than``, loading nothing), tokens_saved,
+            skipped_slower and tokens_skipped (fetches the cost model cut short, and
+            the tokens it left to compute), corrupt, evictions, write_errors (this
+            handle); prefill_tokens_per_s, restore_bytes_per_s_ram and
+            restore_bytes_per_s_disk (the rates the cost model learned, None until
+            measured);
             blocks, block_bytes (their tensors' bytes: what ``disk_bytes`` bounds) and
             bytes_on_disk (of the segment files: headers and space not yet reclaimed
             included) for the store, all processes; bytes_in_memory,
@@ -360,6 +402,9 @@ class PersistentPrefixCache:
         out["bytes_in_memory"] = self.memory.nbytes
         out["blocks_in_memory"] = len(self.memory)
         out["memory_evictions"] = self.memory.evictions
+        out["prefill_tokens_per_s"] = self.costs.prefill_tokens_per_s
+        for tier in ("ram", "disk"):
+            out[f"restore_bytes_per_s_{tier}"] = self.costs.restore_bytes_per_s.get(tier)
         return out
 
     def __enter__(self) -> "PersistentPrefixCache":
@@ -401,6 +446,27 @@ class PersistentPrefixCache:
             return json.loads(raw).get("fields") or None if raw else None
         except (ValueError, AttributeError):
             return None
+
+    def _cheaper(self, path: list[Node], matched: int) -> tuple[list[Node], int]:
+        """The prefix of `path` the cost model restores (all of it until it knows)."""
+        if not self.costs.enabled:
+            return path, matched
+        ends = [n.end for n in path[:-1]] + [matched]
+        cuts = [i for i, n in enumerate(path[:-1]) if n.resumable] + [len(path) - 1]
+        in_ram = [self.memory.node(n.key) is not None for n in path]
+        choice = self.costs.choose(ends, [n.size for n in path], in_ram, cuts)
+        if choice.tokens < matched:
+            self.counters.add(skipped_slower=1, tokens_skipped=matched - choice.tokens)
+        return path[: choice.blocks], choice.tokens
+
+    def _digests(self, nodes: list[Node]) -> dict[bytes, int]:
+        with self.index.reader() as reader:
+            found = {seg: reader.segment_digest(seg) for seg in {n.segment for n in nodes}}
+        return {seg: d for seg, d in found.items() if d is not None}
+
+    def _timed(self, nodes: list[Node], seconds: float) -> None:
+        in_ram = all(self.memory.node(n.key) is not None for n in nodes)
+        self.costs.observe_restore("ram" if in_ram else "disk", sum(n.size for n in nodes), seconds)
 
     def _note(self, **kwargs: Any) -> None:
         if self.writeback is not None:

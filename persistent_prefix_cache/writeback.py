@@ -271,7 +271,7 @@ class WriteBack:
         """
         written = [node for node, _ in new]
         try:
-            segment, size = self.files.write(new)
+            segment, size, digest = self.files.write(new)
         except (OSError, ValueError) as exc:
             self._failed("write", written, exc)  # nothing was renamed into place
             return
@@ -282,7 +282,7 @@ class WriteBack:
             # The model is recorded with its first block, not at open: a run that
             # stores nothing leaves no trace in the store.
             w.register_model(self.root, description)
-            w.add_segment(segment, size)
+            w.add_segment(segment, size, digest)
             removed = []
             for node in written:
                 if w.insert(node):  # else someone stored this block first: theirs stays

@@ -338,6 +338,10 @@ class CountingStore:
         """`PersistentPrefixCache.make_cache`."""
         return self._store.make_cache()
 
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """`PersistentPrefixCache.observe_prefill`."""
+        self._store.observe_prefill(tokens, seconds)
+
 
 def blocks_of(tokens: int, block_size: int) -> int:
     """How many blocks `tokens` positions touch."""

@@ -133,6 +133,52 @@ def allocate(specs: list[tuple[str, tuple[int, ...], str]]) -> dict[str, mx.arra
     return out
 
 
+def join_on_device() -> bool:
+    """Whether RAM-tier blocks are joined with MLX operations (on the default device)
+    rather than copied into host buffers: on a GPU, where CPU writes would migrate
+    pages (``PPC_RAM_JOIN=mlx`` or ``=numpy`` overrides, to measure both)."""
+    choice = os.environ.get("PPC_RAM_JOIN")
+    return choice == "mlx" if choice in ("mlx", "numpy") else _on_gpu()
+
+
+def _join_on_device(nodes, cached, lid_kind, position):
+    """Runs and snapshots from RAM-tier blocks only, joined by `mx.concatenate` (with
+    zeros appended as room to grow in place)."""
+    parts: dict[str, list[list]] = {}  # name -> runs of [start, end, [arrays]]
+    for node, have in zip(nodes, cached):
+        for lid, part in have.items():
+            for fld, x in part.items():
+                name = f"{lid}.{fld}"
+                if not is_sliced(name, x.shape, node.n_tokens):
+                    continue
+                runs = parts.setdefault(name, [])
+                if runs and runs[-1][1] == node.position and runs[-1][2][-1].shape[:2] == x.shape[:2]:
+                    runs[-1][1] = node.end
+                    runs[-1][2].append(x)
+                else:
+                    runs.append([node.position, node.end, [x]])
+    by_leaf: dict[str, dict[str, list]] = {}
+    joined = []
+    for name, runs in parts.items():
+        lid, _, fld = name.rpartition(".")
+        for start, end, arrays in runs:
+            if start == 0 and lid_kind.get(lid) == "seq":
+                pad = _capacity(position) - (end - start)
+                if pad > 0:
+                    b, h, _, w = arrays[0].shape
+                    arrays = arrays + [mx.zeros((b, h, pad, w), dtype=arrays[0].dtype)]
+            array = mx.concatenate(arrays, axis=2) if len(arrays) > 1 else mx.array(arrays[0])
+            joined.append(array)
+            by_leaf.setdefault(lid, {}).setdefault(fld, []).append((start, end, array))
+    mx.eval(joined)
+    last = nodes[-1]
+    snaps = {
+        lid: {f: x for f, x in part.items() if not is_sliced(f"{lid}.{f}", x.shape, last.n_tokens)}
+        for lid, part in cached[-1].items()
+    }
+    return by_leaf, snaps
+
+
 # -- the read path ---------------------------------------------------------------------
 
 
@@ -157,6 +203,7 @@ def read_path(
     lid_kind: dict[str, str],
     position: int,
     expect: dict[str, list] | None = None,
+    digests: dict[bytes, int] | None = None,
 ) -> tuple[int, dict[str, dict[str, list]], dict[str, Tensors]]:
     """Read a path of blocks into joined buffers, for a restore at `position`.
 
@@ -168,13 +215,19 @@ def read_path(
         position: Where the cache will be rebuilt (sizes the room to grow).
         expect: Field name -> ``[dtype, batch, heads, width]`` the model's layout
             holds; a block whose fields differ is treated as damaged.
+        digests: Segment id -> its whole-segment digest from the index: a segment
+            read whole is verified with one pass (else block by block).
 
     Returns:
         (number of blocks intact, runs by leaf then field as ``(start, end, array)``,
         the last block's snapshot tensors by leaf). Reading stops before the first
         missing or damaged block: then the runs are empty and only the count matters.
     """
+    if all(have is not None for have in cached) and join_on_device():
+        return len(nodes), *_join_on_device(nodes, cached, lid_kind, position)
     segments: dict[bytes, OpenSegment | None] = {}
+    unfit: dict[bytes, int] = {}  # segment -> first block whose fields do not fit
+    again = (nodes, cached, files, lid_kind, position, expect, digests)
     try:
         where: list[tuple[OpenSegment, int] | None] = []
         for node, have in zip(nodes, cached):
@@ -182,15 +235,16 @@ def read_path(
                 where.append(None)
                 continue
             if node.segment not in segments:
-                segments[node.segment] = files.open(node.segment)
+                segments[node.segment] = seg = files.open(node.segment)
+                unfit[node.segment] = _first_unfit(seg, expect) if seg is not None else 0
             seg = segments[node.segment]
             i = seg.block_index(node) if seg is not None else None
-            if i is None or not _fits(seg, i, expect):
-                return _intact_before(len(where), nodes, cached, files, lid_kind, position, expect), {}, {}
+            if i is None or i >= unfit[node.segment]:
+                return _intact_before(len(where), *again), {}, {}
             where.append((seg, i))
         runs, disagree = _plan(nodes, cached, where)
         if disagree is not None:  # a block's tensors do not continue the one before
-            return _intact_before(disagree, nodes, cached, files, lid_kind, position, expect), {}, {}
+            return _intact_before(disagree, *again), {}, {}
         last = len(nodes) - 1
         snaps_wanted = [] if where[last] is None else where[last][0].snaps_of(where[last][1])
         specs = []
@@ -206,11 +260,12 @@ def read_path(
             r.array = arrays[f"r{k}"]
             r.view = memoryview(r.array).cast("B")
             r.row_stride = r.array.shape[2] * r.dims[2] * dtype_info(r.dtype)[1]
-        if not _read_segments(nodes, where, runs):
-            return _intact_before(len(nodes), nodes, cached, files, lid_kind, position, expect, verify=True), {}, {}
-        bad = _first_bad(nodes, where, runs)
+        field_digests = _read_segments(nodes, where, runs)
+        if field_digests is None:
+            return _intact_before(len(nodes), *again, verify=True), {}, {}
+        bad = _first_bad(nodes, where, runs, _read_whole(where, field_digests, digests or {}))
         if bad is not None:
-            return _intact_before(bad, nodes, cached, files, lid_kind, position, expect), {}, {}
+            return _intact_before(bad, *again), {}, {}
         snaps: dict[str, Tensors] = {}
         if where[last] is None:
             for lid, part in cached[last].items():
@@ -235,28 +290,28 @@ def read_path(
                 seg.close()
 
 
-def _intact_before(j, nodes, cached, files, lid_kind, position, expect, *, verify: bool = False) -> int:
+def _intact_before(j, nodes, cached, files, lid_kind, position, expect, digests, *, verify: bool = False) -> int:
     """How many of the blocks before index `j` are intact (j itself is not, unless
     `verify`: then j is the whole path, which failed to read)."""
     if verify:
         j -= 1
     while j > 0:
-        intact = read_path(nodes[:j], cached[:j], files, lid_kind, nodes[j - 1].end, expect)[0]
+        intact = read_path(nodes[:j], cached[:j], files, lid_kind, nodes[j - 1].end, expect, digests)[0]
         if intact == j:
             return j
         j = intact
     return 0
 
 
-def _fits(seg: OpenSegment, i: int, expect: dict[str, list] | None) -> bool:
-    """Whether block `i`'s fields have the dtypes and shapes the model's layout holds."""
-    if expect is None:
-        return True
-    for f in seg.fields_of(i):
-        want = expect.get(f.name)
+def _first_unfit(seg: OpenSegment, expect: dict[str, list] | None) -> int:
+    """The first block of `seg` holding a field whose dtype or shape differs from what
+    the model's layout holds (past the last block if none)."""
+    first = len(seg.blocks)
+    for f in seg.fields.values():
+        want = (expect or {}).get(f.name)
         if want is not None and list(want) != [f.dtype, f.batch, f.heads, f.width]:
-            return False
-    return True
+            first = min(first, f.first)
+    return first
 
 
 def _plan(nodes, cached, where) -> tuple[list[_Run], int | None]:
@@ -267,26 +322,54 @@ def _plan(nodes, cached, where) -> tuple[list[_Run], int | None]:
         block before it, or None).
     """
     chains: dict[str, list[_Run]] = {}
-    for k, (node, have, at) in enumerate(zip(nodes, cached, where)):
-        if have is not None:
-            fields = []
-            for lid, part in have.items():
+
+    def extend(k: int, name: str, start: int, end: int, dims, dtype) -> bool:
+        chain = chains.setdefault(name, [])
+        if chain and chain[-1].end == start:
+            if (chain[-1].dims, chain[-1].dtype) != (dims, dtype):
+                return False
+            chain[-1].end = end
+        else:
+            chain.append(_Run(name, start, end, dims, dtype))
+        return True
+
+    for k, lo, hi in _groups(where):
+        if lo is None:  # a RAM-tier block
+            node = nodes[k]
+            for lid, part in cached[k].items():
                 for fld, x in part.items():
                     name = f"{lid}.{fld}"
                     if is_sliced(name, x.shape, node.n_tokens):
-                        fields.append((name, (x.shape[0], x.shape[1], x.shape[3]), dtype_info(x.dtype)[0]))
-        else:
-            seg, i = at
-            fields = [(f.name, (f.batch, f.heads, f.width), f.dtype) for f in seg.fields_of(i)]
-        for name, dims, dtype in fields:
-            chain = chains.setdefault(name, [])
-            if chain and chain[-1].end == node.position and (chain[-1].dims, chain[-1].dtype) == (dims, dtype):
-                chain[-1].end = node.end
-            elif chain and chain[-1].end == node.position:
-                return [], k
-            else:
-                chain.append(_Run(name, node.position, node.end, dims, dtype))
+                        dims = (x.shape[0], x.shape[1], x.shape[3])
+                        if not extend(k, name, node.position, node.end, dims, dtype_info(x.dtype)[0]):
+                            return [], k
+            continue
+        seg = where[k][0]
+        for f in seg.fields.values():
+            first = max(lo, f.first)
+            if first < hi:
+                start, end = seg.blocks[first][1], seg.blocks[hi - 1][1] + seg.blocks[hi - 1][2]
+                if not extend(k, f.name, start, end, (f.batch, f.heads, f.width), f.dtype):
+                    return [], k + first - lo
     return [r for chain in chains.values() for r in chain], None
+
+
+def _groups(where) -> list[tuple[int, int | None, int | None]]:
+    """The path as (index of its first node, first block, one past the last block) per
+    run of nodes from one segment, and (index, None, None) per RAM-tier node."""
+    out, k = [], 0
+    while k < len(where):
+        if where[k] is None:
+            out.append((k, None, None))
+            k += 1
+            continue
+        seg, lo = where[k]
+        j = k
+        while j + 1 < len(where) and where[j + 1] is not None and where[j + 1][0] is seg:
+            j += 1
+        out.append((k, lo, where[j][1] + 1))
+        k = j + 1
+    return out
 
 
 def _run_of(runs: list[_Run], name: str, start: int, end: int) -> _Run | None:
@@ -296,19 +379,19 @@ def _run_of(runs: list[_Run], name: str, start: int, end: int) -> _Run | None:
     return None
 
 
-def _read_segments(nodes, where, runs) -> bool:
-    """Read every (segment, field) the path needs into the runs, on the reader threads."""
+def _read_segments(nodes, where, runs) -> dict[bytes, dict[str, int]] | None:
+    """Read every (segment, field) the path needs into the runs, on the reader threads.
+
+    Returns:
+        For each segment read whole, the digests of its fields (computed by the thread
+        that read the field, while its bytes are fresh); None on a short read.
+    """
     jobs = []
-    i = 0
-    while i < len(nodes):
-        if where[i] is None:
-            i += 1
+    for k, lo, hi in _groups(where):
+        if lo is None:
             continue
-        seg, lo = where[i]
-        j = i
-        while j + 1 < len(nodes) and where[j + 1] is not None and where[j + 1][0] is seg:
-            j += 1
-        hi = where[j][1] + 1
+        seg = where[k][0]
+        whole = lo == 0 and hi == len(seg.blocks)
         for f in seg.fields.values():
             first = max(lo, f.first)
             if first >= hi:
@@ -317,23 +400,48 @@ def _read_segments(nodes, where, runs) -> bool:
             end = seg.blocks[hi - 1][1] + seg.blocks[hi - 1][2]
             r = _run_of(runs, f.name, start, end)
             if r is None:
-                return False
-            jobs.append((seg, f, first, hi, r, (start - r.start) * f.row_bytes))
-        i = j + 1
+                return None
+            jobs.append((seg, f, first, hi, r, (start - r.start) * f.row_bytes, whole))
     if len(jobs) > 1:
         done = list(_reader_pool().map(lambda job: _read_job(*job), jobs))
     else:
         done = [_read_job(*job) for job in jobs]
-    return all(done)
+    if not all(ok for ok, _ in done):
+        return None
+    digests: dict[bytes, dict[str, int]] = {}
+    for job, (_, digest) in zip(jobs, done):
+        if digest is not None:
+            digests.setdefault(job[0].segment, {})[job[1].name] = digest
+    return digests
 
 
-def _read_job(seg: OpenSegment, f, lo: int, hi: int, r: _Run, offset: int) -> bool:
-    return seg.read_rows(f, lo, hi, [r.view], [offset], r.row_stride)
+def _read_job(seg: OpenSegment, f, lo: int, hi: int, r: _Run, offset: int, whole: bool) -> tuple[bool, int | None]:
+    if not seg.read_rows(f, lo, hi, [r.view], [offset], r.row_stride):
+        return False, None
+    if not whole:
+        return True, None
+    n = f.tokens * f.row_bytes
+    return True, seg.field_digest(f, lambda f, row: r.view[offset + row * r.row_stride : offset + row * r.row_stride + n])
 
 
-def _first_bad(nodes, where, runs) -> int | None:
-    """Index of the first block read from disk whose checksum does not hold."""
-    todo = [k for k, at in enumerate(where) if at is not None]
+def _read_whole(where, field_digests: dict[bytes, dict[str, int]], digests: dict[bytes, int]) -> set[int]:
+    """Indexes of the nodes whose whole segment was read and matches the index's digest
+    (one check per segment instead of one per block)."""
+    verified = set()
+    for k, lo, hi in _groups(where):
+        seg = where[k][0] if lo is not None else None
+        if seg is None or seg.segment not in field_digests or seg.segment not in digests:
+            continue
+        got = field_digests[seg.segment]
+        if len(got) == len(seg.fields) and seg.whole_digest(got) == digests[seg.segment]:
+            verified.update(range(k, k + hi - lo))
+    return verified
+
+
+def _first_bad(nodes, where, runs, verified: set[int]) -> int | None:
+    """Index of the first block read from disk whose checksum does not hold (blocks in
+    `verified` are known to be intact)."""
+    todo = [k for k, at in enumerate(where) if at is not None and k not in verified]
 
     def check(k: int) -> bool:
         seg, i = where[k]

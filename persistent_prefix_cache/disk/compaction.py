@@ -67,14 +67,14 @@ def compact(index: Index, files: SegmentFiles, segment: bytes) -> bool:
     moved = False
     for run in filter(None, runs):
         try:
-            new, size = files.write(run)
+            new, size, digest = files.write(run)
         except (OSError, ValueError) as exc:
             log.warning("could not compact segment %s: %s", segment.hex(), exc)
             return moved
         by_key = {n.key: n for n in live}
 
         def commit(w: Writer):
-            w.add_segment(new, size)
+            w.add_segment(new, size, digest)
             # The copy's checksum is computed anew from the same bytes: equal, or the
             # block is left where it is.
             count = sum(

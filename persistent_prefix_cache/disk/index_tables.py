@@ -15,6 +15,8 @@ Tables (prefix byte, key -> value):
 - fingerprints ``\\x06``: weight files' signature -> model fingerprint
 - hits ``\\x07``: block key -> u64 LE count of fetches that restored the block
 - segments ``\\x08``: segment id -> live blocks, live bytes, file bytes (3 x u64 LE)
+- digests ``\\x09``: segment id -> u64 LE xxh3 of its sliced fields' bytes and its
+  snapshots' digests (verifies a read of the whole segment at once)
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any, Iterable, Iterator
 
 from .node import Node
 
-META, MODELS, NODES, CHILDREN, LRU, FINGERPRINTS, HITS, SEGMENTS = (bytes([i]) for i in range(1, 9))
+META, MODELS, NODES, CHILDREN, LRU, FINGERPRINTS, HITS, SEGMENTS, DIGESTS = (bytes([i]) for i in range(1, 10))
 COUNTERS = ("hits", "misses", "tokens_saved", "corrupt")
 _SEG = struct.Struct("<QQQ")
 
@@ -156,6 +158,11 @@ class Reader:
         raw = self.txn.get(SEGMENTS + segment)
         return _SEG.unpack(raw) if raw else None
 
+    def segment_digest(self, segment: bytes) -> int | None:
+        """The digest of a whole segment (see `segment.SegmentFiles.write`)."""
+        raw = self.txn.get(DIGESTS + segment)
+        return int.from_bytes(raw, "little") if raw else None
+
     def segments(self) -> dict[bytes, tuple[int, int, int]]:
         """Every referenced segment: id -> (live blocks, live bytes, file bytes)."""
         return {k: _SEG.unpack(v) for k, v in self._scan(SEGMENTS)}
@@ -199,10 +206,11 @@ class Writer(Reader):
         """Remember a model fingerprint under its weight files' signature."""
         self.txn.put(FINGERPRINTS + signature, fingerprint.encode())
 
-    def add_segment(self, segment: bytes, file_bytes: int) -> None:
+    def add_segment(self, segment: bytes, file_bytes: int, digest: int) -> None:
         """Reference a newly written segment file (its blocks are inserted after)."""
         if self.segment(segment) is None:
             self.txn.put(SEGMENTS + segment, _SEG.pack(0, 0, file_bytes))
+            self.txn.put(DIGESTS + segment, u64(digest))
             self._add_meta(b"file_bytes", file_bytes)
 
     def _segment_add(self, segment: bytes, blocks: int, nbytes: int) -> None:
@@ -220,6 +228,7 @@ class Writer(Reader):
         current = self.segment(segment)
         if current is not None:
             self.txn.delete(SEGMENTS + segment)
+            self.txn.delete(DIGESTS + segment)
             self._add_meta(b"file_bytes", -current[2])
             self.freed.append(segment)
 
@@ -392,6 +401,7 @@ class Writer(Reader):
                 self.txn.put(SEGMENTS + seg, _SEG.pack(live[seg][0], live[seg][1], size))
                 file_bytes += size
             else:
+                self.txn.delete(DIGESTS + seg)
                 self.freed.append(seg)
         self.put_meta(b"bytes", u64(sum(n.size for n in alive.values())))
         self.put_meta(b"blocks", u64(len(alive)))

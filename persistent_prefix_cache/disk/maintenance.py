@@ -387,7 +387,7 @@ class StoreAdmin:
                 present = {n.key for n in nodes if reader.get(n.key) is not None}
                 known = set(reader.segments())
             todo = [n for n in nodes if n.key not in present]
-            written: dict[bytes, int] = {}  # segment -> file size, for segments this import wrote
+            written: dict[bytes, tuple[int, int]] = {}  # segment -> (file size, digest) written here
             try:
                 if manifest["format"] == LEGACY_EXPORT_FORMAT:
                     self._import_legacy(tar, in_path, todo, written)
@@ -403,8 +403,8 @@ class StoreAdmin:
             def commit(w: Writer):
                 for root_hex, desc in manifest["models"].items():
                     w.register_model(bytes.fromhex(root_hex), json.dumps(desc).encode())
-                for seg, size in written.items():
-                    w.add_segment(seg, size)
+                for seg, (size, digest) in written.items():
+                    w.add_segment(seg, size, digest)
                 inserted = sum(w.insert(n) for n in todo)
                 for seg in written:
                     held = w.segment(seg)
@@ -429,7 +429,10 @@ class StoreAdmin:
             final = self.files.path_of(seg)
             os.makedirs(os.path.dirname(final), exist_ok=True)
             os.replace(tmp, final)
-            written[seg] = len(data)
+            digest = self.files.digest_of(seg)
+            written[seg] = (len(data), digest)
+            if digest is None:
+                raise InvalidArgumentError(f"{in_path}: segment {seg.hex()} is damaged")
         for n in todo:
             if self.files.verify(n) is not None:
                 raise InvalidArgumentError(f"{in_path}: block {n.key.hex()} is damaged")
@@ -442,8 +445,8 @@ class StoreAdmin:
                 tensors = legacy.decode_block(data, n)
             except ValueError:
                 raise InvalidArgumentError(f"{in_path}: block {n.key.hex()} is damaged") from None
-            seg, size = self.files.write([(n, tensors)])
-            written[seg] = size
+            seg, size, digest = self.files.write([(n, tensors)])
+            written[seg] = (size, digest)
 
 
 def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:

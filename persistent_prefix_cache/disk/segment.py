@@ -29,24 +29,21 @@ from __future__ import annotations
 
 import ctypes
 import json
-import math
 import os
 import sys
 import threading
 import time
 from typing import Any, Callable, Sequence
 
-import numpy as np
 import xxhash
 
-from .codec import MAX_HEADER, dtype_info
+from .codec import dtype_info
 from .faults import pause_point
 from .node import Node
+from .segment_reader import IOV_MAX, SEGMENT_FORMAT, OpenSegment
 
-SEGMENT_FORMAT = "ppc-segment/3"
 # Fields stored sliced along the sequence (what `layers.adapters` names them).
 SLICE_FIELDS = frozenset({"k", "v", "k0", "k1", "k2", "v0", "v1", "v2"})
-IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
 
 
 def _load_sync_file_range():
@@ -129,7 +126,7 @@ class SegmentFiles:
 
     # -- writing --------------------------------------------------------------------
 
-    def write(self, blocks: Sequence[tuple[Node, dict[str, dict[str, Any]]]]) -> tuple[bytes, int]:
+    def write(self, blocks: Sequence[tuple[Node, dict[str, dict[str, Any]]]]) -> tuple[bytes, int, int]:
         """Write consecutive blocks into a new segment, durably.
 
         Sets each node's ``segment``, ``size`` and ``checksum``. The caller commits
@@ -141,7 +138,8 @@ class SegmentFiles:
                 ``(numpy array of the bits, dtype name)`` (as `block_tensors` gives).
 
         Returns:
-            (segment id, file size).
+            (segment id, file size, digest of the whole segment: xxh3-64 over the
+            xxh3-64 of each sliced field's data, then its snapshots' digests).
 
         Raises:
             OSError: On any failure (disk full, permissions); the temporary file is
@@ -149,7 +147,7 @@ class SegmentFiles:
             ValueError: If the blocks are not consecutive or their tensors disagree.
         """
         segment = os.urandom(16)
-        header, chunks = _layout(segment, blocks)
+        header, chunks, digest = _layout(segment, blocks)
         tmp = os.path.join(self.tmp, f"{segment.hex()}.{os.getpid()}.{threading.get_ident()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -174,11 +172,11 @@ class SegmentFiles:
         except BaseException:
             self._remove(tmp)
             raise
-        return segment, size
+        return segment, size, digest
 
     # -- reading --------------------------------------------------------------------
 
-    def open(self, segment: bytes) -> "OpenSegment | None":
+    def open(self, segment: bytes) -> OpenSegment | None:
         """Open a segment and check its header; None if missing or damaged.
 
         The caller closes the handle (`OpenSegment.close`).
@@ -205,6 +203,29 @@ class SegmentFiles:
             if seg.block_index(node) is None:
                 return "file belongs to another block"
             return None if seg.block_tensors(node) is not None else "file size or checksum mismatch"
+        finally:
+            seg.close()
+
+    def digest_of(self, segment: bytes) -> int | None:
+        """The whole-segment digest of a segment file as it is (None if it does not
+        open); every field is read."""
+        seg = self.open(segment)
+        if seg is None:
+            return None
+        try:
+            rows = {}
+            for f in seg.fields.values():
+                buf = memoryview(bytearray(f.nbytes))
+                step = f.tokens * f.row_bytes
+                if not seg.read_rows(f, f.first, len(seg.blocks), [buf], [0], step):
+                    return None
+                rows[f.name] = (buf, step)
+            return seg.whole_digest(
+                {
+                    f.name: seg.field_digest(f, lambda f, r: rows[f.name][0][r * rows[f.name][1] : (r + 1) * rows[f.name][1]])
+                    for f in seg.fields.values()
+                }
+            )
         finally:
             seg.close()
 
@@ -304,8 +325,9 @@ def _writev_all(fd: int, chunks: list[memoryview]) -> int:
     return size
 
 
-def _layout(segment: bytes, blocks: Sequence[tuple[Node, dict]]) -> tuple[bytes, list[memoryview]]:
-    """The header and the data chunks of a segment; sets each node's size and checksum."""
+def _layout(segment: bytes, blocks: Sequence[tuple[Node, dict]]) -> tuple[bytes, list[memoryview], int]:
+    """The header, the data chunks and the digest of a segment; sets each node's size
+    and checksum."""
     if not blocks:
         raise ValueError("a segment needs at least one block")
     for (a, _), (b, _) in zip(blocks, blocks[1:]):
@@ -330,6 +352,7 @@ def _layout(segment: bytes, blocks: Sequence[tuple[Node, dict]]) -> tuple[bytes,
         if any(name not in t for t in flat[first:]):
             raise ValueError(f"{name}: a block after the first holding it lacks it")
     chunks: list[memoryview] = []
+    whole = xxhash.xxh3_64()
     fields, at = [], 0
     for name in sorted(sliced):
         dtype, batch, heads, width, first = sliced[name]
@@ -340,6 +363,10 @@ def _layout(segment: bytes, blocks: Sequence[tuple[Node, dict]]) -> tuple[bytes,
         for r in range(rows):
             chunks.extend(p[r * n : (r + 1) * n] for p, n in zip(pieces, lens))
         at += sum(len(p) for p in pieces)
+        h = xxhash.xxh3_64()
+        for chunk in chunks[len(chunks) - rows * len(pieces) :]:
+            h.update(chunk)
+        whole.update(h.intdigest().to_bytes(8, "little"))
     snaps = []
     for i, tensors in enumerate(flat):
         for name in sorted(tensors):
@@ -348,6 +375,7 @@ def _layout(segment: bytes, blocks: Sequence[tuple[Node, dict]]) -> tuple[bytes,
             view = _bytes(tensors[name])
             digest = xxhash.xxh3_64_intdigest(view)
             snaps.append([i, name, _dtype(tensors[name]), list(_shape(tensors[name])), at, f"{digest:016x}"])
+            whole.update(digest.to_bytes(8, "little"))
             chunks.append(view)
             at += len(view)
     for i, ((node, _), tensors) in enumerate(zip(blocks, flat)):
@@ -372,186 +400,4 @@ def _layout(segment: bytes, blocks: Sequence[tuple[Node, dict]]) -> tuple[bytes,
     }
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    return len(text).to_bytes(8, "little") + text, chunks
-
-
-class Field:
-    """A sliced field of a segment: where each row (batch x head) of its tokens lies."""
-
-    __slots__ = ("name", "dtype", "itemsize", "batch", "heads", "rows", "width", "first", "at", "start", "tokens", "row_bytes")
-
-    def __init__(self, name, dtype, itemsize, batch, heads, width, first, at, start, tokens):
-        self.name, self.dtype, self.itemsize = name, dtype, itemsize
-        self.batch, self.heads, self.rows = batch, heads, batch * heads
-        self.width, self.first, self.at = width, first, at
-        self.start, self.tokens = start, tokens  # first position held, tokens per row
-        self.row_bytes = width * itemsize  # bytes of one token in one row
-
-    @property
-    def nbytes(self) -> int:
-        return self.rows * self.tokens * self.row_bytes
-
-
-class Snap:
-    """A snapshot of one block: a whole tensor and the digest of its bytes."""
-
-    __slots__ = ("block", "name", "dtype", "shape", "at", "digest", "nbytes")
-
-    def __init__(self, block, name, dtype, shape, at, digest, nbytes):
-        self.block, self.name, self.dtype, self.shape = block, name, dtype, tuple(shape)
-        self.at, self.digest, self.nbytes = at, digest, nbytes
-
-
-class OpenSegment:
-    """An open segment file whose header was parsed and checked against its size.
-
-    Raises:
-        ValueError: If the header is damaged or does not describe the file.
-    """
-
-    def __init__(self, fd: int, segment: bytes):
-        self.fd = fd
-        size = os.fstat(fd).st_size
-        head = os.pread(fd, min(size, 65536), 0)
-        n = int.from_bytes(head[:8], "little") if len(head) >= 8 else -1
-        if n < 0 or n > MAX_HEADER or 8 + n > size:
-            raise ValueError("bad header length")
-        if 8 + n > len(head):
-            head = os.pread(fd, 8 + n, 0)
-        try:
-            h = json.loads(head[8 : 8 + n])
-            if h["format"] != SEGMENT_FORMAT or h["segment"] != segment.hex():
-                raise ValueError("another format or segment")
-            self.blocks = [(bytes.fromhex(k), int(p), int(t)) for k, p, t in h["blocks"]]
-            self.body = 8 + n
-            self.fields: dict[str, Field] = {}
-            for name, dtype, batch, heads, width, first, at in h["fields"]:
-                first = int(first)
-                start = self.blocks[first][1]
-                tokens = sum(t for _, _, t in self.blocks[first:])
-                self.fields[name] = Field(
-                    name, dtype, dtype_info(dtype)[1], int(batch), int(heads), int(width), first, int(at), start, tokens
-                )
-            self.snaps = [
-                Snap(int(i), name, dtype, shape, int(at), int(d, 16), math.prod(shape) * dtype_info(dtype)[1])
-                for i, name, dtype, shape, at, d in h["snaps"]
-            ]
-        except (KeyError, TypeError, IndexError, AttributeError, ValueError, RecursionError) as exc:
-            raise ValueError(f"damaged header: {type(exc).__name__}") from None
-        ends = sorted([(f.at, f.at + f.nbytes) for f in self.fields.values()] + [(s.at, s.at + s.nbytes) for s in self.snaps])
-        cursor = 0
-        for a, b in ends:
-            if a != cursor or b < a:
-                raise ValueError("gap or overlap in the data")
-            cursor = b
-        if self.body + cursor != size:
-            raise ValueError("data does not end where the file does")
-        for (_, p, t), (_, q, _) in zip(self.blocks, self.blocks[1:]):
-            if q != p + t:
-                raise ValueError("blocks are not consecutive")
-        self._by_key = {k: i for i, (k, _, _) in enumerate(self.blocks)}
-
-    def close(self) -> None:
-        """Close the file."""
-        os.close(self.fd)
-
-    def block_index(self, node: Node) -> int | None:
-        """Where `node` is among the segment's blocks (None if it is not there)."""
-        i = self._by_key.get(node.key)
-        if i is None or self.blocks[i][1:] != (node.position, node.n_tokens):
-            return None
-        return i
-
-    def tokens_of(self, i: int) -> int:
-        """Tokens of block `i`."""
-        return self.blocks[i][2]
-
-    def fields_of(self, i: int) -> list[Field]:
-        """The sliced fields block `i` has a piece of, in header order."""
-        return [f for f in self.fields.values() if f.first <= i]
-
-    def snaps_of(self, i: int) -> list[Snap]:
-        """The snapshots of block `i`, in header order."""
-        return [s for s in self.snaps if s.block == i]
-
-    def read_rows(self, f: Field, lo: int, hi: int, dests: list[memoryview], offsets: list[int], stride: int) -> bool:
-        """Read blocks ``[lo, hi)`` of field `f` into row buffers.
-
-        Row ``r`` goes to ``dests[r % len(dests)]`` at ``offsets[...] + r * stride``
-        if one destination is given for all rows (``len(dests) == 1``), else to its own.
-
-        Returns:
-            False on a short read (the file shrank under us).
-        """
-        p0 = self.blocks[lo][1] - f.start
-        p1 = self.blocks[hi - 1][1] + self.blocks[hi - 1][2] - f.start
-        n = (p1 - p0) * f.row_bytes
-        whole = p0 == 0 and p1 == f.tokens  # the rows lie back to back in the file
-        vectors = []
-        for r in range(f.rows):
-            dest, base = (dests[0], offsets[0] + r * stride) if len(dests) == 1 else (dests[r], offsets[r])
-            vectors.append(dest[base : base + n])
-        try:
-            if whole:
-                for j in range(0, len(vectors), IOV_MAX):
-                    group = vectors[j : j + IOV_MAX]
-                    at = self.body + f.at + j * f.tokens * f.row_bytes
-                    if os.preadv(self.fd, group, at) != n * len(group):
-                        return False
-            else:
-                for r, v in enumerate(vectors):
-                    at = self.body + f.at + (r * f.tokens + p0) * f.row_bytes
-                    if os.preadv(self.fd, [v], at) != n:
-                        return False
-        except OSError:
-            return False
-        return True
-
-    def block_digest(self, i: int, piece: Callable[[Field, int], memoryview]) -> int:
-        """The checksum of block `i`, given its piece of each field's row (already read)."""
-        h = xxhash.xxh3_64()
-        for f in self.fields_of(i):
-            for r in range(f.rows):
-                h.update(piece(f, r))
-        for s in self.snaps_of(i):
-            h.update(s.digest.to_bytes(8, "little"))
-        return h.intdigest()
-
-    def read_snap(self, s: Snap, dest: memoryview) -> memoryview | None:
-        """Read a snapshot into `dest` and check its digest; None if damaged."""
-        try:
-            if os.preadv(self.fd, [dest], self.body + s.at) != s.nbytes:
-                return None
-        except OSError:
-            return None
-        return dest if xxhash.xxh3_64_intdigest(dest) == s.digest else None
-
-    def block_tensors(self, node: Node) -> dict[str, dict[str, tuple[np.ndarray, str]]] | None:
-        """A block's tensors (by leaf, then field) as ``(numpy array of the bits, dtype
-        name)``, verified against the node's checksum; None if missing or damaged."""
-        i = self.block_index(node)
-        if i is None:
-            return None
-        n = self.tokens_of(i)
-        out: dict[str, dict[str, tuple[np.ndarray, str]]] = {}
-        pieces = {}
-        for f in self.fields_of(i):
-            buf = np.empty(f.rows * n * f.row_bytes, dtype=np.uint8)
-            if not self.read_rows(f, i, i + 1, [memoryview(buf)], [0], n * f.row_bytes):
-                return None
-            pieces[f.name] = buf
-            lid, _, fld = f.name.rpartition(".")
-            bits = buf.view(np.dtype(f"<u{f.itemsize}")).reshape(f.batch, f.heads, n, f.width)
-            out.setdefault(lid, {})[fld] = (bits, f.dtype)
-        step = {name: len(b) // self.fields[name].rows for name, b in pieces.items()}
-        digest = self.block_digest(i, lambda f, r: memoryview(pieces[f.name])[r * step[f.name] : (r + 1) * step[f.name]])
-        if digest != node.checksum:
-            return None
-        for s in self.snaps_of(i):
-            buf = np.empty(s.nbytes, dtype=np.uint8)
-            if self.read_snap(s, memoryview(buf)) is None:
-                return None
-            lid, _, fld = s.name.rpartition(".")
-            itemsize = dtype_info(s.dtype)[1]
-            out.setdefault(lid, {})[fld] = (buf.view(np.dtype(f"<u{itemsize}")).reshape(s.shape), s.dtype)
-        return out
+    return len(text).to_bytes(8, "little") + text, chunks, whole.intdigest()

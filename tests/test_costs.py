@@ -1,0 +1,104 @@
+"""The cost model (restore only what is faster than computing it) and the RAM tier's
+join with MLX operations (what a GPU uses). Rates are set by the tests: timings of
+this machine must never decide what a test sees."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import BLOCK, assert_same_logits, cold_logits, prefill, random_tokens, warm_logits
+
+from persistent_prefix_cache import PersistentPrefixCache
+from persistent_prefix_cache.costs import Costs
+from persistent_prefix_cache.keys import as_token_array
+
+
+def _store(path, model, tokens, **options):
+    store = PersistentPrefixCache(path, model, block_size=BLOCK, **options)
+    store.store(tokens, prefill(model, tokens)[1])
+    store.flush()
+    return store
+
+
+def test_choice_saves_the_most_time():
+    costs = Costs()
+    ends, sizes = [16, 32, 48, 60], [1000] * 4
+    ram = [True, True, False, False]
+    cuts = [0, 1, 2, 3]
+    assert costs.choose(ends, sizes, ram, cuts).tokens == 60  # nothing known: restore
+    costs.observe_prefill(1000, 1.0)  # 1,000 tokens/s
+    assert costs.choose(ends, sizes, ram, cuts).tokens == 60  # no tier timed yet
+    costs.restore_bytes_per_s = {"ram": 1e9, "disk": 1e3}  # disk: 1 s per block
+    choice = costs.choose(ends, sizes, ram, cuts)
+    assert (choice.blocks, choice.tokens) == (2, 32)  # the RAM part only
+    costs.restore_bytes_per_s["disk"] = 1e9
+    assert costs.choose(ends, sizes, ram, cuts).tokens == 60
+    costs.observe_prefill(10**9, 1.0)  # prefill far faster than any restore
+    costs.prefill_tokens_per_s = 1e9
+    costs.restore_bytes_per_s = {"ram": 1.0, "disk": 1.0}
+    assert costs.choose(ends, sizes, ram, cuts).blocks == 0
+    # Only resumable points are candidates.
+    costs.prefill_tokens_per_s, costs.restore_bytes_per_s = 1000.0, {"ram": 1e9, "disk": 1e3}
+    assert costs.choose(ends, sizes, ram, [3]).tokens in (0, 60)
+    assert not Costs(enabled=False).choose(ends, sizes, ram, cuts).saved_seconds
+
+
+def test_a_store_skips_what_is_slower_and_counts_it(store_dir, model):
+    tokens = random_tokens(3 * BLOCK + 5, seed=900)
+    with _store(store_dir, model, tokens) as store:
+        # Blocks stored by this handle are in its RAM tier; say RAM is slow, prefill fast.
+        store.costs.prefill_tokens_per_s = 1e12
+        store.costs.restore_bytes_per_s = {"ram": 1.0, "disk": 1.0}
+        cache, remaining = store.fetch(tokens)
+        assert cache is None and remaining == tokens
+        stats = store.stats()
+        assert stats["skipped_slower"] == 1 and stats["tokens_skipped"] == len(tokens) - 1
+        assert stats["hits"] == 0
+    with PersistentPrefixCache(store_dir, model, cost_model=False) as store:
+        store.costs.prefill_tokens_per_s = 1e12
+        store.costs.restore_bytes_per_s = {"ram": 1.0, "disk": 1.0}
+        cache, remaining = store.fetch(tokens)
+        assert len(tokens) - len(remaining) == len(tokens) - 1  # switched off: restores
+
+
+def test_only_the_fast_tier_is_restored_and_continues_exactly(store_dir, model):
+    tokens = random_tokens(3 * BLOCK + 5, seed=901)
+    with _store(store_dir, model, tokens) as store:
+        later = [n for n in store.trie.longest(as_token_array(tokens + [1]))[0] if n.position >= BLOCK]
+        for node in later:
+            store.memory.discard(node.key)  # only the first block stays in RAM
+        store.costs.prefill_tokens_per_s = 100.0
+        store.costs.restore_bytes_per_s = {"ram": 1e12, "disk": 1.0}
+        query = tokens + [1, 2]
+        cache, remaining = store.fetch(query)
+        assert len(query) - len(remaining) == BLOCK
+        assert_same_logits(warm_logits(model, cache, remaining), cold_logits(model, query))
+        assert store.stats()["tokens_skipped"] == len(tokens) - BLOCK
+
+
+def test_prefill_and_calibrate_teach_the_prefill_rate(store_dir, model):
+    from persistent_prefix_cache.prefill import prefill as block_prefill
+
+    tokens = random_tokens(2 * BLOCK + 3, seed=902)
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        assert store.stats()["prefill_tokens_per_s"] is None
+        block_prefill(model, tokens, store)
+        assert store.stats()["prefill_tokens_per_s"] > 0
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        assert store.calibrate(model, tokens=32) > 0 and store.stats()["prefill_tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("join", ["mlx", "numpy"])
+def test_ram_tier_join_on_the_device_restores_exactly(store_dir, model, monkeypatch, join):
+    # What a GPU does (mx.concatenate of the RAM tier's blocks, with room to grow),
+    # forced here on the CPU; and the host copy, for comparison.
+    monkeypatch.setenv("PPC_RAM_JOIN", join)
+    tokens = random_tokens(4 * BLOCK + 7, seed=903)
+    with _store(store_dir, model, tokens) as store:
+        query = tokens + [3]
+        cache, remaining = store.fetch(query)
+        assert len(query) - len(remaining) == len(tokens)
+        assert cache[0].keys.shape[2] >= len(tokens) + 1  # room: the next step writes in place
+        assert_same_logits(warm_logits(model, cache, remaining), cold_logits(model, query))
+        # The RAM tier's arrays are not the cache's: a second fetch is unaffected.
+        cache2, remaining2 = store.fetch(query)
+        assert_same_logits(warm_logits(model, cache2, remaining2), cold_logits(model, query))

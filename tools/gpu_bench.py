@@ -1,0 +1,163 @@
+#!/usr/bin/env python3
+"""The GPU case of the benchmark (``tools/bench.py --gpu``): an 8B-shaped llama.
+
+On the default device (a GPU where MLX has one), with random weights in bfloat16
+(speed does not depend on them), for each prompt length: a cold prefill (the cost a
+restore must beat); mlx-lm's ``load_prompt_cache`` + one forward; our restore from
+the RAM tier and from disk (page cache warm) + one forward, with the cost model off;
+and what the cost model decides after ``calibrate`` and one timed fetch per tier.
+Every figure is the median of ``--repeat`` runs after a warm-up; ratios are against
+the cold prefill of the same run.
+
+    python tools/gpu_bench.py --tokens 1024,8192,16384 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+try:
+    from persistent_prefix_cache import PersistentPrefixCache
+except ImportError:  # run from a checkout without installing
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from persistent_prefix_cache import PersistentPrefixCache
+
+from mlx_lm.models import llama
+from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
+
+SHAPE_8B = dict(
+    model_type="llama", hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
+    num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, vocab_size=128256,
+    rope_theta=500000.0, tie_word_embeddings=False,
+)  # fmt: skip
+SMALL = dict(SHAPE_8B, hidden_size=256, num_hidden_layers=4, intermediate_size=512,
+             num_attention_heads=4, num_key_value_heads=2, vocab_size=1024)  # fmt: skip
+
+
+def build(shape: dict) -> llama.Model:
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs(**shape))
+    model.set_dtype(mx.bfloat16)
+    mx.eval(model.parameters())
+    return model
+
+
+def timed(fn, repeat: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeat):
+        mx.synchronize()
+        started = time.perf_counter()
+        fn()
+        mx.synchronize()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def forward(model, cache, tokens) -> mx.array:
+    out = model(mx.array(tokens)[None], cache=cache)[:, -1]
+    mx.eval(out)
+    return out
+
+
+def case(model, n: int, repeat: int, work: Path) -> dict:
+    vocab = model.args.vocab_size
+    tokens = [(7 * i + 3) % vocab for i in range(n)]
+    query = tokens + [5]
+    out: dict = {"tokens": n}
+
+    def cold():
+        forward(model, make_prompt_cache(model), query)
+
+    out["cold_prefill_s"] = timed(cold, repeat)
+    cache = make_prompt_cache(model)
+    forward(model, cache, tokens)
+    kv_bytes = sum(c.keys[..., : c.offset, :].nbytes + c.values[..., : c.offset, :].nbytes for c in cache)
+    out["kv_bytes"] = kv_bytes
+    mlx_file = str(work / f"mlx-{n}.safetensors")
+    save_prompt_cache(mlx_file, cache)
+
+    def mlx_load():
+        forward(model, load_prompt_cache(mlx_file), query[-1:])
+
+    out["mlx_lm_load_forward_s"] = timed(mlx_load, repeat)
+    options = dict(fingerprint="gpu-bench", cost_model=False)
+    ram = PersistentPrefixCache(work / f"ram-{n}", model, memory_bytes=4 * kv_bytes, sync_writes=True, **options)
+    ram.store(tokens, cache)  # new blocks join the RAM tier of the handle that stores them
+    with PersistentPrefixCache(work / f"disk-{n}", model, sync_writes=True, **options) as s:
+        s.store(tokens, cache)
+    disk = PersistentPrefixCache(work / f"disk-{n}", model, memory_bytes=0, **options)
+
+    def restore(store):
+        def run():
+            restored, rest = store.fetch(query)
+            assert restored is not None and len(rest) == 1
+            forward(model, restored, rest)
+
+        return run
+
+    out["ours_ram_forward_s"] = timed(restore(ram), repeat)
+    out["ours_disk_forward_s"] = timed(restore(disk), repeat)
+    # The cost model, as a caller would use it: calibrate once, fetch (timed by the store).
+    for tier, handle in (("ram", ram), ("disk", disk)):
+        handle.costs.enabled = True
+        handle.calibrate(model, tokens=min(n, 2048))
+        handle.fetch(query)  # learns (or confirms) this tier's rate
+        before = handle.stats()
+        restored, rest = handle.fetch(query)
+        after = handle.stats()
+        out[f"cost_model_{tier}_restored_tokens"] = len(query) - len(rest) if restored is not None else 0
+        out[f"cost_model_{tier}_skipped"] = after["skipped_slower"] - before["skipped_slower"]
+        out[f"cost_model_{tier}_rates"] = {
+            "prefill_tokens_per_s": after["prefill_tokens_per_s"],
+            "restore_bytes_per_s": after[f"restore_bytes_per_s_{tier}"],
+        }
+    ram.close()
+    disk.close()
+    for key in ("mlx_lm_load_forward_s", "ours_ram_forward_s", "ours_disk_forward_s"):
+        out[key[:-2] + "_vs_cold"] = out[key] / out["cold_prefill_s"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", default="1024,8192,16384", help="comma-separated prompt lengths")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--small", action="store_true", help="a tiny model (to check the script on a CPU)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--dir", default=None, help="scratch folder")
+    args = p.parse_args(argv)
+    model = build(SMALL if args.small else SHAPE_8B)
+    work = Path(tempfile.mkdtemp(dir=args.dir))
+    results = {
+        "device": str(mx.default_device()),
+        "mlx": mx.__version__,
+        "cases": [case(model, int(n), args.repeat, work) for n in args.tokens.split(",")],
+    }
+    print(f"persistent_prefix_cache GPU case: mlx {results['mlx']} on {results['device']}", file=sys.stderr)
+    print(f"{'tokens':>7} {'cold s':>8} {'mlx-lm':>8} {'ours RAM':>9} {'ours disk':>9}   (restore + 1 forward, s; x cold)   cost model (RAM / disk)", file=sys.stderr)
+    for c in results["cases"]:
+        print(
+            f"{c['tokens']:>7} {c['cold_prefill_s']:>8.3f} {c['mlx_lm_load_forward_s']:>8.3f} "
+            f"{c['ours_ram_forward_s']:>9.3f} {c['ours_disk_forward_s']:>9.3f}   "
+            f"x{c['mlx_lm_load_forward_vs_cold']:.2f} x{c['ours_ram_forward_vs_cold']:.2f} x{c['ours_disk_forward_vs_cold']:.2f}   "
+            f"restored {c['cost_model_ram_restored_tokens']} / {c['cost_model_disk_restored_tokens']} tokens",
+            file=sys.stderr,
+        )
+    if args.json:
+        print(json.dumps(results, indent=1))
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
