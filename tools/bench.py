@@ -30,6 +30,7 @@ Examples::
     python tools/bench.py                  # the default run (several minutes)
     python tools/bench.py --llama8b        # add a Llama-8B-shaped case (512 MiB of KV)
     python tools/bench.py --smoke --json   # a tiny run (what CI runs), JSON on stdout
+    python tools/bench.py --gpu --json     # the 8B-shaped case on the GPU (tools/gpu_bench.py)
 """
 
 from __future__ import annotations
@@ -944,6 +945,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--gpu" in argv:  # the 8B-shaped case on the default device: tools/gpu_bench.py
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import gpu_bench
+
+        return gpu_bench.main([a for a in argv if a != "--gpu"])
     args = parse_args(argv)
     started = time.perf_counter()
     workdir = Path(tempfile.mkdtemp(prefix="ppc-bench-", dir=args.dir))
