@@ -5,7 +5,6 @@ data/make_legacy_stores.py); every restore is compared bit for bit with a cold p
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -15,20 +14,10 @@ import sys
 import pytest
 from helpers import assert_same_logits, assert_tree_consistent, cold_logits, ppc_check, warm_logits
 from store_worker import Worker, wait_for_pause
+from test_reliability import _snapshot
 
 from persistent_prefix_cache import PersistentPrefixCache, StoreVersionError
 from persistent_prefix_cache.disk.index import SCHEMA_VERSION, Index
-
-
-def _snapshot(root) -> dict:
-    """Hash of every file but LMDB's lock file (its reader table changes on open)."""
-    out = {}
-    for folder, _, names in os.walk(root):
-        for name in names:
-            if name != "lock.mdb":
-                with open(os.path.join(folder, name), "rb") as f:
-                    out[os.path.relpath(os.path.join(folder, name), root)] = hashlib.sha256(f.read()).hexdigest()
-    return out
 
 
 def _version(store_dir) -> int:
