@@ -103,6 +103,9 @@ class _Unwritten:
         return bytes(buf)
 
 
+_UNWRITTEN_WORKS = True  # cleared if this MLX cannot load from a file object
+
+
 def _on_gpu() -> bool:
     return mx.default_device() == mx.gpu
 
@@ -115,9 +118,10 @@ def allocate(specs: list[tuple[str, tuple[int, ...], str]]) -> dict[str, mx.arra
     memory (CUDA), zeros made on the device stream are cheaper: memory written from the
     CPU first migrates page by page (see docs/h200-measurements.md).
     """
+    global _UNWRITTEN_WORKS
     if not specs:
         return {}
-    if _on_gpu() or os.environ.get("PPC_ALLOCATE") == "zeros":
+    if _on_gpu() or not _UNWRITTEN_WORKS or os.environ.get("PPC_ALLOCATE") == "zeros":
         uint = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
         out = {
             name: mx.zeros(shape, dtype=uint[dtype_info(dtype)[1]]).view(mx_dtype(dtype))
@@ -127,7 +131,7 @@ def allocate(specs: list[tuple[str, tuple[int, ...], str]]) -> dict[str, mx.arra
         try:
             out = mx.load(_Unwritten(specs), format="safetensors")
         except (TypeError, ValueError, RuntimeError):  # an MLX without file-object loads
-            os.environ["PPC_ALLOCATE"] = "zeros"
+            _UNWRITTEN_WORKS = False
             return allocate(specs)
     mx.eval(list(out.values()))
     return out
