@@ -321,12 +321,11 @@ class PersistentPrefixCache:
             return 0
         self._note(touch=keys[: len(path)])
         new = self.layout.new_blocks(cache, keys, data, path, root=self.root, block_size=self.block_size)
-        for _, tensors in new:
+        for node, tensors, _ in new:
             self.layout.learn_fields(tensors)  # the dtypes and shapes a read must find
-        for node, tensors in new:
             self.memory.put(node, tensors)
         if new:
-            future = self.writeback.submit(self.writeback.write_blocks, new)
+            future = self.writeback.submit(self.writeback.write_blocks, [(node, bits) for node, _, bits in new])
             if self.sync_writes:
                 future.result()
         return len(new)

@@ -477,12 +477,16 @@ _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 def _bits(view: memoryview, x: mx.array) -> np.ndarray:
     """A numpy view of an evaluated array's bits (numpy has no bfloat16; the bits are
-    what we copy), without any MLX operation."""
+    what we copy); a strided view (a RAM-tier block cut from one copy per field) is
+    seen through a view as unsigned ints, not copied."""
     if not view.c_contiguous:
-        x = mx.contiguous(x)
-        mx.eval(x)
-        view = memoryview(x)
+        u = x.view(_UINT_MX[x.itemsize])
+        mx.eval(u)
+        return np.asarray(memoryview(u))
     return np.frombuffer(view.cast("B"), dtype=_BITS[x.itemsize]).reshape(x.shape)
+
+
+_UINT_MX = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 
 
 def _copy_cached(nodes, cached, runs) -> None:

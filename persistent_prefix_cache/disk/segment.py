@@ -35,6 +35,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import xxhash
 
 from .codec import dtype_info
@@ -98,8 +99,21 @@ def is_sliced(name: str, shape: Sequence[int], n_tokens: int) -> bool:
 def _bytes(x: Any) -> memoryview:
     view = memoryview(x[0] if isinstance(x, tuple) else x)
     if not view.c_contiguous:
-        raise ValueError("block tensors must be row-contiguous")
+        raise ValueError("snapshot tensors must be row-contiguous")
     return view.cast("B")
+
+
+def _rows(x: Any, rows: int) -> list[memoryview]:
+    """The bytes of each (batch, head) row of a sliced tensor ``[batch, heads, n, width]``,
+    contiguous or a strided view (of unsigned ints: numpy reads it without MLX)."""
+    view = memoryview(x[0] if isinstance(x, tuple) else x)
+    if view.c_contiguous:
+        flat = view.cast("B")
+        n = len(flat) // rows
+        return [flat[r * n : (r + 1) * n] for r in range(rows)]
+    a = np.asarray(view)
+    a = a.reshape(rows, a.shape[-2], a.shape[-1])  # rows of a strided view stay views
+    return [memoryview(a[r]).cast("B") for r in range(rows)]
 
 
 class SegmentFiles:
@@ -353,19 +367,20 @@ def _layout(segment: bytes, blocks: Sequence[tuple[Node, dict]]) -> tuple[bytes,
             raise ValueError(f"{name}: a block after the first holding it lacks it")
     chunks: list[memoryview] = []
     whole = xxhash.xxh3_64()
+    row_pieces: dict[str, list[list[memoryview]]] = {}  # name -> per block (from first), rows
     fields, at = [], 0
     for name in sorted(sliced):
         dtype, batch, heads, width, first = sliced[name]
         rows = batch * heads
         fields.append([name, dtype, batch, heads, width, first, at])
-        pieces = [_bytes(flat[i][name]) for i in range(first, len(blocks))]
-        lens = [len(p) // rows for p in pieces]
-        for r in range(rows):
-            chunks.extend(p[r * n : (r + 1) * n] for p, n in zip(pieces, lens))
-        at += sum(len(p) for p in pieces)
+        pieces = [_rows(flat[i][name], rows) for i in range(first, len(blocks))]
+        row_pieces[name] = pieces
         h = xxhash.xxh3_64()
-        for chunk in chunks[len(chunks) - rows * len(pieces) :]:
-            h.update(chunk)
+        for r in range(rows):
+            for p in pieces:
+                chunks.append(p[r])
+                h.update(p[r])
+                at += len(p[r])
         whole.update(h.intdigest().to_bytes(8, "little"))
     snaps = []
     for i, tensors in enumerate(flat):
@@ -383,9 +398,9 @@ def _layout(segment: bytes, blocks: Sequence[tuple[Node, dict]]) -> tuple[bytes,
         size = 0
         for name, *_, first, _ in fields:
             if i >= first:
-                view = _bytes(tensors[name])  # [batch, heads, n, width]: rows in order
-                h.update(view)
-                size += len(view)
+                for row in row_pieces[name][i - first]:  # rows in order, as a read sees them
+                    h.update(row)
+                    size += len(row)
         for j, name, _, _, _, digest in snaps:
             if j == i:
                 h.update(int(digest, 16).to_bytes(8, "little"))

@@ -14,6 +14,7 @@ from ..disk.node import RESUMABLE, TRIMMABLE, Node
 from ..disk.segment import SLICE_FIELDS
 from ..errors import UnsupportedCacheError
 from .adapters import (
+    SEQ,
     STATE,
     BlockView,
     Tensors,
@@ -27,7 +28,9 @@ from .adapters import (
 log = logging.getLogger("persistent_prefix_cache")
 
 
-def cut_block(cache: Sequence[Any], start: int, end: int, last: bool) -> dict[str, BlockView]:
+def cut_block(
+    cache: Sequence[Any], start: int, end: int, last: bool, *, skip: set[str] = frozenset()
+) -> dict[str, BlockView]:
     """What a block keeps of every leaf of `cache` for positions ``[start, end)``.
 
     The one place caches are cut into blocks (the store and the compat layers use it).
@@ -39,6 +42,7 @@ def cut_block(cache: Sequence[Any], start: int, end: int, last: bool) -> dict[st
         end: One past its last position.
         last: Whether the block ends what `cache` holds (window and recurrent leaves
             then keep a snapshot).
+        skip: Leaf ids to leave out.
 
     Returns:
         Leaf id -> `BlockView` (tensors, has_slice, has_snapshot).
@@ -46,6 +50,7 @@ def cut_block(cache: Sequence[Any], start: int, end: int, last: bool) -> dict[st
     return {
         lid: BlockView(start, end, *adapter_for(layer, lid).pieces(layer, start, end, last))
         for lid, layer in leaves(cache)
+        if lid not in skip
     }
 
 
@@ -99,13 +104,27 @@ class Layout:
         """A fresh, empty cache of this layout."""
         return copy.deepcopy(self.template)
 
-    def cut(self, cache: Sequence[Any], start: int, end: int, last: bool) -> tuple[dict[str, Tensors], dict, dict[str, BlockView]]:
+    def cut(
+        self, cache: Sequence[Any], start: int, end: int, last: bool, ranges: dict | None = None, offset: int = 0
+    ) -> tuple[dict[str, Tensors], dict, dict[str, BlockView]]:
         """`cut_block`, with what the store records about the block.
+
+        Args:
+            ranges: Leaf id -> tensors already copied for positions from `offset` on
+                (sequence leaves, see `new_blocks`): the block takes views of them.
 
         Returns:
             (tensors by leaf, the node's ``extra`` record, views by leaf).
         """
-        views = cut_block(cache, start, end, last)
+        ranges = ranges or {}
+        cut = cut_block(cache, start, end, last, skip=set(ranges))
+        views = {}
+        for lid, _, _ in self.leaves:
+            if lid in ranges:
+                part = {f: x[..., start - offset : end - offset, :] for f, x in ranges[lid].items()}
+                views[lid] = BlockView(start, end, part, True, False)
+            else:
+                views[lid] = cut[lid]
         noslice = [lid for lid, v in views.items() if not v.has_slice and self.kinds[lid] != STATE]
         snap = [lid for lid, v in views.items() if v.has_snapshot]
         extra = {k: v for k, v in (("noslice", noslice), ("snap", snap)) if v}
@@ -165,7 +184,7 @@ class Layout:
 
     def new_blocks(
         self, cache: Sequence[Any], keys: list[bytes], data: bytes, path: Sequence[Node], *, root: bytes, block_size: int
-    ) -> list[tuple[Node, dict[str, Tensors]]]:
+    ) -> list[tuple[Node, dict[str, Tensors], dict]]:
         """The blocks of `cache` after the stored `path`, with their index records.
 
         Args:
@@ -177,15 +196,27 @@ class Layout:
             block_size: Tokens per full block.
 
         Returns:
-            ``(node, tensors by leaf)`` per new block; tensors are evaluated copies
-            (size and checksum of the nodes are set once their files are written).
+            ``(node, tensors by leaf, bits by leaf)`` per new block: tensors are
+            evaluated and never views of `cache` (those of sequence leaves are views
+            of one copy per field); ``bits`` are what the segment writer takes, the
+            same bytes seen as unsigned ints where a tensor is a strided view (so the
+            writer thread needs no MLX operation). Size and checksum of the nodes are
+            set once they are written.
         """
         now, n, bs = time.time_ns(), len(data) // 4, block_size
         views = {lid: ViewPath(self.view(node, lid) for node in path) for lid, _, _ in self.leaves}
+        # Sequence leaves: one copy per field of every new position (not one per block:
+        # thousands of small copies were most of the caller's cost), blocks as views.
+        offset, by_id = len(path) * bs, dict(leaves(cache))
+        ranges = {}
+        for lid, _, adapter in self.leaves:
+            if adapter.kind == SEQ:
+                held, first = adapter.held(by_id[lid])
+                ranges[lid] = {f: mx.contiguous(x[..., offset - first : n - first, :]) for f, x in held.items()}
         new = []
         for i in range(len(path), len(keys)):
             start, end = i * bs, min((i + 1) * bs, n)
-            tensors, extra, cut = self.cut(cache, start, end, i == len(keys) - 1)
+            tensors, extra, cut = self.cut(cache, start, end, i == len(keys) - 1, ranges, offset)
             for lid, view in cut.items():
                 views[lid].append(view)
             node = Node(
@@ -199,6 +230,19 @@ class Layout:
                 last_access=now,
                 extra=extra,
             )
-            new.append((node, tensors))
-        mx.eval([x for _, tensors in new for part in tensors.values() for x in part.values()])
+            bits = {
+                lid: {f: (_as_uint(x), dtype_info(x.dtype)[0]) if lid in ranges else x for f, x in part.items()}
+                for lid, part in tensors.items()
+            }
+            new.append((node, tensors, bits))
+        mx.eval([x if not isinstance(x, tuple) else x[0] for *_, bits in new for part in bits.values() for x in part.values()])
+        mx.eval([x for _, tensors, _ in new for part in tensors.values() for x in part.values()])
         return new
+
+
+_UINTS = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
+
+
+def _as_uint(x: mx.array) -> mx.array:
+    """The same bytes as unsigned ints of the same width (a view: numpy reads them)."""
+    return x.view(_UINTS[x.itemsize])
