@@ -337,15 +337,20 @@ def _plan(nodes, cached, where) -> tuple[list[_Run], int | None]:
             chain.append(_Run(name, start, end, dims, dtype))
         return True
 
+    known: dict[tuple, tuple] = {}  # (leaf, field, shape, dtype) -> (name, dims, dtype name)
     for k, lo, hi in _groups(where):
         if lo is None:  # a RAM-tier block
             node = nodes[k]
+            n = node.n_tokens
             for lid, part in cached[k].items():
                 for fld, x in part.items():
-                    name = f"{lid}.{fld}"
-                    if is_sliced(name, x.shape, node.n_tokens):
-                        dims = (x.shape[0], x.shape[1], x.shape[3])
-                        if not extend(k, name, node.position, node.end, dims, dtype_info(x.dtype)[0]):
+                    spec = known.get((lid, fld, x.shape, x.dtype))
+                    if spec is None:
+                        name = f"{lid}.{fld}"
+                        spec = (name, (x.shape[0], x.shape[1], x.shape[3]), dtype_info(x.dtype)[0]) if len(x.shape) == 4 else (name, None, None)
+                        known[(lid, fld, x.shape, x.dtype)] = spec
+                    if spec[1] is not None and is_sliced(spec[0], x.shape, n):
+                        if not extend(k, spec[0], node.position, node.end, spec[1], spec[2]):
                             return [], k
             continue
         seg = where[k][0]
@@ -491,17 +496,24 @@ _UINT_MX = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 
 def _copy_cached(nodes, cached, runs) -> None:
     """Copy the slices of blocks that came from the RAM tier into their runs."""
-    targets: dict[int, np.ndarray] = {}
+    by_name: dict[str, list[_Run]] = {}
+    for r in runs:
+        by_name.setdefault(r.name, []).append(r)
+    pieces = []
     for node, have in zip(nodes, cached):
         if have is None:
             continue
         for lid, part in have.items():
             for fld, x in part.items():
-                name = f"{lid}.{fld}"
-                if not is_sliced(name, x.shape, node.n_tokens):
-                    continue
-                r = _run_of(runs, name, node.position, node.end)
-                if id(r) not in targets:
-                    targets[id(r)] = _bits(r.view, r.array)
-                dst = targets[id(r)]
-                dst[:, :, node.position - r.start : node.end - r.start, :] = _bits(memoryview(x), x)
+                chain = by_name.get(f"{lid}.{fld}")
+                if chain is not None and len(x.shape) == 4 and x.shape[2] == node.n_tokens:
+                    pieces.append((_run_of(chain, chain[0].name, node.position, node.end), node, x))
+    # Blocks cut from one copy per field are strided views: see them all as unsigned
+    # ints with one evaluation, not one per block.
+    views = [x.view(_UINT_MX[x.itemsize]) for _, _, x in pieces]
+    mx.eval(views)
+    targets: dict[int, np.ndarray] = {}
+    for (r, node, _), v in zip(pieces, views):
+        if id(r) not in targets:
+            targets[id(r)] = _bits(r.view, r.array)
+        targets[id(r)][:, :, node.position - r.start : node.end - r.start, :] = np.asarray(memoryview(v))
