@@ -6,7 +6,6 @@ here with mlx 0.32 and safetensors 0.8), so the codec must refuse them itself; k
 
 from __future__ import annotations
 
-import io
 import json
 
 import mlx.core as mx
