@@ -321,11 +321,11 @@ class PersistentPrefixCache:
             return 0
         self._note(touch=keys[: len(path)])
         new = self.layout.new_blocks(cache, keys, data, path, root=self.root, block_size=self.block_size)
-        for node, tensors, _ in new:
+        for node, tensors, _, origin in new:
             self.layout.learn_fields(tensors)  # the dtypes and shapes a read must find
-            self.memory.put(node, tensors)
+            self.memory.put(node, tensors, origin)
         if new:
-            future = self.writeback.submit(self.writeback.write_blocks, [(node, bits) for node, _, bits in new])
+            future = self.writeback.submit(self.writeback.write_blocks, [(node, bits) for node, _, bits, _ in new])
             if self.sync_writes:
                 future.result()
         return len(new)
