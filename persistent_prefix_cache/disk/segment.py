@@ -103,17 +103,35 @@ def _bytes(x: Any) -> memoryview:
     return view.cast("B")
 
 
-def _rows(x: Any, rows: int) -> list[memoryview]:
-    """The bytes of each (batch, head) row of a sliced tensor ``[batch, heads, n, width]``,
-    contiguous or a strided view (of unsigned ints: numpy reads it without MLX)."""
+def _rows(x: Any, rows: int) -> np.ndarray:
+    """The bytes of a sliced tensor ``[batch, heads, n, width]`` as a ``[rows, bytes]``
+    uint8 array, one (batch, head) row each: rows are contiguous, the array need not
+    be (a strided view of unsigned ints: numpy reads it without MLX)."""
     view = memoryview(x[0] if isinstance(x, tuple) else x)
     if view.c_contiguous:
-        flat = view.cast("B")
-        n = len(flat) // rows
-        return [flat[r * n : (r + 1) * n] for r in range(rows)]
+        return np.frombuffer(view.cast("B"), dtype=np.uint8).reshape(rows, -1)
     a = np.asarray(view)
-    a = a.reshape(rows, a.shape[-2], a.shape[-1])  # rows of a strided view stay views
-    return [memoryview(a[r]).cast("B") for r in range(rows)]
+    return a.reshape(rows, a.shape[-2] * a.shape[-1]).view(np.uint8)
+
+
+def _joined_rows(arrays: list[np.ndarray]) -> list[np.ndarray]:
+    """The rows of consecutive blocks' `_rows`, joined where they follow each other
+    in memory (the blocks of one `store()` are views of one copy per field): a row of
+    a segment is then one I/O vector and one hash update, not one per block."""
+    runs: list[list] = []  # [first array, address of its row 0, of the run's end, bytes per row]
+    for a in arrays:
+        at = a.__array_interface__["data"][0]
+        if runs and at == runs[-1][2] and a.strides[0] == runs[-1][0].strides[0]:
+            runs[-1][2] += a.shape[1]
+            runs[-1][3] += a.shape[1]
+        else:
+            runs.append([a, at, at + a.shape[1], a.shape[1]])
+    out = []
+    for a, _, _, width in runs:
+        if width != a.shape[1]:
+            a = np.lib.stride_tricks.as_strided(a, shape=(a.shape[0], width), strides=(a.strides[0], 1))
+        out.append(a)
+    return out
 
 
 class SegmentFiles:
@@ -326,11 +344,11 @@ class SegmentFiles:
         return len(found)
 
 
-def _writev_all(fd: int, chunks: list[memoryview]) -> int:
+def _writev_all(fd: int, chunks: list) -> int:
     size = 0
     for j in range(0, len(chunks), IOV_MAX):
         group = chunks[j : j + IOV_MAX]
-        want = sum(len(c) for c in group)
+        want = sum(c.nbytes for c in group)
         done = os.writev(fd, group)
         while done < want:  # a short write: finish it piece by piece
             rest = b"".join(bytes(c) for c in group)[done:]
@@ -367,7 +385,7 @@ def _layout(segment: bytes, blocks: Sequence[tuple[Node, dict]]) -> tuple[bytes,
             raise ValueError(f"{name}: a block after the first holding it lacks it")
     chunks: list[memoryview] = []
     whole = xxhash.xxh3_64()
-    row_pieces: dict[str, list[list[memoryview]]] = {}  # name -> per block (from first), rows
+    row_pieces: dict[str, list[np.ndarray]] = {}  # name -> per block (from first), its rows
     fields, at = [], 0
     for name in sorted(sliced):
         dtype, batch, heads, width, first = sliced[name]
@@ -375,12 +393,13 @@ def _layout(segment: bytes, blocks: Sequence[tuple[Node, dict]]) -> tuple[bytes,
         fields.append([name, dtype, batch, heads, width, first, at])
         pieces = [_rows(flat[i][name], rows) for i in range(first, len(blocks))]
         row_pieces[name] = pieces
+        joined = _joined_rows(pieces)
         h = xxhash.xxh3_64()
         for r in range(rows):
-            for p in pieces:
-                chunks.append(p[r])
-                h.update(p[r])
-                at += len(p[r])
+            for run in joined:
+                chunks.append(run[r])
+                h.update(run[r])
+                at += run.shape[1]
         whole.update(h.intdigest().to_bytes(8, "little"))
     snaps = []
     for i, tensors in enumerate(flat):
@@ -400,7 +419,7 @@ def _layout(segment: bytes, blocks: Sequence[tuple[Node, dict]]) -> tuple[bytes,
             if i >= first:
                 for row in row_pieces[name][i - first]:  # rows in order, as a read sees them
                     h.update(row)
-                    size += len(row)
+                    size += row.nbytes
         for j, name, _, _, _, digest in snaps:
             if j == i:
                 h.update(int(digest, 16).to_bytes(8, "little"))
