@@ -916,6 +916,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-plot", action="store_true", help="write no plot")
     p.add_argument(
+        "--device", choices=("default", "cpu"), default="default",
+        help="cpu: run MLX on the CPU even where it has a GPU (the unified-memory proxy)",
+    )  # fmt: skip
+    p.add_argument(
         "--json", action="store_true", help="print the results as JSON on stdout (table on stderr)"
     )
     p.add_argument("--output", help="also write the JSON results to this file")
@@ -952,6 +956,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return gpu_bench.main([a for a in argv if a != "--gpu"])
     args = parse_args(argv)
+    if args.device == "cpu":
+        mx.set_default_device(mx.cpu)
     started = time.perf_counter()
     workdir = Path(tempfile.mkdtemp(prefix="ppc-bench-", dir=args.dir))
     bench = Bench(args, workdir)
