@@ -139,8 +139,9 @@ def case(model, n: int, repeat: int, work: Path) -> dict:
 
 
 def fingerprint_case(model, repeat: int, n: int) -> dict:
-    """The first open's weight hash, with and without the prefetch threads, and the
-    prefill that follows each (pages the hash moved to the host move back)."""
+    """The first open's weight hash in place (one thread) and from device copies
+    touched by threads (the default on a GPU), and the prefill that follows each
+    (weights' pages the hash moved to the host move back)."""
     from persistent_prefix_cache.fingerprint import fingerprint_model
 
     tokens = [(7 * i + 3) % model.args.vocab_size for i in range(n)]
@@ -157,64 +158,8 @@ def fingerprint_case(model, repeat: int, n: int) -> dict:
         after = time.perf_counter() - started
         out.setdefault(f"prefetch_{prefetch}_hash_s", []).append(hashed)
         out.setdefault(f"prefetch_{prefetch}_next_prefill_s", []).append(after)
-    # An experiment: hash copies made on the device, so the weights' own pages stay
-    # there (only the copies move to the host).
-    for _ in range(repeat):
-        forward(model, make_prompt_cache(model), tokens)
-        mx.synchronize()
-        started = time.perf_counter()
-        values.add(_hash_device_copies(model))
-        hashed = time.perf_counter() - started
-        started = time.perf_counter()
-        forward(model, make_prompt_cache(model), tokens)
-        out.setdefault("device_copies_hash_s", []).append(hashed)
-        out.setdefault("device_copies_next_prefill_s", []).append(time.perf_counter() - started)
     out["same_value"] = len(values) == 1
     return out
-
-
-def _hash_device_copies(model) -> str:
-    import json as _json
-    from concurrent.futures import ThreadPoolExecutor
-
-    import numpy as np
-    import xxhash
-
-    from persistent_prefix_cache.fingerprint import _config_of
-
-    h = xxhash.xxh3_128()
-    cls = type(model)
-    h.update(f"{cls.__module__}.{cls.__qualname__}\0".encode())
-    h.update(_json.dumps(_config_of(model), sort_keys=True, default=str).encode() + b"\0")
-    params = sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0])
-    pool = ThreadPoolExecutor(8)
-    ahead = 8
-
-    def copy(value):
-        c = value.view(mx.uint8) + 0 if value.dtype != mx.bool_ else value
-        mx.eval(c)
-        return c
-
-    def touch(c):
-        np.frombuffer(memoryview(c), dtype=np.uint8)[::4096].sum()
-        return c
-
-    copies = [None] * len(params)
-    futures = {}
-    for k in range(min(ahead, len(params))):
-        copies[k] = copy(params[k][1])
-        futures[k] = pool.submit(touch, copies[k])
-    for k, (name, value) in enumerate(params):
-        nxt = k + ahead
-        if nxt < len(params):
-            copies[nxt] = copy(params[nxt][1])
-            futures[nxt] = pool.submit(touch, copies[nxt])
-        c = futures.pop(k).result()
-        h.update(f"{name}:{value.dtype}:{tuple(value.shape)}\0".encode())
-        h.update(memoryview(c).cast("B"))
-        copies[k] = None
-    pool.shutdown()
-    return h.hexdigest()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.fingerprint:
         results["fingerprint"] = fp = fingerprint_case(model, args.repeat, min(8192, max(int(n) for n in args.tokens.split(","))))
         print(
-            "fingerprint of %.1f GB: %s s one thread, %s s with prefetch threads; next prefill %s / %s s; same value: %s"
+            "fingerprint of %.1f GB: %s s one thread, %s s from device copies; next prefill %s / %s s; same value: %s"
             % (fp["weight_bytes"] / 1e9, fp["prefetch_False_hash_s"], fp["prefetch_True_hash_s"],
                fp["prefetch_False_next_prefill_s"], fp["prefetch_True_next_prefill_s"], fp["same_value"]),
             file=sys.stderr,

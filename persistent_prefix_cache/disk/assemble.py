@@ -30,7 +30,9 @@ from .segment import OpenSegment, SegmentFiles, is_sliced
 
 Tensors = dict[str, mx.array]
 KV_STEP = 256  # mlx-lm's KVCache grows in steps of 256 tokens
-_READERS = 4
+# Reader threads: reads and checksums of a path's (segment, field) pieces run in
+# parallel (both drop the GIL); 4 on small machines, up to 8 where cores allow.
+_READERS = int(os.environ.get("PPC_READERS", "0")) or max(4, min(8, os.cpu_count() or 1))
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
