@@ -36,6 +36,7 @@ from .layers import Layout, cache_length, signature_of, template_cache
 from .lookup import Trie, back_off
 from .costs import Costs
 from .options import check_options, existing_but_not_writable
+from .paths import expand_path
 from .restore import restore
 from .tiers.memory import MemoryTier
 from .writeback import Counters, WriteBack, sweep_orphans
@@ -108,11 +109,14 @@ class PersistentPrefixCache:
         sync_writes: bool = False,
         cost_model: bool = True,
     ):
+        path = expand_path(path, what="path")
+        if model_path is not None:
+            model_path = expand_path(model_path, what="model_path")
         check_options(
             fingerprint=fingerprint, model_path=model_path, namespace=namespace, block_size=block_size,
             memory_bytes=memory_bytes, disk_bytes=disk_bytes, kv_bits=kv_bits, kv_group_size=kv_group_size,
         )  # fmt: skip
-        self.path = os.path.abspath(os.fspath(path))
+        self.path = os.path.abspath(path)
         self.sync_writes = sync_writes
         self._warned_readonly = False
         if readonly and not os.path.isdir(os.path.join(self.path, "index")):

@@ -14,7 +14,8 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
-from ..errors import PrefixCacheError
+from ..errors import InvalidArgumentError, PrefixCacheError
+from ..paths import expand_path
 
 EXIT_USAGE = 2
 
@@ -28,10 +29,24 @@ def make_parser(command: str, description: str) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(prog=f"ppc {command}", description=description)
 
 
+def path_arg(text: str) -> str:
+    """An argparse ``type=`` for paths: ``~`` and ``$VARS`` expanded (see `expand_path`),
+    also in a default taken from the environment (``--store=~/kv``, ``PPC_STORE=~/kv``).
+
+    Raises:
+        argparse.ArgumentTypeError: If the path names an environment variable that is not set.
+    """
+    try:
+        return expand_path(text)
+    except InvalidArgumentError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
+
+
 def add_store_option(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
     """``--store DIR``, defaulting to ``$PPC_STORE``."""
     parser.add_argument(
         "--store",
+        type=path_arg,
         default=os.environ.get("PPC_STORE"),
         help="store directory (default: $PPC_STORE)",
     )
@@ -40,7 +55,7 @@ def add_store_option(parser: argparse.ArgumentParser, *, required: bool = True) 
 
 def add_model_option(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
     """``--model PATH_OR_ID`` and the options that shape the store's layout."""
-    parser.add_argument("--model", required=required, help="local model folder or hub id")
+    parser.add_argument("--model", type=path_arg, required=required, help="local model folder or hub id")
     parser.add_argument("--namespace", default="", help="tenant or cache salt (default: none)")
     parser.add_argument("--kv-bits", type=int, default=None, help="quantize the stored KV (as mlx-lm)")
     parser.add_argument("--kv-group-size", type=int, default=64, help="group size for --kv-bits")
@@ -91,6 +106,7 @@ def store_path(args: argparse.Namespace, *, must_exist: bool = False) -> str:
     path = getattr(args, "store", None)
     if not path:
         raise UserError("no store given: pass --store DIR or set PPC_STORE")
+    path = expand_path(path, what="--store")
     if must_exist and not os.path.isdir(os.path.join(path, "index")):
         raise UserError(f"no store at {path} (expected {os.path.join(path, 'index')})")
     return path
@@ -102,22 +118,23 @@ def load_model(spec: str, *, with_tokenizer: bool = True):
     Raises:
         UserError: If the model cannot be found or loaded.
     """
-    looks_local = os.path.exists(spec) or spec.startswith((".", "/", "~"))
-    if looks_local and not os.path.isdir(os.path.expanduser(spec)):
+    local = expand_path(spec, what="--model")
+    looks_local = os.path.exists(local) or spec.startswith((".", "/", "~", "$")) or local != spec
+    if looks_local and not os.path.isdir(local):
         raise UserError(f"--model {spec}: no such folder")
     try:
         from mlx_lm import load
         from mlx_lm.utils import load_model as load_weights
 
         if with_tokenizer:
-            model, tokenizer = load(os.path.expanduser(spec) if looks_local else spec)
+            model, tokenizer = load(local if looks_local else spec)
         else:
-            model, tokenizer = load_weights(os.path.expanduser(spec))[0], None
+            model, tokenizer = load_weights(local)[0], None
     except Exception as exc:  # mlx-lm raises many kinds; all mean "cannot load this"
         first_line = (str(exc).strip().splitlines() or [""])[0]
         hint = "" if looks_local else " (not a local folder; a hub id needs the network or a local copy)"
         raise UserError(f"cannot load model {spec!r}: {type(exc).__name__}: {first_line}{hint}") from None
-    return model, tokenizer, (os.path.expanduser(spec) if looks_local else None)
+    return model, tokenizer, (local if looks_local else None)
 
 
 def open_store(args: argparse.Namespace, model: Any, local_path: str | None, **kwargs):

@@ -27,6 +27,7 @@ from .common import (
     emit,
     load_model,
     make_parser,
+    path_arg,
     run,
     table,
 )
@@ -356,6 +357,7 @@ def build_parser():
     parser.add_argument(
         "inputs",
         nargs="*",
+        type=path_arg,
         metavar="INPUT",
         help="text file (one prompt), JSONL file ({'prompt': ...} or {'messages': [...]} "
         "per line), or '-' for stdin (default: stdin when piped)",

@@ -25,7 +25,7 @@ import signal
 import sys
 from typing import Any
 
-from .common import UserError, add_store_option, parse_size, run, store_path
+from .common import UserError, add_store_option, parse_size, path_arg, run, store_path
 
 log = logging.getLogger("persistent_prefix_cache.serve")
 
@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-h", "--help", action="store_true", help="show this help and exit")
     parser.add_argument(
-        "--model", metavar="M", help="model folder or hub id (passed to mlx_lm.server)"
+        "--model", type=path_arg, metavar="M", help="model folder or hub id (passed to mlx_lm.server)"
     )
     add_store_option(parser)
     parser.add_argument(
@@ -113,11 +113,9 @@ def _serve(args: argparse.Namespace, server_argv: list[str]) -> int:
     if args.store_readonly and not os.path.isdir(os.path.join(path, "index")):
         raise UserError(f"--store-readonly: no store at {path}")
     if args.model is not None:
-        if args.model.startswith((".", "/", "~")) and not os.path.isdir(
-            os.path.expanduser(args.model)
-        ):
+        if args.model.startswith((".", "/")) and not os.path.isdir(args.model):
             raise UserError(f"--model {args.model}: no such folder")
-        server_argv = ["--model", os.path.expanduser(args.model), *server_argv]
+        server_argv = ["--model", args.model, *server_argv]
     if not args.store_readonly:
         _check_writable(path)  # fail now, not at the first request
 

@@ -19,6 +19,7 @@ from typing import Iterator
 
 from ..errors import InvalidArgumentError, StoreVersionError
 from ..keys import block_key
+from ..paths import expand_path
 from . import legacy
 from .compaction import compact_sparse
 from .segment import SegmentFiles
@@ -73,7 +74,7 @@ class StoreAdmin:
     """
 
     def __init__(self, path: str, *, readonly: bool = False, create: bool = False, block_size: int = 64):
-        self.path = os.path.abspath(path)
+        self.path = os.path.abspath(expand_path(path, what="path"))
         if not create and not os.path.isdir(os.path.join(self.path, "index")):
             raise InvalidArgumentError(f"no store at {self.path}")
         self.index = Index(
@@ -332,6 +333,7 @@ class StoreAdmin:
                 models = {chosen[0]: models[chosen[0]]}
             nodes = [n for root in models for n in self.walk(reader, root)]
         nodes.sort(key=lambda n: n.position)  # parents before children
+        out_path = expand_path(out_path, what="out_path")
         tmp = f"{out_path}.{os.getpid()}.tmp"
         try:
             with tarfile.open(tmp, "w") as tar:
@@ -370,6 +372,7 @@ class StoreAdmin:
                 made with another block size.
         """
         try:
+            in_path = expand_path(in_path, what="in_path")
             tar = tarfile.open(in_path, "r")
         except (tarfile.TarError, OSError) as exc:
             raise InvalidArgumentError(f"{in_path} is not a ppc export: {exc}") from None
