@@ -58,10 +58,13 @@ def test_four_processes_four_threads_on_one_store(tmp_path, tiny_model_dir):
     store_dir = tmp_path / "store"
     proc = subprocess.run(
         [sys.executable, SOAK, "--seconds", "10", "--procs", "4", "--threads", "4"]
-        + ["--no-kills", "--store", str(store_dir), "--model", str(tiny_model_dir), "--json"],
+        # At least 8 operations per thread (128 in all) however slowly the workers start:
+        # the assertions below count operations, so the run must not depend on the clock.
+        + ["--min-ops", "8", "--no-kills"]
+        + ["--store", str(store_dir), "--model", str(tiny_model_dir), "--json"],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=600,
     )
     summary = json.loads(proc.stdout)
     assert proc.returncode == 0 and summary["ok"], summary
