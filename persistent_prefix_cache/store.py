@@ -178,7 +178,7 @@ class PersistentPrefixCache:
             longer_than: Load nothing unless more than this many tokens can be
                 restored (a caller that already holds a cache of that many, say;
                 0: unless anything can); such a call is counted as ``not_longer``
-                only, not as a query.
+                only, not as a query, except with 0, where nothing stored is a miss.
 
         Returns:
             ``(cache, remaining)``: fresh mlx-lm cache objects covering the restored
@@ -193,7 +193,13 @@ class PersistentPrefixCache:
         toks = as_token_array(tokens)
         path, matched = self.trie.longest(toks) if self.layout.unsupported is None else ([], 0)
         if longer_than is not None and matched <= longer_than:
-            self.counters.add(not_longer=1)
+            if longer_than == 0:
+                # The caller holds nothing and the store has nothing: a plain miss
+                # (a server's request that found nothing must show in `ppc stats`).
+                self.counters.add(queries=1, misses=1)
+                self._note(misses=1)
+            else:
+                self.counters.add(not_longer=1)
             return None, tokens
         if path:
             path, matched = self._cheaper(path, matched)

@@ -189,10 +189,35 @@ def emit(data: Any, as_json: bool, render: Callable[[Any], str]) -> None:
     print(json.dumps(data, indent=2, default=str) if as_json else render(data))
 
 
+#: The exit status of a process killed by SIGPIPE (what ``yes | head`` leaves ``yes``).
+EXIT_BROKEN_PIPE = 128 + 13
+
+
+def broken_pipe() -> int:
+    """End quietly after the reader of stdout went away (``ppc inspect | head``).
+
+    Python turns SIGPIPE into `BrokenPipeError`; the output nobody reads is dropped and
+    stdout pointed at the null device, so that the interpreter's last flush at exit
+    does not fail a second time.
+
+    Returns:
+        `EXIT_BROKEN_PIPE`.
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass  # stdout is not a real file: nothing will flush it at exit either
+    return EXIT_BROKEN_PIPE
+
+
 def run(work: Callable[[], int]) -> int:
     """Run a subcommand, turning user-facing failures into a message and exit code 2."""
     try:
         return work()
+    except BrokenPipeError:
+        return broken_pipe()
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
     except PrefixCacheError as exc:

@@ -137,7 +137,8 @@ class StoreAdmin:
                         "layout": desc.get("layout"),
                         "blocks": len(nodes),
                         "bytes": sum(n.size for n in nodes),
-                        "hits": sum(reader.hits(n.key) for n in nodes),
+                        # Fetches that restored each block, summed (not queries: see counters).
+                        "block_hits": sum(reader.hits(n.key) for n in nodes),
                     }
                 )
                 if longest:
@@ -148,7 +149,7 @@ class StoreAdmin:
                                     "model": root.hex()[:12],
                                     "tokens": n.end,
                                     "resumable": n.resumable,
-                                    "hits": reader.hits(n.key),
+                                    "block_hits": reader.hits(n.key),
                                     "last_access": n.last_access,
                                     "leaf": n.key.hex(),
                                 }
