@@ -25,6 +25,7 @@ from .compaction import compact_sparse
 from .segment import SegmentFiles
 from .index import SCHEMA_VERSION, Index, Reader, Writer
 from .node import Node
+from .portable import durable_fsync
 
 EXPORT_FORMAT = "ppc-export/2"
 LEGACY_EXPORT_FORMAT = "ppc-export/1"  # schema v1-v2: one file per block
@@ -350,7 +351,7 @@ class StoreAdmin:
                 for seg in dict.fromkeys(n.segment for n in nodes):
                     tar.add(self.files.path_of(seg), arcname=f"segments/{seg.hex()}.seg")
             with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
+                durable_fsync(f.fileno())
             os.replace(tmp, out_path)
         finally:
             if os.path.exists(tmp):
@@ -429,7 +430,7 @@ class StoreAdmin:
             with open(tmp, "wb") as f:
                 f.write(data)
                 f.flush()
-                os.fsync(f.fileno())
+                durable_fsync(f.fileno())
             final = self.files.path_of(seg)
             os.makedirs(os.path.dirname(final), exist_ok=True)
             os.replace(tmp, final)
