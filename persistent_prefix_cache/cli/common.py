@@ -112,29 +112,52 @@ def store_path(args: argparse.Namespace, *, must_exist: bool = False) -> str:
     return path
 
 
-def load_model(spec: str, *, with_tokenizer: bool = True):
+def load_model(
+    spec: str,
+    *,
+    with_tokenizer: bool = True,
+    adapter_path: str | None = None,
+    trust_remote_code: bool = False,
+    what: str = "--model",
+):
     """Load a model (and tokenizer) with mlx-lm, as ``(model, tokenizer, local_path)``.
+
+    Args:
+        spec: A model folder or hub id.
+        with_tokenizer: Load the tokenizer too.
+        adapter_path: LoRA adapters to apply (``mlx_lm.generate --adapter-path``);
+            `local_path` is then None, so the store hashes the adapted weights
+            instead of remembering the fingerprint by the model folder.
+        trust_remote_code: Let the tokenizer run code from the model folder.
+        what: The option that named the model, for messages.
 
     Raises:
         UserError: If the model cannot be found or loaded.
     """
-    local = expand_path(spec, what="--model")
+    local = expand_path(spec, what=what)
     looks_local = os.path.exists(local) or spec.startswith((".", "/", "~", "$")) or local != spec
     if looks_local and not os.path.isdir(local):
-        raise UserError(f"--model {spec}: no such folder")
+        raise UserError(f"{what} {spec}: no such folder")
+    if adapter_path is not None and not os.path.isdir(adapter_path):
+        raise UserError(f"--adapter-path {adapter_path}: no such folder")
     try:
         from mlx_lm import load
         from mlx_lm.utils import load_model as load_weights
 
         if with_tokenizer:
-            model, tokenizer = load(local if looks_local else spec)
+            model, tokenizer = load(
+                local if looks_local else spec,
+                adapter_path=adapter_path,
+                tokenizer_config={"trust_remote_code": True} if trust_remote_code else None,
+                trust_remote_code=trust_remote_code,
+            )
         else:
             model, tokenizer = load_weights(local)[0], None
     except Exception as exc:  # mlx-lm raises many kinds; all mean "cannot load this"
         first_line = (str(exc).strip().splitlines() or [""])[0]
         hint = "" if looks_local else " (not a local folder; a hub id needs the network or a local copy)"
         raise UserError(f"cannot load model {spec!r}: {type(exc).__name__}: {first_line}{hint}") from None
-    return model, tokenizer, (local if looks_local else None)
+    return model, tokenizer, (local if looks_local and adapter_path is None else None)
 
 
 def open_store(args: argparse.Namespace, model: Any, local_path: str | None, **kwargs):
