@@ -64,7 +64,8 @@ class PersistentPrefixCache:
     """A prefix (KV) cache for one mlx-lm model, kept in a store directory.
 
     Args:
-        path: The store directory (created if missing, unless `readonly`).
+        path: The store directory (created if missing, unless `readonly`); ``~`` and
+            ``$VARS`` are expanded (`paths.expand_path`), as in `model_path`.
         model: The loaded mlx-lm model (used for its cache layout and fingerprint).
         fingerprint: Use this string as the model fingerprint instead of hashing the
             weights. Two models given the same string share blocks: only pass one you
