@@ -27,10 +27,8 @@ or an unreferenced segment, both swept later.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-import sys
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -41,33 +39,17 @@ import xxhash
 from .codec import dtype_info
 from .faults import pause_point
 from .node import Node
-from .segment_reader import IOV_MAX, SEGMENT_FORMAT, OpenSegment
+from .portable import IOV_MAX, durable_fsync, start_writeback, writev
+from .segment_reader import SEGMENT_FORMAT, OpenSegment
 
 # Fields stored sliced along the sequence (what `layers.adapters` names them).
 SLICE_FIELDS = frozenset({"k", "v", "k0", "k1", "k2", "v0", "v1", "v2"})
 
 
-def _load_sync_file_range():
-    # Linux can start a file's writeback without waiting (sync_file_range), so that
-    # the fsync that follows finds most of the data on its way to the disk already.
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.sync_file_range
-        fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-        return fn
-    except (OSError, AttributeError):
-        return None
-
-
-_SYNC_FILE_RANGE = _load_sync_file_range()
-
-
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        durable_fsync(fd)
     finally:
         os.close(fd)
 
@@ -184,9 +166,8 @@ class SegmentFiles:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             size = _writev_all(fd, [memoryview(header)] + chunks)
-            if _SYNC_FILE_RANGE is not None:
-                _SYNC_FILE_RANGE(fd, 0, 0, 2)  # SYNC_FILE_RANGE_WRITE; a failure costs speed
-            os.fsync(fd)
+            start_writeback(fd)  # Linux only, for speed: the fsync is what counts
+            durable_fsync(fd)
         except BaseException:
             os.close(fd)
             self._remove(tmp)
@@ -349,7 +330,7 @@ def _writev_all(fd: int, chunks: list) -> int:
     for j in range(0, len(chunks), IOV_MAX):
         group = chunks[j : j + IOV_MAX]
         want = sum(c.nbytes for c in group)
-        done = os.writev(fd, group)
+        done = writev(fd, group)
         while done < want:  # a short write: finish it piece by piece
             rest = b"".join(bytes(c) for c in group)[done:]
             done += os.write(fd, rest)
