@@ -1,0 +1,266 @@
+"""The remote (fleet) tier: blocks shared by every host through a Redis / Valkey server.
+
+Reading (`RemoteTier.read_chain`, on the caller's thread): the keys of the query's
+blocks after what the local store holds are probed in one pipelined round trip
+(EXISTS), then the blocks present are read in pipelined batches of `BATCH_BLOCKS` and
+each is checked (`remote_wire.decode`: key, parent, position, tokens, checksum, MAC);
+the first block missing or failing a check ends the chain there.
+
+Publishing (`RemoteTier.publish`, never blocking): blocks go into a queue bounded in
+bytes; a full queue drops them (counted). A publisher thread writes them with
+``SET NX`` (the first writer wins; a value is one SET, so never half-written), with
+an optional TTL. `flush` waits until every block queued so far is published or has
+failed and been counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any, Sequence
+
+from ..disk.node import Node
+from ..keys import block_key
+from . import remote_wire as wire
+from .remote_client import Servers, redact
+
+log = logging.getLogger("persistent_prefix_cache")
+
+# Blocks per pipelined read: ~1-4 MiB per round trip for typical models (see the
+# bench's batch sweep); large enough to hide the round trip, small enough that a
+# missing block is found before much is read past it.
+BATCH_BLOCKS = 8
+PUBLISH_BATCH = 16
+DEFAULT_TIMEOUT = 0.1
+DEFAULT_QUEUE_BYTES = 256 * 1024 * 1024
+COUNTERS = (
+    "remote_hits", "remote_misses", "remote_blocks", "remote_errors", "remote_corrupt",
+    "remote_unauthenticated", "remote_skipped", "remote_bytes_read", "remote_published",
+    "remote_bytes_published", "remote_already", "remote_dropped", "remote_publish_failed",
+)  # fmt: skip
+
+
+def _tensor_bytes(tensors: dict) -> int:
+    total = 0
+    for part in tensors.values():
+        for x in part.values():
+            total += (x[0] if isinstance(x, tuple) else x).nbytes
+    return total
+
+
+class RemoteTier:
+    """One handle's view of the shared block tier.
+
+    Args:
+        url: The server or cluster (see `remote_client`).
+        root: The model's root key (every server key is namespaced by it).
+        secret: MAC every value written and require a valid MAC on every value read.
+        ttl: Seconds a published block lives on the server (None: until evicted).
+        timeout: Seconds one round trip may take (connect or read) before it fails.
+        queue_bytes: Bound of the publish queue's tensor bytes.
+        counters: Where to count (a `writeback.Counters` with `COUNTERS`).
+
+    Raises:
+        InvalidArgumentError: On a malformed URL or option.
+        MissingDependencyError: If redis-py is not installed.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        root: bytes,
+        secret: str | bytes | None,
+        ttl: float | None,
+        timeout: float,
+        queue_bytes: int,
+        counters: Any,
+    ):
+        self.url = redact(url)
+        self.servers = Servers(url, timeout=timeout)
+        self.root = root
+        self.mac = wire.mac_key(secret) if secret else None
+        self.ttl_ms = None if ttl is None else max(1, int(ttl * 1000))
+        self.queue_bytes = queue_bytes
+        self.counters = counters
+        self._queue: deque = deque()
+        self._queued_bytes = 0
+        self._in_flight = 0
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    def key(self, key: bytes) -> bytes:
+        """The server key of one of this model's blocks."""
+        return wire.server_key(self.root, key)
+
+    # -- reading ------------------------------------------------------------------------
+
+    def read_chain(self, parent: bytes, position: int, data: bytes, block_size: int, *, beyond: int = 0) -> list[wire.Block]:
+        """The verified blocks the server holds after `parent`, for the query `data`.
+
+        Args:
+            parent: The key of the last block held locally (or the root key).
+            position: Where the server's blocks start (a multiple of `block_size`).
+            data: The whole query as int32 bytes.
+            block_size: Tokens per full block.
+            beyond: Tokens the local store already serves: a partial block that
+                ends there or before is not worth reading.
+
+        Returns:
+            Consecutive blocks from `position` on (possibly none): full blocks of the
+            query, then possibly a partial one it contains.
+        """
+        if not self.servers.available():
+            self.counters.add(remote_skipped=1)
+            return []
+        errors = self.servers.errors
+        step = 4 * block_size
+        full = []  # (key, parent, position, tokens)
+        p, pos = parent, position
+        while 4 * pos + step <= len(data):
+            toks = data[4 * pos : 4 * pos + step]
+            k = block_key(p, toks)
+            full.append((k, p, pos, toks))
+            p, pos = k, pos + block_size
+        present = self.servers.call([("EXISTS", self.key(k)) for k, *_ in full]) if full else []
+        n = next((i for i, e in enumerate(present) if not e), len(full))
+        chain = full[:n]
+        tail = full[n - 1] if n else None
+        last, at = (tail[0], tail[2] + block_size) if tail else (parent, position)
+        if self.servers.available():
+            # A prompt stored shorter than the query ends with a partial block there:
+            # probe every length (one round trip).
+            rest = data[4 * at : 4 * at + step - 4]
+            partial = [(block_key(last, rest[: 4 * i]), last, at, rest[: 4 * i]) for i in range(len(rest) // 4, max(0, beyond - at), -1)]
+            found = self.servers.call([("EXISTS", self.key(k)) for k, *_ in partial]) if partial else []
+            chain += [c for c, e in zip(partial, found) if e][:1]
+        blocks = self._read(chain)
+        if self.servers.errors > errors:
+            self.counters.add(remote_errors=self.servers.errors - errors)
+        if blocks:
+            self.counters.add(
+                remote_hits=1, remote_blocks=len(blocks), remote_bytes_read=sum(b.nbytes for b in blocks)
+            )
+        else:
+            self.counters.add(remote_misses=1)
+        return blocks
+
+    def _read(self, chain: list[tuple[bytes, bytes, int, bytes]]) -> list[wire.Block]:
+        blocks: list[wire.Block] = []
+        for lo in range(0, len(chain), BATCH_BLOCKS):
+            batch = chain[lo : lo + BATCH_BLOCKS]
+            values = self.servers.call([("GET", self.key(k)) for k, *_ in batch])
+            for (k, p, pos, toks), value in zip(batch, values):
+                if value is None:
+                    return blocks  # evicted meanwhile, or its node is down
+                try:
+                    blocks.append(
+                        wire.decode(value, self.key(k), key=k, parent=p, position=pos, tokens=toks, mac=self.mac)
+                    )
+                except wire.BadValue as exc:
+                    log.warning("remote block %s rejected: %s", k.hex(), exc)
+                    self.counters.add(**{f"remote_{exc.reason}": 1})
+                    return blocks
+        return blocks
+
+    # -- publishing -------------------------------------------------------------------
+
+    def publish(self, blocks: Sequence[tuple[Node, dict]]) -> None:
+        """Queue blocks for the server; never blocks (a full queue drops and counts).
+
+        Args:
+            blocks: ``(node, tensors by leaf)``; tensors evaluated (or bits), and not
+                changed afterwards.
+        """
+        dropped = 0
+        with self._cond:
+            if self._stopping:
+                return
+            for node, tensors in blocks:
+                size = _tensor_bytes(tensors)
+                if self._queued_bytes + size > self.queue_bytes:
+                    dropped += 1
+                    continue
+                self._queue.append((node, tensors, size))
+                self._queued_bytes += size
+            if self._thread is None and self._queue:
+                self._thread = threading.Thread(target=self._run, name="ppc-publisher", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        if dropped:
+            self.counters.add(remote_dropped=dropped)
+
+    @property
+    def pending(self) -> int:
+        """Blocks queued or being published."""
+        with self._cond:
+            return len(self._queue) + self._in_flight
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                batch = [self._queue.popleft() for _ in range(min(PUBLISH_BATCH, len(self._queue)))]
+                self._in_flight = len(batch)
+            try:
+                self.put([(node, tensors) for node, tensors, _ in batch])
+            except Exception:  # noqa: BLE001 - never let the thread die: count and go on
+                log.exception("publishing to %s failed", self.url)
+                self.counters.add(remote_publish_failed=len(batch))
+            with self._cond:
+                self._in_flight = 0
+                self._queued_bytes -= sum(size for *_, size in batch)
+                self._cond.notify_all()
+
+    def put(self, blocks: Sequence[tuple[Node, dict]]) -> tuple[int, int]:
+        """Write blocks now (``SET NX``), on the calling thread.
+
+        Returns:
+            (blocks written, blocks the server already held); the rest failed and
+            were counted.
+        """
+        if not self.servers.available():
+            self.counters.add(remote_publish_failed=len(blocks))
+            return 0, 0
+        errors = self.servers.errors
+        values = [(self.key(node.key), wire.encode(self.key(node.key), node, t, self.mac)) for node, t in blocks]
+        results = self.servers.call([("SET", k, v, self.ttl_ms) for k, v in values])
+        written = [len(v) for (_, v), r in zip(values, results) if r is True]
+        already = sum(1 for r in results if r is not None and r is not True)
+        failed = len(results) - len(written) - already
+        self.counters.add(
+            remote_published=len(written), remote_bytes_published=sum(written), remote_already=already,
+            remote_publish_failed=failed, remote_errors=self.servers.errors - errors,
+        )  # fmt: skip
+        return len(written), already
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every block queued so far is published or has failed (counted).
+
+        Returns:
+            False if `timeout` seconds passed first.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._queue or self._in_flight:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self) -> None:
+        """Publish what is queued, then close the connections."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        self.servers.close()
