@@ -16,11 +16,13 @@ failed and been counted.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
 from typing import Any, Sequence
 
+from ..disk.faults import pause_point
 from ..disk.node import Node
 from ..keys import block_key
 from . import remote_wire as wire
@@ -230,7 +232,14 @@ class RemoteTier:
             return 0, 0
         errors = self.servers.errors
         values = [(self.key(node.key), wire.encode(self.key(node.key), node, t, self.mac)) for node, t in blocks]
-        results = self.servers.call([("SET", k, v, self.ttl_ms) for k, v in values])
+        commands = [("SET", k, v, self.ttl_ms) for k, v in values]
+        if os.environ.get("PPC_PAUSE_AT") == "remote_publish" and len(commands) > 1:
+            # Crash tests: stop (to be killed) with the first block published, the rest not.
+            results = self.servers.call(commands[:1])
+            pause_point("remote_publish")
+            results += self.servers.call(commands[1:])
+        else:
+            results = self.servers.call(commands)
         written = [len(v) for (_, v), r in zip(values, results) if r is True]
         already = sum(1 for r in results if r is not None and r is not True)
         failed = len(results) - len(written) - already

@@ -179,10 +179,10 @@ class Servers:
         return dict(
             socket_timeout=self.timeout,
             socket_connect_timeout=self.timeout,
-            retry=r.retry.Retry(r.backoff.NoBackoff(), 0),
+            # One immediate retry on a broken connection (a pooled socket the server
+            # closed when it restarted), none on a timeout: that would double it.
+            retry=r.retry.Retry(r.backoff.NoBackoff(), 1, supported_errors=(r.ConnectionError,)),
             health_check_interval=0,
-            lib_name=None,
-            lib_version=None,
         )
 
     def _node(self, address: Any) -> _Node:
