@@ -26,7 +26,7 @@ from ..disk.faults import pause_point
 from ..disk.node import Node
 from ..keys import block_key
 from . import remote_wire as wire
-from .remote_client import Servers, redact
+from .remote_client import UNAVAILABLE, Servers, redact
 
 log = logging.getLogger("persistent_prefix_cache")
 
@@ -128,7 +128,7 @@ class RemoteTier:
             full.append((k, p, pos, toks))
             p, pos = k, pos + block_size
         present = self.servers.call([("EXISTS", self.key(k)) for k, *_ in full]) if full else []
-        n = next((i for i, e in enumerate(present) if not e), len(full))
+        n = next((i for i, e in enumerate(present) if e != 1), len(full))
         chain = full[:n]
         tail = full[n - 1] if n else None
         last, at = (tail[0], tail[2] + block_size) if tail else (parent, position)
@@ -138,7 +138,7 @@ class RemoteTier:
             rest = data[4 * at : 4 * at + step - 4]
             partial = [(block_key(last, rest[: 4 * i]), last, at, rest[: 4 * i]) for i in range(len(rest) // 4, max(0, beyond - at), -1)]
             found = self.servers.call([("EXISTS", self.key(k)) for k, *_ in partial]) if partial else []
-            chain += [c for c, e in zip(partial, found) if e][:1]
+            chain += [c for c, e in zip(partial, found) if e == 1][:1]
         blocks = self._read(chain)
         if self.servers.errors > errors:
             self.counters.add(remote_errors=self.servers.errors - errors)
@@ -156,7 +156,7 @@ class RemoteTier:
             batch = chain[lo : lo + BATCH_BLOCKS]
             values = self.servers.call([("GET", self.key(k)) for k, *_ in batch])
             for (k, p, pos, toks), value in zip(batch, values):
-                if value is None:
+                if value is None or value is UNAVAILABLE:
                     return blocks  # evicted meanwhile, or its node is down
                 try:
                     blocks.append(
@@ -241,7 +241,7 @@ class RemoteTier:
         else:
             results = self.servers.call(commands)
         written = [len(v) for (_, v), r in zip(values, results) if r is True]
-        already = sum(1 for r in results if r is not None and r is not True)
+        already = sum(1 for r in results if r is None)
         failed = len(results) - len(written) - already
         self.counters.add(
             remote_published=len(written), remote_bytes_published=sum(written), remote_already=already,

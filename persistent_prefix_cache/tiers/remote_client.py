@@ -153,6 +153,7 @@ class _Node:
                 self._client = None
 
 
+UNAVAILABLE = type("Unavailable", (), {"__repr__": lambda self: "UNAVAILABLE"})()
 Command = tuple  # ("GET", key) / ("EXISTS", key) / ("SET", key, value, ttl_ms)
 
 
@@ -250,10 +251,11 @@ class Servers:
         """Run commands (one key each) in one pipeline per node.
 
         Returns:
-            One result per command; None where its node is down, skipped by its
-            breaker, or answered with an error (a MOVED slot, say).
+            One result per command (a GET of a missing key and a SET NX of a held one
+            give None); `UNAVAILABLE` where its node is down, skipped by its breaker,
+            or answered with an error (a MOVED slot, say).
         """
-        out: list[Any] = [None] * len(commands)
+        out: list[Any] = [UNAVAILABLE] * len(commands)
         moved = False
         for address, where in self._group([c[1] for c in commands]).items():
             node = self._node(address)
