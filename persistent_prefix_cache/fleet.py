@@ -93,6 +93,10 @@ class RemoteFill:
                 future.result()  # the RAM tier cannot hold them all: the fetch reads them from disk
         return True
 
+    def fits(self, block: Block) -> bool:
+        """Whether one block's tensors fit the model's layout (see `_fit`)."""
+        return bool(self._fit([block]))
+
     def _fit(self, blocks: list[Block]) -> list[Block]:
         """The leading blocks whose tensors fit the model's layout: known leaves, and
         every sliced field with the dtype and shape the layout holds (or, before the

@@ -179,7 +179,7 @@ class PersistentPrefixCache:
                 self.index, self.files, self.memory, self.counters,
                 root=self.root, describe=self._describe, disk_bytes=disk_bytes,
             )  # fmt: skip
-        self.remote = self._fill = None
+        self.remote = self.remote_fill = None
         if remote is not None:
             try:
                 self.remote = RemoteTier(
@@ -189,7 +189,7 @@ class PersistentPrefixCache:
             except BaseException:
                 self.close()
                 raise
-            self._fill = RemoteFill(
+            self.remote_fill = RemoteFill(
                 self.remote, trie=self.trie, memory=self.memory, layout=self.layout, writeback=self.writeback,
                 costs=self.costs, root=self.root, block_size=self.block_size,
             )  # fmt: skip
@@ -219,8 +219,8 @@ class PersistentPrefixCache:
         self._check_open()
         toks = as_token_array(tokens)
         path, matched = self.trie.longest(toks) if self.layout.unsupported is None else ([], 0)
-        if self._fill is not None and path is not None and matched < len(toks) - 1 and self.layout.unsupported is None:
-            if self._fill.fill(toks, matched):  # the fleet held more: its blocks are in the RAM tier now
+        if self.remote_fill is not None and path is not None and matched < len(toks) - 1 and self.layout.unsupported is None:
+            if self.remote_fill.fill(toks, matched):  # the fleet held more: its blocks are in the RAM tier now
                 path, matched = self.trie.longest(toks)
         if longer_than is not None and matched <= longer_than:
             self.counters.add(not_longer=1)
@@ -359,11 +359,8 @@ class PersistentPrefixCache:
             self.layout.learn_fields(tensors)  # the dtypes and shapes a read must find
             self.memory.put(node, tensors)
         if new:
-            blocks = [(node, bits) for node, _, bits in new]
-            future = self.writeback.submit(self.writeback.write_blocks, blocks)
-            if self.remote is not None:
-                # Published once committed locally (the writer thread queues them).
-                future.add_done_callback(lambda _: self.remote.publish(blocks))
+            job = self.writeback.write_blocks if self.remote is None else self._write_and_publish
+            future = self.writeback.submit(job, [(node, bits) for node, _, bits in new])
             if self.sync_writes:
                 future.result()
         return len(new)
@@ -477,6 +474,12 @@ class PersistentPrefixCache:
         self._note(corrupt=1)
         if self.writeback is not None:
             self.writeback.submit(self.writeback.drop_subtree, node.key)
+
+    def _write_and_publish(self, blocks: list) -> None:
+        """Commit blocks locally, then queue them for the remote (a writer-thread job,
+        so that `flush` finds them queued once the write is done)."""
+        self.writeback.write_blocks(blocks)
+        self.remote.publish(blocks)
 
     def _describe(self) -> bytes:
         """The model's record: what its root key stands for, and its KV's dtypes and shapes."""

@@ -18,6 +18,7 @@ from .common import (
     UserError,
     add_json_option,
     add_model_option,
+    add_remote_option,
     add_store_option,
     emit,
     load_model,
@@ -224,6 +225,7 @@ def build_parser():
     )
     add_model_option(parser)
     add_store_option(parser)
+    add_remote_option(parser)
     add_block_size_option(parser)
     parser.add_argument(
         "--prompt",

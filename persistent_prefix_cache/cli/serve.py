@@ -25,7 +25,7 @@ import signal
 import sys
 from typing import Any
 
-from .common import UserError, add_store_option, parse_size, run, store_path
+from .common import UserError, add_remote_option, add_store_option, parse_size, remote_options, run, store_path
 
 log = logging.getLogger("persistent_prefix_cache.serve")
 
@@ -77,11 +77,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--store-readonly", action="store_true", help="restore from the store, never write it"
     )
+    add_remote_option(parser)
     return parser
 
 
 def _store_options(args: argparse.Namespace) -> dict[str, Any]:
-    options: dict[str, Any] = {"namespace": args.namespace, "readonly": args.store_readonly}
+    options: dict[str, Any] = {"namespace": args.namespace, "readonly": args.store_readonly, **remote_options(args)}
     if args.store_memory_bytes is not None:
         options["memory_bytes"] = args.store_memory_bytes
     if args.store_disk_bytes is not None:

@@ -313,6 +313,34 @@ class Servers:
             except self.redis.RedisError as exc:
                 raise OSError(f"cannot scan {address}: {exc}") from None
 
+    def info(self) -> list[dict]:
+        """Memory and eviction figures of every node (for ``ppc stats --remote``).
+
+        Raises:
+            OSError: If no node answers.
+        """
+        addresses: list[Any] = ["single"]
+        if self.target.cluster:
+            slots = self._slot_map()
+            if slots is None:
+                raise OSError("no cluster node answers")
+            addresses = sorted({a for a in slots if a is not None})
+        out = []
+        for address in addresses:
+            try:
+                client = self._node(address).client()
+                info = {**client.info("memory"), **client.info("stats")}
+            except self.redis.RedisError as exc:
+                out.append({"node": str(address), "error": str(exc)})
+                continue
+            out.append({
+                "node": str(address) if self.target.cluster else redact(self.target.url),
+                **{k: info.get(k) for k in ("used_memory", "maxmemory", "maxmemory_policy", "evicted_keys")},
+            })  # fmt: skip
+        if all("error" in n for n in out):
+            raise OSError(f"no node answers: {out[0]['error']}")
+        return out
+
     def close(self) -> None:
         """Close every connection."""
         with self._lock:

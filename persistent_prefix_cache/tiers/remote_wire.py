@@ -34,7 +34,7 @@ import xxhash
 
 from ..disk.codec import dtype_info
 from ..disk.node import Node
-from ..keys import KEY_BYTES, block_key
+from ..keys import block_key
 
 MAGIC = b"PPCB"
 WIRE_VERSION = 1
@@ -209,6 +209,28 @@ def decode(
     return Block(node, bits, len(value))
 
 
-def looks_like_key(key: bytes) -> bool:
-    """Whether `key` has the length of a block key."""
-    return len(key) == KEY_BYTES
+def header_of(value: bytes) -> dict:
+    """The JSON header of a value, unchecked (to learn what block it claims to be;
+    `decode` then checks everything against that).
+
+    Raises:
+        BadValue: If it does not parse.
+    """
+    if len(value) < _HEAD.size or value[:4] != MAGIC:
+        raise BadValue("corrupt", "not a block value of this format")
+    n_head = _HEAD.unpack_from(value)[4]
+    try:
+        head = json.loads(bytes(value[_HEAD.size : _HEAD.size + n_head]))
+        head["n"] = int(head["n"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise BadValue("corrupt", f"header does not decode: {exc}") from None
+    if not isinstance(head, dict) or not 0 < head["n"] <= len(value) // 4:
+        raise BadValue("corrupt", "header does not decode")
+    return head
+
+
+def tokens_of(value: bytes) -> bytes:
+    """The tokens a value claims to hold (unchecked, see `header_of`)."""
+    head = header_of(value)
+    at = _HEAD.size + _HEAD.unpack_from(value)[4]
+    return bytes(value[at : at + 4 * head["n"]])
