@@ -97,6 +97,10 @@ def test_host_b_restores_what_host_a_stored(tmp_path, model, redis_server):
     b.flush()
     st = b.stats()
     assert (st["remote_hits"], st["remote_blocks"], st["blocks"]) == (1, 7, 7)  # now on B's disk too
+    # The chain breaks at a full block of a longer query: the stored partial one still serves.
+    c = open_host(tmp_path / "c", model, redis_server.url, memory_bytes=0)
+    assert fetch_exact(c, model, toks + random_tokens(30, 3)) == 100
+    c.close()
     b.close()
     b = open_host(tmp_path / "b", model, redis_server.url)
     redis_server.client().flushall()  # the next fetch must be local

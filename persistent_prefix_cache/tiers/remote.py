@@ -44,6 +44,16 @@ COUNTERS = (
 )  # fmt: skip
 
 
+def _partials(parent: bytes, at: int, data: bytes, step: int, beyond: int) -> list[tuple]:
+    """Candidate partial blocks at position `at`, longest first: every length shorter
+    than a block that the query holds there and that ends past `beyond`."""
+    rest = data[4 * at : 4 * at + step - 4]
+    return [
+        (block_key(parent, rest[: 4 * i]), parent, at, rest[: 4 * i])
+        for i in range(len(rest) // 4, max(0, beyond - at), -1)
+    ]
+
+
 def _tensor_bytes(tensors: dict) -> int:
     total = 0
     for part in tensors.values():
@@ -119,26 +129,7 @@ class RemoteTier:
             self.counters.add(remote_skipped=1)
             return []
         errors = self.servers.errors
-        step = 4 * block_size
-        full = []  # (key, parent, position, tokens)
-        p, pos = parent, position
-        while 4 * pos + step <= len(data):
-            toks = data[4 * pos : 4 * pos + step]
-            k = block_key(p, toks)
-            full.append((k, p, pos, toks))
-            p, pos = k, pos + block_size
-        present = self.servers.call([("EXISTS", self.key(k)) for k, *_ in full]) if full else []
-        n = next((i for i, e in enumerate(present) if e != 1), len(full))
-        chain = full[:n]
-        tail = full[n - 1] if n else None
-        last, at = (tail[0], tail[2] + block_size) if tail else (parent, position)
-        if self.servers.available():
-            # A prompt stored shorter than the query ends with a partial block there:
-            # probe every length (one round trip).
-            rest = data[4 * at : 4 * at + step - 4]
-            partial = [(block_key(last, rest[: 4 * i]), last, at, rest[: 4 * i]) for i in range(len(rest) // 4, max(0, beyond - at), -1)]
-            found = self.servers.call([("EXISTS", self.key(k)) for k, *_ in partial]) if partial else []
-            chain += [c for c, e in zip(partial, found) if e == 1][:1]
+        chain = self.probe(parent, position, data, block_size, beyond=beyond)
         blocks = self._read(chain)
         if self.servers.errors > errors:
             self.counters.add(remote_errors=self.servers.errors - errors)
@@ -149,6 +140,36 @@ class RemoteTier:
         else:
             self.counters.add(remote_misses=1)
         return blocks
+
+    def probe(self, parent: bytes, position: int, data: bytes, block_size: int, *, beyond: int = 0) -> list[tuple]:
+        """Which blocks of the query's continuation the server holds (one round trip
+        when it holds them all, two when the chain breaks early).
+
+        Returns:
+            ``(key, parent, position, tokens)`` of the consecutive blocks held: full
+            blocks, then at most one partial block (the longest held).
+        """
+        step = 4 * block_size
+        full = []  # (key, parent, position, tokens)
+        p, pos = parent, position
+        while 4 * pos + step <= len(data):
+            toks = data[4 * pos : 4 * pos + step]
+            k = block_key(p, toks)
+            full.append((k, p, pos, toks))
+            p, pos = k, pos + block_size
+        # A prompt stored shorter than the query ends with a partial block: probe every
+        # length at the query's last block boundary with the same round trip.
+        tail = _partials(p, pos, data, step, beyond)
+        found = self.servers.call([("EXISTS", self.key(c[0])) for c in full + tail]) if full or tail else []
+        n = next((i for i, e in enumerate(found[: len(full)]) if e != 1), len(full))
+        if n == len(full):
+            return full + [c for c, e in zip(tail, found[len(full) :]) if e == 1][:1]
+        if not self.servers.available():
+            return full[:n]
+        last, at = (full[n - 1][0], full[n - 1][2] + block_size) if n else (parent, position)
+        tail = _partials(last, at, data, step, beyond)
+        found = self.servers.call([("EXISTS", self.key(c[0])) for c in tail]) if tail else []
+        return full[:n] + [c for c, e in zip(tail, found) if e == 1][:1]
 
     def _read(self, chain: list[tuple[bytes, bytes, int, bytes]]) -> list[wire.Block]:
         blocks: list[wire.Block] = []
