@@ -142,8 +142,12 @@ class RemoteTier:
         return blocks
 
     def probe(self, parent: bytes, position: int, data: bytes, block_size: int, *, beyond: int = 0) -> list[tuple]:
-        """Which blocks of the query's continuation the server holds (one round trip
-        when it holds them all, two when the chain breaks early).
+        """Which blocks of the query's continuation the server holds.
+
+        One server: one round trip when it holds the whole chain or none of it (a
+        multi-key EXISTS counts the full blocks, another the partial candidates), a
+        few more when the chain breaks early. A cluster: EXISTS per key, pipelined
+        per node (a cluster refuses multi-key commands across slots).
 
         Returns:
             ``(key, parent, position, tokens)`` of the consecutive blocks held: full
@@ -158,15 +162,61 @@ class RemoteTier:
             full.append((k, p, pos, toks))
             p, pos = k, pos + block_size
         # A prompt stored shorter than the query ends with a partial block: probe every
-        # length at the query's last block boundary with the same round trip.
+        # length at the query's last block boundary in the same round trip.
         tail = _partials(p, pos, data, step, beyond)
+        if self.servers.target.cluster:
+            return self._probe_each(full, tail, parent, position, data, step, beyond)
+        fk = [self.key(c[0]) for c in full]
+        n_full, n_tail = self._counts([fk, [self.key(c[0]) for c in tail]])
+        if n_full is UNAVAILABLE:
+            return []
+        n = n_full
+        if n_full < len(full):
+            n, tail, n_tail = self._first_missing(full, fk, n_full, parent, position, data, step, beyond)
+        if n is UNAVAILABLE:
+            return []
+        if n_tail is UNAVAILABLE or not n_tail:
+            return full[:n]
+        found = self.servers.call([("EXISTS", self.key(c[0])) for c in tail])
+        return full[:n] + [c for c, e in zip(tail, found) if e == 1][:1]
+
+    def _counts(self, groups: list[list[bytes]]) -> list:
+        """How many keys of each group exist (0 for an empty group), one round trip."""
+        asked = [g for g in groups if g]
+        got = iter(self.servers.call([("COUNT", g[0], g) for g in asked]) if asked else [])
+        return [next(got) if g else 0 for g in groups]
+
+    def _first_missing(self, full, fk, held, parent, position, data, step, beyond):
+        """(blocks before the first missing one, the partial candidates there, how many
+        of those exist), knowing that `held` of the full blocks exist."""
+
+        def tail_at(n):
+            last, at = (full[n - 1][0], full[n - 1][2] + step // 4) if n else (parent, position)
+            return _partials(last, at, data, step, beyond)
+
+        # Mostly the server holds a prefix of the chain: then its first `held` keys exist.
+        tail = tail_at(held)
+        prefix, n_tail = self._counts([fk[:held], [self.key(c[0]) for c in tail]])
+        if prefix is UNAVAILABLE or prefix == held:
+            return prefix if prefix is UNAVAILABLE else held, tail, n_tail
+        lo, hi = 0, held - 1  # a hole: the longest fully held prefix, by bisection
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            got = self._counts([fk[:mid]])[0]
+            if got is UNAVAILABLE:
+                return UNAVAILABLE, [], 0
+            lo, hi = (mid, hi) if got == mid else (lo, mid - 1)
+        tail = tail_at(lo)
+        return lo, tail, self._counts([[self.key(c[0]) for c in tail]])[0]
+
+    def _probe_each(self, full, tail, parent, position, data, step, beyond) -> list[tuple]:
         found = self.servers.call([("EXISTS", self.key(c[0])) for c in full + tail]) if full or tail else []
         n = next((i for i, e in enumerate(found[: len(full)]) if e != 1), len(full))
         if n == len(full):
             return full + [c for c, e in zip(tail, found[len(full) :]) if e == 1][:1]
         if not self.servers.available():
             return full[:n]
-        last, at = (full[n - 1][0], full[n - 1][2] + block_size) if n else (parent, position)
+        last, at = (full[n - 1][0], full[n - 1][2] + step // 4) if n else (parent, position)
         tail = _partials(last, at, data, step, beyond)
         found = self.servers.call([("EXISTS", self.key(c[0])) for c in tail]) if tail else []
         return full[:n] + [c for c, e in zip(tail, found) if e == 1][:1]

@@ -154,7 +154,10 @@ class _Node:
 
 
 UNAVAILABLE = type("Unavailable", (), {"__repr__": lambda self: "UNAVAILABLE"})()
-Command = tuple  # ("GET", key) / ("EXISTS", key) / ("SET", key, value, ttl_ms)
+# ("GET", key) / ("EXISTS", key) / ("SET", key, value, ttl_ms) / ("COUNT", key, keys):
+# how many of `keys` exist, in one command (one server only: a cluster refuses keys of
+# several slots in one command).
+Command = tuple
 
 
 class Servers:
@@ -269,6 +272,8 @@ class Servers:
                         pipe.set(c[1], c[2], nx=True, px=c[3])
                     elif c[0] == "GET":
                         pipe.get(c[1])
+                    elif c[0] == "COUNT":  # one server only: keys of many slots
+                        pipe.exists(*c[2])
                     else:
                         pipe.exists(c[1])
                 results = pipe.execute(raise_on_error=False)
