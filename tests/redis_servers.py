@@ -62,11 +62,12 @@ class RedisServer:
         port: The port (a free one if None).
     """
 
-    def __init__(self, workdir, *, args=(), port: int | None = None):
+    def __init__(self, workdir, *, args=(), port: int | None = None, tls: tuple[str, str] | None = None):
         self.workdir = str(workdir)
         os.makedirs(self.workdir, exist_ok=True)
         self.args = list(args)
         self.port = port or free_port()
+        self.tls = tls  # (certificate, key) files: serve TLS only, on `port`
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -75,8 +76,13 @@ class RedisServer:
 
     def start(self) -> "RedisServer":
         """Start it and wait (bounded) until it answers PING."""
+        ports = ["--port", str(self.port)]
+        if self.tls:
+            cert, key = self.tls
+            ports = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", cert, "--tls-key-file", key,
+                     "--tls-ca-cert-file", cert, "--tls-auth-clients", "no"]  # fmt: skip
         cmd = [
-            "redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            "redis-server", *ports, "--bind", "127.0.0.1", "--save", "",
             "--appendonly", "no", "--dir", self.workdir, "--logfile", f"redis-{self.port}.log",
             "--protected-mode", "no", *self.args,
         ]  # fmt: skip
@@ -99,7 +105,8 @@ class RedisServer:
         password = None
         if "--requirepass" in self.args:
             password = self.args[self.args.index("--requirepass") + 1]
-        return redis.Redis(host="127.0.0.1", port=self.port, password=password, socket_timeout=timeout)
+        tls = {"ssl": True, "ssl_cert_reqs": "none"} if self.tls else {}
+        return redis.Redis(host="127.0.0.1", port=self.port, password=password, socket_timeout=timeout, **tls)
 
     def kill(self) -> None:
         """SIGKILL and reap."""

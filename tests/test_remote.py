@@ -24,8 +24,14 @@ from persistent_prefix_cache.tiers import remote_wire as wire
 BS = 16
 
 
+# Generous: on a loaded machine a loopback server can stall for more than the default
+# 0.1 s, and a test must not depend on timing; the fault tests set their own.
+TIMEOUT = 10.0
+
+
 def open_host(path, model, url, **kw):
     kw.setdefault("memory_bytes", 64 << 20)
+    kw.setdefault("remote_timeout", TIMEOUT)
     return PersistentPrefixCache(path, model, block_size=BS, remote=url, **kw)
 
 
@@ -155,7 +161,7 @@ def test_server_paused_costs_one_timeout_then_backs_off(tmp_path, model, redis_s
     toks = random_tokens(48, 9, first=8)
     a = open_host(tmp_path / "a", model, redis_server.url)
     publish(a, model, toks)
-    b = open_host(tmp_path / "b", model, redis_server.url)
+    b = open_host(tmp_path / "b", model, redis_server.url, remote_timeout=0.5)
     redis_server.client().execute_command("CLIENT", "PAUSE", 60000, "ALL")
     try:
         started = time.monotonic()
@@ -307,3 +313,33 @@ def test_ttl_and_publish_queue_bound(tmp_path, model, redis_server):
     st = a.stats()
     assert st["remote_dropped"] == 3 and st["remote_pending"] == 0
     a.close()
+
+
+def test_tls(tmp_path, model):
+    import shutil
+
+    from redis_servers import RedisServer, require_redis
+
+    require_redis()
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a test certificate")
+    cert, key = str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert, "-days", "1",
+         "-subj", "/CN=127.0.0.1"], check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    server = RedisServer(tmp_path / "redis", tls=(cert, key)).start()
+    try:
+        url = f"rediss://127.0.0.1:{server.port}?ssl_ca_certs={cert}&ssl_check_hostname=false"
+        toks = random_tokens(40, 18, first=18)
+        a = open_host(tmp_path / "a", model, url)
+        publish(a, model, toks)
+        assert a.stats()["remote_published"] == 3
+        b = open_host(tmp_path / "b", model, url)
+        assert fetch_exact(b, model, toks + [1]) == 40
+        plain = open_host(tmp_path / "c", model, f"redis://127.0.0.1:{server.port}")  # TLS port, no TLS
+        assert fetch_exact(plain, model, toks + [1]) == 0 and plain.stats()["remote_errors"] == 1
+        for h in (a, b, plain):
+            h.close()
+    finally:
+        server.stop()

@@ -14,6 +14,8 @@ from persistent_prefix_cache.cli import main as ppc_main
 
 @pytest.fixture
 def ppc(capsys, monkeypatch):
+    monkeypatch.setenv("PPC_REMOTE_TIMEOUT", "10")  # a loaded machine must not make a fetch miss
+
     def call(*args, env=None):
         capsys.readouterr()
         for k, v in (env or {}).items():

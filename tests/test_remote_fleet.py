@@ -13,7 +13,7 @@ import os
 import numpy as np
 from helpers import random_tokens
 from store_worker import Worker, wait_for_pause
-from test_remote import BS, fetch_exact, open_host, publish, server_keys
+from test_remote import BS, TIMEOUT, fetch_exact, open_host, publish, server_keys
 
 from persistent_prefix_cache.keys import chain_keys
 from persistent_prefix_cache.tiers import remote_wire as wire
@@ -21,7 +21,8 @@ from persistent_prefix_cache.tiers import remote_wire as wire
 
 def host(tmp_path, store, tiny_model_dir, url, steps, *, name=None, env=None):
     """A host process with its own store directory (``tmp_path / store``)."""
-    spec = {"model": str(tiny_model_dir), "store": str(tmp_path / store), "block_size": BS, "remote": url, "steps": steps}
+    spec = {"model": str(tiny_model_dir), "store": str(tmp_path / store), "block_size": BS, "remote": url,
+            "remote_timeout": TIMEOUT, "steps": steps}  # fmt: skip
     return Worker(spec, str(tmp_path), name=name or store, env=env)
 
 

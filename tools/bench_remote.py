@@ -19,7 +19,6 @@ Skipped with a note when ``redis-server`` or redis-py is missing.
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
@@ -87,7 +86,7 @@ def remote_figures(bench: Any, shape: Any, helpers: dict) -> dict | None:
         tokens = np.random.default_rng(99).integers(0, 32000, shape.tokens).astype(np.int32)
         query = np.concatenate([tokens, np.array([7], dtype=np.int32)])
         big = 2 * shape.kv_bytes + (64 << 20)
-        with bench.open_store(bench.scratch("publisher"), shape, remote=server.url) as a:
+        with bench.open_store(bench.scratch("publisher"), shape, remote=server.url, remote_timeout=10) as a:
             a.store(tokens, cache)
             a.flush()
             published = a.stats()["remote_published"]
@@ -101,7 +100,9 @@ def remote_figures(bench: Any, shape: Any, helpers: dict) -> dict | None:
             assert restored is not None and restored[0].offset == shape.tokens
 
         def fresh_remote():
-            return bench.open_store(bench.scratch("host"), shape, remote=server.url, memory_bytes=big)
+            # A generous timeout: a stall of this loaded machine must not end a restore
+            # (the timeout bounds stalls only; it does not change the throughput).
+            return bench.open_store(bench.scratch("host"), shape, remote=server.url, memory_bytes=big, remote_timeout=10)
 
         def drop(s) -> None:
             s.close()
@@ -134,7 +135,7 @@ def remote_figures(bench: Any, shape: Any, helpers: dict) -> dict | None:
         # The probe of a 32k-token prompt whose every block the server holds.
         bs = bench.args.block_size
         long = np.random.default_rng(5).integers(0, 32000, 32768).astype(np.int32)
-        with bench.open_store(bench.scratch("probe"), shape, remote=server.url) as p:
+        with bench.open_store(bench.scratch("probe"), shape, remote=server.url, remote_timeout=10) as p:
             from persistent_prefix_cache.keys import chain_keys
 
             keys = chain_keys(p.root, long, bs)
@@ -153,7 +154,8 @@ def remote_figures(bench: Any, shape: Any, helpers: dict) -> dict | None:
 
         def new_store(remote: bool):
             def make():
-                return bench.open_store(bench.scratch("store"), shape, **({"remote": server.url} if remote else {}))
+                extra = {"remote": server.url, "remote_timeout": 10} if remote else {}
+                return bench.open_store(bench.scratch("store"), shape, **extra)
 
             return make
 

@@ -59,7 +59,8 @@ def add_remote_option(parser: argparse.ArgumentParser) -> None:
 
 
 def remote_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``remote`` and ``remote_secret`` for `PersistentPrefixCache` from ``--remote`` and
+    """``remote``, ``remote_secret`` (``$PPC_REMOTE_SECRET``) and ``remote_timeout``
+    (``$PPC_REMOTE_TIMEOUT``, seconds) for `PersistentPrefixCache` from ``--remote`` and
     the environment (empty without a remote).
 
     Raises:
@@ -71,7 +72,14 @@ def remote_options(args: argparse.Namespace) -> dict[str, Any]:
     from ..tiers.remote_client import parse_url
 
     parse_url(url)
-    return {"remote": url, "remote_secret": os.environ.get("PPC_REMOTE_SECRET") or None}
+    options = {"remote": url, "remote_secret": os.environ.get("PPC_REMOTE_SECRET") or None}
+    timeout = os.environ.get("PPC_REMOTE_TIMEOUT")
+    if timeout:
+        try:
+            options["remote_timeout"] = float(timeout)
+        except ValueError:
+            raise UserError(f"PPC_REMOTE_TIMEOUT={timeout!r} is not a number of seconds") from None
+    return options
 
 
 def add_json_option(parser: argparse.ArgumentParser) -> None:
