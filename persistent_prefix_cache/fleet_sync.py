@@ -78,7 +78,7 @@ def push_store(
                         url, root=root, secret=secret, ttl=ttl, timeout=BULK_TIMEOUT, queue_bytes=0, counters=counters
                     )
             first = tiers[root_of[batch[0].key]]
-            held = first.servers.call([("EXISTS", tiers[root_of[n.key]].key(n.key)) for n in batch])
+            held = first.bulk.call([("EXISTS", tiers[root_of[n.key]].key(n.key)) for n in batch])
             out["already"] += sum(1 for h in held if h == 1)
             out["failed"] += sum(1 for h in held if h is UNAVAILABLE)
             missing = [n for n, h in zip(batch, held) if h == 0]
@@ -130,13 +130,13 @@ def pull_model(store: Any, progress: Progress | None = None) -> dict[str, int]:
     tier, fill, writeback = store.remote, store.remote_fill, store.writeback
     if tier is None or writeback is None:
         raise InvalidArgumentError("pull needs a writable store opened with remote=URL")
-    keys = sorted(set(tier.servers.scan(wire.key_pattern(store.root))))
+    keys = sorted(set(tier.bulk.scan(wire.key_pattern(store.root))))
     out = dict.fromkeys(("found", "pulled", "present", "rejected", "orphans"), 0)
     out["found"] = len(keys)
     blocks: list[wire.Block] = []
     for lo in range(0, len(keys), BATCH):
         batch = keys[lo : lo + BATCH]
-        for skey, value in zip(batch, tier.servers.call([("GET", k) for k in batch])):
+        for skey, value in zip(batch, tier.bulk.call([("GET", k) for k in batch])):
             block = _verified(tier, fill, store.root, skey, value)
             if block is None:
                 out["rejected"] += value is not None and value is not UNAVAILABLE

@@ -36,6 +36,7 @@ log = logging.getLogger("persistent_prefix_cache")
 BATCH_BLOCKS = 8
 PUBLISH_BATCH = 16
 DEFAULT_TIMEOUT = 0.1
+PUBLISH_TIMEOUT = 2.0
 DEFAULT_QUEUE_BYTES = 256 * 1024 * 1024
 COUNTERS = (
     "remote_hits", "remote_misses", "remote_blocks", "remote_errors", "remote_corrupt",
@@ -92,6 +93,9 @@ class RemoteTier:
     ):
         self.url = redact(url)
         self.servers = Servers(url, timeout=timeout)
+        # Publishing has connections of its own, with a longer timeout: no caller waits
+        # on it, and a batch of large values may take longer than a fetch may wait.
+        self.bulk = Servers(url, timeout=max(timeout, PUBLISH_TIMEOUT))
         self.root = root
         self.mac = wire.mac_key(secret) if secret else None
         self.ttl_ms = None if ttl is None else max(1, int(ttl * 1000))
@@ -298,25 +302,25 @@ class RemoteTier:
             (blocks written, blocks the server already held); the rest failed and
             were counted.
         """
-        if not self.servers.available():
+        if not self.bulk.available():
             self.counters.add(remote_publish_failed=len(blocks))
             return 0, 0
-        errors = self.servers.errors
+        errors = self.bulk.errors
         values = [(self.key(node.key), wire.encode(self.key(node.key), node, t, self.mac)) for node, t in blocks]
         commands = [("SET", k, v, self.ttl_ms) for k, v in values]
         if os.environ.get("PPC_PAUSE_AT") == "remote_publish" and len(commands) > 1:
             # Crash tests: stop (to be killed) with the first block published, the rest not.
-            results = self.servers.call(commands[:1])
+            results = self.bulk.call(commands[:1])
             pause_point("remote_publish")
-            results += self.servers.call(commands[1:])
+            results += self.bulk.call(commands[1:])
         else:
-            results = self.servers.call(commands)
+            results = self.bulk.call(commands)
         written = [len(v) for (_, v), r in zip(values, results) if r is True]
         already = sum(1 for r in results if r is None)
         failed = len(results) - len(written) - already
         self.counters.add(
             remote_published=len(written), remote_bytes_published=sum(written), remote_already=already,
-            remote_publish_failed=failed, remote_errors=self.servers.errors - errors,
+            remote_publish_failed=failed, remote_errors=self.bulk.errors - errors,
         )  # fmt: skip
         return len(written), already
 
@@ -344,3 +348,4 @@ class RemoteTier:
         if thread is not None and thread is not threading.current_thread():
             thread.join()
         self.servers.close()
+        self.bulk.close()
