@@ -14,11 +14,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import mlx.core as mx
 import numpy as np
 
 from .costs import Costs
-from .disk.codec import mx_dtype
+from .disk.assemble import HostBits, join_on_device
 from .disk.segment import is_sliced
 from .keys import chain_keys
 from .layers import Layout
@@ -54,7 +53,7 @@ class RemoteFill:
         self.remote, self.trie, self.memory, self.layout = remote, trie, memory, layout
         self.writeback, self.costs, self.root, self.block_size = writeback, costs, root, block_size
 
-    def fill(self, toks: np.ndarray, matched: int = 0) -> bool:
+    def fill(self, toks: np.ndarray, matched: int = 0) -> list[Block] | None:
         """Bring the remote's continuation of the local chain for `toks` into the RAM tier.
 
         Args:
@@ -62,36 +61,48 @@ class RemoteFill:
             matched: Tokens the local store serves already.
 
         Returns:
-            Whether any block came from the remote.
+            None if no block came from the remote; else the blocks still to write into
+            the local store (`write`: after the caller's restore, so that the writer
+            thread does not compete with it), empty if they are written already.
         """
         keys = chain_keys(self.root, toks, self.block_size)
         data = toks.tobytes()
         held = self.trie.stored_prefix(keys, data)
         if held is None or len(held) == len(keys):
-            return False  # a key collision, or the local store holds the whole query
+            return None  # a key collision, or the local store holds the whole query
         full = sum(1 for node in held if node.n_tokens == self.block_size)
         parent = keys[full - 1] if full else self.root
         started = time.perf_counter()
         blocks = self._fit(self.remote.read_chain(parent, full * self.block_size, data, self.block_size, beyond=matched))
         if not blocks:
-            return False
+            return None
         now = time.time_ns()
-        total = 0
+        total = sum(block.node.size for block in blocks)
+        # The RAM tier holds the blocks' bits as read (one copy less), unless a GPU
+        # joins them with MLX operations.
+        as_mx = join_on_device()
         for block in blocks:
             block.node.last_access = now
             tensors = {lid: {} for lid in self.layout.kinds}
             for lid, part in block.bits.items():
                 for fld, (bits, dtype) in part.items():
-                    tensors[lid][fld] = mx.array(bits).view(mx_dtype(dtype))
-            mx.eval([x for part in tensors.values() for x in part.values()])
+                    tensors[lid][fld] = HostBits(bits, dtype).to_mx() if as_mx else HostBits(bits, dtype)
             self.memory.put(block.node, tensors)
-            total += block.node.size
         self.costs.observe_restore("remote", total, time.perf_counter() - started)
-        if self.writeback is not None:
-            future = self.writeback.submit(self.writeback.write_blocks, [(b.node, b.bits) for b in blocks])
-            if total > self.memory.max_bytes:
-                future.result()  # the RAM tier cannot hold them all: the fetch reads them from disk
-        return True
+        if self.writeback is not None and total > self.memory.max_bytes:
+            self.write(blocks).result()  # the RAM tier cannot hold them all: the fetch reads them from disk
+            return []
+        return blocks
+
+    def write(self, blocks: list[Block]) -> Any:
+        """Hand remote blocks to the writer thread (a no-op for a read-only store).
+
+        Returns:
+            The write's future (None for a read-only store).
+        """
+        if self.writeback is None or not blocks:
+            return None
+        return self.writeback.submit(self.writeback.write_blocks, [(b.node, b.bits) for b in blocks])
 
     def fits(self, block: Block) -> bool:
         """Whether one block's tensors fit the model's layout (see `_fit`)."""

@@ -219,9 +219,18 @@ class PersistentPrefixCache:
         self._check_open()
         toks = as_token_array(tokens)
         path, matched = self.trie.longest(toks) if self.layout.unsupported is None else ([], 0)
-        if self.remote_fill is not None and path is not None and matched < len(toks) - 1 and self.layout.unsupported is None:
-            if self.remote_fill.fill(toks, matched):  # the fleet held more: its blocks are in the RAM tier now
+        pending = None
+        if self.remote_fill is not None and matched < len(toks) - 1 and self.layout.unsupported is None:
+            pending = self.remote_fill.fill(toks, matched)
+            if pending is not None:  # the fleet held more: its blocks are in the RAM tier now
                 path, matched = self.trie.longest(toks)
+        result = self._restore(tokens, path, matched, longer_than)
+        if pending:
+            self.remote_fill.write(pending)  # into the local store, once the caller's restore is done
+        return result
+
+    def _restore(self, tokens: Any, path: list[Node], matched: int, longer_than: int | None) -> tuple[list | None, Any]:
+        """The rest of `fetch`: restore `path` up to `matched` tokens (cost model, damage)."""
         if longer_than is not None and matched <= longer_than:
             self.counters.add(not_longer=1)
             return None, tokens

@@ -108,7 +108,7 @@ def test_bench_smoke_reports_every_figure(tmp_path):
         for name in ("remote_vs_disk_warm", "probe_32k_ms", "store_publish_caller_vs_async"):
             assert positive(remote["ratios"][name]["value"]), name
         assert remote["probe_32k"]["blocks"] == 32768 // result["config"]["block_size"]
-        assert remote["batch_blocks"] in remote["batch_sweep_gbps"] or str(remote["batch_blocks"]) in remote["batch_sweep_gbps"]
+        assert remote["batch_bytes"] > 0 and remote["batch_blocks"] >= 1
         assert all(positive(v) for v in remote["batch_sweep_gbps"].values())
 
     try:

@@ -12,7 +12,7 @@ Figures, on the bench's first case (the same synthetic cache):
 - ``ours_store_async_caller`` with and without a remote: the caller's cost of
   ``store()``, ratio ``store_publish_caller_vs_async`` (target <= 1.1: publishing runs
   on threads, the caller pays at most noise);
-- a sweep of the pipeline's batch size (blocks per round trip), in GB/s.
+- a sweep of the pipeline's batch size (bytes per round trip), in GB/s.
 
 Skipped with a note when ``redis-server`` or redis-py is missing.
 """
@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-BATCHES = (1, 4, 8, 16, 32)
+BATCH_BYTES = (256 << 10, 1 << 20, 2 << 20, 8 << 20, 32 << 20)
 
 
 def _free_port() -> int:
@@ -123,14 +123,17 @@ def remote_figures(bench: Any, shape: Any, helpers: dict) -> dict | None:
         figures = {name: summarize(t, shape.kv_bytes) for name, t in times.items()}
 
         sweep = {}
-        chosen = remote_tier.BATCH_BLOCKS
+        chosen = remote_tier.BATCH_BYTES
+        block_bytes = shape.kv_bytes // max(1, published)
         try:
-            for batch in BATCHES:
-                remote_tier.BATCH_BLOCKS = batch
+            for batch in BATCH_BYTES:
+                remote_tier.BATCH_BYTES = batch
                 t = contest([Contender(f"batch_{batch}", fetch, fresh_remote, drop)], max(1, bench.repeat // 2))
-                sweep[batch] = summarize(t[f"batch_{batch}"], shape.kv_bytes)["gbps"]
+                sweep[f"{batch >> 10} KiB ({max(1, min(64, batch // block_bytes))} blocks)"] = summarize(
+                    t[f"batch_{batch}"], shape.kv_bytes
+                )["gbps"]
         finally:
-            remote_tier.BATCH_BLOCKS = chosen
+            remote_tier.BATCH_BYTES = chosen
 
         # The probe of a 32k-token prompt whose every block the server holds.
         bs = bench.args.block_size
@@ -175,7 +178,8 @@ def remote_figures(bench: Any, shape: Any, helpers: dict) -> dict | None:
         return {
             "shape": shape.describe(),
             "blocks": published,
-            "batch_blocks": chosen,
+            "batch_bytes": chosen,
+            "batch_blocks": max(1, min(64, chosen // block_bytes)),
             "batch_sweep_gbps": sweep,
             "figures": f,
             "probe_32k": {**probe, "blocks": len(keys)},
@@ -199,7 +203,7 @@ def format_remote(r: dict | None) -> list[str]:
     lines = [
         "",
         f"remote tier (loopback redis-server; {r['shape']}, {r['blocks']} blocks, "
-        f"{r['batch_blocks']} blocks per pipelined read)",
+        f"{r['batch_bytes'] >> 10} KiB = {r['batch_blocks']} blocks per pipelined read)",
     ]
     for name, label in (
         ("ours_fetch_remote", "ours   fetch() from the remote, empty local store"),
@@ -211,7 +215,7 @@ def format_remote(r: dict | None) -> list[str]:
     lines.append(f"  {'probe of a 32k-token prompt (' + str(r['probe_32k']['blocks']) + ' blocks)':<52} "
                  f"{r['probe_32k']['median_s'] * 1e3:9.2f} ms")  # fmt: skip
     sweep = ", ".join(f"{b}: {g:.2f}" for b, g in r["batch_sweep_gbps"].items())
-    lines.append(f"  batch size sweep (blocks per round trip: GB/s)  {sweep}")
+    lines.append(f"  batch size sweep (bytes per round trip: GB/s)  {sweep}")
     for name, value in r["ratios"].items():
         target = f" (target {value['target']})" if value.get("target") else ""
         lines.append(f"  {name:<52} {value['value']:9.3f}{target}")

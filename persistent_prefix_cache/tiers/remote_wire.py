@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -196,7 +197,7 @@ def decode(
     try:
         for lid, fld, dtype, shape, offset in specs:
             itemsize = dtype_info(dtype)[1]
-            count = int(np.prod(shape, dtype=np.int64))
+            count = math.prod(int(d) for d in shape)
             start = data + int(offset)
             if offset < 0 or count < 0 or start + count * itemsize > body:
                 raise ValueError("tensor outside the value")
