@@ -343,3 +343,28 @@ def test_tls(tmp_path, model):
             h.close()
     finally:
         server.stop()
+
+
+def test_recurrent_and_window_layers_restore_from_the_remote(tmp_path, redis_server):
+    # Snapshots (a recurrent state, a rotating window) travel in the value too.
+    from families import build
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from helpers import feed
+
+    for family in ("qwen3_next", "gemma3_text"):
+        model = build(family)
+        toks = random_tokens(48, 19, first=19)
+        rest = random_tokens(5, 20)
+        a = open_host(tmp_path / f"a-{family}", model, redis_server.url)
+        cache = make_prompt_cache(model)
+        feed(model, cache, toks)
+        a.store(toks, cache)
+        a.flush()
+        want = feed(model, cache, rest)  # how the cache A stored goes on
+        b = open_host(tmp_path / f"b-{family}", model, redis_server.url)
+        restored, remaining = b.fetch(toks + rest)
+        assert len(remaining) == len(rest) and b.stats()["remote_blocks"] == 3
+        assert_same_logits(feed(model, restored, remaining), want)
+        for h in (a, b):
+            h.close()
