@@ -8,7 +8,6 @@ loses a node (its slots miss, the rest serve).
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 from helpers import random_tokens
