@@ -66,3 +66,9 @@ class UnsupportedServerError(PrefixCacheError):
     """The installed ``mlx_lm.server`` does not have the structure ``ppc serve`` patches."""
 
     hint = "install an mlx-lm version ppc serve was checked with"
+
+
+class MissingDependencyError(PrefixCacheError, ImportError):
+    """An optional feature needs a package that is not installed."""
+
+    hint = "pip install 'persistent-prefix-cache[remote]'"

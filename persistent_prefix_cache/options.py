@@ -38,3 +38,23 @@ def check_options(
         raise InvalidArgumentError(f"kv_group_size must be 32, 64 or 128, got {kv_group_size!r}")
     if model_path is not None and not os.path.isdir(model_path):
         raise InvalidArgumentError(f"model_path {model_path!r} is not a folder")
+
+
+def check_remote(*, remote, secret, ttl, timeout) -> None:
+    """Raise `InvalidArgumentError` for a malformed remote option (the URL included)."""
+    from .tiers.remote_client import parse_url
+
+    if remote is None:
+        if secret is not None or ttl is not None:
+            raise InvalidArgumentError("remote_secret and remote_ttl need remote=URL")
+        return
+    if not isinstance(remote, str):
+        raise InvalidArgumentError(f"remote must be a URL string, got {type(remote).__name__}")
+    parse_url(remote)
+    if secret is not None and (not isinstance(secret, (str, bytes)) or not secret):
+        raise InvalidArgumentError("remote_secret must be a non-empty str or bytes")
+    for name, value in (("remote_ttl", ttl), ("remote_timeout", timeout)):
+        if value is None and name == "remote_ttl":
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise InvalidArgumentError(f"{name} must be a number of seconds > 0, got {value!r}")

@@ -35,10 +35,12 @@ from .keys import as_token_array, chain_keys, root_key
 from .layers import Layout, cache_length, signature_of, template_cache
 from .lookup import Trie, back_off
 from .costs import Costs
-from .options import check_options, existing_but_not_writable
+from .options import check_options, check_remote, existing_but_not_writable
 from .paths import expand_path
 from .restore import restore
+from .fleet import RemoteFill, remote_counters
 from .tiers.memory import MemoryTier
+from .tiers.remote import COUNTERS as REMOTE_COUNTERS, DEFAULT_QUEUE_BYTES, DEFAULT_TIMEOUT as DEFAULT_REMOTE_TIMEOUT, RemoteTier
 from .writeback import Counters, WriteBack, sweep_orphans
 
 log = logging.getLogger("persistent_prefix_cache")
@@ -86,6 +88,16 @@ class PersistentPrefixCache:
         cost_model: Restore only the prefix that is faster to restore than to compute,
             by the rates this handle measured (see `costs`); False restores whatever
             is stored.
+        remote: A Redis / Valkey URL (``redis://``, ``rediss://``, ``unix://``,
+            ``redis+cluster://h:p,h:p``): the fleet's shared block tier, read after
+            the local store and published to in the background (see `tiers.remote`).
+        remote_secret: MAC every published value with this secret and accept only
+            values carrying a valid MAC.
+        remote_ttl: Seconds a published block lives on the server (None: until the
+            server evicts it).
+        remote_timeout: Seconds one round trip to the server may take; a server that
+            does not answer costs a fetch at most about this, then is skipped for a
+            back-off.
 
     Raises:
         InvalidArgumentError: On bad arguments.
@@ -109,10 +121,15 @@ class PersistentPrefixCache:
         kv_group_size: int = 64,
         sync_writes: bool = False,
         cost_model: bool = True,
+        remote: str | None = None,
+        remote_secret: str | bytes | None = None,
+        remote_ttl: float | None = None,
+        remote_timeout: float = DEFAULT_REMOTE_TIMEOUT,
     ):
         path = expand_path(path, what="path")
         if model_path is not None:
             model_path = expand_path(model_path, what="model_path")
+        check_remote(remote=remote, secret=remote_secret, ttl=remote_ttl, timeout=remote_timeout)
         check_options(
             fingerprint=fingerprint, model_path=model_path, namespace=namespace, block_size=block_size,
             memory_bytes=memory_bytes, disk_bytes=disk_bytes, kv_bits=kv_bits, kv_group_size=kv_group_size,
@@ -159,13 +176,27 @@ class PersistentPrefixCache:
         self.layout.fields = self._recorded_fields()
         self.memory = MemoryTier(memory_bytes)
         self.trie = Trie(self.index, self.memory, self.root, self.block_size)
-        self.counters = Counters(*COUNTERS)
+        self.counters = Counters(*COUNTERS, *REMOTE_COUNTERS)
         self.costs = Costs(enabled=cost_model)
         self.writeback = None
         if not readonly:
             self.writeback = WriteBack(
                 self.index, self.files, self.memory, self.counters,
                 root=self.root, describe=self._describe, disk_bytes=disk_bytes,
+            )  # fmt: skip
+        self.remote = self.remote_fill = None
+        if remote is not None:
+            try:
+                self.remote = RemoteTier(
+                    remote, root=self.root, secret=remote_secret, ttl=remote_ttl, timeout=remote_timeout,
+                    queue_bytes=DEFAULT_QUEUE_BYTES, counters=self.counters,
+                )  # fmt: skip
+            except BaseException:
+                self.close()
+                raise
+            self.remote_fill = RemoteFill(
+                self.remote, trie=self.trie, memory=self.memory, layout=self.layout, writeback=self.writeback,
+                costs=self.costs, root=self.root, block_size=self.block_size,
             )  # fmt: skip
         _OPEN_STORES.add(self)
 
@@ -193,6 +224,18 @@ class PersistentPrefixCache:
         self._check_open()
         toks = as_token_array(tokens)
         path, matched = self.trie.longest(toks) if self.layout.unsupported is None else ([], 0)
+        pending = None
+        if self.remote_fill is not None and matched < len(toks) - 1 and self.layout.unsupported is None:
+            pending = self.remote_fill.fill(toks, matched)
+            if pending is not None:  # the fleet held more: its blocks are in the RAM tier now
+                path, matched = self.trie.longest(toks)
+        result = self._restore(tokens, path, matched, longer_than)
+        if pending:
+            self.remote_fill.write(pending)  # into the local store, once the caller's restore is done
+        return result
+
+    def _restore(self, tokens: Any, path: list[Node], matched: int, longer_than: int | None) -> tuple[list | None, Any]:
+        """The rest of `fetch`: restore `path` up to `matched` tokens (cost model, damage)."""
         if longer_than is not None and matched <= longer_than:
             if longer_than == 0:
                 # The caller holds nothing and the store has nothing: a plain miss
@@ -336,16 +379,20 @@ class PersistentPrefixCache:
             self.layout.learn_fields(tensors)  # the dtypes and shapes a read must find
             self.memory.put(node, tensors, origin)
         if new:
-            future = self.writeback.submit(self.writeback.write_blocks, [(node, bits) for node, _, bits, _ in new])
+            job = self.writeback.write_blocks if self.remote is None else self._write_and_publish
+            future = self.writeback.submit(job, [(node, bits) for node, _, bits, _ in new])
             if self.sync_writes:
                 future.result()
         return len(new)
 
     def flush(self) -> None:
-        """Wait until every pending write and access update is committed."""
+        """Wait until every pending write and access update is committed, and every
+        block stored so far is published to the remote (or has failed, counted)."""
         self._check_open()
         if self.writeback is not None:
             self.writeback.flush()
+        if self.remote is not None:
+            self.remote.flush()
 
     def sweep_orphans(self, *, grace: float) -> int:
         """Remove block files no index record names, older than `grace` seconds.
@@ -375,6 +422,8 @@ class PersistentPrefixCache:
             self._closed = True
             return
         finished = self.writeback.stop() if self.writeback is not None else True
+        if self.remote is not None:
+            self.remote.close()
         self._closed = True
         self.memory.clear()
         if finished:  # else the writer thread may still wait on the index's lock
@@ -400,7 +449,14 @@ class PersistentPrefixCache:
             included) for the store, all processes; bytes_in_memory,
             blocks_in_memory, memory_evictions (the RAM tier); pending_writes;
             store_hits, store_misses, store_tokens_saved, store_corrupt (all processes
-            since the store was made, as far as committed).
+            since the store was made, as far as committed); remote (the URL, password
+            hidden, or None), remote_hits and remote_misses (fetches the remote
+            served blocks to, or was asked in vain), remote_blocks, remote_bytes_read,
+            remote_errors (failed round trips), remote_corrupt and
+            remote_unauthenticated (values rejected), remote_skipped (calls skipped
+            while the server backs off), remote_published, remote_bytes_published,
+            remote_already (held by the server before), remote_dropped (publish queue
+            full), remote_publish_failed, remote_pending, restore_bytes_per_s_remote.
         """
         self._check_open()
         out = self.counters.snapshot()
@@ -413,8 +469,9 @@ class PersistentPrefixCache:
         out["blocks_in_memory"] = len(self.memory)
         out["memory_evictions"] = self.memory.evictions
         out["prefill_tokens_per_s"] = self.costs.prefill_tokens_per_s
-        for tier in ("ram", "disk"):
+        for tier in ("ram", "disk", "remote"):
             out[f"restore_bytes_per_s_{tier}"] = self.costs.restore_bytes_per_s.get(tier)
+        out.update(remote_counters(self.counters, self.remote))
         return out
 
     def __enter__(self) -> "PersistentPrefixCache":
@@ -437,6 +494,12 @@ class PersistentPrefixCache:
         self._note(corrupt=1)
         if self.writeback is not None:
             self.writeback.submit(self.writeback.drop_subtree, node.key)
+
+    def _write_and_publish(self, blocks: list) -> None:
+        """Commit blocks locally, then queue them for the remote (a writer-thread job,
+        so that `flush` finds them queued once the write is done)."""
+        self.writeback.write_blocks(blocks)
+        self.remote.publish(blocks)
 
     def _describe(self) -> bytes:
         """The model's record: what its root key stands for, and its KV's dtypes and shapes."""

@@ -68,3 +68,29 @@ def legacy(tmp_path):
         "prompts": spec["prompts"],
         "block_size": spec["block_size"],
     }
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A fresh redis-server on a free 127.0.0.1 port, no persistence; stopped after."""
+    from redis_servers import RedisServer, require_redis
+
+    require_redis()
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory):
+    """Three cluster-enabled redis-server nodes joined by ``redis-cli --cluster create``."""
+    from redis_servers import RedisCluster, require_redis
+
+    require_redis()
+    cluster = RedisCluster(tmp_path_factory.mktemp("cluster"))
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()

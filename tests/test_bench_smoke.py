@@ -97,6 +97,20 @@ def test_bench_smoke_reports_every_figure(tmp_path):
     for key in ("ours_fetch_disk_warm_gbps", "ours_fetch_ram_gbps", "peer_mlx_load_warm_gbps"):
         assert len(sweep[key]) == len(sweep["tokens"]) and all(positive(v) for v in sweep[key])
 
+    remote = result.get("remote")
+    if remote is None:  # no redis-server or redis-py here: said in a note
+        assert any("remote tier is not measured" in note for note in result["notes"])
+    else:
+        for name in ("ours_fetch_remote", "ours_fetch_disk_warm", "ours_store_async_caller",
+                     "ours_store_async_caller_remote"):  # fmt: skip
+            for field in FIGURE_FIELDS:
+                assert positive(remote["figures"][name][field]), (name, field)
+        for name in ("remote_vs_disk_warm", "probe_32k_ms", "store_publish_caller_vs_async"):
+            assert positive(remote["ratios"][name]["value"]), name
+        assert remote["probe_32k"]["blocks"] == 32768 // result["config"]["block_size"]
+        assert remote["batch_bytes"] > 0 and remote["batch_blocks"] >= 1
+        assert all(positive(v) for v in remote["batch_sweep_gbps"].values())
+
     try:
         import matplotlib  # noqa: F401
     except ImportError:

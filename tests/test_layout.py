@@ -25,11 +25,11 @@ WINGS = [
     ("disk", ["disk"]),
     ("layers", ["layers"]),
     ("tiers", ["tiers"]),
-    ("core", ["store", "lookup", "restore", "writeback", "prefill", "options", "costs"]),
+    ("core", ["store", "lookup", "restore", "writeback", "prefill", "options", "costs", "fleet", "fleet_sync"]),
     ("compat", ["compat", "prefix_cache", "paged_cache", "lru_prompt_cache"]),
     ("cli", ["cli", "__main__"]),
 ]
-INTERNAL = ("disk", "tiers", "lookup", "restore", "writeback")  # not for compat
+INTERNAL = ("disk", "tiers", "lookup", "restore", "writeback", "fleet", "fleet_sync")  # not for compat
 CACHE_CLASSES = {
     "KVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache", "ArraysCache",
     "CacheList", "make_prompt_cache", "can_trim_prompt_cache", "trim_prompt_cache",

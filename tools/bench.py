@@ -10,8 +10,9 @@ a one-shot prefill fills them):
   vllm-mlx's SSD tier when vllm-mlx is installed;
 - ours: ``store()`` (synchronous, and the caller's cost of an asynchronous one),
   ``fetch()`` from disk (page cache warm and cold) and from the RAM tier, the
-  longest-prefix lookup of a long prompt in a store holding many blocks, and the bytes
-  on disk of many prompts sharing one prefix.
+  longest-prefix lookup of a long prompt in a store holding many blocks, the bytes
+  on disk of many prompts sharing one prefix, and the remote (fleet) tier against a
+  loopback redis-server (``tools/bench_remote.py``; ``--no-remote`` skips it).
 
 Every figure is the median of ``--repeat`` runs (min and max beside it). The operations
 compared with each other run round-robin (each round runs each once, in a shuffled
@@ -61,6 +62,9 @@ try:
 except ImportError:  # run from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from persistent_prefix_cache import PersistentPrefixCache
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_remote  # noqa: E402  (tools/bench_remote.py: the remote tier's figures)
 
 MiB = 1024 * 1024
 CHUNK = 16 * MiB  # raw I/O chunk size
@@ -815,6 +819,7 @@ def format_report(result: dict) -> str:
         lines.append(f"  {'tokens':>7}" + "".join(f" {title:>15}" for title, _ in columns))
         for i, n in enumerate(sw["tokens"]):
             lines.append(f"  {n:>7}" + "".join(f" {sw[key][i]:>15.2f}" for _, key in columns))
+    lines += bench_remote.format_remote(result.get("remote"))
     lines += [f"note: {text}" for text in result["notes"]]
     return "\n".join(lines)
 
@@ -920,6 +925,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="cpu: run MLX on the CPU even where it has a GPU (the unified-memory proxy)",
     )  # fmt: skip
     p.add_argument(
+        "--no-remote", action="store_true", help="skip the remote tier (a loopback redis-server)"
+    )
+    p.add_argument(
         "--json", action="store_true", help="print the results as JSON on stdout (table on stderr)"
     )
     p.add_argument("--output", help="also write the JSON results to this file")
@@ -996,6 +1004,13 @@ def main(argv: list[str] | None = None) -> int:
             result["ratios"]["mlx_lm_files_vs_ours"] = ratio(
                 sp["mlx_lm_files_bytes"] / sp["ours_bytes"], None
             )
+        if not args.no_remote:
+            release_memory()
+            helpers = dict(
+                contest=contest, summarize=summarize, paired_ratio=paired_ratio, ratio=ratio,
+                Contender=Contender, random_kv=random_kv, make_cache=make_cache, cache_arrays=cache_arrays,
+            )  # fmt: skip
+            result["remote"] = bench_remote.remote_figures(bench, first, helpers)
         if args.sweep:
             result["sweep"] = bench.sweep(first)
             if not args.no_plot:

@@ -18,6 +18,8 @@ COMMANDS = {
     "migrate": ("migrate", "apply pending schema migrations"),
     "export": ("export", "pack a store (or one model's part) into one file"),
     "import": ("import_", "load a packed file into a store"),
+    "push": ("push", "publish a store's blocks to the fleet's remote tier"),
+    "pull": ("pull", "fill a store from the fleet's remote tier"),
 }
 
 

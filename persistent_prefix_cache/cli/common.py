@@ -61,6 +61,42 @@ def add_model_option(parser: argparse.ArgumentParser, *, required: bool = True) 
     parser.add_argument("--kv-group-size", type=int, default=64, help="group size for --kv-bits")
 
 
+def add_remote_option(parser: argparse.ArgumentParser) -> None:
+    """``--remote URL``, defaulting to ``$PPC_REMOTE``; the secret comes from
+    ``$PPC_REMOTE_SECRET`` only (a command line is visible to every user)."""
+    parser.add_argument(
+        "--remote",
+        default=os.environ.get("PPC_REMOTE") or None,
+        metavar="URL",
+        help="the fleet's shared block tier: redis://host:port, rediss://..., unix:///path or "
+        "redis+cluster://h:p,h:p (default: $PPC_REMOTE; secret: $PPC_REMOTE_SECRET)",
+    )
+
+
+def remote_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``remote``, ``remote_secret`` (``$PPC_REMOTE_SECRET``) and ``remote_timeout``
+    (``$PPC_REMOTE_TIMEOUT``, seconds) for `PersistentPrefixCache` from ``--remote`` and
+    the environment (empty without a remote).
+
+    Raises:
+        InvalidArgumentError: If the URL is malformed (exit 2, one line).
+    """
+    url = getattr(args, "remote", None)
+    if not url:
+        return {}
+    from ..tiers.remote_client import parse_url
+
+    parse_url(url)
+    options = {"remote": url, "remote_secret": os.environ.get("PPC_REMOTE_SECRET") or None}
+    timeout = os.environ.get("PPC_REMOTE_TIMEOUT")
+    if timeout:
+        try:
+            options["remote_timeout"] = float(timeout)
+        except ValueError:
+            raise UserError(f"PPC_REMOTE_TIMEOUT={timeout!r} is not a number of seconds") from None
+    return options
+
+
 def add_json_option(parser: argparse.ArgumentParser) -> None:
     """``--json``: machine-readable output."""
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -171,7 +207,7 @@ def open_store(args: argparse.Namespace, model: Any, local_path: str | None, **k
         namespace=getattr(args, "namespace", ""),
         kv_bits=getattr(args, "kv_bits", None),
         kv_group_size=getattr(args, "kv_group_size", 64),
-        **kwargs,
+        **{**remote_options(args), **kwargs},
     )
 
 

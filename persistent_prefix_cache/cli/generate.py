@@ -29,6 +29,7 @@ from .common import (
     path_arg,
     add_json_option,
     add_model_option,
+    add_remote_option,
     add_store_option,
     emit,
     load_model,
@@ -380,6 +381,7 @@ def build_parser():
         help="keep at most this many positions per layer (mlx-lm's rotating cache; stored apart)",
     )  # fmt: skip
     add_store_option(parser)
+    add_remote_option(parser)
     add_block_size_option(parser)
     parser.add_argument(
         "--prompt",

@@ -23,6 +23,7 @@ from .common import (
     UserError,
     add_json_option,
     add_model_option,
+    add_remote_option,
     add_store_option,
     emit,
     load_model,
@@ -235,6 +236,10 @@ def tokenize(prompt: PromptInput, tokenizer, args, kwargs: dict) -> list[int]:
 # -- the command --------------------------------------------------------------------------
 
 
+REMOTE_SUMMARY = ("remote", "remote_blocks", "remote_published", "remote_already", "remote_dropped",
+                  "remote_publish_failed", "remote_errors")  # fmt: skip
+
+
 def _render(summary: dict) -> str:
     rows = [
         ("prompts", summary["prompts"]),
@@ -254,6 +259,8 @@ def _render(summary: dict) -> str:
         ("seconds", f"{summary['seconds']:.2f}"),
         ("tokens/s computed", round(summary["tokens_per_second"])),
     ]
+    if summary.get("remote"):
+        rows += [(k.replace("_", " "), summary[k]) for k in REMOTE_SUMMARY]
     return f"store {summary['store']} (block size {summary['block_size']})\n" + table(rows)
 
 
@@ -344,6 +351,8 @@ def _precompute(args) -> int:
         "tokens_per_second": round(computed / seconds, 1) if seconds > 0 else 0.0,
         "per_prompt": details,
     }
+    if stats["remote"] is not None:
+        summary.update({k: stats[k] for k in REMOTE_SUMMARY})
     emit(summary, args.json, _render)
     if stats["write_errors"]:
         print(
@@ -370,6 +379,7 @@ def build_parser():
     )
     add_model_option(parser)
     add_store_option(parser)
+    add_remote_option(parser)
     add_block_size_option(parser)
     parser.add_argument(
         "--format",

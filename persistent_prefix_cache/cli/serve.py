@@ -30,7 +30,7 @@ import sys
 from typing import Any
 
 from ..errors import PrefixCacheError
-from .common import UserError, add_store_option, parse_size, path_arg, run, store_path
+from .common import UserError, add_remote_option, add_store_option, parse_size, path_arg, remote_options, run, store_path
 
 log = logging.getLogger("persistent_prefix_cache.serve")
 
@@ -89,11 +89,12 @@ def _parser() -> argparse.ArgumentParser:
         "folder, not writable), warn and serve with mlx-lm's in-memory cache only, instead "
         "of exiting with status 2",
     )
+    add_remote_option(parser)
     return parser
 
 
 def _store_options(args: argparse.Namespace) -> dict[str, Any]:
-    options: dict[str, Any] = {"namespace": args.namespace, "readonly": args.store_readonly}
+    options: dict[str, Any] = {"namespace": args.namespace, "readonly": args.store_readonly, **remote_options(args)}
     if args.store_memory_bytes is not None:
         options["memory_bytes"] = args.store_memory_bytes
     if args.store_disk_bytes is not None:

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from .common import add_json_option, add_store_option, emit, make_parser, run, store_path, table
+from .common import (
+    add_json_option,
+    add_remote_option,
+    add_store_option,
+    emit,
+    make_parser,
+    remote_options,
+    run,
+    store_path,
+    table,
+)
 from ..disk.maintenance import StoreAdmin
 
 
@@ -21,19 +31,42 @@ def _render(s: dict) -> str:
         ("tokens saved", s["tokens_saved"]),
         ("corrupt blocks met", s["corrupt"]),
     ]
+    remote = s.get("remote")
+    if remote is not None:
+        rows.append(("remote", remote["url"]))
+        if not remote["reachable"]:
+            rows.append(("remote reachable", f"no: {remote['error']}"))
+        else:
+            rows.append(("blocks on the remote", remote["blocks"]))
+            for n in remote["nodes"]:
+                if "error" in n:
+                    rows.append((f"  {n['node']}", f"error: {n['error']}"))
+                    continue
+                figures = f"used {n['used_memory']:,} B of {n['maxmemory'] or 'unbounded'}, {n['maxmemory_policy']}, {n['evicted_keys']:,} evicted"
+                rows.append((f"  {n['node']}", figures))
     return table(rows)
 
 
 def main(argv: list[str]) -> int:
-    """Print a store's totals and counters (all processes, since it was made)."""
+    """Print a store's totals and counters (all processes, since it was made), and with
+    ``--remote`` what the server holds for the store's models."""
     parser = make_parser("stats", "Totals and hit counters of a store.")
     add_store_option(parser)
+    add_remote_option(parser)
     add_json_option(parser)
     args = parser.parse_args(argv)
 
     def work() -> int:
+        options = remote_options(args)
         with StoreAdmin(store_path(args, must_exist=True), readonly=True) as admin:
-            emit(admin.summary(), args.json, _render)
+            summary = admin.summary()
+        if options:
+            from ..fleet_sync import remote_summary
+            from ..tiers.remote_client import redact
+
+            roots = [bytes.fromhex(m["root"]) for m in summary["models"]]
+            summary["remote"] = {"url": redact(options["remote"]), **remote_summary(options["remote"], roots)}
+        emit(summary, args.json, _render)
         return 0
 
     return run(work)

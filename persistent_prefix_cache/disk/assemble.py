@@ -213,6 +213,37 @@ def _join_on_device(nodes, cached, origins, lid_kind, position):
 # -- the read path ---------------------------------------------------------------------
 
 
+class HostBits:
+    """A block tensor held as numpy bits of an MLX dtype, not yet in MLX memory (a
+    block read from the remote tier): the read path copies it into the joined buffers
+    like an MLX array of the RAM tier, one copy less than making an MLX array first.
+
+    Args:
+        bits: The tensor's bits as unsigned ints of its item size.
+        dtype: Its safetensors dtype name.
+    """
+
+    __slots__ = ("bits", "dtype", "shape", "itemsize", "nbytes", "ndim")
+
+    def __init__(self, bits: np.ndarray, dtype: str):
+        self.bits = bits
+        self.dtype = mx_dtype(dtype)
+        self.shape = tuple(bits.shape)
+        self.itemsize = bits.itemsize
+        self.nbytes = bits.nbytes
+        self.ndim = bits.ndim
+
+    def to_mx(self) -> mx.array:
+        """The tensor as an (evaluated) MLX array."""
+        x = mx.array(self.bits).view(self.dtype)
+        mx.eval(x)
+        return x
+
+
+def _as_mx(x):
+    return x.to_mx() if isinstance(x, HostBits) else x
+
+
 @dataclass
 class _Run:
     """Consecutive blocks holding slices of one field: one joined buffer."""
@@ -303,7 +334,9 @@ def read_path(
         snaps: dict[str, Tensors] = {}
         if where[last] is None:
             for lid, part in cached[last].items():
-                snaps[lid] = {f: x for f, x in part.items() if not is_sliced(f"{lid}.{f}", x.shape, nodes[last].n_tokens)}
+                snaps[lid] = {
+                    f: _as_mx(x) for f, x in part.items() if not is_sliced(f"{lid}.{f}", x.shape, nodes[last].n_tokens)
+                }
         else:
             seg = where[last][0]
             for k, s in enumerate(snaps_wanted):
@@ -535,11 +568,13 @@ def _copy_cached(nodes, cached, origins, runs) -> None:
         if name in by_name
     ]
     # Blocks cut from one copy per field are strided views: see them all as unsigned
-    # ints with one evaluation, not one per piece.
-    views = [x.view(_UINT_MX[x.itemsize]) for *_, x in pieces]
-    mx.eval(views)
+    # ints with one evaluation, not one per piece (blocks from the remote tier come
+    # as host bits already).
+    views = [x.bits if isinstance(x, HostBits) else x.view(_UINT_MX[x.itemsize]) for *_, x in pieces]
+    mx.eval([v for v in views if not isinstance(v, np.ndarray)])
     targets: dict[int, np.ndarray] = {}
     for (r, start, end, _), v in zip(pieces, views):
         if id(r) not in targets:
             targets[id(r)] = _bits(r.view, r.array)
-        targets[id(r)][:, :, start - r.start : end - r.start, :] = np.asarray(memoryview(v))
+        src = v if isinstance(v, np.ndarray) else np.asarray(memoryview(v))
+        targets[id(r)][:, :, start - r.start : end - r.start, :] = src

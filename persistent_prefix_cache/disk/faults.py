@@ -8,7 +8,8 @@ Without the variable a pause point costs one dictionary lookup.
 Points: ``before_rename`` (segment file written and fsynced under ``tmp/``),
 ``before_commit`` (segment renamed into ``segments/``, index not yet committed),
 ``after_commit`` (index committed), ``in_write_txn`` (inside an open LMDB write
-transaction, before it commits).
+transaction, before it commits), ``remote_publish`` (the publisher has sent the
+first block of a batch to the remote, not the rest).
 """
 
 from __future__ import annotations

@@ -1,0 +1,81 @@
+"""``ppc pull``: fill a local store from the fleet's remote tier, for given prompts or a model."""
+
+from __future__ import annotations
+
+import sys
+
+from .common import (
+    add_json_option,
+    add_model_option,
+    add_remote_option,
+    add_store_option,
+    emit,
+    load_model,
+    make_parser,
+    run,
+    table,
+)
+from .prompting import add_block_size_option, add_template_options, check_store_path, open_checked_store, template_kwargs
+from .push import progress_line, require_remote
+
+
+def _render(s: dict) -> str:
+    rows = [(k.replace("_", " "), v) for k, v in s.items() if k not in ("store", "remote")]
+    return f"store {s['store']} <- {s['remote']}\n" + table(rows)
+
+
+def main(argv: list[str]) -> int:
+    """Pull the blocks of given prompts (or, without inputs, all of a model's) from the remote."""
+    parser = make_parser(
+        "pull",
+        "Fill a local store from the fleet's remote tier: the stored prefixes of the prompts "
+        "in INPUT files (text or JSONL, as ppc precompute reads them), or, without inputs, "
+        "every block the server holds for the model. Safe to re-run.",
+    )
+    parser.add_argument("inputs", nargs="*", metavar="INPUT", help="text or JSONL files of prompts")
+    add_model_option(parser)
+    add_store_option(parser)
+    add_remote_option(parser)
+    add_block_size_option(parser)
+    parser.add_argument("--format", choices=["auto", "text", "jsonl"], default="auto", help="how to read inputs")
+    add_template_options(parser)
+    parser.add_argument("--no-progress", action="store_true", help="do not draw a progress line")
+    add_json_option(parser)
+    args = parser.parse_args(argv)
+
+    def work() -> int:
+        from ..fleet_sync import pull_model
+        from .precompute import read_inputs, tokenize
+
+        require_remote(args)
+        check_store_path(args)
+        kwargs = template_kwargs(args)
+        prompts = read_inputs(args.inputs, args.format) if args.inputs else []
+        model, tokenizer, local_path = load_model(args.model)
+        store = open_checked_store(args, model, local_path, need_write=True)
+        with store:
+            if prompts:
+                draw = progress_line("pulled prompts:", not args.no_progress)
+                restored = 0
+                for i, prompt in enumerate(prompts):
+                    ids = tokenize(prompt, tokenizer, args, kwargs)
+                    restored += len(ids) - len(store.fetch(ids)[1])
+                    if draw:
+                        draw(i + 1, len(prompts))
+                store.flush()
+                st = store.stats()
+                out = {"prompts": len(prompts), "tokens_restored": restored, "blocks_pulled": st["remote_blocks"]}
+            else:
+                out = pull_model(store, progress_line("pulled", not args.no_progress))
+                st = store.stats()
+            out.update(
+                blocks_in_store=st["blocks"], rejected=st["remote_corrupt"] + st["remote_unauthenticated"],
+                remote_errors=st["remote_errors"],
+            )  # fmt: skip
+            emit({"store": store.path, "remote": st["remote"], **out}, args.json, _render)
+        if out["remote_errors"]:
+            print(f"error: {out['remote_errors']} round trips to the server failed; run ppc pull again", file=sys.stderr)
+            return 1
+        return 0
+
+    return run(work)

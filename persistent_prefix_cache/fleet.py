@@ -1,0 +1,143 @@
+"""The remote tier's part in a fetch: blocks the local store lacks, from the fleet.
+
+`RemoteFill.fill` runs before a fetch's lookup when a remote is configured: it finds
+where the local store's chain for the query ends (`Trie.stored_prefix`), asks the
+remote for the blocks after that (`tiers.remote.RemoteTier.read_chain`: probed, read,
+verified), checks their tensors against the model's layout, and puts them in the RAM
+tier, so that the fetch's ordinary lookup and restore find them there. They are also
+handed to the writer thread, which writes and commits them like any new block, so
+the next fetch is local.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from .costs import Costs
+from .disk.assemble import HostBits, join_on_device
+from .disk.segment import is_sliced
+from .keys import chain_keys
+from .layers import Layout
+from .lookup import Trie
+from .tiers.memory import MemoryTier
+from .tiers.remote import RemoteTier
+from .tiers.remote_wire import Block
+from .writeback import WriteBack
+
+
+class RemoteFill:
+    """Fills the RAM tier (and, behind it, the local store) from the remote tier.
+
+    Args:
+        remote: The remote tier.
+        trie, memory, layout, writeback, costs: The store's (`writeback` None for a
+            read-only store: remote blocks then live in the RAM tier only).
+        root: The model's root key; `block_size` the store's.
+    """
+
+    def __init__(
+        self,
+        remote: RemoteTier,
+        *,
+        trie: Trie,
+        memory: MemoryTier,
+        layout: Layout,
+        writeback: WriteBack | None,
+        costs: Costs,
+        root: bytes,
+        block_size: int,
+    ):
+        self.remote, self.trie, self.memory, self.layout = remote, trie, memory, layout
+        self.writeback, self.costs, self.root, self.block_size = writeback, costs, root, block_size
+
+    def fill(self, toks: np.ndarray, matched: int = 0) -> list[Block] | None:
+        """Bring the remote's continuation of the local chain for `toks` into the RAM tier.
+
+        Args:
+            toks: The query.
+            matched: Tokens the local store serves already.
+
+        Returns:
+            None if no block came from the remote; else the blocks still to write into
+            the local store (`write`: after the caller's restore, so that the writer
+            thread does not compete with it), empty if they are written already.
+        """
+        keys = chain_keys(self.root, toks, self.block_size)
+        data = toks.tobytes()
+        held = self.trie.stored_prefix(keys, data)
+        if held is None or len(held) == len(keys):
+            return None  # a key collision, or the local store holds the whole query
+        full = sum(1 for node in held if node.n_tokens == self.block_size)
+        parent = keys[full - 1] if full else self.root
+        started = time.perf_counter()
+        blocks = self._fit(self.remote.read_chain(parent, full * self.block_size, data, self.block_size, beyond=matched))
+        if not blocks:
+            return None
+        now = time.time_ns()
+        total = sum(block.node.size for block in blocks)
+        # The RAM tier holds the blocks' bits as read (one copy less), unless a GPU
+        # joins them with MLX operations.
+        as_mx = join_on_device()
+        for block in blocks:
+            block.node.last_access = now
+            tensors = {lid: {} for lid in self.layout.kinds}
+            for lid, part in block.bits.items():
+                for fld, (bits, dtype) in part.items():
+                    tensors[lid][fld] = HostBits(bits, dtype).to_mx() if as_mx else HostBits(bits, dtype)
+            self.memory.put(block.node, tensors)
+        self.costs.observe_restore("remote", total, time.perf_counter() - started)
+        if self.writeback is not None and total > self.memory.max_bytes:
+            self.write(blocks).result()  # the RAM tier cannot hold them all: the fetch reads them from disk
+            return []
+        return blocks
+
+    def write(self, blocks: list[Block]) -> Any:
+        """Hand remote blocks to the writer thread (a no-op for a read-only store).
+
+        Returns:
+            The write's future (None for a read-only store).
+        """
+        if self.writeback is None or not blocks:
+            return None
+        return self.writeback.submit(self.writeback.write_blocks, [(b.node, b.bits) for b in blocks])
+
+    def fits(self, block: Block) -> bool:
+        """Whether one block's tensors fit the model's layout (see `_fit`)."""
+        return bool(self._fit([block]))
+
+    def _fit(self, blocks: list[Block]) -> list[Block]:
+        """The leading blocks whose tensors fit the model's layout: known leaves, and
+        every sliced field with the dtype and shape the layout holds (or, before the
+        store has recorded them, the same as the first block's)."""
+        expect: dict[str, list] = dict(self.layout.fields or {})
+        known = set(self.layout.kinds)
+        for i, block in enumerate(blocks):
+            for lid, part in block.bits.items():
+                if lid not in known:
+                    return self._unfit(blocks, i)
+                for fld, (bits, dtype) in part.items():
+                    name = f"{lid}.{fld}"
+                    if not is_sliced(name, bits.shape, block.node.n_tokens):
+                        continue
+                    spec = [dtype, bits.shape[0], bits.shape[1], bits.shape[3]]
+                    if expect.setdefault(name, spec) != spec:
+                        return self._unfit(blocks, i)
+        return blocks
+
+    def _unfit(self, blocks: list[Block], i: int) -> list[Block]:
+        self.remote.counters.add(remote_corrupt=1)
+        return blocks[:i]
+
+
+def remote_counters(counters: Any, remote: RemoteTier | None) -> dict[str, Any]:
+    """The remote counters of `stats()` (zeros and no URL without a remote)."""
+    from .tiers.remote import COUNTERS
+
+    snap = counters.snapshot()
+    out: dict[str, Any] = {name: snap.get(name, 0) for name in COUNTERS}
+    out["remote"] = remote.url if remote is not None else None
+    out["remote_pending"] = remote.pending if remote is not None else 0
+    return out

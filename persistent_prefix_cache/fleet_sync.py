@@ -1,0 +1,211 @@
+"""Moving whole stores to and from the fleet: ``ppc push`` and ``ppc pull`` of a model.
+
+`push_store` publishes every block of a local store (a precomputed one, say), parents
+first, asking the server which it holds already (one EXISTS round trip per batch) so a
+re-run sends only what is missing; values are written with ``SET NX`` like the
+publisher's. `pull_model` reads every block the server holds for one model (SCAN of
+its key prefix), verifies each as a fetch does (its key follows from its parent and
+tokens, checksum, MAC, layout) and writes the ones the local store lacks through the
+store's own write path, parents first; a block whose parent is missing is skipped.
+Both are safe to re-run and to interrupt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable
+
+from .disk.index import Index
+from .disk.node import Node
+from .disk.segment import SegmentFiles
+from .errors import InvalidArgumentError
+from .tiers import remote_wire as wire
+from .tiers.remote import COUNTERS, RemoteTier
+from .tiers.remote_client import UNAVAILABLE
+from .writeback import Counters
+
+BATCH = 16
+BULK_TIMEOUT = 10.0  # seconds per round trip for bulk transfers (no caller waits on them)
+Progress = Callable[[int, int], None]
+
+
+def _roots_of(nodes: dict[bytes, Node], roots: set[bytes]) -> dict[bytes, bytes]:
+    """Block key -> its chain's root key (blocks whose chain is broken are left out)."""
+    out: dict[bytes, bytes] = {}
+    for key in nodes:
+        trail, k = [], key
+        while k not in out and k not in roots and k in nodes:
+            trail.append(k)
+            k = nodes[k].parent
+        root = out.get(k, k if k in roots else None)
+        if root is not None:
+            out.update(dict.fromkeys(trail, root))
+    return out
+
+
+def push_store(
+    path: str, url: str, *, secret: str | bytes | None, ttl: float | None, progress: Progress | None = None
+) -> dict[str, int]:
+    """Publish every block of the store at `path` to the remote at `url`.
+
+    Returns:
+        blocks, pushed, already (held by the server), damaged (failed their checksum
+        here, not sent), failed (the server did not take them).
+
+    Raises:
+        InvalidArgumentError: If there is no store at `path`, or on a malformed URL.
+    """
+    if not os.path.isdir(os.path.join(path, "index")):
+        raise InvalidArgumentError(f"no store at {path}")
+    index = Index(os.path.join(path, "index"), readonly=True)
+    files = SegmentFiles(path, readonly=True)
+    counters = Counters(*COUNTERS)
+    out = dict.fromkeys(("blocks", "pushed", "already", "damaged", "failed"), 0)
+    tiers: dict[bytes, RemoteTier] = {}
+    try:
+        with index.reader() as reader:
+            nodes = {n.key: n for n in reader.iter_nodes()}
+            roots = set(reader.models())
+        root_of = _roots_of(nodes, roots)
+        todo = sorted((n for n in nodes.values() if n.key in root_of), key=lambda n: (n.position, n.key))
+        out["blocks"] = len(todo)
+        for lo in range(0, len(todo), BATCH):
+            batch = todo[lo : lo + BATCH]
+            for root in {root_of[n.key] for n in batch}:
+                if root not in tiers:
+                    tiers[root] = RemoteTier(
+                        url, root=root, secret=secret, ttl=ttl, timeout=BULK_TIMEOUT, queue_bytes=0, counters=counters
+                    )
+            first = tiers[root_of[batch[0].key]]
+            held = first.bulk.call([("EXISTS", tiers[root_of[n.key]].key(n.key)) for n in batch])
+            out["already"] += sum(1 for h in held if h == 1)
+            out["failed"] += sum(1 for h in held if h is UNAVAILABLE)
+            missing = [n for n, h in zip(batch, held) if h == 0]
+            for root in {root_of[n.key] for n in missing}:
+                blocks = []
+                for node in (n for n in missing if root_of[n.key] == root):
+                    bits = _read_block(files, node)
+                    if bits is None:
+                        out["damaged"] += 1
+                    else:
+                        blocks.append((node, bits))
+                if blocks:
+                    written, already = tiers[root].put(blocks)
+                    out["pushed"] += written
+                    out["already"] += already
+                    out["failed"] += len(blocks) - written - already
+            if progress is not None:
+                progress(min(lo + BATCH, len(todo)), len(todo))
+    finally:
+        for tier in tiers.values():
+            tier.close()
+        index.close()
+    return out
+
+
+def _read_block(files: SegmentFiles, node: Node) -> dict | None:
+    seg = files.open(node.segment)
+    if seg is None:
+        return None
+    try:
+        return seg.block_tensors(node)
+    finally:
+        seg.close()
+
+
+def pull_model(store: Any, progress: Progress | None = None) -> dict[str, int]:
+    """Fill `store` (opened with ``remote=``) with every block the server holds for
+    its model, namespace and layout.
+
+    Returns:
+        found (on the server), pulled (written locally), present (there already),
+        rejected (failed a check, counted as the store's remote_corrupt or
+        remote_unauthenticated), orphans (their parent is neither here nor there).
+
+    Raises:
+        InvalidArgumentError: If the store has no remote, or is read-only.
+        OSError: If the server cannot be scanned.
+    """
+    tier, fill, writeback = store.remote, store.remote_fill, store.writeback
+    if tier is None or writeback is None:
+        raise InvalidArgumentError("pull needs a writable store opened with remote=URL")
+    keys = sorted(set(tier.bulk.scan(wire.key_pattern(store.root))))
+    out = dict.fromkeys(("found", "pulled", "present", "rejected", "orphans"), 0)
+    out["found"] = len(keys)
+    blocks: list[wire.Block] = []
+    for lo in range(0, len(keys), BATCH):
+        batch = keys[lo : lo + BATCH]
+        for skey, value in zip(batch, tier.bulk.call([("GET", k) for k in batch])):
+            block = _verified(tier, fill, store.root, skey, value)
+            if block is None:
+                out["rejected"] += value is not None and value is not UNAVAILABLE
+                continue
+            blocks.append(block)
+        if progress is not None:
+            progress(min(lo + BATCH, len(keys)), len(keys))
+    with store.index.reader() as reader:
+        local = {b.node.key for b in blocks if reader.get(b.node.key) is not None}
+        known = local | {store.root}
+    runs: dict[bytes, list] = {}  # key of a run's last block -> the run
+    order = []
+    for block in sorted(blocks, key=lambda b: (b.node.position, b.node.key)):
+        node = block.node
+        if node.key in local:
+            out["present"] += 1
+            continue
+        if node.parent not in known:
+            out["orphans"] += 1
+            continue
+        known.add(node.key)
+        run = runs.pop(node.parent, None)
+        if run is None:
+            run = []
+            order.append(run)
+        run.append((node, block.bits))
+        runs[node.key] = run
+    for run in order:  # parents first: the writer thread commits in submission order
+        writeback.submit(writeback.write_blocks, run)
+        out["pulled"] += len(run)
+    store.flush()
+    return out
+
+
+def _verified(tier: RemoteTier, fill: Any, root: bytes, skey: bytes, value: Any) -> wire.Block | None:
+    if value is None or value is UNAVAILABLE:
+        return None
+    try:
+        key = bytes.fromhex(skey.rsplit(b":", 1)[1].decode())
+        head = wire.header_of(value)
+        parent, position, tokens = bytes.fromhex(head["parent"]), int(head["pos"]), wire.tokens_of(value)
+        if position == 0 and parent != root:
+            raise wire.BadValue("corrupt", "a first block whose parent is not the root")
+        block = wire.decode(value, skey, key=key, parent=parent, position=position, tokens=tokens, mac=tier.mac)
+    except wire.BadValue as exc:
+        tier.counters.add(**{f"remote_{exc.reason}": 1})
+        return None
+    except (ValueError, KeyError, TypeError, IndexError, json.JSONDecodeError):
+        tier.counters.add(remote_corrupt=1)
+        return None
+    return block if fill.fits(block) else None
+
+
+def remote_summary(url: str, roots: list[bytes]) -> dict[str, Any]:
+    """What the server holds for a store's models, and its memory figures.
+
+    Returns:
+        reachable, blocks (keys of these models' roots) and nodes (used_memory,
+        maxmemory, maxmemory_policy, evicted_keys per node), or reachable False
+        and the error.
+    """
+    from .tiers.remote_client import Servers
+
+    servers = Servers(url, timeout=BULK_TIMEOUT)
+    try:
+        nodes = servers.info()
+        blocks = sum(1 for root in roots for _ in servers.scan(wire.key_pattern(root)))
+    except OSError as exc:
+        return {"reachable": False, "error": str(exc)}
+    finally:
+        servers.close()
+    return {"reachable": True, "blocks": blocks, "nodes": nodes}

@@ -1,0 +1,187 @@
+"""Real redis-server processes for the remote-tier tests: one server, or a 3-node cluster.
+
+Each server runs on a free port of 127.0.0.1 in a temporary directory, without
+persistence (``--save '' --appendonly no``), and is stopped by the fixture that made it.
+When ``redis-server`` (or redis-py) is missing the tests skip with a message saying how
+to install it, unless ``PPC_REQUIRE_REDIS=1`` (CI), where they fail instead.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+
+HOW_TO_INSTALL = "apt-get install -y redis-server (make test does it when it can) and pip install redis"
+
+
+def require_redis() -> None:
+    """Skip (or, with PPC_REQUIRE_REDIS=1, fail) unless redis-server and redis-py exist."""
+    missing = [name for name in ("redis-server", "redis-cli") if shutil.which(name) is None]
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        missing.append("redis-py")
+    if missing:
+        message = f"remote tests need {', '.join(missing)}: {HOW_TO_INSTALL}"
+        if os.environ.get("PPC_REQUIRE_REDIS") == "1":
+            pytest.fail(message + " (PPC_REQUIRE_REDIS=1: required)")
+        pytest.skip(message)
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A free port below 55536 whose cluster bus port (+10000) is free too."""
+    rng = random.Random()
+    while True:
+        port = rng.randrange(20000, 55000)
+        if _bindable(port) and _bindable(port + 10000):
+            return port
+
+
+class RedisServer:
+    """One redis-server process.
+
+    Args:
+        workdir: Its directory (logs, cluster config).
+        args: Extra ``redis-server`` options, e.g. ``["--maxmemory", "1mb"]``.
+        port: The port (a free one if None).
+    """
+
+    def __init__(self, workdir, *, args=(), port: int | None = None, tls: tuple[str, str] | None = None):
+        self.workdir = str(workdir)
+        os.makedirs(self.workdir, exist_ok=True)
+        self.args = list(args)
+        self.port = port or free_port()
+        self.tls = tls  # (certificate, key) files: serve TLS only, on `port`
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def start(self) -> "RedisServer":
+        """Start it and wait (bounded) until it answers PING."""
+        ports = ["--port", str(self.port)]
+        if self.tls:
+            cert, key = self.tls
+            ports = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", cert, "--tls-key-file", key,
+                     "--tls-ca-cert-file", cert, "--tls-auth-clients", "no"]  # fmt: skip
+        cmd = [
+            "redis-server", *ports, "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "no", "--dir", self.workdir, "--logfile", f"redis-{self.port}.log",
+            "--protected-mode", "no", *self.args,
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited {self.proc.returncode}: {self.log()}")
+            try:
+                if self.client(timeout=1).ping():
+                    return self
+            except Exception:  # noqa: BLE001 - not listening yet
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server on port {self.port} did not answer: {self.log()}")
+
+    def client(self, timeout: float = 10):
+        """A redis-py client of this server (for the tests' own inspection)."""
+        import redis
+
+        password = None
+        if "--requirepass" in self.args:
+            password = self.args[self.args.index("--requirepass") + 1]
+        tls = {"ssl": True, "ssl_cert_reqs": "none"} if self.tls else {}
+        return redis.Redis(host="127.0.0.1", port=self.port, password=password, socket_timeout=timeout, **tls)
+
+    def kill(self) -> None:
+        """SIGKILL and reap."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        """Stop it (SIGTERM, SIGKILL after a while)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def log(self) -> str:
+        path = os.path.join(self.workdir, f"redis-{self.port}.log")
+        return open(path).read()[-2000:] if os.path.exists(path) else ""
+
+
+class RedisCluster:
+    """Three cluster-enabled servers joined with ``redis-cli --cluster create``.
+
+    ``cluster-require-full-coverage no``: when a node is down the others keep serving
+    their slots (what the fleet wants from its cache).
+    """
+
+    def __init__(self, workdir, n: int = 3):
+        self.nodes = [
+            RedisServer(
+                os.path.join(str(workdir), f"node{i}"),
+                args=["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                      "--cluster-node-timeout", "60000", "--cluster-require-full-coverage", "no"],
+            )  # fmt: skip
+            for i in range(n)
+        ]
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{s.port}" for s in self.nodes)
+
+    def start(self) -> "RedisCluster":
+        for s in self.nodes:
+            s.start()
+        addresses = [f"127.0.0.1:{s.port}" for s in self.nodes]
+        subprocess.run(
+            ["redis-cli", "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
+            check=True, capture_output=True, timeout=60,
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            states = [s.client().execute_command("CLUSTER INFO") for s in self.nodes]
+            if all("cluster_state:ok" in str(x) or "'cluster_state': 'ok'" in str(x) for x in states):
+                return self
+            time.sleep(0.1)
+        raise RuntimeError("the cluster did not reach cluster_state:ok")
+
+    def node_of(self, key: bytes) -> RedisServer:
+        """The node that holds `key`'s slot."""
+        import redis.crc
+
+        slot = redis.crc.key_slot(key)
+        for s in self.nodes:
+            try:
+                ranges = s.client(timeout=2).execute_command("CLUSTER SLOTS")
+            except Exception:  # noqa: BLE001 - a node the test stopped
+                continue
+            for lo, hi, master, *_ in ranges:
+                if lo <= slot <= hi:
+                    port = int(master[1])
+                    return next(n for n in self.nodes if n.port == port)
+        raise AssertionError("slot not served")
+
+    def stop(self) -> None:
+        for s in self.nodes:
+            s.stop()

@@ -1,0 +1,370 @@
+"""The remote (fleet) tier against a real redis-server: URLs, the wire form, faults.
+
+Two store handles with their own directories stand for two hosts that share nothing
+but the server (the tests in test_remote_fleet.py use separate processes). Every
+fetch is checked bitwise: the next-token logits after a restore equal a cold prefill.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from helpers import assert_same_logits, cold_logits, prefill, random_tokens, warm_logits
+
+from persistent_prefix_cache import PersistentPrefixCache
+from persistent_prefix_cache.errors import InvalidArgumentError
+from persistent_prefix_cache.keys import chain_keys
+from persistent_prefix_cache.tiers import remote_wire as wire
+
+BS = 16
+
+
+# Generous: on a loaded machine a loopback server can stall for more than the default
+# 0.1 s, and a test must not depend on timing; the fault tests set their own.
+TIMEOUT = 10.0
+
+
+def open_host(path, model, url, **kw):
+    kw.setdefault("memory_bytes", 64 << 20)
+    kw.setdefault("remote_timeout", TIMEOUT)
+    return PersistentPrefixCache(path, model, block_size=BS, remote=url, **kw)
+
+
+def publish(host, model, toks):
+    _, cache = prefill(model, toks)
+    n = host.store(toks, cache)
+    host.flush()
+    return n
+
+
+def fetch_exact(host, model, toks) -> int:
+    """Fetch `toks`, check the continuation bitwise; the number of tokens restored."""
+    cache, rest = host.fetch(toks)
+    assert_same_logits(warm_logits(model, cache, rest), cold_logits(model, toks))
+    return len(toks) - len(rest)
+
+
+def server_keys(host, toks) -> list[bytes]:
+    return [host.remote.key(k) for k in chain_keys(host.root, np.asarray(toks, "<i4"), BS)]
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["localhost:6379", "http://h:1", "redis://", "redis://h", "redis://h:0", "redis://a:1,b:2", "unix://", "redis+cluster://"],
+)
+def test_bad_urls_are_clear_errors(tmp_path, model, url):
+    with pytest.raises(InvalidArgumentError) as err:
+        PersistentPrefixCache(tmp_path / "s", model, remote=url)
+    assert "remote URL" in str(err.value)
+    assert not (tmp_path / "s").exists()  # nothing was written
+
+
+def test_secret_and_ttl_need_a_remote(tmp_path, model):
+    with pytest.raises(InvalidArgumentError):
+        PersistentPrefixCache(tmp_path / "s", model, remote_secret="x")
+    with pytest.raises(InvalidArgumentError):
+        PersistentPrefixCache(tmp_path / "s", model, remote="redis://h:1", remote_ttl=0)
+
+
+def test_core_install_does_not_import_redis_and_missing_redis_is_a_clear_error(tmp_path, tiny_model_dir):
+    code = f"""
+import sys
+sys.modules['redis'] = None  # as if redis-py were not installed
+from persistent_prefix_cache import PersistentPrefixCache
+from persistent_prefix_cache.errors import MissingDependencyError
+from persistent_prefix_cache.tiny_model import load_tiny_model
+m = load_tiny_model({str(tiny_model_dir)!r})
+s = PersistentPrefixCache({str(tmp_path / 'local')!r}, m)
+s.close()
+try:
+    PersistentPrefixCache({str(tmp_path / 'r')!r}, m, remote='redis://127.0.0.1:1')
+except MissingDependencyError as e:
+    print('MISSING', e)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "MISSING" in out.stdout and "pip install 'persistent-prefix-cache[remote]'" in out.stdout
+
+
+def test_host_b_restores_what_host_a_stored(tmp_path, model, redis_server):
+    toks = random_tokens(100, 1, first=1)
+    a = open_host(tmp_path / "a", model, redis_server.url)
+    assert publish(a, model, toks) == 7
+    st = a.stats()
+    assert (st["remote_published"], st["remote_pending"], st["remote_errors"]) == (7, 0, 0)
+    b = open_host(tmp_path / "b", model, redis_server.url)
+    query = toks + random_tokens(9, 2)
+    assert fetch_exact(b, model, query) == 100
+    b.flush()
+    st = b.stats()
+    assert (st["remote_hits"], st["remote_blocks"], st["blocks"]) == (1, 7, 7)  # now on B's disk too
+    # The chain breaks at a full block of a longer query: the stored partial one still serves.
+    c = open_host(tmp_path / "c", model, redis_server.url, memory_bytes=0)
+    assert fetch_exact(c, model, toks + random_tokens(30, 3)) == 100
+    c.close()
+    b.close()
+    b = open_host(tmp_path / "b", model, redis_server.url)
+    redis_server.client().flushall()  # the next fetch must be local
+    assert fetch_exact(b, model, query) == 100
+    assert b.stats()["remote_hits"] == 0
+    for h in (a, b):
+        h.close()
+
+
+def test_a_longer_local_prefix_is_not_read_again(tmp_path, model, redis_server):
+    toks = random_tokens(64, 3, first=2)
+    a = open_host(tmp_path / "a", model, redis_server.url)
+    publish(a, model, toks)
+    assert fetch_exact(a, model, toks + [5]) == 64
+    assert a.stats()["remote_blocks"] == 0
+    a.close()
+
+
+def test_server_not_running_at_open(tmp_path, model):
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))
+    url = f"redis://127.0.0.1:{port.getsockname()[1]}"  # bound, never listening: refused
+    toks = random_tokens(50, 4, first=3)
+    host = open_host(tmp_path / "a", model, url)
+    assert publish(host, model, toks) == 4  # stored locally all the same
+    assert fetch_exact(host, model, toks + [1]) == 50
+    assert fetch_exact(host, model, random_tokens(40, 5, first=4)) == 0
+    st = host.stats()
+    assert st["remote_errors"] >= 1 and st["remote_publish_failed"] == 4 and st["remote_published"] == 0
+    host.close()
+    port.close()
+
+
+def test_server_killed_mid_run(tmp_path, model, redis_server):
+    first, second = random_tokens(48, 6, first=5), random_tokens(48, 7, first=6)
+    a = open_host(tmp_path / "a", model, redis_server.url)
+    publish(a, model, first)
+    publish(a, model, second)
+    b = open_host(tmp_path / "b", model, redis_server.url)
+    assert fetch_exact(b, model, first + [1]) == 48
+    redis_server.kill()
+    assert fetch_exact(b, model, second + [1]) == 0  # the server is gone: computed
+    assert fetch_exact(b, model, first + [1]) == 48  # what came before is local now
+    publish(b, model, random_tokens(40, 8, first=7))  # flush returns: failed, counted
+    st = b.stats()
+    assert st["remote_errors"] >= 1 and st["remote_publish_failed"] + st["remote_dropped"] >= 1
+    for h in (a, b):
+        h.close()
+
+
+def test_server_paused_costs_one_timeout_then_backs_off(tmp_path, model, redis_server):
+    toks = random_tokens(48, 9, first=8)
+    a = open_host(tmp_path / "a", model, redis_server.url)
+    publish(a, model, toks)
+    b = open_host(tmp_path / "b", model, redis_server.url, remote_timeout=0.5)
+    redis_server.client().execute_command("CLIENT", "PAUSE", 60000, "ALL")
+    try:
+        started = time.monotonic()
+        assert fetch_exact(b, model, toks + [1]) == 0
+        # A bound for a hang, not a timing margin: the server stays paused for 60 s.
+        assert time.monotonic() - started < 30
+        assert b.stats()["remote_errors"] == 1
+        assert fetch_exact(b, model, toks + [2]) == 0
+        st = b.stats()
+        assert st["remote_errors"] == 1 and st["remote_skipped"] == 1  # the breaker skipped it
+    finally:
+        redis_server.kill()  # a paused server answers nothing, not even CLIENT UNPAUSE
+    for h in (a, b):
+        h.close()
+
+
+def test_server_restarted_empty(tmp_path, model, redis_server):
+    toks = random_tokens(48, 10, first=9)
+    a = open_host(tmp_path / "a", model, redis_server.url)
+    publish(a, model, toks)
+    redis_server.stop()
+    redis_server.start()  # same port, nothing in it
+    b = open_host(tmp_path / "b", model, redis_server.url)
+    assert fetch_exact(b, model, toks + [1]) == 0
+    assert b.stats()["remote_misses"] >= 1 or b.stats()["remote_errors"] >= 1
+    more = random_tokens(40, 11, first=10)
+    publish(a, model, more)  # A's pooled connection died with the server: reconnected
+    assert a.stats()["remote_published"] == 3 + 3
+    assert fetch_exact(b, model, more + [1]) == 40
+    for h in (a, b):
+        h.close()
+
+
+def test_eviction_inside_a_chain_gives_a_shorter_prefix(tmp_path, model, redis_server):
+    toks = random_tokens(96, 12, first=12)
+    a = open_host(tmp_path / "a", model, redis_server.url)
+    publish(a, model, toks)
+    keys = server_keys(a, toks)
+    redis_server.client().delete(keys[3])  # what the server's LRU does to a block
+    b = open_host(tmp_path / "b", model, redis_server.url)
+    assert fetch_exact(b, model, toks + [1]) == 3 * BS
+    for h in (a, b):
+        h.close()
+
+
+def test_maxmemory_eviction_never_gives_wrong_kv(tmp_path, model, redis_server):
+    client = redis_server.client()
+    client.config_set("maxmemory-policy", "allkeys-lru")
+    used = client.info("memory")["used_memory"]
+    client.config_set("maxmemory", used + 200_000)  # room for some 25 blocks of ~8 KB
+    a = open_host(tmp_path / "a", model, redis_server.url)
+    prompts = [random_tokens(160, 100 + i, first=20 + i) for i in range(6)]
+    for p in prompts:
+        publish(a, model, p)
+    b = open_host(tmp_path / "b", model, redis_server.url)
+    restored = []
+    for p in prompts:
+        present = [bool(client.exists(k)) for k in server_keys(a, p)]
+        want = BS * (present.index(False) if False in present else len(present))
+        got = fetch_exact(b, model, p + [1])
+        assert got == min(want, len(p))
+        restored.append(got)
+    assert client.info("stats")["evicted_keys"] > 0  # the server did evict
+    for h in (a, b):
+        h.close()
+
+
+def test_garbage_value_is_a_counted_miss(tmp_path, model, redis_server):
+    toks = random_tokens(64, 13, first=13)
+    a = open_host(tmp_path / "a", model, redis_server.url)
+    publish(a, model, toks)
+    keys = server_keys(a, toks)
+    client = redis_server.client()
+    value = bytearray(client.get(keys[2]))
+    value[len(value) // 2] ^= 0x40  # one flipped bit inside the KV
+    client.set(keys[2], bytes(value))
+    client.set(keys[1], b"garbage" * 100)
+    b = open_host(tmp_path / "b", model, redis_server.url)
+    assert fetch_exact(b, model, toks + [1]) == BS
+    assert b.stats()["remote_corrupt"] == 1
+    client.set(keys[1], client.get(keys[0]))  # a valid value under another block's key
+    c = open_host(tmp_path / "c", model, redis_server.url)
+    assert fetch_exact(c, model, toks + [1]) == BS
+    assert c.stats()["remote_corrupt"] == 1
+    for h in (a, b, c):
+        h.close()
+
+
+def test_forged_value_is_rejected_with_a_secret(tmp_path, model, redis_server):
+    toks = random_tokens(64, 14, first=14)
+    a = open_host(tmp_path / "a", model, redis_server.url, remote_secret="fleet-secret")
+    publish(a, model, toks)
+    keys = server_keys(a, toks)
+    client = redis_server.client()
+    # A forger who can write to the server: a well-formed value for block 1 with the
+    # right key, parent and tokens, a correct checksum, other KV and no valid MAC.
+    chain = chain_keys(a.root, np.asarray(toks, "<i4"), BS)
+    block = np.asarray(toks[BS : 2 * BS], "<i4").tobytes()
+    good = wire.decode(client.get(keys[1]), keys[1], key=chain[1], parent=chain[0], position=BS, tokens=block, mac=None)
+    forged = {
+        lid: {f: (np.zeros_like(bits), d) for f, (bits, d) in part.items()} for lid, part in good.bits.items()
+    }
+    client.set(keys[1], wire.encode(keys[1], good.node, forged, mac=None))
+    b = open_host(tmp_path / "b", model, redis_server.url, remote_secret="fleet-secret")
+    assert fetch_exact(b, model, toks + [1]) == BS
+    assert b.stats()["remote_unauthenticated"] == 1
+    client.set(keys[1], wire.encode(keys[1], good.node, forged, mac=wire.mac_key("another secret")))
+    c = open_host(tmp_path / "c", model, redis_server.url, remote_secret="fleet-secret")
+    assert fetch_exact(c, model, toks + [1]) == BS
+    assert c.stats()["remote_unauthenticated"] == 1
+    # Without a secret the server is trusted like a disk: the forgery is well-formed.
+    d = open_host(tmp_path / "d", model, redis_server.url)
+    cache, rest = d.fetch(toks + [1])
+    assert len(toks) + 1 - len(rest) == 64 and d.stats()["remote_unauthenticated"] == 0
+    for h in (a, b, c, d):
+        h.close()
+
+
+def test_auth_and_a_wrong_password(tmp_path, model):
+    from redis_servers import RedisServer, require_redis
+
+    require_redis()
+    server = RedisServer(tmp_path / "redis", args=["--requirepass", "s3cret"]).start()
+    try:
+        toks = random_tokens(40, 15, first=15)
+        a = open_host(tmp_path / "a", model, f"redis://:s3cret@127.0.0.1:{server.port}")
+        publish(a, model, toks)
+        assert a.stats()["remote_published"] == 3
+        assert a.stats()["remote"] == f"redis://:***@127.0.0.1:{server.port}"
+        b = open_host(tmp_path / "b", model, f"redis://default:s3cret@127.0.0.1:{server.port}/0")
+        assert fetch_exact(b, model, toks + [1]) == 40
+        c = open_host(tmp_path / "c", model, f"redis://:wrong@127.0.0.1:{server.port}")
+        assert fetch_exact(c, model, toks + [1]) == 0
+        assert c.stats()["remote_errors"] == 1
+        for h in (a, b, c):
+            h.close()
+    finally:
+        server.stop()
+
+
+def test_ttl_and_publish_queue_bound(tmp_path, model, redis_server):
+    toks = random_tokens(40, 16, first=16)
+    a = open_host(tmp_path / "a", model, redis_server.url, remote_ttl=3600)
+    publish(a, model, toks)
+    ttl = redis_server.client().pttl(server_keys(a, toks)[0])
+    assert 0 < ttl <= 3600 * 1000
+    a.remote.queue_bytes = 1  # no room: every block is dropped and counted, none waits
+    publish(a, model, random_tokens(40, 17, first=17))
+    st = a.stats()
+    assert st["remote_dropped"] == 3 and st["remote_pending"] == 0
+    a.close()
+
+
+def test_tls(tmp_path, model):
+    import shutil
+
+    from redis_servers import RedisServer, require_redis
+
+    require_redis()
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a test certificate")
+    cert, key = str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert, "-days", "1",
+         "-subj", "/CN=127.0.0.1"], check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    server = RedisServer(tmp_path / "redis", tls=(cert, key)).start()
+    try:
+        url = f"rediss://127.0.0.1:{server.port}?ssl_ca_certs={cert}&ssl_check_hostname=false"
+        toks = random_tokens(40, 18, first=18)
+        a = open_host(tmp_path / "a", model, url)
+        publish(a, model, toks)
+        assert a.stats()["remote_published"] == 3
+        b = open_host(tmp_path / "b", model, url)
+        assert fetch_exact(b, model, toks + [1]) == 40
+        plain = open_host(tmp_path / "c", model, f"redis://127.0.0.1:{server.port}")  # TLS port, no TLS
+        assert fetch_exact(plain, model, toks + [1]) == 0 and plain.stats()["remote_errors"] == 1
+        for h in (a, b, plain):
+            h.close()
+    finally:
+        server.stop()
+
+
+def test_recurrent_and_window_layers_restore_from_the_remote(tmp_path, redis_server):
+    # Snapshots (a recurrent state, a rotating window) travel in the value too.
+    from families import build
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from helpers import feed
+
+    for family in ("qwen3_next", "gemma3_text"):
+        model = build(family)
+        toks = random_tokens(48, 19, first=19)
+        rest = random_tokens(5, 20)
+        a = open_host(tmp_path / f"a-{family}", model, redis_server.url)
+        cache = make_prompt_cache(model)
+        feed(model, cache, toks)
+        a.store(toks, cache)
+        a.flush()
+        want = feed(model, cache, rest)  # how the cache A stored goes on
+        b = open_host(tmp_path / f"b-{family}", model, redis_server.url)
+        restored, remaining = b.fetch(toks + rest)
+        assert len(remaining) == len(rest) and b.stats()["remote_blocks"] == 3
+        assert_same_logits(feed(model, restored, remaining), want)
+        for h in (a, b):
+            h.close()

@@ -1,0 +1,83 @@
+"""``--remote`` on the commands, ``ppc push`` and ``ppc pull``, through ``ppc``'s own entry
+point (in this process: starting an interpreter with MLX per command would cost seconds
+each; the hosts-as-processes tests are in test_remote_fleet.py)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from persistent_prefix_cache.cli import main as ppc_main
+
+
+@pytest.fixture
+def ppc(capsys, monkeypatch):
+    monkeypatch.setenv("PPC_REMOTE_TIMEOUT", "10")  # a loaded machine must not make a fetch miss
+
+    def call(*args, env=None):
+        capsys.readouterr()
+        for k, v in (env or {}).items():
+            monkeypatch.setenv(k, v)
+        code = ppc_main([str(a) for a in args])
+        for k in env or {}:
+            monkeypatch.delenv(k)
+        out = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+
+    return call
+
+
+@pytest.mark.parametrize("command", ["precompute", "generate", "stats", "push", "pull", "serve"])
+def test_a_bad_remote_url_is_one_line_and_exit_2(tmp_path, tiny_model_dir, ppc, command):
+    store = tmp_path / "s"
+    store.mkdir()
+    (tmp_path / "p.txt").write_text("hello")
+    extra = {
+        "precompute": ["--model", tiny_model_dir, tmp_path / "p.txt"],
+        "generate": ["--model", tiny_model_dir, "--prompt", "hi"],
+        "pull": ["--model", tiny_model_dir],
+        "serve": ["--model", tiny_model_dir],
+    }.get(command, [])
+    if command in ("stats", "push"):
+        ppc("precompute", "--model", tiny_model_dir, "--store", store, tmp_path / "p.txt")
+    out = ppc(command, "--store", store, *extra, env={"PPC_REMOTE": "localhost:6379"})
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "remote URL" in lines[0] and "Traceback" not in out.stderr
+
+
+def test_precompute_push_pull_between_hosts(tmp_path, tiny_model_dir, redis_server, ppc):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"document {i} " * 40}) + "\n" for i in range(3)))
+    a = tmp_path / "a"
+    out = ppc("precompute", "--model", tiny_model_dir, "--store", a, "--block-size", 16, prompts, "--json")
+    assert out.returncode == 0, out.stderr
+    blocks = json.loads(out.stdout)["blocks_in_store"]
+    # A store precomputed without a remote reaches the fleet with ppc push (twice: safe).
+    url = redis_server.url
+    first = ppc("push", "--store", a, "--remote", url, "--json")
+    assert first.returncode == 0, first.stderr
+    assert json.loads(first.stdout)["pushed"] == blocks
+    again = json.loads(ppc("push", "--store", a, "--json", env={"PPC_REMOTE": url}).stdout)
+    assert (again["pushed"], again["already"]) == (0, blocks)
+    stats = ppc("stats", "--store", a, "--remote", url, "--json")
+    assert json.loads(stats.stdout)["remote"]["blocks"] == blocks
+    # Host B pulls the prompts' prefixes; host C pulls the whole model.
+    b = tmp_path / "b"
+    out = ppc("pull", "--model", tiny_model_dir, "--store", b, "--remote", url, "--block-size", 16, prompts, "--json")
+    assert out.returncode == 0, out.stderr
+    pulled = json.loads(out.stdout)
+    assert pulled["blocks_in_store"] == blocks and pulled["tokens_restored"] > 0
+    c = tmp_path / "c"
+    out = ppc("pull", "--model", tiny_model_dir, "--store", c, "--remote", url, "--block-size", 16, "--json")
+    assert out.returncode == 0, out.stderr
+    whole = json.loads(out.stdout)
+    assert (whole["found"], whole["pulled"], whole["blocks_in_store"]) == (blocks, blocks, blocks)
+    rerun = json.loads(ppc("pull", "--model", tiny_model_dir, "--store", c, "--remote", url, "--json").stdout)
+    assert (rerun["pulled"], rerun["present"]) == (0, blocks)
+    # C now serves the prompts from its own disk, exactly: generate with no remote.
+    gen = ppc("generate", "--model", tiny_model_dir, "--store", c, "--prompt", "document 1 " * 40, "--max-tokens", 3)
+    gen_a = ppc("generate", "--model", tiny_model_dir, "--store", a, "--prompt", "document 1 " * 40, "--max-tokens", 3)
+    assert gen.returncode == 0 and gen.stdout == gen_a.stdout
