@@ -1,6 +1,9 @@
 # Quick start: `make demo` runs the warm-start demo, `make test` runs the tests.
 # Both create .venv and install the package (with its test extra) on first use.
 PYTHON ?= python3
+# MLX's build on Linux: cpu (default) or cuda / cuda12 (`make install MLX=cuda`).
+# Ignored on macOS, where mlx brings its Metal build.
+MLX ?= cpu
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -10,7 +13,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,$(MLX)]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -72,7 +72,16 @@ def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(module, __name__), name)
+    try:
+        value = getattr(import_module(module, __name__), name)
+    except ImportError as exc:
+        if "libmlx" not in str(exc):
+            raise
+        # mlx without a backend (a plain `pip install` on Linux): say which to pick.
+        raise ImportError(
+            f"MLX is installed without a backend ({exc}); on Linux install one: "
+            "pip install 'persistent-prefix-cache[cpu]', or '[cuda]' for an NVIDIA GPU"
+        ) from exc
     globals()[name] = value
     return value
 

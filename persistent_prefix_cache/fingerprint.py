@@ -5,9 +5,12 @@ fine-tune has the same names and shapes as its base), which also covers dtype an
 weight quantization. The cache layout (and so KV quantization) and the namespace
 are added by the root key (`keys.root_key`).
 
-Hashing weights costs a pass over them. When the caller names the folder the model
-was loaded from, the result is remembered in the store under the folder's files'
-(path, size, mtime, inode), so a second open of unchanged files hashes nothing.
+Hashing weights costs a pass over them (one xxh3 stream, ~10 GB/s on one core; on a
+CUDA GPU it hashes copies made on the device, touched by threads ahead of the hash, so
+the weights' own pages stay on the device).
+When the caller names the folder the model was loaded from, the result is remembered
+in the store under the folder's files' (path, size, mtime, inode), so a second open of
+unchanged files hashes nothing.
 """
 
 from __future__ import annotations
@@ -15,9 +18,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 import mlx.core as mx
+import numpy as np
 import xxhash
 from mlx.utils import tree_flatten
 
@@ -31,11 +37,18 @@ def _config_of(model: Any) -> Any:
     return getattr(model, "config", None)
 
 
-def fingerprint_model(model: Any) -> str:
+def fingerprint_model(model: Any, *, prefetch: bool | None = None) -> str:
     """Digest a loaded mlx-lm model: class, config and the bytes of every parameter.
 
     Args:
         model: An mlx ``nn.Module``.
+        prefetch: Hash copies made on the default device, their pages touched by a
+            few threads ahead of the hash (the value is the same). None: only where
+            the default device is a GPU. There arrays live in managed memory: the
+            host reading a weight moves its pages to the host, one thread at a time
+            slowly, and the next prefill moves them back (on an H200, 8B model: the
+            hash 8.8 s and the next prefill 1.8 s instead of 0.22 s; with copies,
+            4.4-5.0 s and no slower prefill).
 
     Returns:
         A hex string (xxh3-128).
@@ -46,13 +59,63 @@ def fingerprint_model(model: Any) -> str:
     h.update(json.dumps(_config_of(model), sort_keys=True, default=str).encode() + b"\0")
     params = sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0])
     mx.eval([p for _, p in params])
-    for name, value in params:
+    if prefetch is None:
+        prefetch = mx.default_device() == mx.gpu
+    for name, value, view in _ahead(params) if prefetch else _in_place(params):
         h.update(f"{name}:{value.dtype}:{tuple(value.shape)}\0".encode())
-        # Read the evaluated buffer directly (no MLX op): this also works in a process
-        # forked after MLX ran, where MLX itself can no longer evaluate anything.
-        view = memoryview(value)
-        h.update(view.cast("B") if view.c_contiguous else view.tobytes())
+        h.update(view)
     return h.hexdigest()
+
+
+_PAGE = 4096
+_PREFETCHERS = 8
+_AHEAD_BYTES = 1 << 30  # device memory the copies in flight may take
+
+
+def _bytes_of(value: mx.array) -> memoryview:
+    # The evaluated buffer itself (no MLX op): this also works in a process forked
+    # after MLX ran, where MLX can no longer evaluate anything.
+    view = memoryview(value)
+    return view.cast("B") if view.c_contiguous else memoryview(view.tobytes())
+
+
+def _in_place(params):
+    for name, value in params:
+        yield name, value, _bytes_of(value)
+
+
+def _copy(value: mx.array) -> mx.array:
+    # A bitwise copy made by the device (adding zero to the bytes as unsigned ints).
+    copy = value.view(mx.uint8) + 0 if value.dtype != mx.bool_ else mx.array(value)
+    mx.eval(copy)
+    return copy
+
+
+def _touch(copy: mx.array) -> memoryview:
+    view = _bytes_of(copy)
+    if len(view):  # one byte per page moves the page; numpy's strided sum drops the GIL
+        np.frombuffer(view, dtype=np.uint8)[::_PAGE].sum()
+    return view
+
+
+def _ahead(params):
+    """The parameters' bytes as device copies, touched on a few threads ahead of the
+    hash; at most `_AHEAD_BYTES` of copies (and at least one) in flight."""
+    pool = ThreadPoolExecutor(min(_PREFETCHERS, os.cpu_count() or 1), thread_name_prefix="ppc-prefetch")
+    pending: deque[tuple[Future, int]] = deque()
+    in_flight, nxt = 0, 0
+    try:
+        for name, value in params:
+            while nxt < len(params) and (not pending or in_flight + params[nxt][1].nbytes <= _AHEAD_BYTES):
+                copy = _copy(params[nxt][1])
+                pending.append((pool.submit(_touch, copy), copy.nbytes))
+                in_flight += copy.nbytes
+                nxt += 1
+            future, size = pending.popleft()
+            yield name, value, future.result()
+            in_flight -= size
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def weight_files_signature(model_path: str) -> bytes:

@@ -17,7 +17,9 @@ from .errors import InvalidArgumentError
 T = TypeVar("T")
 FORMAT_TAG = b"persistent_prefix_cache/block-key/v1"
 KEY_BYTES = 16
-_INT32_MAX = 2**31 - 1
+#: The range of token ids a store can key: ids are stored as int32. Negative ids are
+#: fine (mlx-lm's server marks image patches with negative ids), wider ones are not.
+TOKEN_MIN, TOKEN_MAX = -(2**31), 2**31 - 1
 
 
 def _framed(*parts: bytes) -> bytes:
@@ -63,8 +65,8 @@ def as_token_array(tokens: Any) -> np.ndarray:
         A new little-endian int32 numpy array.
 
     Raises:
-        InvalidArgumentError: If the tokens are not a 1-D sequence of integers in
-            ``[0, 2**31)``.
+        InvalidArgumentError: If the tokens are not a 1-D sequence of integers, or an
+            id does not fit the stored width (int32: ``[-2**31, 2**31)``).
     """
     if hasattr(tokens, "tolist") and not isinstance(tokens, np.ndarray):
         tokens = tokens.tolist()  # an mlx array
@@ -76,11 +78,24 @@ def as_token_array(tokens: Any) -> np.ndarray:
         return np.zeros(0, dtype="<i4")
     if arr.ndim != 1:
         raise InvalidArgumentError(f"tokens must be 1-D, got shape {arr.shape}")
-    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+    if arr.dtype == object and arr.ndim == 1 and all(_is_int(t) for t in arr.tolist()):
+        low, high = min(arr.tolist()), max(arr.tolist())  # ints too wide for int64
+    elif arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
         raise InvalidArgumentError(f"tokens must be integers, got dtype {arr.dtype}")
-    if int(arr.min()) < 0 or int(arr.max()) > _INT32_MAX:
-        raise InvalidArgumentError("tokens must lie in [0, 2**31)")
+    else:
+        low, high = int(arr.min()), int(arr.max())
+    if low < TOKEN_MIN or high > TOKEN_MAX:
+        bad = low if low < TOKEN_MIN else high
+        raise InvalidArgumentError(
+            f"token id {bad} does not fit the store's token width: ids are stored as "
+            f"int32, in [{TOKEN_MIN}, {TOKEN_MAX}]",
+            hint="such prompts cannot be cached; map the ids into that range (or keep them uncached)",
+        )
     return arr.astype("<i4")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def chain_keys(root: bytes, tokens: np.ndarray, block_size: int) -> list[bytes]:

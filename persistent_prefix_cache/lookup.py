@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .disk.index import Index, Reader
-from .disk.node import Node
+from .disk.node import HEAD_AT, TOKENS_AT, Node, raw_head
 from .keys import best_continuation, block_key
 from .tiers.memory import MemoryTier
 
@@ -86,20 +86,28 @@ class Trie:
         with self.index.reader() as reader:
             # Full blocks: their keys follow from the tokens, no scan needed; records
             # are checked as stored bytes and decoded only when used.
-            while n - pos >= self.block_size:
+            # The loop is the lookup's cost (one record per block): names are bound
+            # once, and a record is matched as two byte slices.
+            bs, get = self.block_size, reader.get_raw
+            in_memory = self.memory.node if len(self.memory) else None
+            while n - pos >= bs:
                 block = data[4 * pos : 4 * pos + step]
                 key = block_key(parent, block)
-                node = self.memory.node(key)
+                node = in_memory(key) if in_memory is not None else None
                 if node is not None:
                     if node.parent != parent or node.tokens != block or node.position != pos:
                         break
                     path.append(node)
                 else:
-                    raw = reader.get_raw(key)
-                    if raw is None or not Node.raw_matches(raw, parent, pos, block):
+                    raw = get(key)
+                    if (
+                        raw is None
+                        or raw[HEAD_AT] != raw_head(parent, pos, bs)
+                        or raw[TOKENS_AT : TOKENS_AT + step] != block
+                    ):
                         break
                     path.append((key, raw))
-                parent, pos = key, pos + self.block_size
+                parent, pos = key, pos + bs
             # Then the stored child sharing the longest prefix with what is left
             # (a partial block, or a longer block that will be trimmed).
             children = [

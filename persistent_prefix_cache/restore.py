@@ -37,11 +37,14 @@ def restore(
         intact means the block after them is missing or damaged; all intact and None
         means the blocks do not fit the layout.
     """
-    cached = []
+    cached, origins = [], []
     for node in nodes:
         entry = memory.get(node.key)
         cached.append(entry[1] if entry is not None else None)
-    intact, runs, snaps = read_path(nodes, cached, files, layout.kinds, position, layout.fields, digests)
+        origins.append(entry[2] if entry is not None else {})
+    intact, runs, snaps = read_path(
+        nodes, cached, files, layout.kinds, position, layout.fields, digests, origins
+    )
     if intact < len(nodes):
         return None, intact
     # Blocks read from disk do not join the RAM tier: views of the returned buffers

@@ -36,6 +36,7 @@ from .layers import Layout, cache_length, signature_of, template_cache
 from .lookup import Trie, back_off
 from .costs import Costs
 from .options import check_options, check_remote, existing_but_not_writable
+from .paths import expand_path
 from .restore import restore
 from .fleet import RemoteFill, remote_counters
 from .tiers.memory import MemoryTier
@@ -65,7 +66,8 @@ class PersistentPrefixCache:
     """A prefix (KV) cache for one mlx-lm model, kept in a store directory.
 
     Args:
-        path: The store directory (created if missing, unless `readonly`).
+        path: The store directory (created if missing, unless `readonly`); ``~`` and
+            ``$VARS`` are expanded (`paths.expand_path`), as in `model_path`.
         model: The loaded mlx-lm model (used for its cache layout and fingerprint).
         fingerprint: Use this string as the model fingerprint instead of hashing the
             weights. Two models given the same string share blocks: only pass one you
@@ -125,11 +127,14 @@ class PersistentPrefixCache:
         remote_timeout: float = DEFAULT_REMOTE_TIMEOUT,
     ):
         check_remote(remote=remote, secret=remote_secret, ttl=remote_ttl, timeout=remote_timeout)
+        path = expand_path(path, what="path")
+        if model_path is not None:
+            model_path = expand_path(model_path, what="model_path")
         check_options(
             fingerprint=fingerprint, model_path=model_path, namespace=namespace, block_size=block_size,
             memory_bytes=memory_bytes, disk_bytes=disk_bytes, kv_bits=kv_bits, kv_group_size=kv_group_size,
         )  # fmt: skip
-        self.path = os.path.abspath(os.fspath(path))
+        self.path = os.path.abspath(path)
         self.sync_writes = sync_writes
         self._warned_readonly = False
         if readonly and not os.path.isdir(os.path.join(self.path, "index")):
@@ -205,7 +210,7 @@ class PersistentPrefixCache:
             longer_than: Load nothing unless more than this many tokens can be
                 restored (a caller that already holds a cache of that many, say;
                 0: unless anything can); such a call is counted as ``not_longer``
-                only, not as a query.
+                only, not as a query, except with 0, where nothing stored is a miss.
 
         Returns:
             ``(cache, remaining)``: fresh mlx-lm cache objects covering the restored
@@ -232,7 +237,13 @@ class PersistentPrefixCache:
     def _restore(self, tokens: Any, path: list[Node], matched: int, longer_than: int | None) -> tuple[list | None, Any]:
         """The rest of `fetch`: restore `path` up to `matched` tokens (cost model, damage)."""
         if longer_than is not None and matched <= longer_than:
-            self.counters.add(not_longer=1)
+            if longer_than == 0:
+                # The caller holds nothing and the store has nothing: a plain miss
+                # (a server's request that found nothing must show in `ppc stats`).
+                self.counters.add(queries=1, misses=1)
+                self._note(misses=1)
+            else:
+                self.counters.add(not_longer=1)
             return None, tokens
         if path:
             path, matched = self._cheaper(path, matched)
@@ -364,12 +375,12 @@ class PersistentPrefixCache:
             return 0
         self._note(touch=keys[: len(path)])
         new = self.layout.new_blocks(cache, keys, data, path, root=self.root, block_size=self.block_size)
-        for node, tensors, _ in new:
+        for node, tensors, _, origin in new:
             self.layout.learn_fields(tensors)  # the dtypes and shapes a read must find
-            self.memory.put(node, tensors)
+            self.memory.put(node, tensors, origin)
         if new:
             job = self.writeback.write_blocks if self.remote is None else self._write_and_publish
-            future = self.writeback.submit(job, [(node, bits) for node, _, bits in new])
+            future = self.writeback.submit(job, [(node, bits) for node, _, bits, _ in new])
             if self.sync_writes:
                 future.result()
         return len(new)

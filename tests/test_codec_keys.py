@@ -6,7 +6,6 @@ here with mlx 0.32 and safetensors 0.8), so the codec must refuse them itself; k
 
 from __future__ import annotations
 
-import io
 import json
 
 import mlx.core as mx
@@ -289,8 +288,10 @@ def test_as_token_array_empty_is_empty_int32():
         ["1", "2"],
         [True, False],
         np.array([True]),
-        [-1],
+        [-(2**31) - 1],
         [2**31],
+        [-1 - 2**59],
+        [2**70],
         [[1, 2], [3, 4]],
         [[1], [2, 3]],
         np.zeros((2, 2), dtype=np.int32),
@@ -306,8 +307,10 @@ def test_as_token_array_empty_is_empty_int32():
         "strings",
         "bools",
         "np_bool",
-        "negative",
+        "too_small",
         "too_big",
+        "vlm_image_id",
+        "wider_than_int64",
         "2d",
         "ragged",
         "np_2d",

@@ -278,10 +278,15 @@ def test_open_during_another_process_commit_does_not_wait(
             name="reader",
         )
         workers.append(reader)
-        assert reader.result(timeout=10)["steps"] == [
+        # The writer sleeps inside its transaction until it is killed: a reader that
+        # waited for it would never finish. The bound only turns that hang into a
+        # failure; it must leave room for a slow start (importing MLX on a loaded
+        # machine took over 10 s).
+        assert reader.result(timeout=300)["steps"] == [
             {"matched": len(a) - 1, "exact": True},
             {"matched": 0, "exact": True},
         ]
+        assert writer.proc.poll() is None  # still inside its write transaction
     finally:
         for w in workers:
             w.reap()

@@ -360,13 +360,13 @@ def _free_port() -> int:
 class Server:
     """One ``ppc serve`` process on 127.0.0.1; its output goes to a log file."""
 
-    def __init__(self, model_dir, store, log_path):
+    def __init__(self, model_dir, store, log_path, *extra: str):
         self.port = _free_port()
         self.log_path = log_path
         cmd = [
             sys.executable, "-m", "persistent_prefix_cache", "serve",
             "--model", str(model_dir), "--store", str(store), "--store-block-size", str(BLOCK),
-            "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "INFO",
+            "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "INFO", *extra,
         ]  # fmt: skip
         env = {k: v for k, v in os.environ.items() if k != "PPC_STORE"}
         self._log = open(log_path, "w")
@@ -498,3 +498,70 @@ def test_serve_refuses_a_missing_model_folder(tmp_path, capsys):
     code = serve.main(["--model", str(tmp_path / "nope"), "--store", str(tmp_path / "s")])
     assert code == 2
     assert "no such folder" in capsys.readouterr().err
+
+
+# -- configuration errors stop the server before it starts -----------------------------
+
+
+def _serve_exit(model_dir, store, *extra: str) -> subprocess.CompletedProcess:
+    """``ppc serve`` that must refuse to start: exit code 2, one message, no traceback."""
+    cmd = [sys.executable, "-m", "persistent_prefix_cache", "serve", "--model", str(model_dir)]
+    cmd += ["--store", str(store), "--port", str(_free_port()), *extra]
+    env = {k: v for k, v in os.environ.items() if k != "PPC_STORE"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr and proc.stderr.startswith("error: "), proc.stderr
+    return proc
+
+
+@pytest.mark.parametrize("how", ["truncated", "overwritten"])
+def test_serve_refuses_a_damaged_index_at_startup(serve_model_dir, serve_model, tmp_path, how):
+    store = tmp_path / "store"
+    PersistentPrefixCache(store, serve_model, block_size=BLOCK).close()
+    data = store / "index" / "data.mdb"
+    if how == "truncated":
+        os.truncate(data, 100)
+    else:
+        data.write_bytes(b"\x5a" * data.stat().st_size)
+    proc = _serve_exit(serve_model_dir, store)
+    assert "index" in proc.stderr and "move the store directory aside" in proc.stderr
+
+
+def test_serve_refuses_another_block_size_at_startup(serve_model_dir, serve_model, tmp_path):
+    store = tmp_path / "store"
+    PersistentPrefixCache(store, serve_model, block_size=2 * BLOCK).close()
+    proc = _serve_exit(serve_model_dir, store, "--store-block-size", str(BLOCK))
+    assert f"--store-block-size {BLOCK}: the store at" in proc.stderr
+    assert f"uses {2 * BLOCK}-token blocks" in proc.stderr
+
+
+@pytest.mark.parametrize("kind", ["file", "other files", "readonly without a store"])
+def test_serve_refuses_a_path_that_is_no_store(serve_model_dir, tmp_path, kind):
+    target = tmp_path / "target"
+    extra = []
+    if kind == "file":
+        target.write_text("not a store")
+        expect = "is a file, not a store directory"
+    elif kind == "other files":
+        target.mkdir()
+        (target / "notes.txt").write_text("mine")
+        expect = "folder has files but no store in it"
+    else:
+        extra, expect = ["--store-readonly"], "no store at"
+    proc = _serve_exit(serve_model_dir, target, *extra)
+    assert expect in proc.stderr
+    if kind == "other files":
+        assert os.listdir(target) == ["notes.txt"]  # nothing was created among them
+
+
+def test_serve_store_optional_degrades_with_a_warning(serve_model_dir, serve_model, tmp_path):
+    store = tmp_path / "store"
+    PersistentPrefixCache(store, serve_model, block_size=2 * BLOCK).close()
+    with Server(serve_model_dir, store, tmp_path / "optional.log", "--store-optional") as server:
+        assert server.chat(FIRST)["choices"][0]["finish_reason"] in ("length", "stop")
+        assert server.stop() == 0, server.log()
+    log = server.log()
+    assert "--store-optional: serving without a persistent cache" in log
+    assert f"uses {2 * BLOCK}-token blocks" in log
+    segments = store / "segments"
+    assert not segments.exists() or os.listdir(segments) == []  # the store was not used

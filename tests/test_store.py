@@ -15,6 +15,7 @@ from pathlib import Path
 
 import lmdb
 import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
 import numpy as np
 import pytest
 from helpers import (
@@ -492,7 +493,7 @@ def test_cache_not_covering_the_tokens_is_refused(store_dir, model, delta):
         [1.5, 2.0],
         ["a", "b"],
         [True, False],
-        [-1, 2],
+        [-(2**31) - 1, 2],
         [2**31, 1],
         [[1, 2], [3, 4]],
         np.zeros((1, 4), dtype=np.int32),
@@ -503,7 +504,7 @@ def test_cache_not_covering_the_tokens_is_refused(store_dir, model, delta):
         "floats",
         "strings",
         "bools",
-        "negative",
+        "too_small",
         "too_big",
         "nested",
         "np_2d",
@@ -648,6 +649,23 @@ def test_fingerprint_is_remembered_by_weight_files(
         assert store.fingerprint == first
     assert len(calls) == 3
     assert real(model) == first
+
+
+def test_fingerprint_prefetch_gives_the_same_value_and_still_sees_one_weight(model):
+    # The prefetch (threads touching pages ahead of the hash, on by default on a GPU)
+    # must not change what is hashed: same value with and without, and a change in a
+    # single weight still changes it.
+    plain = fingerprint_module.fingerprint_model(model, prefetch=False)
+    assert fingerprint_module.fingerprint_model(model, prefetch=True) == plain
+    name, weight = max(tree_flatten(model.parameters()), key=lambda kv: kv[1].size)
+    try:
+        edited = weight.flatten()
+        edited[edited.size // 2] = edited[edited.size // 2] + 1
+        model.update(tree_unflatten([(name, edited.reshape(weight.shape))]))
+        assert fingerprint_module.fingerprint_model(model, prefetch=True) != plain
+    finally:
+        model.update(tree_unflatten([(name, weight)]))
+    assert fingerprint_module.fingerprint_model(model, prefetch=True) == plain
 
 
 # -- read-only ------------------------------------------------------------------------------

@@ -921,6 +921,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-plot", action="store_true", help="write no plot")
     p.add_argument(
+        "--device", choices=("default", "cpu"), default="default",
+        help="cpu: run MLX on the CPU even where it has a GPU (the unified-memory proxy)",
+    )  # fmt: skip
+    p.add_argument(
         "--no-remote", action="store_true", help="skip the remote tier (a loopback redis-server)"
     )
     p.add_argument(
@@ -960,6 +964,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return gpu_bench.main([a for a in argv if a != "--gpu"])
     args = parse_args(argv)
+    if args.device == "cpu":
+        mx.set_default_device(mx.cpu)
     started = time.perf_counter()
     workdir = Path(tempfile.mkdtemp(prefix="ppc-bench-", dir=args.dir))
     bench = Bench(args, workdir)

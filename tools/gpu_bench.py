@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 try:
     from persistent_prefix_cache import PersistentPrefixCache
@@ -137,6 +138,30 @@ def case(model, n: int, repeat: int, work: Path) -> dict:
     return out
 
 
+def fingerprint_case(model, repeat: int, n: int) -> dict:
+    """The first open's weight hash in place (one thread) and from device copies
+    touched by threads (the default on a GPU), and the prefill that follows each
+    (weights' pages the hash moved to the host move back)."""
+    from persistent_prefix_cache.fingerprint import fingerprint_model
+
+    tokens = [(7 * i + 3) % model.args.vocab_size for i in range(n)]
+    out: dict = {"weight_bytes": sum(v.nbytes for _, v in tree_flatten(model.parameters()))}
+    values = set()
+    for prefetch in (False, True) * repeat:
+        forward(model, make_prompt_cache(model), tokens)  # weights back on the device
+        mx.synchronize()
+        started = time.perf_counter()
+        values.add(fingerprint_model(model, prefetch=prefetch))
+        hashed = time.perf_counter() - started
+        started = time.perf_counter()
+        forward(model, make_prompt_cache(model), tokens)
+        after = time.perf_counter() - started
+        out.setdefault(f"prefetch_{prefetch}_hash_s", []).append(hashed)
+        out.setdefault(f"prefetch_{prefetch}_next_prefill_s", []).append(after)
+    out["same_value"] = len(values) == 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", default="1024,8192,16384", help="comma-separated prompt lengths")
@@ -144,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small", action="store_true", help="a tiny model (to check the script on a CPU)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--dir", default=None, help="scratch folder")
+    p.add_argument("--fingerprint", action="store_true", help="also time the weight hash of a first open")
     args = p.parse_args(argv)
     model = build(SMALL if args.small else SHAPE_8B)
     work = Path(tempfile.mkdtemp(dir=args.dir))
@@ -152,6 +178,14 @@ def main(argv: list[str] | None = None) -> int:
         "mlx": mx.__version__,
         "cases": [case(model, int(n), args.repeat, work) for n in args.tokens.split(",")],
     }
+    if args.fingerprint:
+        results["fingerprint"] = fp = fingerprint_case(model, args.repeat, min(8192, max(int(n) for n in args.tokens.split(","))))
+        print(
+            "fingerprint of %.1f GB: %s s one thread, %s s from device copies; next prefill %s / %s s; same value: %s"
+            % (fp["weight_bytes"] / 1e9, fp["prefetch_False_hash_s"], fp["prefetch_True_hash_s"],
+               fp["prefetch_False_next_prefill_s"], fp["prefetch_True_next_prefill_s"], fp["same_value"]),
+            file=sys.stderr,
+        )  # fmt: skip
     print(f"persistent_prefix_cache GPU case: mlx {results['mlx']} on {results['device']}", file=sys.stderr)
     print(f"{'tokens':>7} {'cold s':>8} {'mlx-lm':>8} {'ours RAM':>9} {'ours disk':>9}   (restore + 1 forward, s; x cold)   cost model (RAM / disk)", file=sys.stderr)
     for c in results["cases"]:

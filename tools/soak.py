@@ -116,7 +116,7 @@ class _Counters:
 
 
 def run_worker(spec: dict) -> int:
-    """Hammer the store until the deadline; see the module docstring."""
+    """Hammer the store until the supervisor stops it; see the module docstring."""
     import mlx.core as mx
 
     from persistent_prefix_cache import PersistentPrefixCache
@@ -184,7 +184,12 @@ def run_worker(spec: dict) -> int:
 
     def thread_main(index: int) -> None:
         rng = random.Random(f"{spec['seed']}-{os.getpid()}-{index}")
-        while time.time() < spec["deadline"]:
+        done = 0
+        # Run while the supervisor's run file exists (it removes it at the end), and
+        # past that until this thread has done its minimum: on a loaded machine a
+        # worker may spend most of its time starting up.
+        while os.path.exists(spec["run_file"]) or done < spec["min_ops"]:
+            done += 1
             try:
                 one_op(rng)
             except Exception:
@@ -273,7 +278,11 @@ class Supervisor:
         self.restarts = 0
         self.crashed = 0  # workers that exited non-zero on their own
         self.counter_files: list[str] = []
+        self.counters_of: dict[int, str] = {}  # worker pid -> its counters file
         self.deadline = time.time() + args.seconds
+        # Workers run while this file exists: the supervisor alone decides when to stop.
+        self.run_file = os.path.join(workdir, "running")
+        open(self.run_file, "w").close()
 
     def spawn(self) -> subprocess.Popen:
         self.incarnations += 1
@@ -290,7 +299,8 @@ class Supervisor:
             "memory_bytes": self.args.memory_bytes,
             "disk_bytes": self.args.disk_bytes,
             "threads": self.args.threads,
-            "deadline": self.deadline,
+            "run_file": self.run_file,
+            "min_ops": self.args.min_ops,
             "seed": self.args.seed * 1000 + n,
         }
         spec_path = os.path.join(self.workdir, f"worker-{n}.json")
@@ -298,28 +308,43 @@ class Supervisor:
             json.dump(spec, f)
         log = open(os.path.join(self.workdir, f"worker-{n}.log"), "w")
         try:
-            return subprocess.Popen(
+            worker = subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), "--worker", spec_path],
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
         finally:
             log.close()
+        self.counters_of[worker.pid] = counters
+        return worker
+
+    def _working(self, worker: subprocess.Popen) -> bool:
+        """Whether `worker` is alive and has done an operation (a kill then interrupts
+        real work, not an interpreter still importing MLX)."""
+        if worker.poll() is not None:
+            return False
+        try:
+            with open(self.counters_of[worker.pid]) as f:
+                return json.load(f)["counters"]["operations"] > 0
+        except (OSError, ValueError, KeyError):
+            return False  # not saved yet
+
+    def _more_kills_needed(self) -> bool:
+        return self.args.kill_every > 0 and self.kills < self.args.min_kills
 
     def run(self) -> None:
         rng = random.Random(self.args.seed)
         workers = [self.spawn() for _ in range(self.args.procs)]
         killed: set[int] = set()  # pids we killed (their slot may stay empty near the end)
         try:
+            # Until the deadline, and past it until --min-kills workers were killed at work.
             while True:
                 left = self.deadline - time.time()
-                if left <= 0:
+                if left <= 0 and not self._more_kills_needed():
                     break
-                if self.args.kill_every > 0:
-                    time.sleep(min(left, rng.expovariate(1 / self.args.kill_every)))
-                else:
-                    time.sleep(min(left, 0.5))
-                if time.time() >= self.deadline:
+                pause = rng.expovariate(1 / self.args.kill_every) if self.args.kill_every > 0 else 0.5
+                time.sleep(min(left, pause) if left > 0 else pause)
+                if time.time() >= self.deadline and not self._more_kills_needed():
                     break
                 for i, w in enumerate(workers):  # a worker that died on its own
                     if w.poll() is not None and w.pid not in killed:
@@ -328,15 +353,18 @@ class Supervisor:
                         self.restarts += 1
                 if self.args.kill_every > 0:
                     i = rng.randrange(len(workers))
-                    if workers[i].poll() is None:
+                    if self._working(workers[i]):
+                        owed = self._more_kills_needed()
                         workers[i].send_signal(signal.SIGKILL)
                         workers[i].wait(timeout=60)
                         killed.add(workers[i].pid)
                         self.kills += 1
-                    if self.deadline - time.time() > 3:  # room for a new one to work
-                        workers[i] = self.spawn()
-                        self.restarts += 1
-            # Workers stop at the deadline by themselves: give them time to close.
+                        # Room for a new one to work (or kills still owed).
+                        if self.deadline - time.time() > 3 or owed:
+                            workers[i] = self.spawn()
+                            self.restarts += 1
+            # Workers stop once the run file is gone: give them time to close.
+            os.unlink(self.run_file)
             end = time.time() + 120
             for w in workers:
                 try:
@@ -345,6 +373,8 @@ class Supervisor:
                 except subprocess.TimeoutExpired:
                     self.crashed += 1  # hung past the deadline: killed below
         finally:
+            if os.path.exists(self.run_file):
+                os.unlink(self.run_file)
             for w in workers:
                 if w.poll() is None:
                     w.kill()
@@ -501,6 +531,14 @@ def main(argv: list[str] | None = None) -> int:
         "--kill-every", type=float, default=3.0, help="mean seconds between SIGKILLs (3)"
     )
     parser.add_argument("--no-kills", action="store_const", const=0.0, dest="kill_every")
+    parser.add_argument(
+        "--min-ops", type=int, default=0,
+        help="operations every worker thread does at least, past --seconds if need be (0)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--min-kills", type=int, default=0,
+        help="SIGKILLs of working workers at least, past --seconds if need be (0)",
+    )  # fmt: skip
     parser.add_argument("--store", help="store directory (default: a new temporary one)")
     parser.add_argument("--model", help="tiny model folder (default: build one)")
     parser.add_argument("--block-size", type=int, default=16)
@@ -520,6 +558,8 @@ def main(argv: list[str] | None = None) -> int:
                 return fn(json.load(f))
     if args.procs < 1 or args.threads < 1 or args.seconds <= 0:
         parser.error("--procs, --threads and --seconds must be positive")
+    if args.min_ops < 0 or args.min_kills < 0:
+        parser.error("--min-ops and --min-kills must be at least 0")
     return supervise(args)
 
 

@@ -33,12 +33,19 @@ def _usage() -> str:
 def main(argv: list[str] | None = None) -> int:
     """Dispatch to a subcommand; returns the process exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(_usage())
-        return 0 if argv else 2
-    name, rest = argv[0], argv[1:]
-    if name not in COMMANDS:
-        print(f"ppc: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
-        return 2
-    module = importlib.import_module(f"persistent_prefix_cache.cli.{COMMANDS[name][0]}")
-    return module.main(rest)
+    try:
+        if not argv or argv[0] in ("-h", "--help"):
+            print(_usage(), flush=True)
+            return 0 if argv else 2
+        name, rest = argv[0], argv[1:]
+        if name not in COMMANDS:
+            print(f"ppc: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+            return 2
+        module = importlib.import_module(f"persistent_prefix_cache.cli.{COMMANDS[name][0]}")
+        code = module.main(rest)
+        sys.stdout.flush()  # a reader gone by now is still a broken pipe, caught below
+        return code
+    except BrokenPipeError:  # `ppc inspect | head`: the reader stopped early
+        from .common import broken_pipe
+
+        return broken_pipe()

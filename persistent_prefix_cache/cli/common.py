@@ -14,7 +14,8 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
-from ..errors import PrefixCacheError
+from ..errors import InvalidArgumentError, PrefixCacheError
+from ..paths import expand_path
 
 EXIT_USAGE = 2
 
@@ -28,10 +29,24 @@ def make_parser(command: str, description: str) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(prog=f"ppc {command}", description=description)
 
 
+def path_arg(text: str) -> str:
+    """An argparse ``type=`` for paths: ``~`` and ``$VARS`` expanded (see `expand_path`),
+    also in a default taken from the environment (``--store=~/kv``, ``PPC_STORE=~/kv``).
+
+    Raises:
+        argparse.ArgumentTypeError: If the path names an environment variable that is not set.
+    """
+    try:
+        return expand_path(text)
+    except InvalidArgumentError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
+
+
 def add_store_option(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
     """``--store DIR``, defaulting to ``$PPC_STORE``."""
     parser.add_argument(
         "--store",
+        type=path_arg,
         default=os.environ.get("PPC_STORE"),
         help="store directory (default: $PPC_STORE)",
     )
@@ -40,7 +55,7 @@ def add_store_option(parser: argparse.ArgumentParser, *, required: bool = True) 
 
 def add_model_option(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
     """``--model PATH_OR_ID`` and the options that shape the store's layout."""
-    parser.add_argument("--model", required=required, help="local model folder or hub id")
+    parser.add_argument("--model", type=path_arg, required=required, help="local model folder or hub id")
     parser.add_argument("--namespace", default="", help="tenant or cache salt (default: none)")
     parser.add_argument("--kv-bits", type=int, default=None, help="quantize the stored KV (as mlx-lm)")
     parser.add_argument("--kv-group-size", type=int, default=64, help="group size for --kv-bits")
@@ -127,33 +142,58 @@ def store_path(args: argparse.Namespace, *, must_exist: bool = False) -> str:
     path = getattr(args, "store", None)
     if not path:
         raise UserError("no store given: pass --store DIR or set PPC_STORE")
+    path = expand_path(path, what="--store")
     if must_exist and not os.path.isdir(os.path.join(path, "index")):
         raise UserError(f"no store at {path} (expected {os.path.join(path, 'index')})")
     return path
 
 
-def load_model(spec: str, *, with_tokenizer: bool = True):
+def load_model(
+    spec: str,
+    *,
+    with_tokenizer: bool = True,
+    adapter_path: str | None = None,
+    trust_remote_code: bool = False,
+    what: str = "--model",
+):
     """Load a model (and tokenizer) with mlx-lm, as ``(model, tokenizer, local_path)``.
+
+    Args:
+        spec: A model folder or hub id.
+        with_tokenizer: Load the tokenizer too.
+        adapter_path: LoRA adapters to apply (``mlx_lm.generate --adapter-path``);
+            `local_path` is then None, so the store hashes the adapted weights
+            instead of remembering the fingerprint by the model folder.
+        trust_remote_code: Let the tokenizer run code from the model folder.
+        what: The option that named the model, for messages.
 
     Raises:
         UserError: If the model cannot be found or loaded.
     """
-    looks_local = os.path.exists(spec) or spec.startswith((".", "/", "~"))
-    if looks_local and not os.path.isdir(os.path.expanduser(spec)):
-        raise UserError(f"--model {spec}: no such folder")
+    local = expand_path(spec, what=what)
+    looks_local = os.path.exists(local) or spec.startswith((".", "/", "~", "$")) or local != spec
+    if looks_local and not os.path.isdir(local):
+        raise UserError(f"{what} {spec}: no such folder")
+    if adapter_path is not None and not os.path.isdir(adapter_path):
+        raise UserError(f"--adapter-path {adapter_path}: no such folder")
     try:
         from mlx_lm import load
         from mlx_lm.utils import load_model as load_weights
 
         if with_tokenizer:
-            model, tokenizer = load(os.path.expanduser(spec) if looks_local else spec)
+            model, tokenizer = load(
+                local if looks_local else spec,
+                adapter_path=adapter_path,
+                tokenizer_config={"trust_remote_code": True} if trust_remote_code else None,
+                trust_remote_code=trust_remote_code,
+            )
         else:
-            model, tokenizer = load_weights(os.path.expanduser(spec))[0], None
+            model, tokenizer = load_weights(local)[0], None
     except Exception as exc:  # mlx-lm raises many kinds; all mean "cannot load this"
         first_line = (str(exc).strip().splitlines() or [""])[0]
         hint = "" if looks_local else " (not a local folder; a hub id needs the network or a local copy)"
         raise UserError(f"cannot load model {spec!r}: {type(exc).__name__}: {first_line}{hint}") from None
-    return model, tokenizer, (os.path.expanduser(spec) if looks_local else None)
+    return model, tokenizer, (local if looks_local and adapter_path is None else None)
 
 
 def open_store(args: argparse.Namespace, model: Any, local_path: str | None, **kwargs):
@@ -208,10 +248,35 @@ def emit(data: Any, as_json: bool, render: Callable[[Any], str]) -> None:
     print(json.dumps(data, indent=2, default=str) if as_json else render(data))
 
 
+#: The exit status of a process killed by SIGPIPE (what ``yes | head`` leaves ``yes``).
+EXIT_BROKEN_PIPE = 128 + 13
+
+
+def broken_pipe() -> int:
+    """End quietly after the reader of stdout went away (``ppc inspect | head``).
+
+    Python turns SIGPIPE into `BrokenPipeError`; the output nobody reads is dropped and
+    stdout pointed at the null device, so that the interpreter's last flush at exit
+    does not fail a second time.
+
+    Returns:
+        `EXIT_BROKEN_PIPE`.
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass  # stdout is not a real file: nothing will flush it at exit either
+    return EXIT_BROKEN_PIPE
+
+
 def run(work: Callable[[], int]) -> int:
     """Run a subcommand, turning user-facing failures into a message and exit code 2."""
     try:
         return work()
+    except BrokenPipeError:
+        return broken_pipe()
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
     except PrefixCacheError as exc:

@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 
+from .common import path_arg
+
 DEFAULT_WORKDIR = ".demo"
 DEMO_MODEL = dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=512)
 
@@ -116,13 +118,13 @@ def _table(cold: dict, warm: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``ppc demo``."""
     parser = argparse.ArgumentParser(prog="ppc demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="a local model folder or hub id (default: a tiny random model, no network)")
-    parser.add_argument("--workdir", default=DEFAULT_WORKDIR, help="where the demo keeps its model and store (default: %(default)s)")
+    parser.add_argument("--model", type=path_arg, help="a local model folder or hub id (default: a tiny random model, no network)")
+    parser.add_argument("--workdir", type=path_arg, default=DEFAULT_WORKDIR, help="where the demo keeps its model and store (default: %(default)s)")
     parser.add_argument("--prompt-tokens", type=int, default=1536, help="prompt length in tokens (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=24, help="tokens to generate (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
     parser.add_argument("--phase", choices=["cold", "warm"], help=argparse.SUPPRESS)
-    parser.add_argument("--store", help=argparse.SUPPRESS)
+    parser.add_argument("--store", type=path_arg, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.prompt_tokens < 2 or args.max_tokens < 1:
         parser.error("--prompt-tokens must be at least 2 and --max-tokens at least 1")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import add_json_option, add_store_option, emit, make_parser, run, store_path
+from .common import add_json_option, add_store_option, emit, make_parser, path_arg, run, store_path
 from ..disk.maintenance import StoreAdmin
 
 
@@ -10,7 +10,7 @@ def main(argv: list[str]) -> int:
     """Write a store (or the part for one model) to one tar file."""
     parser = make_parser("export", "Pack a store, or the part for one model, into one file.")
     add_store_option(parser)
-    parser.add_argument("output", help="the file to write (e.g. prompts.ppc.tar)")
+    parser.add_argument("output", type=path_arg, help="the file to write (e.g. prompts.ppc.tar)")
     parser.add_argument("--model", help="a model's root key or fingerprint prefix (see `ppc inspect`)")
     add_json_option(parser)
     args = parser.parse_args(argv)

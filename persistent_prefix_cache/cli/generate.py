@@ -6,16 +6,27 @@ tokens is restored instead of computed, the rest is prefilled (and stored as it 
 and the text is printed as it is generated. Afterwards the prompt and the generated
 tokens that the cache covers are stored, so the next turn of a conversation starts
 warm too. How many prompt tokens came from the store and the time to first token go
-to stderr (or into ``--json``).
+to stderr (or into ``--json``), with mlx-lm's own summary lines (prompt and generation
+tokens per second, peak memory).
+
+mlx_lm.generate's model options work as there: ``--adapter-path`` (the adapted weights
+are hashed for the store's fingerprint: an adapter changes the KV without changing the
+model folder), ``--trust-remote-code``, ``--max-kv-size`` (mlx-lm's rotating cache;
+its layout is part of the store's key, so such KV is stored and restored apart from
+the full cache's), ``--draft-model``/``--num-draft-tokens`` (speculative decoding: the
+store holds the model's and the draft's layers together, as ``ppc serve`` does) and
+``--verbose``.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 
 from .common import (
     UserError,
+    path_arg,
     add_json_option,
     add_model_option,
     add_remote_option,
@@ -103,6 +114,86 @@ def prompt_tokens(prompt: str, tokenizer, args) -> list[int]:
     return ids
 
 
+class StoreModel:
+    """The model as the store sees it with ``--max-kv-size`` or ``--draft-model``.
+
+    Its cache is what mlx-lm's generator uses then: rotating layers of
+    ``--max-kv-size``, and the draft model's layers after the model's (the split
+    ``speculative_generate_step`` makes at ``len(model.layers)``). Calling it runs both
+    models on their parts of the cache and returns the model's logits, so `prefill`
+    fills both and the store keeps them together.
+    """
+
+    def __init__(self, model, draft=None, max_kv_size: int | None = None):
+        self.model, self.draft, self.max_kv_size = model, draft, max_kv_size
+
+    def make_cache(self) -> list:
+        from ..layers import model_cache
+
+        cache = model_cache(self.model, max_kv_size=self.max_kv_size)
+        return cache + (model_cache(self.draft) if self.draft is not None else [])
+
+    def __call__(self, inputs, cache=None):
+        n = len(self.model.layers)
+        out = self.model(inputs, cache=cache[:n])
+        if self.draft is not None:
+            self.draft(inputs, cache=cache[n:])
+        return out
+
+
+def _check_model_options(args) -> None:
+    """Refuse the combinations that cannot work with a restored cache, in one sentence."""
+    check_positive("--max-kv-size", args.max_kv_size)
+    check_positive("--num-draft-tokens", args.num_draft_tokens)
+    if args.max_kv_size is not None and args.draft_model is not None:
+        raise UserError(
+            "--max-kv-size cannot be combined with --draft-model: speculative decoding "
+            "trims the cache after rejected drafts, which a rotating cache cannot do once "
+            "it wraps (mlx_lm.generate ignores --max-kv-size there)"
+        )
+    if args.max_kv_size is not None and args.kv_bits is not None:
+        raise UserError(
+            "--max-kv-size cannot be combined with --kv-bits: mlx-lm does not quantize "
+            "its rotating cache"
+        )
+
+
+def _max_kv_size_applies(model, max_kv_size: int) -> bool:
+    """Whether mlx-lm builds a different cache for `model` with `max_kv_size` (a model
+    with its own ``make_cache``, llama's for one, ignores the size)."""
+    from ..layers import model_cache, signature_of
+
+    return signature_of(model_cache(model, max_kv_size=max_kv_size)) != signature_of(model_cache(model))
+
+
+def _even(cache: list) -> list:
+    """Trim every layer to the shortest one (after speculative decoding the model's and
+    the draft's layers may end a token apart); the common prefix is a valid cache."""
+    from ..layers import cache_length
+
+    lengths = [cache_length([layer]) for layer in cache]
+    known = [n for n in lengths if n is not None]
+    if len(set(known)) > 1:
+        shortest = min(known)
+        for layer, n in zip(cache, lengths):
+            if n is not None and n > shortest:
+                layer.trim(n - shortest)
+    return cache
+
+
+def _summary(result: dict) -> str:
+    """mlx_lm.generate's summary lines (its ``--verbose`` output)."""
+    return "\n".join(
+        [
+            "=" * 10,
+            f"Prompt: {result['prompt_tokens']} tokens, {result['prompt_tps']:.3f} tokens-per-sec",
+            f"Generation: {result['generation_tokens']} tokens, "
+            f"{result['generation_tps']:.3f} tokens-per-sec",
+            f"Peak memory: {result['peak_memory_gb']:.3f} GB",
+        ]
+    )
+
+
 def _render(result: dict) -> str:
     rows = [
         ("prompt tokens", result["prompt_tokens"]),
@@ -128,9 +219,17 @@ def _generate(args) -> int:
     check_positive("--block-size", args.block_size)
     check_positive("--prefill-step-size", args.prefill_step_size)
     template_kwargs(args)  # fail on a bad --chat-template-config before loading anything
+    _check_model_options(args)
     check_store_path(args)
     prompt = read_prompt(args.prompt)
-    model, tokenizer, local_path = load_model(args.model)
+    model, tokenizer, local_path = load_model(
+        args.model, adapter_path=args.adapter_path, trust_remote_code=args.trust_remote_code
+    )
+    draft = None
+    if args.draft_model is not None:
+        draft, draft_tokenizer, _ = load_model(args.draft_model, what="--draft-model")
+        if draft_tokenizer.vocab_size != tokenizer.vocab_size:
+            raise UserError("--draft-model: its tokenizer does not match the model's")
 
     import mlx.core as mx
     from mlx_lm.generate import stream_generate
@@ -152,7 +251,28 @@ def _generate(args) -> int:
         top_k=args.top_k,
     )
 
-    store = open_checked_store(args, model, local_path, need_write=False)
+    from ..fingerprint import fingerprint_model
+
+    max_kv_size = args.max_kv_size
+    if max_kv_size is not None and not _max_kv_size_applies(model, max_kv_size):
+        # mlx-lm's make_prompt_cache defers to a model's own make_cache and drops the size.
+        print(
+            f"note: --max-kv-size has no effect on this model: it builds its own cache "
+            f"({type(model).__module__.rsplit('.', 1)[-1]}), as in mlx_lm.generate",
+            file=sys.stderr,
+        )
+        max_kv_size = None
+    stored_model, options = model, {}
+    if draft is not None or max_kv_size is not None:
+        stored_model = StoreModel(model, draft, max_kv_size)
+        # The same fingerprint `ppc serve` gives a model with a draft; with a rotating
+        # cache only the layout differs, and the layout is part of the store's key.
+        options["fingerprint"] = fingerprint_model(model)
+        if draft is not None:
+            options["fingerprint"] = f"with-draft:{options['fingerprint']}:{fingerprint_model(draft)}"
+        local_path = None
+    mx.reset_peak_memory()
+    store = open_checked_store(args, stored_model, local_path, need_write=False, **options)
     with store:
         counting = CountingStore(store)
         start = time.perf_counter()
@@ -161,10 +281,13 @@ def _generate(args) -> int:
         with kv_quantization_errors(args):
             if len(ids) > 1:
                 blocks = prefill_step_blocks(store, args.prefill_step_size)
-                cache, _ = prefill(model, ids[:-1], counting, blocks_per_chunk=blocks)
+                cache, _ = prefill(stored_model, ids[:-1], counting, blocks_per_chunk=blocks)
             else:
                 cache = store.make_cache()
             generated, logprobs, pieces, ttft, last = [], [], [], None, None
+            speculative = {}
+            if draft is not None:
+                speculative = {"draft_model": draft, "num_draft_tokens": args.num_draft_tokens}
             for response in stream_generate(
                 model,
                 tokenizer,
@@ -172,6 +295,7 @@ def _generate(args) -> int:
                 max_tokens=args.max_tokens,
                 sampler=sampler,
                 prompt_cache=cache,
+                **speculative,
             ):
                 if ttft is None:
                     ttft = time.perf_counter() - start
@@ -187,7 +311,7 @@ def _generate(args) -> int:
         # mlx-lm's generator feeds each token before handing it out, so the cache covers
         # the prompt and every generated token (an end-of-sequence token included).
         fed = ids + generated
-        covered = cache_length(cache)
+        covered = cache_length(_even(cache))
         covered = len(fed) if covered is None else covered
         new_after = store.store(fed[:covered], cache) if covered <= len(fed) else 0
         store.flush()
@@ -205,6 +329,10 @@ def _generate(args) -> int:
         "ttft_s": round(ttft, 4) if ttft is not None else None,
         "generation_tokens": len(generated),
         "generation_tps": round(last.generation_tps, 1) if last is not None else 0.0,
+        # As mlx-lm counts it: the whole prompt over the time to its first token (here
+        # restoring, prefilling and the last token's forward pass).
+        "prompt_tps": round(len(ids) / ttft, 1) if ttft else 0.0,
+        "peak_memory_gb": round(mx.get_peak_memory() / 1e9, 3),
         "new_blocks": counting.new_blocks + new_after,
         "blocks_in_store": stats["blocks"],
         "bytes_on_disk": stats["bytes_on_disk"],
@@ -212,9 +340,20 @@ def _generate(args) -> int:
     }
     if args.json:
         emit(result, True, str)
-    elif not args.quiet:
+    elif not args.quiet and args.verbose:
         print(_render(result), file=sys.stderr)
+        print(_summary(result), file=sys.stderr)
     return 0
+
+
+def _str2bool(text: str) -> bool:
+    # mlx_lm.generate's --verbose takes True/T/False/F (any case).
+    value = text.strip().lower()
+    if value in ("true", "t", "yes", "1"):
+        return True
+    if value in ("false", "f", "no", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean: {text!r} (use True or False)")
 
 
 def build_parser():
@@ -224,6 +363,23 @@ def build_parser():
         "Generate text like mlx_lm.generate, restoring the prompt's stored prefix first.",
     )
     add_model_option(parser)
+    parser.add_argument(
+        "--trust-remote-code", action="store_true", help="enable trusting remote code for the tokenizer"
+    )
+    parser.add_argument(
+        "--adapter-path", type=path_arg, default=None, help="LoRA adapter weights to apply to the model"
+    )
+    parser.add_argument(
+        "--draft-model", type=path_arg, default=None,
+        help="a model for speculative decoding (the store keeps its KV beside the model's)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--num-draft-tokens", type=int, default=3, help="tokens to draft per step (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--max-kv-size", type=int, default=None,
+        help="keep at most this many positions per layer (mlx-lm's rotating cache; stored apart)",
+    )  # fmt: skip
     add_store_option(parser)
     add_remote_option(parser)
     add_block_size_option(parser)
@@ -265,6 +421,10 @@ def build_parser():
     parser.add_argument(
         "--quiet", "-q", action="store_true", help="print only the generated text (no stats)"
     )
+    parser.add_argument(
+        "--verbose", type=_str2bool, default=True, metavar="BOOL",
+        help="as mlx_lm.generate: 'False' prints only the generated text (same as --quiet)",
+    )  # fmt: skip
     add_json_option(parser)
     return parser
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from .common import UserError, add_json_option, add_store_option, emit, make_parser, run, store_path
+from .common import UserError, add_json_option, add_store_option, emit, make_parser, path_arg, run, store_path
 from ..disk.maintenance import StoreAdmin
 
 
@@ -12,7 +12,7 @@ def main(argv: list[str]) -> int:
     """Add the blocks of an export to a store (created if missing); present ones are skipped."""
     parser = make_parser("import", "Load a file written by `ppc export` into a store.")
     add_store_option(parser)
-    parser.add_argument("input", help="a file written by `ppc export`")
+    parser.add_argument("input", type=path_arg, help="a file written by `ppc export`")
     add_json_option(parser)
     args = parser.parse_args(argv)
 

@@ -14,21 +14,21 @@ def _render(s: dict) -> str:
     out.append(
         table(
             [
-                (m["root"][:12], m["fingerprint"][:16], m["namespace"] or "-", m["blocks"], m["bytes"], m["hits"], m["layout"])
+                (m["root"][:12], m["fingerprint"][:16], m["namespace"] or "-", m["blocks"], m["bytes"], m["block_hits"], m["layout"])
                 for m in s["models"]
             ],
-            header=("model", "fingerprint", "namespace", "blocks", "bytes", "hits", "layout"),
+            header=("model", "fingerprint", "namespace", "blocks", "bytes", "block hits", "layout"),
         )
     )
     out += ["", "longest stored prefixes:"]
     out.append(
         table(
             [
-                (p["model"], p["tokens"], "yes" if p["resumable"] else "no", p["hits"],
+                (p["model"], p["tokens"], "yes" if p["resumable"] else "no", p["block_hits"],
                  datetime.fromtimestamp(p["last_access"] / 1e9).strftime("%Y-%m-%d %H:%M:%S"))
                 for p in s["longest_prefixes"]
             ],  # fmt: skip
-            header=("model", "tokens", "resumable", "hits", "last used"),
+            header=("model", "tokens", "resumable", "block hits", "last used"),
         )
         or "(none)"
     )

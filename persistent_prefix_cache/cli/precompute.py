@@ -28,6 +28,7 @@ from .common import (
     emit,
     load_model,
     make_parser,
+    path_arg,
     run,
     table,
 )
@@ -246,9 +247,13 @@ def _render(summary: dict) -> str:
         ("tokens stored", summary["tokens"]),
         ("tokens restored", summary["tokens_restored"]),
         ("tokens computed", summary["tokens_computed"]),
-        ("blocks written", summary["blocks_written"]),
+        # Written counts every block record this run committed, a prompt's partial last
+        # block included, which the store replaces once the prompt's full last block is
+        # stored (prefill stores up to the last token, then the whole prompt): so the
+        # store can grow by fewer blocks than were written (eviction, too).
+        ("blocks written (this run)", summary["blocks_written"]),
         ("blocks reused", summary["blocks_reused"]),
-        ("blocks in store", summary["blocks_in_store"]),
+        ("blocks in store (before -> now)", f"{summary['blocks_in_store_before']:,} -> {summary['blocks_in_store']:,}"),
         ("bytes on disk", summary["bytes_on_disk"]),
         ("bytes added", summary["bytes_added"]),
         ("seconds", f"{summary['seconds']:.2f}"),
@@ -280,7 +285,8 @@ def _precompute(args) -> int:
 
     store = open_checked_store(args, model, local_path, need_write=True)
     with store:
-        before = store.stats()["bytes_on_disk"]
+        at_start = store.stats()
+        before = at_start["bytes_on_disk"]
         bs = store.block_size
         blocks_per_chunk = prefill_step_blocks(store, args.prefill_step_size)
         total = sum(map(len, order))
@@ -336,6 +342,7 @@ def _precompute(args) -> int:
         "tokens_computed": computed,
         "blocks_written": written,
         "blocks_reused": reused,
+        "blocks_in_store_before": at_start["blocks"],
         "blocks_in_store": stats["blocks"],
         "bytes_on_disk": stats["bytes_on_disk"],
         "bytes_added": stats["bytes_on_disk"] - before,
@@ -365,6 +372,7 @@ def build_parser():
     parser.add_argument(
         "inputs",
         nargs="*",
+        type=path_arg,
         metavar="INPUT",
         help="text file (one prompt), JSONL file ({'prompt': ...} or {'messages': [...]} "
         "per line), or '-' for stdin (default: stdin when piped)",

@@ -351,6 +351,17 @@ def blocks_of(tokens: int, block_size: int) -> int:
 # -- progress -----------------------------------------------------------------------------
 
 
+def eta(done: int, total: int, elapsed: float) -> str:
+    """Time left at the pace so far (covered tokens per second, restored ones included,
+    since they are part of the work left too), as ``m:ss`` or ``h:mm:ss``; ``-`` until
+    anything is done."""
+    if done <= 0 or elapsed <= 0:
+        return "-"
+    left = max(0, round((total - done) * elapsed / done))
+    hours, rest = divmod(left, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
 class Progress:
     """A one-line progress display on stderr, redrawn in place on a terminal.
 
@@ -387,11 +398,13 @@ class Progress:
         done = self.tokens_before + done_in_prompt
         frac = done / self.total_tokens if self.total_tokens else 1.0
         filled = int(frac * self.WIDTH)
-        rate = self.computed / max(now - self.start, 1e-9)
+        elapsed = max(now - self.start, 1e-9)
+        rate = self.computed / elapsed
         line = (
             f"\r[{'#' * filled}{'.' * (self.WIDTH - filled)}] "
             f"{self.prompts_done}/{self.total_prompts} prompts  "
-            f"{done:,}/{self.total_tokens:,} tokens  {rate:,.0f} tok/s"
+            f"{done:,}/{self.total_tokens:,} tokens  {rate:,.0f} tok/s  "
+            f"ETA {eta(done, self.total_tokens, elapsed)}"
         )
         self._width = max(self._width, len(line))
         sys.stderr.write(line.ljust(self._width))

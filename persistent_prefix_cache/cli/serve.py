@@ -11,6 +11,10 @@ prompts with their generated tokens), on both its batched and its sequential pat
 Caches the store cannot hold stay in memory only, with one warning: KV the server has
 quantized (``--kv-bits`` past ``--quantized-kv-start``) and prompts with images.
 
+A store the server could not use (a file, a damaged index, another block size, not
+writable) stops ``ppc serve`` before the server starts, with exit code 2;
+``--store-optional`` serves without a persistent cache instead, after one warning.
+
 One behaviour differs from a stock server on purpose: an exact in-memory hit is served
 as all but the last token (``keep_last_token``), because mlx-lm 0.32.2's batched path
 stops its generation thread on an empty rest.
@@ -25,7 +29,8 @@ import signal
 import sys
 from typing import Any
 
-from .common import UserError, add_remote_option, add_store_option, parse_size, remote_options, run, store_path
+from ..errors import PrefixCacheError
+from .common import UserError, add_remote_option, add_store_option, parse_size, path_arg, remote_options, run, store_path
 
 log = logging.getLogger("persistent_prefix_cache.serve")
 
@@ -45,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-h", "--help", action="store_true", help="show this help and exit")
     parser.add_argument(
-        "--model", metavar="M", help="model folder or hub id (passed to mlx_lm.server)"
+        "--model", type=path_arg, metavar="M", help="model folder or hub id (passed to mlx_lm.server)"
     )
     add_store_option(parser)
     parser.add_argument(
@@ -76,6 +81,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--store-readonly", action="store_true", help="restore from the store, never write it"
+    )
+    parser.add_argument(
+        "--store-optional",
+        action="store_true",
+        help="if the store cannot be used (damaged index, another block size, not a store "
+        "folder, not writable), warn and serve with mlx-lm's in-memory cache only, instead "
+        "of exiting with status 2",
     )
     add_remote_option(parser)
     return parser
@@ -111,16 +123,17 @@ def _print_help(parser: argparse.ArgumentParser) -> int:
 
 def _serve(args: argparse.Namespace, server_argv: list[str]) -> int:
     path = store_path(args)
-    if args.store_readonly and not os.path.isdir(os.path.join(path, "index")):
-        raise UserError(f"--store-readonly: no store at {path}")
     if args.model is not None:
-        if args.model.startswith((".", "/", "~")) and not os.path.isdir(
-            os.path.expanduser(args.model)
-        ):
+        if args.model.startswith((".", "/")) and not os.path.isdir(args.model):
             raise UserError(f"--model {args.model}: no such folder")
-        server_argv = ["--model", os.path.expanduser(args.model), *server_argv]
-    if not args.store_readonly:
-        _check_writable(path)  # fail now, not at the first request
+        server_argv = ["--model", args.model, *server_argv]
+    try:
+        _check_store(path, args)  # fail now, not at the first request
+    except (UserError, PrefixCacheError) as exc:
+        if not args.store_optional:
+            raise
+        log.warning("--store-optional: serving without a persistent cache: %s", exc)
+        path = None
 
     from mlx_lm import server
 
@@ -134,7 +147,7 @@ def _serve(args: argparse.Namespace, server_argv: list[str]) -> int:
 
     def make_cache(provider, max_size, max_bytes):
         return PersistentLRUPromptCache(
-            ProviderStores(path, options, provider),
+            ProviderStores(path, options, None if path is None else provider),
             max_size=max_size,
             max_bytes=max_bytes,
             keep_last_token=True,  # an exact hit would stop mlx-lm 0.32's batched path
@@ -187,13 +200,46 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-def _check_writable(path: str) -> None:
-    # The store opens at the first request; a directory that cannot be created there
-    # should stop the server before it starts, with a message.
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"--store {path}: {exc.strerror or exc}") from None
+def _check_store(path: str, args: argparse.Namespace) -> None:
+    """Refuse, before the server starts, a store the server could not use.
+
+    The store itself opens at the first request (it needs the loaded model); what can
+    be known without the model is checked here: the path, the index (readable, of this
+    schema version), the block size and whether it can be written.
+
+    Raises:
+        UserError, PrefixCacheError: Saying what is wrong and what to do.
+    """
+    from ..disk.maintenance import StoreAdmin
+    from ..options import existing_but_not_writable
+
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"--store {path}: is a file, not a store directory; give a folder")
+    if not os.path.isdir(os.path.join(path, "index")):
+        if args.store_readonly:
+            raise UserError(f"--store-readonly: no store at {path}")
+        if os.path.isdir(path) and os.listdir(path):
+            raise UserError(
+                f"--store {path}: folder has files but no store in it (no index/); "
+                "give a new or empty folder"
+            )
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"--store {path}: {exc.strerror or exc}") from None
+        return
+    with StoreAdmin(path, readonly=True) as admin:  # a damaged or newer index raises here
+        block_size = admin.index.block_size
+    if args.store_block_size is not None and args.store_block_size != block_size:
+        raise UserError(
+            f"--store-block-size {args.store_block_size}: the store at {path} uses "
+            f"{block_size}-token blocks; omit --store-block-size or give another --store"
+        )
+    if not args.store_readonly and existing_but_not_writable(path):
+        raise UserError(
+            f"--store {path}: the store is not writable by this user; "
+            "pass --store-readonly to serve its hits only"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,8 +25,9 @@ def _render(s: dict) -> str:
         ("bytes on disk", s["bytes_on_disk"]),
         ("bytes of the blocks", s["block_bytes"]),
         ("models", len(s["models"])),
-        ("hits", s["hits"]),
-        ("misses", s["misses"]),
+        # Per fetch (a query): did it restore a prefix? `ppc inspect` counts per block.
+        ("query hits", s["hits"]),
+        ("query misses", s["misses"]),
         ("tokens saved", s["tokens_saved"]),
         ("corrupt blocks met", s["corrupt"]),
     ]

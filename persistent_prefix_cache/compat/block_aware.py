@@ -27,7 +27,9 @@ from ..layers import (
     layer_from_seed,
     leaves,
     rebuild_cache,
+    seed_without_batch_axis,
     signature_of,
+    without_batch_axis,
 )
 from .paged_cache import BlockTable, CacheBlock, PagedCacheManager
 from .through import Linked, StoreLink, covered, warn_once_per_object
@@ -52,6 +54,15 @@ def _as_layers(cache_data: Any) -> list | None:
     return layers
 
 
+def _batchless(cache_data: Any) -> tuple[int, ...]:
+    """Indices of the layers given as ``[heads, seq, dim]`` states (no batch axis:
+    vllm-mlx's "Qwen3.5-style" caches); they are held with a batch axis of 1 and
+    handed back without it."""
+    if not isinstance(cache_data, (list, tuple)):
+        return ()
+    return tuple(i for i, d in enumerate(cache_data) if seed_without_batch_axis(d))
+
+
 @dataclass
 class BlockCacheEntry:
     """A request known to a `BlockAwarePrefixCache`.
@@ -71,9 +82,10 @@ class BlockCacheEntry:
 class _BlockData:
     """What `BlockAwarePrefixCache` keeps in ``CacheBlock.cache_data``."""
 
-    layout: str  # `signature_of` the cache the block was cut from
+    layout: str  # `signature_of` the cache the block was cut from (and `batchless`)
     template: list  # empty layers with that layout's parameters, shared by its blocks
     views: dict[str, BlockView]  # per leaf: the block's tensors
+    batchless: tuple[int, ...] = ()  # layers handed back without their batch axis
 
 
 class BlockAwarePrefixCache(Linked):
@@ -175,7 +187,7 @@ class BlockAwarePrefixCache(Linked):
         if n == 0:
             return None
         with self.paged_cache.lock:
-            blocks = self._put_blocks(toks[:n], layers)
+            blocks = self._put_blocks(toks[:n], layers, _batchless(cache_data))
             table = self._install(request_id, blocks, cache_data)
         if self.store is not None and layers is not None:
             self.link.write(toks[:n], layers)
@@ -260,7 +272,10 @@ class BlockAwarePrefixCache(Linked):
                 leaf: adapter_for(t, leaf).rebuild(t, BlockSource([d.views[leaf] for d in datas]), position)
                 for leaf, t in leaves(template)
             }
-            return rebuild_cache(template, rebuilt)
+            cache = rebuild_cache(template, rebuilt)
+            for i in datas[0].batchless:
+                cache[i] = without_batch_axis(cache[i])
+            return cache
 
     def get_stats(self) -> dict[str, Any]:
         """Counters of this cache and usage of its pool.
@@ -363,12 +378,16 @@ class BlockAwarePrefixCache(Linked):
             for leaf, t in leaves(datas[0].template)
         )
 
-    def _put_blocks(self, toks: np.ndarray, layers: list | None) -> list[CacheBlock]:
+    def _put_blocks(
+        self, toks: np.ndarray, layers: list | None, batchless: tuple[int, ...] = ()
+    ) -> list[CacheBlock]:
         """Blocks holding `toks` (and the KV of `layers`), each with a reference taken."""
         paged, bs, n = self.paged_cache, self.block_size, len(toks)
         layout = template = None
         if layers is not None:
             layout, template = signature_of(layers), [empty_like(c) for c in layers]
+            if batchless:
+                layout += f"|batchless={','.join(map(str, batchless))}"
         out, parent, fresh = [], None, []
         for start in range(0, n, bs):
             end, last = min(start + bs, n), start + bs >= n
@@ -379,7 +398,7 @@ class BlockAwarePrefixCache(Linked):
                 if layers is not None and (data is None or _lacks_snapshot(data, last)):
                     views = cut_block(layers, start, end, last)
                     fresh.append(views)
-                    block.cache_data = _merge(data, _BlockData(layout, template, views))
+                    block.cache_data = _merge(data, _BlockData(layout, template, views, batchless))
             else:
                 block = paged.allocate_block()
                 if block is None:
@@ -389,7 +408,7 @@ class BlockAwarePrefixCache(Linked):
                 if layers is not None:
                     views = cut_block(layers, start, end, last)
                     fresh.append(views)
-                    block.cache_data = _BlockData(layout, template, views)
+                    block.cache_data = _BlockData(layout, template, views, batchless)
             out.append(block)
             parent = paged.compute_block_hash(chunk, parent)
         # Evaluate now: lazy slices would pin the caller's whole buffers until first use.

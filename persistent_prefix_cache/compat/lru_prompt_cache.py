@@ -36,13 +36,13 @@ from typing import Any, Callable, Hashable, Sequence, Union
 from mlx_lm.models.cache import LRUPromptCache
 
 from ..errors import InvalidArgumentError
+from ..keys import TOKEN_MAX, TOKEN_MIN
 from ..layers import cache_length, can_trim, offset_trimmable, trim
 from ..store import PersistentPrefixCache
 from .through import StoreLink, WarnOnce
 
 log = logging.getLogger(__name__)
 
-_INT32_MAX = 2**31 - 1
 _NO_LIMIT = 1 << 63
 
 #: A store, or a function giving the store for a model key (None: memory only).
@@ -166,7 +166,12 @@ class PersistentLRUPromptCache(LRUPromptCache):
         if store is None:
             return
         if not _storable(tokens):
-            self._skip(model, "tokens", "token ids outside [0, 2**31) are kept in memory only")
+            self._skip(
+                model,
+                "tokens",
+                f"prompts with token ids outside the store's int32 range [{TOKEN_MIN}, {TOKEN_MAX}] "
+                "(mlx-lm's image ids) are kept in memory only",
+            )
             return
         try:
             prompt_cache = _even_lengths(prompt_cache)
@@ -294,5 +299,6 @@ def _even_lengths(cache: list[Any]) -> list[Any]:
 
 
 def _storable(tokens: Sequence[int]) -> bool:
-    """True if a store can key `tokens` (mlx-lm marks image positions with ids < 0)."""
-    return len(tokens) > 0 and min(tokens) >= 0 and max(tokens) <= _INT32_MAX
+    """True if a store can key `tokens`: mlx-lm 0.32's server marks image patches with
+    negative ids of up to 60 bits (a hash of the image), wider than the stored int32."""
+    return len(tokens) > 0 and min(tokens) >= TOKEN_MIN and max(tokens) <= TOKEN_MAX

@@ -25,6 +25,7 @@ from typing import Any
 from ..errors import InvalidArgumentError
 from ..keys import as_token_array, block_key, root_key
 from .paged_blocks import BlockTable, CacheBlock, CacheStats
+from .paged_pool import PoolCalls
 
 #: Parent key of every block at position 0.
 ROOT_HASH = root_key("vllm_mlx.paged_cache", "", "")
@@ -34,15 +35,19 @@ def _token_bytes(tokens: Any) -> bytes:
     return as_token_array(tokens).tobytes()
 
 
-class PagedCacheManager:
+class PagedCacheManager(PoolCalls):
     """A thread-safe pool of reference-counted blocks with a positional block index.
 
     Every public method takes `lock` (re-entrant); hold it yourself to make several
-    calls atomic.
+    calls atomic. The vLLM-style calls (`get_new_blocks`, `free_block_batch`, `touch`,
+    `get_cached_block`, `cache_full_blocks`, `get_computed_blocks`,
+    `reset_prefix_cache`) are in `paged_pool.PoolCalls`.
 
     Args:
         block_size: Tokens per block.
         max_blocks: Blocks in the pool, the null block included.
+        enable_caching: Keep the positional index (prefix sharing). False: blocks are
+            only allocated and reference-counted; nothing is registered or found.
 
     Raises:
         InvalidArgumentError: If `block_size` < 1 or `max_blocks` < 2.
@@ -50,12 +55,13 @@ class PagedCacheManager:
 
     root_hash = ROOT_HASH
 
-    def __init__(self, block_size: int = 64, max_blocks: int = 1000):
+    def __init__(self, block_size: int = 64, max_blocks: int = 1000, enable_caching: bool = True):
         for name, value, low in (("block_size", block_size, 1), ("max_blocks", max_blocks, 2)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise InvalidArgumentError(f"{name} must be an int >= {low}, got {value!r}")
         self.block_size = block_size
         self.max_blocks = max_blocks
+        self.enable_caching = bool(enable_caching)
         self.lock = threading.RLock()
         self.stats = CacheStats(total_blocks=max_blocks)
         self._reset()
@@ -190,7 +196,7 @@ class PagedCacheManager:
 
         A block registered without a parent is a position-0 block: it is never found
         anywhere else. If an equal block is indexed already, that one stays indexed and
-        `block` remains private.
+        `block` remains private (as does every block with ``enable_caching=False``).
 
         Args:
             block: The block (its ``token_count`` is set to ``len(tokens)``).
@@ -208,7 +214,7 @@ class PagedCacheManager:
             if block.block_hash == key:
                 return key
             self._unindex(block)
-            if key in self._by_hash:
+            if key in self._by_hash or not self.enable_caching:
                 return key
             block.block_hash, block.parent_hash, block.token_ids = key, parent, data
             self._by_hash[key] = block

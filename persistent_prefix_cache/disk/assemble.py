@@ -30,7 +30,9 @@ from .segment import OpenSegment, SegmentFiles, is_sliced
 
 Tensors = dict[str, mx.array]
 KV_STEP = 256  # mlx-lm's KVCache grows in steps of 256 tokens
-_READERS = 4
+# Reader threads: reads and checksums of a path's (segment, field) pieces run in
+# parallel (both drop the GIL); 4 on small machines, up to 8 where cores allow.
+_READERS = int(os.environ.get("PPC_READERS", "0")) or max(4, min(8, os.cpu_count() or 1))
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
@@ -145,22 +147,47 @@ def join_on_device() -> bool:
     return choice == "mlx" if choice in ("mlx", "numpy") else _on_gpu()
 
 
-def _join_on_device(nodes, cached, lid_kind, position):
-    """Runs and snapshots from RAM-tier blocks only, joined by `mx.concatenate` (with
-    zeros appended as room to grow in place)."""
-    parts: dict[str, list[list]] = {}  # name -> runs of [start, end, [arrays]]
-    for node, have in zip(nodes, cached):
+def _pieces(nodes, cached, origins) -> list[tuple[str, int, int, mx.array]]:
+    """The sliced tensors of the RAM-tier blocks of a path as ``(name, start, end,
+    array)``, in path order; consecutive blocks cut from one copy (see
+    `MemoryTier.put`) come as one slice of it: joining thousands of block-sized
+    pieces costs a copy kernel or a numpy call each."""
+    out: list[list] = []
+    last: dict[str, list] = {}  # name -> its latest piece
+    for k, (node, have) in enumerate(zip(nodes, cached)):
+        if have is None:
+            continue
+        origin = origins[k] if origins else {}
         for lid, part in have.items():
+            fields, at = origin.get(lid, (None, 0))
             for fld, x in part.items():
                 name = f"{lid}.{fld}"
                 if not is_sliced(name, x.shape, node.n_tokens):
                     continue
-                runs = parts.setdefault(name, [])
-                if runs and runs[-1][1] == node.position and runs[-1][2][-1].shape[:2] == x.shape[:2]:
-                    runs[-1][1] = node.end
-                    runs[-1][2].append(x)
-                else:
-                    runs.append([node.position, node.end, [x]])
+                base = fields.get(fld) if fields else None
+                prev = last.get(name)
+                if base is not None and prev is not None and prev[4] is base and prev[2] == node.position:
+                    prev[2] = node.end  # the same copy goes on: widen the slice
+                    continue
+                last[name] = piece = [name, node.position, node.end, x, base, at]
+                out.append(piece)
+    return [
+        (name, start, end, x if base is None else base[..., start - at : end - at, :])
+        for name, start, end, x, base, at in out
+    ]
+
+
+def _join_on_device(nodes, cached, origins, lid_kind, position):
+    """Runs and snapshots from RAM-tier blocks only, joined by `mx.concatenate` (with
+    zeros appended as room to grow in place)."""
+    parts: dict[str, list[list]] = {}  # name -> runs of [start, end, [arrays]]
+    for name, start, end, x in _pieces(nodes, cached, origins):
+        runs = parts.setdefault(name, [])
+        if runs and runs[-1][1] == start and runs[-1][2][-1].shape[:2] == x.shape[:2]:
+            runs[-1][1] = end
+            runs[-1][2].append(x)
+        else:
+            runs.append([start, end, [x]])
     by_leaf: dict[str, dict[str, list]] = {}
     joined = []
     for name, runs in parts.items():
@@ -239,6 +266,7 @@ def read_path(
     position: int,
     expect: dict[str, list] | None = None,
     digests: dict[bytes, int] | None = None,
+    origins: Sequence[dict] | None = None,
 ) -> tuple[int, dict[str, dict[str, list]], dict[str, Tensors]]:
     """Read a path of blocks into joined buffers, for a restore at `position`.
 
@@ -252,6 +280,8 @@ def read_path(
             holds; a block whose fields differ is treated as damaged.
         digests: Segment id -> its whole-segment digest from the index: a segment
             read whole is verified with one pass (else block by block).
+        origins: For each block, the RAM tier's origin of its tensors (see
+            `MemoryTier.put`), or None.
 
     Returns:
         (number of blocks intact, runs by leaf then field as ``(start, end, array)``,
@@ -259,10 +289,10 @@ def read_path(
         missing or damaged block: then the runs are empty and only the count matters.
     """
     if all(have is not None for have in cached) and join_on_device():
-        return len(nodes), *_join_on_device(nodes, cached, lid_kind, position)
+        return len(nodes), *_join_on_device(nodes, cached, origins, lid_kind, position)
     segments: dict[bytes, OpenSegment | None] = {}
     unfit: dict[bytes, int] = {}  # segment -> first block whose fields do not fit
-    again = (nodes, cached, files, lid_kind, position, expect, digests)
+    again = (nodes, cached, files, lid_kind, position, expect, digests, origins)
     try:
         where: list[tuple[OpenSegment, int] | None] = []
         for node, have in zip(nodes, cached):
@@ -314,7 +344,7 @@ def read_path(
                     return last, {}, {}
                 lid, _, fld = s.name.rpartition(".")
                 snaps.setdefault(lid, {})[fld] = arrays[f"s{k}"]
-        _copy_cached(nodes, cached, runs)
+        _copy_cached(nodes, cached, origins, runs)
         by_leaf: dict[str, dict[str, list]] = {}
         for r in runs:
             r.view = None  # release every view of the buffers before MLX owns them again
@@ -327,13 +357,13 @@ def read_path(
                 seg.close()
 
 
-def _intact_before(j, nodes, cached, files, lid_kind, position, expect, digests, *, verify: bool = False) -> int:
+def _intact_before(j, nodes, cached, files, lid_kind, position, expect, digests, origins, *, verify: bool = False) -> int:
     """How many of the blocks before index `j` are intact (j itself is not, unless
     `verify`: then j is the whole path, which failed to read)."""
     if verify:
         j -= 1
     while j > 0:
-        intact = read_path(nodes[:j], cached[:j], files, lid_kind, nodes[j - 1].end, expect, digests)[0]
+        intact = read_path(nodes[:j], cached[:j], files, lid_kind, nodes[j - 1].end, expect, digests, origins)[0]
         if intact == j:
             return j
         j = intact
@@ -527,27 +557,23 @@ def _bits(view: memoryview, x: mx.array) -> np.ndarray:
 _UINT_MX = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 
 
-def _copy_cached(nodes, cached, runs) -> None:
+def _copy_cached(nodes, cached, origins, runs) -> None:
     """Copy the slices of blocks that came from the RAM tier into their runs."""
     by_name: dict[str, list[_Run]] = {}
     for r in runs:
         by_name.setdefault(r.name, []).append(r)
-    pieces = []
-    for node, have in zip(nodes, cached):
-        if have is None:
-            continue
-        for lid, part in have.items():
-            for fld, x in part.items():
-                chain = by_name.get(f"{lid}.{fld}")
-                if chain is not None and len(x.shape) == 4 and x.shape[2] == node.n_tokens:
-                    pieces.append((_run_of(chain, chain[0].name, node.position, node.end), node, x))
+    pieces = [
+        (_run_of(by_name[name], name, start, end), start, end, x)
+        for name, start, end, x in _pieces(nodes, cached, origins)
+        if name in by_name
+    ]
     # Blocks cut from one copy per field are strided views: see them all as unsigned
-    # ints with one evaluation, not one per block.
-    views = [x.bits if isinstance(x, HostBits) else x.view(_UINT_MX[x.itemsize]) for _, _, x in pieces]
+    # ints with one evaluation, not one per piece (remote blocks are host bits already).
+    views = [x.bits if isinstance(x, HostBits) else x.view(_UINT_MX[x.itemsize]) for *_, x in pieces]
     mx.eval([v for v in views if not isinstance(v, np.ndarray)])
     targets: dict[int, np.ndarray] = {}
-    for (r, node, _), v in zip(pieces, views):
+    for (r, start, end, _), v in zip(pieces, views):
         if id(r) not in targets:
             targets[id(r)] = _bits(r.view, r.array)
         src = v if isinstance(v, np.ndarray) else np.asarray(memoryview(v))
-        targets[id(r)][:, :, node.position - r.start : node.end - r.start, :] = src
+        targets[id(r)][:, :, start - r.start : end - r.start, :] = src

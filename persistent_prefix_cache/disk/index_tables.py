@@ -81,7 +81,7 @@ class Reader:
             return None
 
     def get_raw(self, key: bytes) -> bytes | None:
-        """The packed record stored under `key` (see `Node.raw_matches`)."""
+        """The packed record stored under `key` (matched undecoded by the lookup)."""
         return self.txn.get(NODES + key)
 
     def children(self, parent: bytes) -> list[Node]:

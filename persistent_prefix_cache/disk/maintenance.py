@@ -19,11 +19,13 @@ from typing import Iterator
 
 from ..errors import InvalidArgumentError, StoreVersionError
 from ..keys import block_key
+from ..paths import expand_path
 from . import legacy
 from .compaction import compact_sparse
 from .segment import SegmentFiles
 from .index import SCHEMA_VERSION, Index, Reader, Writer
 from .node import Node
+from .portable import durable_fsync
 
 EXPORT_FORMAT = "ppc-export/2"
 LEGACY_EXPORT_FORMAT = "ppc-export/1"  # schema v1-v2: one file per block
@@ -73,7 +75,7 @@ class StoreAdmin:
     """
 
     def __init__(self, path: str, *, readonly: bool = False, create: bool = False, block_size: int = 64):
-        self.path = os.path.abspath(path)
+        self.path = os.path.abspath(expand_path(path, what="path"))
         if not create and not os.path.isdir(os.path.join(self.path, "index")):
             raise InvalidArgumentError(f"no store at {self.path}")
         self.index = Index(
@@ -136,7 +138,8 @@ class StoreAdmin:
                         "layout": desc.get("layout"),
                         "blocks": len(nodes),
                         "bytes": sum(n.size for n in nodes),
-                        "hits": sum(reader.hits(n.key) for n in nodes),
+                        # Fetches that restored each block, summed (not queries: see counters).
+                        "block_hits": sum(reader.hits(n.key) for n in nodes),
                     }
                 )
                 if longest:
@@ -147,7 +150,7 @@ class StoreAdmin:
                                     "model": root.hex()[:12],
                                     "tokens": n.end,
                                     "resumable": n.resumable,
-                                    "hits": reader.hits(n.key),
+                                    "block_hits": reader.hits(n.key),
                                     "last_access": n.last_access,
                                     "leaf": n.key.hex(),
                                 }
@@ -332,6 +335,7 @@ class StoreAdmin:
                 models = {chosen[0]: models[chosen[0]]}
             nodes = [n for root in models for n in self.walk(reader, root)]
         nodes.sort(key=lambda n: n.position)  # parents before children
+        out_path = expand_path(out_path, what="out_path")
         tmp = f"{out_path}.{os.getpid()}.tmp"
         try:
             with tarfile.open(tmp, "w") as tar:
@@ -347,7 +351,7 @@ class StoreAdmin:
                 for seg in dict.fromkeys(n.segment for n in nodes):
                     tar.add(self.files.path_of(seg), arcname=f"segments/{seg.hex()}.seg")
             with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
+                durable_fsync(f.fileno())
             os.replace(tmp, out_path)
         finally:
             if os.path.exists(tmp):
@@ -370,6 +374,7 @@ class StoreAdmin:
                 made with another block size.
         """
         try:
+            in_path = expand_path(in_path, what="in_path")
             tar = tarfile.open(in_path, "r")
         except (tarfile.TarError, OSError) as exc:
             raise InvalidArgumentError(f"{in_path} is not a ppc export: {exc}") from None
@@ -425,7 +430,7 @@ class StoreAdmin:
             with open(tmp, "wb") as f:
                 f.write(data)
                 f.flush()
-                os.fsync(f.fileno())
+                durable_fsync(f.fileno())
             final = self.files.path_of(seg)
             os.makedirs(os.path.dirname(final), exist_ok=True)
             os.replace(tmp, final)

@@ -10,11 +10,23 @@ from dataclasses import dataclass, field
 # child count, last access (ns), length of the JSON tail; then (version 2) the segment.
 _HEAD = struct.Struct("<B16sQIBQQIQH")
 _SEGMENT = 16
-RECORD_VERSION = 2  # 1: schema v1-v2 (one file per block, named by key and checksum)
+RECORD_VERSION = 2
+# A lookup matches packed records without decoding them: the slice of the record
+# holding its parent key, position and token count, compared with `raw_head`, then its
+# tokens from TOKENS_AT.
+HEAD_AT = slice(1, 29)
+_POSITION = struct.Struct("<QI")
+TOKENS_AT = _HEAD.size  # 1: schema v1-v2 (one file per block, named by key and checksum)
 
 # Flags (computed by `layers.Layout.flags`): where this block's layers can be rebuilt.
 RESUMABLE = 1  # every layer can be rebuilt at the end of this block
 TRIMMABLE = 2  # every layer can be trimmed back to any position inside the block
+
+
+def raw_head(parent: bytes, position: int, n_tokens: int) -> bytes:
+    """What a packed record of a block with this parent, position and token count
+    holds at `HEAD_AT`."""
+    return parent + _POSITION.pack(position, n_tokens)
 
 
 @dataclass(slots=True)
@@ -76,18 +88,6 @@ class Node:
             len(tail),
         )
         return head + self.tokens + tail + self.segment
-
-    @staticmethod
-    def raw_matches(raw: bytes, parent: bytes, position: int, tokens: bytes) -> bool:
-        """Whether a packed record has this parent, position and tokens, without
-        decoding it (the lookup checks every block of a prompt this way)."""
-        t = _HEAD.size
-        return (
-            raw[1:17] == parent
-            and raw[t : t + len(tokens)] == tokens
-            and int.from_bytes(raw[17:25], "little") == position
-            and int.from_bytes(raw[25:29], "little") * 4 == len(tokens)
-        )
 
     @classmethod
     def unpack(cls, key: bytes, raw: bytes) -> "Node":

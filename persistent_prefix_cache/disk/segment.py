@@ -27,10 +27,8 @@ or an unreferenced segment, both swept later.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-import sys
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -41,33 +39,17 @@ import xxhash
 from .codec import dtype_info
 from .faults import pause_point
 from .node import Node
-from .segment_reader import IOV_MAX, SEGMENT_FORMAT, OpenSegment
+from .portable import IOV_MAX, durable_fsync, start_writeback, writev
+from .segment_reader import SEGMENT_FORMAT, OpenSegment
 
 # Fields stored sliced along the sequence (what `layers.adapters` names them).
 SLICE_FIELDS = frozenset({"k", "v", "k0", "k1", "k2", "v0", "v1", "v2"})
 
 
-def _load_sync_file_range():
-    # Linux can start a file's writeback without waiting (sync_file_range), so that
-    # the fsync that follows finds most of the data on its way to the disk already.
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.sync_file_range
-        fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-        return fn
-    except (OSError, AttributeError):
-        return None
-
-
-_SYNC_FILE_RANGE = _load_sync_file_range()
-
-
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        durable_fsync(fd)
     finally:
         os.close(fd)
 
@@ -103,17 +85,35 @@ def _bytes(x: Any) -> memoryview:
     return view.cast("B")
 
 
-def _rows(x: Any, rows: int) -> list[memoryview]:
-    """The bytes of each (batch, head) row of a sliced tensor ``[batch, heads, n, width]``,
-    contiguous or a strided view (of unsigned ints: numpy reads it without MLX)."""
+def _rows(x: Any, rows: int) -> np.ndarray:
+    """The bytes of a sliced tensor ``[batch, heads, n, width]`` as a ``[rows, bytes]``
+    uint8 array, one (batch, head) row each: rows are contiguous, the array need not
+    be (a strided view of unsigned ints: numpy reads it without MLX)."""
     view = memoryview(x[0] if isinstance(x, tuple) else x)
     if view.c_contiguous:
-        flat = view.cast("B")
-        n = len(flat) // rows
-        return [flat[r * n : (r + 1) * n] for r in range(rows)]
+        return np.frombuffer(view.cast("B"), dtype=np.uint8).reshape(rows, -1)
     a = np.asarray(view)
-    a = a.reshape(rows, a.shape[-2], a.shape[-1])  # rows of a strided view stay views
-    return [memoryview(a[r]).cast("B") for r in range(rows)]
+    return a.reshape(rows, a.shape[-2] * a.shape[-1]).view(np.uint8)
+
+
+def _joined_rows(arrays: list[np.ndarray]) -> list[np.ndarray]:
+    """The rows of consecutive blocks' `_rows`, joined where they follow each other
+    in memory (the blocks of one `store()` are views of one copy per field): a row of
+    a segment is then one I/O vector and one hash update, not one per block."""
+    runs: list[list] = []  # [first array, address of its row 0, of the run's end, bytes per row]
+    for a in arrays:
+        at = a.__array_interface__["data"][0]
+        if runs and at == runs[-1][2] and a.strides[0] == runs[-1][0].strides[0]:
+            runs[-1][2] += a.shape[1]
+            runs[-1][3] += a.shape[1]
+        else:
+            runs.append([a, at, at + a.shape[1], a.shape[1]])
+    out = []
+    for a, _, _, width in runs:
+        if width != a.shape[1]:
+            a = np.lib.stride_tricks.as_strided(a, shape=(a.shape[0], width), strides=(a.strides[0], 1))
+        out.append(a)
+    return out
 
 
 class SegmentFiles:
@@ -166,9 +166,8 @@ class SegmentFiles:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             size = _writev_all(fd, [memoryview(header)] + chunks)
-            if _SYNC_FILE_RANGE is not None:
-                _SYNC_FILE_RANGE(fd, 0, 0, 2)  # SYNC_FILE_RANGE_WRITE; a failure costs speed
-            os.fsync(fd)
+            start_writeback(fd)  # Linux only, for speed: the fsync is what counts
+            durable_fsync(fd)
         except BaseException:
             os.close(fd)
             self._remove(tmp)
@@ -326,12 +325,12 @@ class SegmentFiles:
         return len(found)
 
 
-def _writev_all(fd: int, chunks: list[memoryview]) -> int:
+def _writev_all(fd: int, chunks: list) -> int:
     size = 0
     for j in range(0, len(chunks), IOV_MAX):
         group = chunks[j : j + IOV_MAX]
-        want = sum(len(c) for c in group)
-        done = os.writev(fd, group)
+        want = sum(c.nbytes for c in group)
+        done = writev(fd, group)
         while done < want:  # a short write: finish it piece by piece
             rest = b"".join(bytes(c) for c in group)[done:]
             done += os.write(fd, rest)
@@ -367,7 +366,7 @@ def _layout(segment: bytes, blocks: Sequence[tuple[Node, dict]]) -> tuple[bytes,
             raise ValueError(f"{name}: a block after the first holding it lacks it")
     chunks: list[memoryview] = []
     whole = xxhash.xxh3_64()
-    row_pieces: dict[str, list[list[memoryview]]] = {}  # name -> per block (from first), rows
+    row_pieces: dict[str, list[np.ndarray]] = {}  # name -> per block (from first), its rows
     fields, at = [], 0
     for name in sorted(sliced):
         dtype, batch, heads, width, first = sliced[name]
@@ -375,12 +374,13 @@ def _layout(segment: bytes, blocks: Sequence[tuple[Node, dict]]) -> tuple[bytes,
         fields.append([name, dtype, batch, heads, width, first, at])
         pieces = [_rows(flat[i][name], rows) for i in range(first, len(blocks))]
         row_pieces[name] = pieces
+        joined = _joined_rows(pieces)
         h = xxhash.xxh3_64()
         for r in range(rows):
-            for p in pieces:
-                chunks.append(p[r])
-                h.update(p[r])
-                at += len(p[r])
+            for run in joined:
+                chunks.append(run[r])
+                h.update(run[r])
+                at += run.shape[1]
         whole.update(h.intdigest().to_bytes(8, "little"))
     snaps = []
     for i, tensors in enumerate(flat):
@@ -400,7 +400,7 @@ def _layout(segment: bytes, blocks: Sequence[tuple[Node, dict]]) -> tuple[bytes,
             if i >= first:
                 for row in row_pieces[name][i - first]:  # rows in order, as a read sees them
                     h.update(row)
-                    size += len(row)
+                    size += row.nbytes
         for j, name, _, _, _, digest in snaps:
             if j == i:
                 h.update(int(digest, 16).to_bytes(8, "little"))

@@ -13,9 +13,9 @@ import xxhash
 
 from .codec import MAX_HEADER, dtype_info
 from .node import Node
+from .portable import IOV_MAX, preadv
 
 SEGMENT_FORMAT = "ppc-segment/3"
-IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
 
 
 class Field:
@@ -140,12 +140,12 @@ class OpenSegment:
                 for j in range(0, len(vectors), IOV_MAX):
                     group = vectors[j : j + IOV_MAX]
                     at = self.body + f.at + j * f.tokens * f.row_bytes
-                    if os.preadv(self.fd, group, at) != n * len(group):
+                    if preadv(self.fd, group, at) != n * len(group):
                         return False
             else:
                 for r, v in enumerate(vectors):
                     at = self.body + f.at + (r * f.tokens + p0) * f.row_bytes
-                    if os.preadv(self.fd, [v], at) != n:
+                    if preadv(self.fd, [v], at) != n:
                         return False
         except OSError:
             return False
@@ -181,7 +181,7 @@ class OpenSegment:
     def read_snap(self, s: Snap, dest: memoryview) -> memoryview | None:
         """Read a snapshot into `dest` and check its digest; None if damaged."""
         try:
-            if os.preadv(self.fd, [dest], self.body + s.at) != s.nbytes:
+            if preadv(self.fd, [dest], self.body + s.at) != s.nbytes:
                 return None
         except OSError:
             return None

@@ -32,7 +32,9 @@ from .cache_ops import (
     kv_quantization,
     layer_from_seed,
     offset_trimmable,
+    seed_without_batch_axis,
     trim,
+    without_batch_axis,
 )
 from .layout import Layout, cut_block
 
@@ -59,7 +61,9 @@ __all__ = [
     "model_cache",
     "offset_trimmable",
     "rebuild_cache",
+    "seed_without_batch_axis",
     "signature_of",
     "template_cache",
     "trim",
+    "without_batch_axis",
 ]

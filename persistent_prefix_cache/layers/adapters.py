@@ -477,6 +477,8 @@ def rebuild_cache(template: Sequence[Any], leaf_layers: dict[str, Any]) -> list:
     return out
 
 
-def model_cache(model: Any) -> list:
-    """`make_prompt_cache` of a model (or of anything with a ``make_cache`` method)."""
-    return make_prompt_cache(model)
+def model_cache(model: Any, *, max_kv_size: int | None = None) -> list:
+    """`make_prompt_cache` of a model (or of anything with a ``make_cache`` method);
+    with `max_kv_size`, mlx-lm's ``RotatingKVCache`` layers of that size (as
+    ``mlx_lm.generate --max-kv-size`` builds them)."""
+    return make_prompt_cache(model, max_kv_size=max_kv_size)

@@ -103,7 +103,11 @@ def layer_from_seed(entry: dict) -> Any:
     try:
         if ref is KVCache or (ref is None and name == "KVCache"):
             keys, values = state[0], state[1]
-            if keys.ndim != 4:
+            if keys.ndim == 3 and values.ndim == 3:
+                # [heads, seq, dim] (vllm-mlx's "Qwen3.5-style" states): held with a
+                # batch axis of 1, dropped again by `without_batch_axis`.
+                keys, values = keys[None], values[None]
+            if keys.ndim != 4 or values.ndim != 4:
                 return None  # only [batch, heads, seq, dim] is what mlx-lm's KVCache holds
             offset = int(state[2]) if len(state) > 2 else keys.shape[2]
             return KVCache.from_state((keys, values, offset))
@@ -115,3 +119,24 @@ def layer_from_seed(entry: dict) -> Any:
         return ref.from_state(state) if ref is not None else None
     except (TypeError, ValueError, IndexError, AttributeError):
         return None
+
+
+def seed_without_batch_axis(entry: Any) -> bool:
+    """Whether a vllm-mlx per-layer dict holds ``KVCache`` state without a batch axis
+    (``[heads, seq, dim]``); `layer_from_seed` adds one, `without_batch_axis` drops it."""
+    if not isinstance(entry, dict):
+        return False
+    ref, name = entry.get("class_ref"), entry.get("class_name")
+    state = entry.get("state")
+    if not (ref is KVCache or (ref is None and name == "KVCache")):
+        return False
+    try:
+        return state[0].ndim == 3 and state[1].ndim == 3
+    except (TypeError, IndexError, AttributeError):
+        return False
+
+
+def without_batch_axis(layer: Any) -> Any:
+    """A ``KVCache`` rebuilt from a `seed_without_batch_axis` layer, its tensors back in
+    their ``[heads, seq, dim]`` shape (the shape the caller stored)."""
+    return KVCache.from_state((layer.keys[0], layer.values[0], layer.offset))

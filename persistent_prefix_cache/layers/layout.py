@@ -184,7 +184,7 @@ class Layout:
 
     def new_blocks(
         self, cache: Sequence[Any], keys: list[bytes], data: bytes, path: Sequence[Node], *, root: bytes, block_size: int
-    ) -> list[tuple[Node, dict[str, Tensors], dict]]:
+    ) -> list[tuple[Node, dict[str, Tensors], dict, dict]]:
         """The blocks of `cache` after the stored `path`, with their index records.
 
         Args:
@@ -196,12 +196,14 @@ class Layout:
             block_size: Tokens per full block.
 
         Returns:
-            ``(node, tensors by leaf, bits by leaf)`` per new block: tensors are
-            evaluated and never views of `cache` (those of sequence leaves are views
-            of one copy per field); ``bits`` are what the segment writer takes, the
-            same bytes seen as unsigned ints where a tensor is a strided view (so the
-            writer thread needs no MLX operation). Size and checksum of the nodes are
-            set once they are written.
+            ``(node, tensors by leaf, bits by leaf, origin by leaf)`` per new block:
+            tensors are evaluated and never views of `cache` (those of sequence
+            leaves are views of one copy per field); ``bits`` are what the segment
+            writer takes, the same bytes seen as unsigned ints where a tensor is a
+            strided view (so the writer thread needs no MLX operation); ``origin``
+            names, for sequence leaves, that copy and the position it starts at
+            (``(fields, position)``), so a restore can take one slice of it for many
+            blocks. Size and checksum of the nodes are set once they are written.
         """
         now, n, bs = time.time_ns(), len(data) // 4, block_size
         views = {lid: ViewPath(self.view(node, lid) for node in path) for lid, _, _ in self.leaves}
@@ -234,9 +236,9 @@ class Layout:
                 lid: {f: (_as_uint(x), dtype_info(x.dtype)[0]) if lid in ranges else x for f, x in part.items()}
                 for lid, part in tensors.items()
             }
-            new.append((node, tensors, bits))
-        mx.eval([x if not isinstance(x, tuple) else x[0] for *_, bits in new for part in bits.values() for x in part.values()])
-        mx.eval([x for _, tensors, _ in new for part in tensors.values() for x in part.values()])
+            new.append((node, tensors, bits, {lid: (fields, offset) for lid, fields in ranges.items()}))
+        mx.eval([x if not isinstance(x, tuple) else x[0] for _, _, bits, _ in new for part in bits.values() for x in part.values()])
+        mx.eval([x for _, tensors, _, _ in new for part in tensors.values() for x in part.values()])
         return new
 
 

@@ -32,21 +32,22 @@ class MemoryTier:
         self.max_bytes = max_bytes
         self.nbytes = 0
         self.evictions = 0
-        self._entries: OrderedDict[bytes, tuple[Node, dict[str, Tensors], int]] = OrderedDict()
+        self._entries: OrderedDict[bytes, tuple[Node, dict[str, Tensors], int, dict]] = OrderedDict()
         self._children: dict[bytes, set[bytes]] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, key: bytes) -> tuple[Node, dict[str, Tensors]] | None:
-        """The entry for `key`, refreshed as most recently used, or None."""
+    def get(self, key: bytes) -> tuple[Node, dict[str, Tensors], dict] | None:
+        """The entry for `key` as ``(node, tensors, origin)`` (see `put`), refreshed as
+        most recently used, or None."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
                 return None
             self._entries.move_to_end(key)
-            return entry[0], entry[1]
+            return entry[0], entry[1], entry[3]
 
     def node(self, key: bytes) -> Node | None:
         """The node for `key` without touching the LRU order."""
@@ -58,14 +59,22 @@ class MemoryTier:
         with self._lock:
             return [self._entries[k][0] for k in self._children.get(parent, ())]
 
-    def put(self, node: Node, tensors: dict[str, Tensors]) -> None:
-        """Insert or refresh a block, evicting least recently used ones over budget."""
+    def put(self, node: Node, tensors: dict[str, Tensors], origin: dict | None = None) -> None:
+        """Insert or refresh a block, evicting least recently used ones over budget.
+
+        Args:
+            node: The block's record.
+            tensors: Its tensors by leaf, then field.
+            origin: Leaf -> ``(fields, position)`` where the leaf's tensors are views
+                of those arrays starting at that position (blocks cut from one copy):
+                a restore joins consecutive such blocks as one slice of it.
+        """
         size = tensors_nbytes(tensors)
         if size > self.max_bytes:
             return
         with self._lock:
             self._drop(node.key)
-            self._entries[node.key] = (node, tensors, size)
+            self._entries[node.key] = (node, tensors, size, origin or {})
             self._children.setdefault(node.parent, set()).add(node.key)
             self.nbytes += size
             while self.nbytes > self.max_bytes:
@@ -89,7 +98,7 @@ class MemoryTier:
         entry = self._entries.pop(key, None)
         if entry is None:
             return
-        node, _, size = entry
+        node, _, size, _ = entry
         self.nbytes -= size
         siblings = self._children.get(node.parent)
         if siblings is not None:

@@ -1,0 +1,138 @@
+"""What ``ppc`` prints must say what happened: counts that match the files, names that
+tell query hits from block hits, no error when the reader of stdout leaves, misses
+that show, an ETA on the progress line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+from helpers import BLOCK, prefill, random_tokens, segment_files
+
+from persistent_prefix_cache import PersistentPrefixCache
+from persistent_prefix_cache.cli import main as ppc_main
+from persistent_prefix_cache.cli import prompting
+from persistent_prefix_cache.compat.lru_prompt_cache import PersistentLRUPromptCache
+from persistent_prefix_cache.disk.maintenance import StoreAdmin
+from persistent_prefix_cache.prefill import prefill as store_prefill
+from persistent_prefix_cache.tiny_model import DEMO_TEXT
+
+
+def _ppc(*args: str, stdout=subprocess.PIPE) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PPC_STORE"}
+    return subprocess.run(
+        [sys.executable, "-m", "persistent_prefix_cache", *map(str, args)],
+        stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=300, env=env,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def filled(store_dir, model):
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        for seed in (1, 2):
+            store_prefill(model, random_tokens(40, seed=seed, first=seed), store)
+    return store_dir
+
+
+def test_check_fix_counts_the_files_it_removed(filled):
+    segments = segment_files(filled)
+    some = os.path.join(filled, "segments", next(iter(segments)))
+    strays = []
+    for i in range(5):  # copies of a segment under ids nothing references
+        name = f"{i:02x}" + "ab" * 15
+        os.makedirs(os.path.join(filled, "segments", name[:2]), exist_ok=True)
+        strays.append(os.path.join(filled, "segments", name[:2], f"{name}.seg"))
+        shutil.copy(some, strays[-1])
+    for i in range(4):  # temporary files of writers long gone
+        strays.append(os.path.join(filled, "tmp", f"leftover-{i}"))
+        with open(strays[-1], "wb") as f:
+            f.write(b"x" * 100)
+    proc = _ppc("check", "--store", filled, "--fix", "--grace", "0")
+    assert proc.returncode == 0, proc.stderr
+    assert "removed 0 block(s) from the index and 9 file(s)" in proc.stdout
+    assert not any(os.path.exists(p) for p in strays)
+    assert segment_files(filled) == segments  # nothing else went
+    report = json.loads(_ppc("check", "--store", filled, "--json").stdout)
+    assert report["clean"] and report["removed_files"] == 0
+
+
+def test_stats_says_query_hits_and_inspect_says_block_hits(filled, model):
+    with PersistentPrefixCache(filled, model) as store:
+        store.fetch(random_tokens(40, seed=1, first=1) + [3])  # 3 blocks restored: one query
+    stats = _ppc("stats", "--store", filled).stdout
+    assert "query hits" in stats and "query misses" in stats
+    inspect = _ppc("inspect", "--store", filled).stdout
+    headers = [line.split("  ") for line in inspect.splitlines() if line.startswith("model ")]
+    assert len(headers) == 2 and all("block hits" in [c.strip() for c in h if c] for h in headers)
+    assert " hits " not in inspect.replace("block hits", "")
+    info = json.loads(_ppc("inspect", "--store", filled, "--json").stdout)
+    assert info["hits"] == 1 and info["models"][0]["block_hits"] == 3
+
+
+@pytest.mark.parametrize("argv", [["stats", "--json"], ["inspect"], ["--help"]])
+def test_a_closed_stdout_ends_quietly(filled, argv):
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first write: EPIPE, every time
+    try:
+        proc = _ppc(*argv, *(["--store", filled] if argv[-1] != "--help" else []), stdout=write)
+    finally:
+        os.close(write)
+    assert proc.returncode == 141, proc.stderr
+    assert proc.stderr == ""
+
+
+def test_a_request_that_found_nothing_is_a_miss(store_dir, model):
+    PersistentPrefixCache(store_dir, model, block_size=BLOCK).close()
+    with PersistentPrefixCache(store_dir, model) as store:
+        lru = PersistentLRUPromptCache(store)
+        cache, rest = lru.fetch_nearest_cache("m", random_tokens(30, seed=5))
+        assert cache is None and len(rest) == 30
+        assert (store.stats()["queries"], store.stats()["misses"]) == (1, 1)
+        # A request memory answered, and the store holds no more of: not a store miss.
+        tokens = random_tokens(40, seed=6)
+        lru.insert_cache("m", tokens, prefill(model, tokens)[1])
+        lru.fetch_nearest_cache("m", tokens + [1])
+        assert store.stats()["misses"] == 1 and store.stats()["not_longer"] == 1
+    with StoreAdmin(store_dir, readonly=True) as admin:
+        assert admin.summary()["misses"] == 1  # what `ppc stats` prints
+    assert re.search(r"^query misses +1$", _ppc("stats", "--store", store_dir).stdout, re.M)
+
+
+def test_precompute_explains_blocks_written_and_in_store(tmp_path, tiny_model_dir, capsys):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(" ".join(DEMO_TEXT.split()[:40]))
+    store = tmp_path / "store"
+    argv = ["precompute", "--model", str(tiny_model_dir), "--store", str(store)]
+    argv += ["--block-size", str(BLOCK), "--ignore-chat-template", "--no-progress", str(prompt)]
+    assert ppc_main([*argv, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    n = summary["tokens"]
+    # Stored up to the last token, then whole: the partial block of the first store is
+    # replaced by the second (unless n - 1 ends on a block boundary).
+    assert summary["blocks_in_store_before"] == 0
+    assert summary["blocks_written"] == math.ceil((n - 1) / BLOCK) + 1
+    assert summary["blocks_in_store"] == math.ceil(n / BLOCK)
+    assert ppc_main(argv) == 0
+    text = capsys.readouterr().out
+    now = summary["blocks_in_store"]
+    assert "blocks written (this run)" in text and f"blocks in store (before -> now)  {now} -> {now}" in text
+
+
+def test_progress_line_has_an_eta(monkeypatch, capsys):
+    clock = iter([100.0, 110.0, 130.0])  # start, then two redraws
+    monkeypatch.setattr(prompting.time, "perf_counter", lambda: next(clock))
+    progress = prompting.Progress(2, 1000, enabled=True)
+    progress.enabled = True  # stderr is not a terminal under pytest
+    progress.update(100, 100, force=True)  # 100 of 1000 tokens in 10 s: 90 s left
+    assert capsys.readouterr().err.rstrip().endswith("ETA 1:30")
+    progress.update(1000 - 1, 999, force=True)
+    assert capsys.readouterr().err.rstrip().endswith("ETA 0:00")
+    assert prompting.eta(0, 1000, 5.0) == "-"
+    assert prompting.eta(1, 10_000, 1.0) == "2:46:39"
