@@ -126,10 +126,10 @@ class PersistentPrefixCache:
         remote_ttl: float | None = None,
         remote_timeout: float = DEFAULT_REMOTE_TIMEOUT,
     ):
-        check_remote(remote=remote, secret=remote_secret, ttl=remote_ttl, timeout=remote_timeout)
         path = expand_path(path, what="path")
         if model_path is not None:
             model_path = expand_path(model_path, what="model_path")
+        check_remote(remote=remote, secret=remote_secret, ttl=remote_ttl, timeout=remote_timeout)
         check_options(
             fingerprint=fingerprint, model_path=model_path, namespace=namespace, block_size=block_size,
             memory_bytes=memory_bytes, disk_bytes=disk_bytes, kv_bits=kv_bits, kv_group_size=kv_group_size,
