@@ -568,12 +568,8 @@ def _copy_cached(nodes, cached, origins, runs) -> None:
         if name in by_name
     ]
     # Blocks cut from one copy per field are strided views: see them all as unsigned
-<<<<<<< HEAD
-    # ints with one evaluation, not one per piece (remote blocks are host bits already).
-=======
     # ints with one evaluation, not one per piece (blocks from the remote tier come
     # as host bits already).
->>>>>>> main
     views = [x.bits if isinstance(x, HostBits) else x.view(_UINT_MX[x.itemsize]) for *_, x in pieces]
     mx.eval([v for v in views if not isinstance(v, np.ndarray)])
     targets: dict[int, np.ndarray] = {}
