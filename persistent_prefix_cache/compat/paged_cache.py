@@ -235,13 +235,7 @@ class PagedCacheManager(PoolCalls):
             The block, or None.
         """
         with self.lock:
-            block = self._lookup(parent_hash or ROOT_HASH, _token_bytes(tokens))
-            if block is None:
-                self.stats.cache_misses += 1
-                return None
-            self.stats.cache_hits += 1
-            self._refresh(block)
-            return block
+            return self._counted(self._lookup(parent_hash or ROOT_HASH, _token_bytes(tokens)))
 
     def find_cached_children(self, parent_hash: bytes | None = None) -> list[CacheBlock]:
         """Indexed blocks that follow the block keyed `parent_hash`, by block id.
@@ -286,6 +280,15 @@ class PagedCacheManager(PoolCalls):
         block = self._by_hash.get(block_key(parent, data))
         if block is None or block.parent_hash != parent or block.token_ids != data:
             return None
+        return block
+
+    def _counted(self, block: CacheBlock | None) -> CacheBlock | None:
+        """A lookup's answer, counted as a hit (and refreshed) or a miss; under the lock."""
+        if block is None:
+            self.stats.cache_misses += 1
+            return None
+        self.stats.cache_hits += 1
+        self._refresh(block)
         return block
 
     def _refresh(self, block: CacheBlock) -> None:

@@ -107,13 +107,7 @@ class PoolCalls:
         if not self.enable_caching:
             return None
         with self.lock:
-            block = self._by_hash.get(block_hash)
-            if block is None:
-                self.stats.cache_misses += 1
-                return None
-            self.stats.cache_hits += 1
-            self._refresh(block)
-            return block
+            return self._counted(self._by_hash.get(block_hash))
 
     def cache_full_blocks(
         self,
