@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean redis-server
+.PHONY: demo test install clean servers
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,24 +21,28 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m persistent_prefix_cache demo
 
-# The remote-tier tests start their own redis-server: install it when missing and we can
-# (root, or sudo without a password, on a system with apt-get); otherwise say how and
-# go on (those tests then skip, unless PPC_REQUIRE_REDIS=1 makes them fail, as in CI).
-redis-server:
-	@if command -v redis-server >/dev/null 2>&1; then exit 0; fi; \
-	if command -v apt-get >/dev/null 2>&1; then \
+# The remote-tier tests start their own servers (Redis, and Valkey where the system's
+# packages have it): install them when missing and we can (root, or sudo without a
+# password, on a system with apt-get); otherwise say how and go on (those tests then
+# skip, unless PPC_REQUIRE_REDIS=1 / PPC_REQUIRE_VALKEY=1 make them fail, as in CI).
+servers:
+	@if command -v apt-get >/dev/null 2>&1; then \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=none; fi; \
-	  if [ "$$SUDO" != none ]; then \
-	    echo "installing redis-server (for the remote-tier tests)"; \
-	    $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y redis-server >/dev/null 2>&1 || \
-	      { $$SUDO apt-get update >/dev/null 2>&1 && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y redis-server >/dev/null 2>&1; } || \
-	      echo "could not install redis-server: the remote-tier tests will be skipped"; \
-	    exit 0; \
-	  fi; \
-	fi; \
-	echo "redis-server not found: the remote-tier tests will be skipped (install it: apt-get install -y redis-server, or brew install redis)"
+	  for pkg in redis-server valkey-server; do \
+	    command -v $$pkg >/dev/null 2>&1 && continue; \
+	    if [ "$$SUDO" = none ]; then echo "$$pkg not found: its remote-tier tests will be skipped (apt-get install -y $$pkg)"; continue; fi; \
+	    if [ "$$pkg" = valkey-server ] && ! apt-cache policy valkey-server 2>/dev/null | grep -q "Candidate: [0-9]"; then \
+	      echo "valkey-server is not in this system's packages: the Valkey tests will be skipped"; continue; fi; \
+	    echo "installing $$pkg (for the remote-tier tests)"; \
+	    $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y $$pkg >/dev/null 2>&1 || \
+	      { $$SUDO apt-get update >/dev/null 2>&1 && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y $$pkg >/dev/null 2>&1; } || \
+	      echo "could not install $$pkg: its remote-tier tests will be skipped"; \
+	  done; \
+	elif ! command -v redis-server >/dev/null 2>&1; then \
+	  echo "redis-server not found: the remote-tier tests will be skipped (brew install redis valkey, or your system's packages)"; \
+	fi
 
-test: $(STAMP) redis-server
+test: $(STAMP) servers
 	$(PY) -m pytest -q
 
 clean:

@@ -70,13 +70,22 @@ def legacy(tmp_path):
     }
 
 
-@pytest.fixture
-def redis_server(tmp_path):
-    """A fresh redis-server on a free 127.0.0.1 port, no persistence; stopped after."""
-    from redis_servers import RedisServer, require_redis
+@pytest.fixture(scope="session", params=["redis", "valkey"])
+def redis_engine(request):
+    """Each server engine the remote tests run against ("redis", "valkey"): skipped
+    with how to install it when missing (failed under PPC_REQUIRE_<ENGINE>=1)."""
+    from redis_servers import require_engine
 
-    require_redis()
-    server = RedisServer(tmp_path / "redis").start()
+    require_engine(request.param)
+    return request.param
+
+
+@pytest.fixture
+def redis_server(tmp_path, redis_engine):
+    """A fresh server of the engine on a free 127.0.0.1 port, no persistence; stopped after."""
+    from redis_servers import RedisServer
+
+    server = RedisServer(tmp_path / "redis", engine=redis_engine).start()
     try:
         yield server
     finally:
@@ -84,12 +93,11 @@ def redis_server(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def redis_cluster(tmp_path_factory):
-    """Three cluster-enabled redis-server nodes joined by ``redis-cli --cluster create``."""
-    from redis_servers import RedisCluster, require_redis
+def redis_cluster(tmp_path_factory, redis_engine):
+    """Three cluster-enabled nodes of the engine joined by ``<engine>-cli --cluster create``."""
+    from redis_servers import RedisCluster
 
-    require_redis()
-    cluster = RedisCluster(tmp_path_factory.mktemp("cluster"))
+    cluster = RedisCluster(tmp_path_factory.mktemp("cluster"), engine=redis_engine)
     try:
         yield cluster.start()
     finally:

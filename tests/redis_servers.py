@@ -1,9 +1,11 @@
-"""Real redis-server processes for the remote-tier tests: one server, or a 3-node cluster.
+"""Real server processes for the remote-tier tests: one server, or a 3-node cluster.
 
-Each server runs on a free port of 127.0.0.1 in a temporary directory, without
-persistence (``--save '' --appendonly no``), and is stopped by the fixture that made it.
-When ``redis-server`` (or redis-py) is missing the tests skip with a message saying how
-to install it, unless ``PPC_REQUIRE_REDIS=1`` (CI), where they fail instead.
+Two engines speak the protocol: Redis (``redis-server``) and Valkey (``valkey-server``,
+its fork); every remote test runs against each one installed. Each server runs on a
+free port of 127.0.0.1 in a temporary directory, without persistence (``--save ''
+--appendonly no``), and is stopped by the fixture that made it. When an engine (or
+redis-py) is missing its tests skip with a message saying how to install it, unless
+``PPC_REQUIRE_REDIS=1`` / ``PPC_REQUIRE_VALKEY=1`` (CI), where they fail instead.
 """
 
 from __future__ import annotations
@@ -18,20 +20,26 @@ import time
 
 import pytest
 
-HOW_TO_INSTALL = "apt-get install -y redis-server (make test does it when it can) and pip install redis"
+ENGINES = ("redis", "valkey")
+HOW_TO_INSTALL = {
+    "redis": "apt-get install -y redis-server (make test does it when it can) and pip install redis",
+    "valkey": "apt-get install -y valkey-server (Debian 12: from bookworm-backports; Debian 13, Ubuntu 24.04+: main)",
+}
 
 
-def require_redis() -> None:
-    """Skip (or, with PPC_REQUIRE_REDIS=1, fail) unless redis-server and redis-py exist."""
-    missing = [name for name in ("redis-server", "redis-cli") if shutil.which(name) is None]
+def require_engine(engine: str = "redis") -> None:
+    """Skip (or, with PPC_REQUIRE_<ENGINE>=1, fail) unless `engine`'s server and CLI
+    and redis-py exist."""
+    missing = [name for name in (f"{engine}-server", f"{engine}-cli") if shutil.which(name) is None]
     try:
         import redis  # noqa: F401
     except ImportError:
         missing.append("redis-py")
     if missing:
-        message = f"remote tests need {', '.join(missing)}: {HOW_TO_INSTALL}"
-        if os.environ.get("PPC_REQUIRE_REDIS") == "1":
-            pytest.fail(message + " (PPC_REQUIRE_REDIS=1: required)")
+        message = f"remote tests on {engine} need {', '.join(missing)}: {HOW_TO_INSTALL[engine]}"
+        flag = f"PPC_REQUIRE_{engine.upper()}"
+        if os.environ.get(flag) == "1":
+            pytest.fail(f"{message} ({flag}=1: required)")
         pytest.skip(message)
 
 
@@ -54,20 +62,25 @@ def free_port() -> int:
 
 
 class RedisServer:
-    """One redis-server process.
+    """One server process (``redis-server`` or ``valkey-server``).
 
     Args:
         workdir: Its directory (logs, cluster config).
-        args: Extra ``redis-server`` options, e.g. ``["--maxmemory", "1mb"]``.
+        args: Extra server options, e.g. ``["--maxmemory", "1mb"]``.
         port: The port (a free one if None).
+        tls: (certificate, key) files: serve TLS only, on `port`.
+        engine: "redis" or "valkey".
     """
 
-    def __init__(self, workdir, *, args=(), port: int | None = None, tls: tuple[str, str] | None = None):
+    def __init__(
+        self, workdir, *, args=(), port: int | None = None, tls: tuple[str, str] | None = None, engine: str = "redis"
+    ):
+        self.engine = engine
         self.workdir = str(workdir)
         os.makedirs(self.workdir, exist_ok=True)
         self.args = list(args)
         self.port = port or free_port()
-        self.tls = tls  # (certificate, key) files: serve TLS only, on `port`
+        self.tls = tls
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -82,7 +95,7 @@ class RedisServer:
             ports = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", cert, "--tls-key-file", key,
                      "--tls-ca-cert-file", cert, "--tls-auth-clients", "no"]  # fmt: skip
         cmd = [
-            "redis-server", *ports, "--bind", "127.0.0.1", "--save", "",
+            f"{self.engine}-server", *ports, "--bind", "127.0.0.1", "--save", "",
             "--appendonly", "no", "--dir", self.workdir, "--logfile", f"redis-{self.port}.log",
             "--protected-mode", "no", *self.args,
         ]  # fmt: skip
@@ -90,13 +103,13 @@ class RedisServer:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited {self.proc.returncode}: {self.log()}")
+                raise RuntimeError(f"{self.engine}-server exited {self.proc.returncode}: {self.log()}")
             try:
                 if self.client(timeout=1).ping():
                     return self
             except Exception:  # noqa: BLE001 - not listening yet
                 time.sleep(0.05)
-        raise RuntimeError(f"redis-server on port {self.port} did not answer: {self.log()}")
+        raise RuntimeError(f"{self.engine}-server on port {self.port} did not answer: {self.log()}")
 
     def client(self, timeout: float = 10):
         """A redis-py client of this server (for the tests' own inspection)."""
@@ -130,18 +143,20 @@ class RedisServer:
 
 
 class RedisCluster:
-    """Three cluster-enabled servers joined with ``redis-cli --cluster create``.
+    """Three cluster-enabled servers joined with ``<engine>-cli --cluster create``.
 
     ``cluster-require-full-coverage no``: when a node is down the others keep serving
     their slots (what the fleet wants from its cache).
     """
 
-    def __init__(self, workdir, n: int = 3):
+    def __init__(self, workdir, n: int = 3, engine: str = "redis"):
+        self.engine = engine
         self.nodes = [
             RedisServer(
                 os.path.join(str(workdir), f"node{i}"),
                 args=["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                       "--cluster-node-timeout", "60000", "--cluster-require-full-coverage", "no"],
+                engine=engine,
             )  # fmt: skip
             for i in range(n)
         ]
@@ -155,7 +170,7 @@ class RedisCluster:
             s.start()
         addresses = [f"127.0.0.1:{s.port}" for s in self.nodes]
         subprocess.run(
-            ["redis-cli", "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
+            [f"{self.engine}-cli", "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
             check=True, capture_output=True, timeout=60,
         )  # fmt: skip
         deadline = time.monotonic() + 60

@@ -1,4 +1,4 @@
-"""The remote (fleet) tier against a real redis-server: URLs, the wire form, faults.
+"""The remote (fleet) tier against a real server (Redis, Valkey): URLs, the wire form, faults.
 
 Two store handles with their own directories stand for two hosts that share nothing
 but the server (the tests in test_remote_fleet.py use separate processes). Every
@@ -287,11 +287,10 @@ def test_forged_value_is_rejected_with_a_secret(tmp_path, model, redis_server):
         h.close()
 
 
-def test_auth_and_a_wrong_password(tmp_path, model):
-    from redis_servers import RedisServer, require_redis
+def test_auth_and_a_wrong_password(tmp_path, model, redis_engine):
+    from redis_servers import RedisServer
 
-    require_redis()
-    server = RedisServer(tmp_path / "redis", args=["--requirepass", "s3cret"]).start()
+    server = RedisServer(tmp_path / "redis", args=["--requirepass", "s3cret"], engine=redis_engine).start()
     try:
         toks = random_tokens(40, 15, first=15)
         a = open_host(tmp_path / "a", model, f"redis://:s3cret@127.0.0.1:{server.port}")
@@ -322,12 +321,11 @@ def test_ttl_and_publish_queue_bound(tmp_path, model, redis_server):
     a.close()
 
 
-def test_tls(tmp_path, model):
+def test_tls(tmp_path, model, redis_engine):
     import shutil
 
-    from redis_servers import RedisServer, require_redis
+    from redis_servers import RedisServer
 
-    require_redis()
     if shutil.which("openssl") is None:
         pytest.skip("openssl is needed to make a test certificate")
     cert, key = str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")
@@ -335,7 +333,7 @@ def test_tls(tmp_path, model):
         ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert, "-days", "1",
          "-subj", "/CN=127.0.0.1"], check=True, capture_output=True, timeout=60,
     )  # fmt: skip
-    server = RedisServer(tmp_path / "redis", tls=(cert, key)).start()
+    server = RedisServer(tmp_path / "redis", tls=(cert, key), engine=redis_engine).start()
     try:
         url = f"rediss://127.0.0.1:{server.port}?ssl_ca_certs={cert}&ssl_check_hostname=false"
         toks = random_tokens(40, 18, first=18)

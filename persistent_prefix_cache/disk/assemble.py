@@ -34,6 +34,7 @@ KV_STEP = 256  # mlx-lm's KVCache grows in steps of 256 tokens
 # parallel (both drop the GIL); 4 on small machines, up to 8 where cores allow.
 _READERS = int(os.environ.get("PPC_READERS", "0")) or max(4, min(8, os.cpu_count() or 1))
 _pool: ThreadPoolExecutor | None = None
+_PARALLEL_COPY_BYTES = 4 << 20  # below this, handing copies to threads costs more than it saves
 _pool_lock = threading.Lock()
 
 
@@ -572,9 +573,22 @@ def _copy_cached(nodes, cached, origins, runs) -> None:
     # as host bits already).
     views = [x.bits if isinstance(x, HostBits) else x.view(_UINT_MX[x.itemsize]) for *_, x in pieces]
     mx.eval([v for v in views if not isinstance(v, np.ndarray)])
-    targets: dict[int, np.ndarray] = {}
+    by_run: dict[int, list] = {}
     for (r, start, end, _), v in zip(pieces, views):
-        if id(r) not in targets:
-            targets[id(r)] = _bits(r.view, r.array)
-        src = v if isinstance(v, np.ndarray) else np.asarray(memoryview(v))
-        targets[id(r)][:, :, start - r.start : end - r.start, :] = src
+        by_run.setdefault(id(r), [r]).append((start, end, v))
+
+    def copy(job: list) -> None:
+        r, *parts = job
+        target = _bits(r.view, r.array)
+        for start, end, v in parts:
+            target[:, :, start - r.start : end - r.start, :] = v if isinstance(v, np.ndarray) else np.asarray(memoryview(v))
+
+    # One job per buffer, on the reader threads (numpy's copies drop the GIL): a
+    # restore from the RAM tier or the remote is a copy into fresh memory, and one
+    # thread fills fresh pages at a fraction of what the machine's cores can.
+    jobs = list(by_run.values())
+    if len(jobs) > 1 and sum(v.nbytes for *_, v in pieces) >= _PARALLEL_COPY_BYTES:
+        list(_reader_pool().map(copy, jobs))
+    else:
+        for job in jobs:
+            copy(job)

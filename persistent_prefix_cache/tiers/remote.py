@@ -20,6 +20,7 @@ import os
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 from ..disk.faults import pause_point
@@ -110,6 +111,7 @@ class RemoteTier:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._value_bytes = 0  # length of the last value read (sizes the read batches)
+        self._check_pool: ThreadPoolExecutor | None = None
 
     def key(self, key: bytes) -> bytes:
         """The server key of one of this model's blocks."""
@@ -236,25 +238,51 @@ class RemoteTier:
         return max(1, min(MAX_BATCH_BLOCKS, BATCH_BYTES // self._value_bytes))
 
     def _read(self, chain: list[tuple[bytes, bytes, int, bytes]]) -> list[wire.Block]:
-        blocks: list[wire.Block] = []
+        """Read and verify the blocks of `chain` in order, up to the first one missing
+        or failing a check. Each batch is verified on a thread of its own while the
+        next one is received (checksums and MACs drop the GIL)."""
+        checks = []
         lo = 0
         while lo < len(chain):
             batch = chain[lo : lo + self.batch_blocks()]
             lo += len(batch)
-            values = self.servers.call([("GET", self.key(k)) for k, *_ in batch])
-            for (k, p, pos, toks), value in zip(batch, values):
+            values = self.servers.get_values([self.key(k) for k, *_ in batch])
+            present = []
+            for want, value in zip(batch, values):
                 if value is None or value is UNAVAILABLE:
-                    return blocks  # evicted meanwhile, or its node is down
+                    break  # evicted meanwhile, or its node is down
                 self._value_bytes = len(value)
-                try:
-                    blocks.append(
-                        wire.decode(value, self.key(k), key=k, parent=p, position=pos, tokens=toks, mac=self.mac)
-                    )
-                except wire.BadValue as exc:
-                    log.warning("remote block %s rejected: %s", k.hex(), exc)
-                    self.counters.add(**{f"remote_{exc.reason}": 1})
-                    return blocks
+                present.append((want, value))
+            checks.append((len(batch), self._checker().submit(self._decode, present)))
+            if len(present) < len(batch):
+                break
+        blocks: list[wire.Block] = []
+        for asked, check in checks:
+            got, bad = check.result()
+            blocks += got
+            if bad is not None:
+                log.warning("remote block %s rejected: %s", bad[0].hex(), bad[1])
+                self.counters.add(**{f"remote_{bad[1].reason}": 1})
+            if len(got) < asked:
+                break
         return blocks
+
+    def _decode(self, values: list[tuple[tuple, Any]]) -> tuple[list[wire.Block], tuple | None]:
+        """The leading `values` that decode as the blocks wanted, and (key, error) of
+        the first that does not (None if all do)."""
+        out = []
+        for (k, p, pos, toks), value in values:
+            try:
+                out.append(wire.decode(value, self.key(k), key=k, parent=p, position=pos, tokens=toks, mac=self.mac))
+            except wire.BadValue as exc:
+                return out, (k, exc)
+        return out, None
+
+    def _checker(self) -> ThreadPoolExecutor:
+        with self._cond:
+            if self._check_pool is None:
+                self._check_pool = ThreadPoolExecutor(1, thread_name_prefix="ppc-remote-check")
+            return self._check_pool
 
     # -- publishing -------------------------------------------------------------------
 
@@ -360,5 +388,7 @@ class RemoteTier:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
+        if self._check_pool is not None:
+            self._check_pool.shutdown()
         self.servers.close()
         self.bulk.close()
