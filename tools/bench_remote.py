@@ -7,6 +7,11 @@ Figures, on the bench's first case (the same synthetic cache):
   until the cache is evaluated; the local write it starts runs on the writer thread;
 - ``ours_fetch_disk_warm``: a fetch of the same blocks from a local store (page cache
   warm), the baseline of the ratio ``remote_vs_disk_warm`` (target >= 0.5);
+- ``raw_get`` and ``redis_py_get``: the same values read with bare pipelined GETs in
+  batches of the same size, nothing checked or copied after: each value received
+  straight into a buffer of its own (``raw_get``, what the server and the socket
+  allow), or as redis-py with hiredis returns them (``redis_py_get``, what a caller
+  would write); ``remote_vs_raw_get`` says how much of the floor our fetch keeps;
 - ``probe_32k``: the probe of a 32k-token prompt whose blocks the server holds (the
   keys' chain and one pipelined EXISTS round trip), target < 5 ms;
 - ``ours_store_async_caller`` with and without a remote: the caller's cost of
@@ -70,11 +75,12 @@ def remote_figures(bench: Any, shape: Any, helpers: dict) -> dict | None:
         bench.note("redis-server not found: the remote tier is not measured (apt-get install -y redis-server)")
         return None
     try:
-        import redis  # noqa: F401
+        import redis
     except ImportError:
         bench.note("redis-py not installed: the remote tier is not measured (pip install redis)")
         return None
     from persistent_prefix_cache.tiers import remote as remote_tier
+    from persistent_prefix_cache.tiers.remote_replies import read_values
 
     contest, summarize, paired_ratio, ratio = (helpers[k] for k in ("contest", "summarize", "paired_ratio", "ratio"))
     Contender, random_kv, make_cache, cache_arrays = (
@@ -112,8 +118,30 @@ def remote_figures(bench: Any, shape: Any, helpers: dict) -> dict | None:
         fetch(check)
         assert check.stats()["remote_blocks"] == published and check.stats()["remote_corrupt"] == 0
         drop(check)
+        keys = sorted(server.client.scan_iter(match=b"ppc:*", count=1000))
+        per_batch = max(1, min(remote_tier.MAX_BATCH_BLOCKS, remote_tier.BATCH_BYTES // (shape.kv_bytes // max(1, len(keys)))))
+        batches = [keys[i : i + per_batch] for i in range(0, len(keys), per_batch)]
+
+        def raw_get(client) -> None:
+            got = sum(len(v) for b in batches for v in read_values(client, b))
+            assert got >= shape.kv_bytes
+
+        def redis_py_get(client) -> None:
+            got = 0
+            for b in batches:
+                pipe = client.pipeline(transaction=False)
+                for k in b:
+                    pipe.get(k)
+                got += sum(len(v) for v in pipe.execute())
+            assert got >= shape.kv_bytes
+
+        def client():
+            return redis.Redis(port=server.port, socket_timeout=30)
+
         times = contest(
             [
+                Contender("raw_get", raw_get, client, lambda c: c.close()),
+                Contender("redis_py_get", redis_py_get, client, lambda c: c.close()),
                 Contender("ours_fetch_remote", fetch, fresh_remote, drop),
                 Contender("ours_fetch_disk_warm", fetch, lambda: bench.open_store(local, shape, memory_bytes=0),
                           lambda s: s.close()),
@@ -185,6 +213,9 @@ def remote_figures(bench: Any, shape: Any, helpers: dict) -> dict | None:
             "probe_32k": {**probe, "blocks": len(keys)},
             "ratios": {
                 "remote_vs_disk_warm": ratio(paired_ratio(f["ours_fetch_remote"], f["ours_fetch_disk_warm"], "speed"), ">= 0.5"),
+                "raw_get_vs_disk_warm": ratio(paired_ratio(f["raw_get"], f["ours_fetch_disk_warm"], "speed"), None),
+                "remote_vs_raw_get": ratio(paired_ratio(f["ours_fetch_remote"], f["raw_get"], "speed"), None),
+                "remote_vs_redis_py_get": ratio(paired_ratio(f["ours_fetch_remote"], f["redis_py_get"], "speed"), None),
                 "probe_32k_ms": ratio(probe["median_s"] * 1e3, "< 5"),
                 "store_publish_caller_vs_async": ratio(
                     paired_ratio(f["ours_store_async_caller_remote"], f["ours_store_async_caller"], "time"), "<= 1.1"
@@ -206,6 +237,8 @@ def format_remote(r: dict | None) -> list[str]:
         f"{r['batch_bytes'] >> 10} KiB = {r['batch_blocks']} blocks per pipelined read)",
     ]
     for name, label in (
+        ("raw_get", "raw    pipelined GETs, each value into its own buffer"),
+        ("redis_py_get", "redis-py pipelined GETs (hiredis)"),
         ("ours_fetch_remote", "ours   fetch() from the remote, empty local store"),
         ("ours_fetch_disk_warm", "ours   fetch() of the same blocks from disk, warm"),
         ("ours_store_async_caller", "ours   store(), async: caller's cost"),
