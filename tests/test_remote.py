@@ -10,6 +10,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -375,3 +376,51 @@ def test_recurrent_and_window_layers_restore_from_the_remote(tmp_path, redis_ser
         assert_same_logits(feed(model, restored, remaining), want)
         for h in (a, b):
             h.close()
+
+
+def test_replies_are_read_straight_into_buffers_and_errors_are_clear(redis_server):
+    import redis
+
+    from persistent_prefix_cache.tiers.remote_replies import ProtocolError, ReplyError, read_values
+
+    client = redis_server.client()
+    big = np.random.default_rng(3).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()  # many socket reads
+    client.set(b"big", big)
+    client.set(b"empty", b"")
+    client.rpush(b"list", b"x")  # GET of a list: an error reply for that key only
+    got = read_values(client, [b"big", b"missing", b"empty", b"list", b"big"])
+    assert bytes(got[0]) == big and got[1] is None and bytes(got[2]) == b"" and bytes(got[4]) == big
+    assert isinstance(got[3], ReplyError) and "WRONGTYPE" in str(got[3])
+    assert client.ping()  # the connection went back to the pool clean
+
+    # A server that answers something a GET never gets: a clear error, the connection dropped.
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        liar = redis.Redis(port=port, socket_timeout=5)
+
+        replies = [b">2\r\n$6\r\nMOVING\r\n*1\r\n:7\r\n$3\r\nabc\r\n", b"*1\r\n$1\r\nx\r\n"]
+
+        def answer():  # redis-py's handshake answered, then `replies`, one per GET
+            conn, _ = listener.accept()
+            while replies:
+                chunk = conn.recv(1 << 16)
+                if not chunk:
+                    break
+                if b"GET" in chunk:
+                    conn.sendall(replies.pop(0))
+                    continue
+                n, hello = chunk.count(b"\r\n*") + chunk.startswith(b"*"), b"HELLO" in chunk
+                conn.sendall((b"%1\r\n$5\r\nproto\r\n:3\r\n" if hello else b"") + b"+OK\r\n" * (n - hello))
+            conn.close()
+
+        t = threading.Thread(target=answer)
+        t.start()
+        assert [bytes(v) for v in read_values(liar, [b"k"])] == [b"abc"]  # the push message skipped
+        with pytest.raises(ProtocolError):
+            read_values(liar, [b"j"])
+        t.join(10)
+        assert not liar.connection_pool._available_connections or all(
+            getattr(c, "_sock", None) is None for c in liar.connection_pool._available_connections
+        )

@@ -7,8 +7,8 @@ own connection (so AUTH, TLS, unix sockets and the database are redis-py's) and 
 reads the replies itself: each bulk reply is received by ``recv_into`` directly
 into a buffer of its own, in as few system calls as the socket allows.
 
-Only bulk replies (a value, or nil) and error replies are expected; anything else
-is a protocol error. A connection whose replies were not all read is closed, never
+Only bulk replies (a value, or nil) and error replies are expected (RESP3 pushes
+and attributes before a reply are skipped); anything else is a protocol error. A connection whose replies were not all read is closed, never
 reused.
 """
 
@@ -63,9 +63,27 @@ class _Replies:
                 raise ConnectionError("the server closed the connection")
             have += got
 
+    def _skip(self, line: bytes) -> None:
+        """Read past one RESP3 value that starts with `line` (a push or an attribute)."""
+        kind, rest = line[:1], line[1:]
+        if kind in b"$!=":
+            self._exactly(memoryview(bytearray(int(rest) + 2)))
+        elif kind in b"*>~%|":
+            for _ in range(int(rest) * (2 if kind in b"%|" else 1)):
+                self._skip(self._line())
+        elif not kind or kind not in b"+-:_#,(":
+            raise ProtocolError(f"unexpected reply {line[:32]!r}")
+
     def bulk(self) -> np.ndarray | None | ReplyError:
-        """The next reply: a value (uint8 array), None (nil) or a `ReplyError`."""
+        """The next reply: a value (uint8 array), None (nil) or a `ReplyError`.
+
+        RESP3 push messages (redis-py 8 turns maintenance notifications on) and
+        attributes that come before it are read and dropped.
+        """
         line = self._line()
+        while line[:1] in (b">", b"|"):
+            self._skip(line)
+            line = self._line()
         kind = line[:1]
         if kind == b"$":
             try:
