@@ -6,7 +6,9 @@ can lose (docs/h200-measurements.md). The store learns on this machine, from rea
 work, how fast each tier restores (bytes/s: timed fetches) and how fast the model
 prefills (tokens/s: `prefill()`, or `PersistentPrefixCache.calibrate`), and a fetch
 restores the prefix that saves the most time: all of it, only the part held in RAM,
-or nothing. Until both rates are known every fetch restores (and is timed).
+or nothing. A continuation the remote tier holds is read only if reading it and then
+restoring it is faster than prefilling its tokens (`worth_reading`). Until the rates
+are known every fetch restores (and is timed).
 
 Rates are moving averages (weight `ALPHA` for the newest figure), kept per handle.
 """
@@ -58,6 +60,17 @@ class Costs:
         if nbytes >= MIN_TIMED_BYTES and seconds > 0:
             with self._lock:
                 self.restore_bytes_per_s[tier] = self._blend(self.restore_bytes_per_s.get(tier), nbytes / seconds)
+
+    def worth_reading(self, tier: str, tokens: int, nbytes: int) -> bool:
+        """Whether reading `nbytes` of KV covering `tokens` tokens from `tier` (the
+        remote) and then restoring them from the RAM tier is faster than a prefill of
+        those tokens; True until the rates are known (and always when disabled)."""
+        with self._lock:
+            prefill, rates = self.prefill_tokens_per_s, dict(self.restore_bytes_per_s)
+        if not self.enabled or prefill is None or not rates.get(tier) or nbytes <= 0:
+            return True
+        cost = nbytes / rates[tier] + (nbytes / rates["ram"] if rates.get("ram") else 0.0)
+        return cost < tokens / prefill
 
     def choose(self, ends: list[int], sizes: list[int], in_ram: list[bool], resumable: list[int]) -> Choice:
         """The prefix of a lookup's path that saves the most time.

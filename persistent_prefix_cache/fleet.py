@@ -73,7 +73,9 @@ class RemoteFill:
         full = sum(1 for node in held if node.n_tokens == self.block_size)
         parent = keys[full - 1] if full else self.root
         started = time.perf_counter()
-        blocks = self._fit(self.remote.read_chain(parent, full * self.block_size, data, self.block_size, beyond=matched))
+        blocks = self._fit(
+            self.remote.read_chain(parent, full * self.block_size, data, self.block_size, beyond=matched, worth=self._worth)
+        )
         if not blocks:
             return None
         now = time.time_ns()
@@ -93,6 +95,16 @@ class RemoteFill:
             self.write(blocks).result()  # the RAM tier cannot hold them all: the fetch reads them from disk
             return []
         return blocks
+
+    def _worth(self, chain: list[tuple]) -> bool:
+        """Whether the server's continuation is faster to read and restore than to
+        prefill (the cost model; True until it knows): if not, it is left there and
+        it is counted (``remote_slower``, and its tokens in ``tokens_skipped``)."""
+        tokens = sum(len(toks) // 4 for *_, toks in chain)
+        if self.costs.worth_reading("remote", tokens, self.remote.value_bytes * len(chain)):
+            return True
+        self.remote.counters.add(remote_slower=1, tokens_skipped=tokens)
+        return False
 
     def write(self, blocks: list[Block]) -> Any:
         """Hand remote blocks to the writer thread (a no-op for a read-only store).

@@ -454,7 +454,9 @@ class PersistentPrefixCache:
             served blocks to, or was asked in vain), remote_blocks, remote_bytes_read,
             remote_errors (failed round trips), remote_corrupt and
             remote_unauthenticated (values rejected), remote_skipped (calls skipped
-            while the server backs off), remote_published, remote_bytes_published,
+            while the server backs off), remote_slower (continuations left on the
+            server: reading them was slower than a prefill, by the cost model; their
+            tokens count in tokens_skipped), remote_published, remote_bytes_published,
             remote_already (held by the server before), remote_dropped (publish queue
             full), remote_publish_failed, remote_pending, restore_bytes_per_s_remote.
         """

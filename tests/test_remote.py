@@ -117,6 +117,34 @@ def test_host_b_restores_what_host_a_stored(tmp_path, model, redis_server):
         h.close()
 
 
+def test_the_cost_model_leaves_a_remote_slower_than_prefill_on_the_server(tmp_path, model, redis_server):
+    toks = random_tokens(96, 21, first=21)
+    a = open_host(tmp_path / "a", model, redis_server.url)
+    publish(a, model, toks)
+    # Host B learned, as from real work, that the remote reads 1 MB/s and the model
+    # prefills a million tokens a second: reading the continuation loses.
+    b = open_host(tmp_path / "b", model, redis_server.url)
+    b.costs.observe_restore("remote", 1 << 20, 1.0)
+    b.remote._value_bytes = 20_000  # as if a block of this model had been read before
+    b.observe_prefill(1_000_000, 1.0)
+    cache, rest = b.fetch(toks + [1])
+    assert cache is None and len(rest) == len(toks) + 1
+    st = b.stats()
+    assert (st["remote_slower"], st["tokens_skipped"], st["remote_blocks"], st["remote_misses"]) == (1, 96, 0, 0)
+    # cost_model=False reads it all the same; so does a host whose prefill is slow.
+    c = open_host(tmp_path / "c", model, redis_server.url, cost_model=False)
+    c.costs.observe_restore("remote", 1 << 20, 1.0)
+    c.observe_prefill(1_000_000, 1.0)
+    assert fetch_exact(c, model, toks + [1]) == 96 and c.stats()["remote_slower"] == 0
+    d = open_host(tmp_path / "d", model, redis_server.url)
+    d.costs.observe_restore("remote", 1 << 20, 1.0)
+    d.remote._value_bytes = 20_000
+    d.observe_prefill(10, 1.0)  # 10 tokens/s: any read wins
+    assert fetch_exact(d, model, toks + [1]) == 96 and d.stats()["remote_slower"] == 0
+    for h in (a, b, c, d):
+        h.close()
+
+
 def test_a_longer_local_prefix_is_not_read_again(tmp_path, model, redis_server):
     toks = random_tokens(64, 3, first=2)
     a = open_host(tmp_path / "a", model, redis_server.url)

@@ -21,7 +21,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..disk.faults import pause_point
 from ..disk.node import Node
@@ -44,7 +44,7 @@ DEFAULT_QUEUE_BYTES = 256 * 1024 * 1024
 COUNTERS = (
     "remote_hits", "remote_misses", "remote_blocks", "remote_errors", "remote_corrupt",
     "remote_unauthenticated", "remote_skipped", "remote_bytes_read", "remote_published",
-    "remote_bytes_published", "remote_already", "remote_dropped", "remote_publish_failed",
+    "remote_bytes_published", "remote_already", "remote_dropped", "remote_publish_failed", "remote_slower",
 )  # fmt: skip
 
 
@@ -119,7 +119,10 @@ class RemoteTier:
 
     # -- reading ------------------------------------------------------------------------
 
-    def read_chain(self, parent: bytes, position: int, data: bytes, block_size: int, *, beyond: int = 0) -> list[wire.Block]:
+    def read_chain(
+        self, parent: bytes, position: int, data: bytes, block_size: int, *, beyond: int = 0,
+        worth: Callable[[list[tuple]], bool] | None = None,
+    ) -> list[wire.Block]:  # fmt: skip
         """The verified blocks the server holds after `parent`, for the query `data`.
 
         Args:
@@ -129,6 +132,8 @@ class RemoteTier:
             block_size: Tokens per full block.
             beyond: Tokens the local store already serves: a partial block that
                 ends there or before is not worth reading.
+            worth: Asked with the blocks the server holds (``(key, parent, position,
+                tokens)`` each) before any is read: False reads none.
 
         Returns:
             Consecutive blocks from `position` on (possibly none): full blocks of the
@@ -139,6 +144,8 @@ class RemoteTier:
             return []
         errors = self.servers.errors
         chain = self.probe(parent, position, data, block_size, beyond=beyond)
+        if chain and worth is not None and not worth(chain):
+            return []
         blocks = self._read(chain)
         if self.servers.errors > errors:
             self.counters.add(remote_errors=self.servers.errors - errors)
@@ -229,6 +236,11 @@ class RemoteTier:
         tail = _partials(last, at, data, step, beyond)
         found = self.servers.call([("EXISTS", self.key(c[0])) for c in tail]) if tail else []
         return full[:n] + [c for c, e in zip(tail, found) if e == 1][:1]
+
+    @property
+    def value_bytes(self) -> int:
+        """Length of the last value read (0 before any): what a block costs to read."""
+        return self._value_bytes
 
     def batch_blocks(self) -> int:
         """Blocks per pipelined read: `BATCH_BYTES` worth, by the last value read (one
