@@ -112,6 +112,7 @@ class RemoteTier:
         self._thread: threading.Thread | None = None
         self._value_bytes = 0  # length of the last value read (sizes the read batches)
         self._check_pool: ThreadPoolExecutor | None = None
+        self._check_pid = 0
 
     def key(self, key: bytes) -> bytes:
         """The server key of one of this model's blocks."""
@@ -252,7 +253,7 @@ class RemoteTier:
     def _read(self, chain: list[tuple[bytes, bytes, int, bytes]]) -> list[wire.Block]:
         """Read and verify the blocks of `chain` in order, up to the first one missing
         or failing a check. Each batch is verified on a thread of its own while the
-        next one is received (checksums and MACs drop the GIL)."""
+        next one is received."""
         checks = []
         lo = 0
         while lo < len(chain):
@@ -292,8 +293,10 @@ class RemoteTier:
 
     def _checker(self) -> ThreadPoolExecutor:
         with self._cond:
-            if self._check_pool is None:
+            # A forked child has the pool but not its thread: make a new one there.
+            if self._check_pool is None or self._check_pid != os.getpid():
                 self._check_pool = ThreadPoolExecutor(1, thread_name_prefix="ppc-remote-check")
+                self._check_pid = os.getpid()
             return self._check_pool
 
     # -- publishing -------------------------------------------------------------------

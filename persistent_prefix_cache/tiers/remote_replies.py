@@ -8,8 +8,8 @@ reads the replies itself: each bulk reply is received by ``recv_into`` directly
 into a buffer of its own, in as few system calls as the socket allows.
 
 Only bulk replies (a value, or nil) and error replies are expected (RESP3 pushes
-and attributes before a reply are skipped); anything else is a protocol error. A connection whose replies were not all read is closed, never
-reused.
+and attributes before a reply are skipped); anything else is a protocol error. A
+connection whose replies were not all read is closed, never reused.
 """
 
 from __future__ import annotations
@@ -27,6 +27,14 @@ class ProtocolError(OSError):
 
 class ReplyError(Exception):
     """An error reply (``-MOVED ...``, ``-NOAUTH ...``) to one GET."""
+
+
+def _length(line: bytes) -> int:
+    """The length or count in a reply's first line (``$5``, ``*2``...)."""
+    try:
+        return int(line[1:])
+    except ValueError:
+        raise ProtocolError(f"bad length in {line[:32]!r}") from None
 
 
 class _Replies:
@@ -65,11 +73,13 @@ class _Replies:
 
     def _skip(self, line: bytes) -> None:
         """Read past one RESP3 value that starts with `line` (a push or an attribute)."""
-        kind, rest = line[:1], line[1:]
-        if kind in b"$!=":
-            self._exactly(memoryview(bytearray(int(rest) + 2)))
-        elif kind in b"*>~%|":
-            for _ in range(int(rest) * (2 if kind in b"%|" else 1)):
+        kind = line[:1]
+        if kind and kind in b"$!=":
+            n = _length(line)
+            if n >= 0:
+                self._exactly(memoryview(bytearray(n + 2)))
+        elif kind and kind in b"*>~%|":
+            for _ in range(max(0, _length(line)) * (2 if kind in b"%|" else 1)):
                 self._skip(self._line())
         elif not kind or kind not in b"+-:_#,(":
             raise ProtocolError(f"unexpected reply {line[:32]!r}")
@@ -86,10 +96,7 @@ class _Replies:
             line = self._line()
         kind = line[:1]
         if kind == b"$":
-            try:
-                n = int(line[1:])
-            except ValueError:
-                raise ProtocolError(f"bad bulk length {line[:32]!r}") from None
+            n = _length(line)
             if n < 0:
                 return None
             value = np.empty(n + 2, dtype=np.uint8)  # the value and its CRLF, one read
@@ -99,8 +106,12 @@ class _Replies:
             return value[:n]
         if kind == b"_":  # RESP3 null
             return None
-        if kind == b"-" or kind == b"!":
+        if kind == b"-":
             return ReplyError(line[1:].decode(errors="replace"))
+        if kind == b"!":  # RESP3 blob error: its text follows, counted
+            text = bytearray(max(0, _length(line)) + 2)
+            self._exactly(memoryview(text))
+            return ReplyError(bytes(text[:-2]).decode(errors="replace"))
         raise ProtocolError(f"unexpected reply {line[:32]!r} to GET")
 
 
