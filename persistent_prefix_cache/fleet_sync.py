@@ -136,7 +136,7 @@ def pull_model(store: Any, progress: Progress | None = None) -> dict[str, int]:
     blocks: list[wire.Block] = []
     for lo in range(0, len(keys), BATCH):
         batch = keys[lo : lo + BATCH]
-        for skey, value in zip(batch, tier.bulk.call([("GET", k) for k in batch])):
+        for skey, value in zip(batch, tier.bulk.get_values(batch)):
             block = _verified(tier, fill, store.root, skey, value)
             if block is None:
                 out["rejected"] += value is not None and value is not UNAVAILABLE

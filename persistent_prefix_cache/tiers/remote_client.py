@@ -155,7 +155,7 @@ class _Node:
 
 
 UNAVAILABLE = type("Unavailable", (), {"__repr__": lambda self: "UNAVAILABLE"})()
-# ("GET", key) / ("EXISTS", key) / ("SET", key, value, ttl_ms) / ("COUNT", key, keys):
+# ("EXISTS", key) / ("SET", key, value, ttl_ms) / ("COUNT", key, keys):
 # how many of `keys` exist, in one command (one server only: a cluster refuses keys of
 # several slots in one command).
 Command = tuple
@@ -255,9 +255,10 @@ class Servers:
         """Run commands (one key each) in one pipeline per node.
 
         Returns:
-            One result per command (a GET of a missing key and a SET NX of a held one
-            give None); `UNAVAILABLE` where its node is down, skipped by its breaker,
-            or answered with an error (a MOVED slot, say).
+            One result per command (a SET NX of a held key gives None);
+            `UNAVAILABLE` where its node is down, skipped by its breaker, or
+            answered with an error (a MOVED slot, say). Values are read with
+            `get_values`.
         """
 
         def run(client: Any, where: list[int]) -> list[Any]:
@@ -266,8 +267,6 @@ class Servers:
                 c = commands[i]
                 if c[0] == "SET":
                     pipe.set(c[1], c[2], nx=True, px=c[3])
-                elif c[0] == "GET":
-                    pipe.get(c[1])
                 elif c[0] == "COUNT":  # one server only: keys of many slots
                     pipe.exists(*c[2])
                 else:

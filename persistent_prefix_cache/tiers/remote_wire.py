@@ -210,14 +210,14 @@ def decode(
     return Block(node, bits, len(value))
 
 
-def header_of(value: bytes) -> dict:
+def header_of(value: Any) -> dict:
     """The JSON header of a value, unchecked (to learn what block it claims to be;
     `decode` then checks everything against that).
 
     Raises:
         BadValue: If it does not parse.
     """
-    if len(value) < _HEAD.size or value[:4] != MAGIC:
+    if len(value) < _HEAD.size or bytes(memoryview(value)[:4]) != MAGIC:
         raise BadValue("corrupt", "not a block value of this format")
     n_head = _HEAD.unpack_from(value)[4]
     try:
@@ -230,7 +230,7 @@ def header_of(value: bytes) -> dict:
     return head
 
 
-def tokens_of(value: bytes) -> bytes:
+def tokens_of(value: Any) -> bytes:
     """The tokens a value claims to hold (unchecked, see `header_of`)."""
     head = header_of(value)
     at = _HEAD.size + _HEAD.unpack_from(value)[4]
