@@ -143,12 +143,13 @@ class Worker:
         *,
         env: dict | None = None,
         name: str = "w",
+        wrap: list[str] | None = None,
     ):
         self.spec_path = os.path.join(workdir, f"{name}.json")
         with open(self.spec_path, "w") as f:
             json.dump(spec, f)
         self.proc = subprocess.Popen(
-            [sys.executable, SCRIPT, self.spec_path],
+            [*(wrap or []), sys.executable, SCRIPT, self.spec_path],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -8,7 +8,7 @@ the common bad arguments; this module adds what is missing:
   record (the checksum catches it) and then with the record's size and checksum
   rewritten to match the damaged file, as if the writer itself were buggy, so that the
   decoder is what must catch it;
-- a store the process cannot write (another user, in a real subprocess);
+- a store the process cannot write (a read-only bind mount, in a real subprocess);
 - an older schema migrated on open, refused untouched read-only, and a writer killed
   in the middle of its migration;
 - the bad arguments test_store.py does not try.
@@ -20,7 +20,7 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
+import subprocess
 
 import pytest
 from helpers import (
@@ -48,7 +48,6 @@ from persistent_prefix_cache.disk.segment import SegmentFiles
 from persistent_prefix_cache.disk.index import Index
 from persistent_prefix_cache.disk.maintenance import StoreAdmin
 
-NOBODY = 65534
 
 
 def assert_fetch(store, model, query, matched: int) -> None:
@@ -284,30 +283,32 @@ def test_tensors_not_fitting_the_layout_are_a_counted_miss(
 # -- 7. a store this process cannot write -------------------------------------------------------
 
 
-@pytest.fixture
-def shared_root():
-    """A folder another user can read (pytest's own tmp folders are private to root)."""
-    root = tempfile.mkdtemp(prefix="ppc-readonly-")
-    os.chmod(root, 0o755)
-    try:
-        yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+def _readonly_mount(folder: str) -> list[str] | None:
+    """A command prefix that runs a program in a private mount namespace where `folder`
+    is a read-only bind mount: even root cannot write there (chmod does not stop root),
+    and the program needs no other user's rights, so the test does not depend on who
+    may read the checkout or the venv. None where that cannot be had."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return None
+    script = 'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" "$1" && shift && exec "$@"'
+    probe = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", folder, "true"],
+        capture_output=True,
+    )
+    if probe.returncode != 0:
+        return None
+    return ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", folder]
 
 
-def test_unwritable_store_serves_hits_and_warns_once(shared_root, model, tiny_model_dir):
-    if os.geteuid() != 0:
-        pytest.skip("needs root to run the reader as another user")
-    store_dir = os.path.join(shared_root, "store")
+def test_unwritable_store_serves_hits_and_warns_once(tmp_path, model, tiny_model_dir):
+    store_dir = str(tmp_path / "store")
     a = random_tokens(2 * BLOCK + 5, seed=310, first=1)
     p = random_tokens(BLOCK + 3, seed=311, first=2)
     with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
         store.store(a, prefill(model, a)[1])
-    # Readable by everyone, writable by root only (chmod alone does not stop root).
-    for folder, dirs, files in os.walk(shared_root):
-        os.chmod(folder, 0o755)
-        for name in files:
-            os.chmod(os.path.join(folder, name), 0o644)
+    wrap = _readonly_mount(store_dir)
+    if wrap is None:
+        pytest.skip("needs root and unshare(1) with mount namespaces for a read-only bind mount")
     before = _snapshot(store_dir)
     steps = [["fetch", a], ["store", p], ["store", p], ["flush"], ["fetch", p], ["stats"]]
     results = {}
@@ -319,10 +320,10 @@ def test_unwritable_store_serves_hits_and_warns_once(shared_root, model, tiny_mo
                 "steps": steps,
                 "readonly": readonly,
                 "memory_bytes": 64 << 20,
-                "uid": NOBODY,
             },
-            shared_root,
-            name=f"nobody-{readonly}",
+            str(tmp_path),
+            name=f"readonly-mount-{readonly}",
+            wrap=wrap,
         )
         try:
             results[readonly] = worker.result(timeout=120)

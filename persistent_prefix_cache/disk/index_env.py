@@ -14,6 +14,13 @@ from typing import Iterator
 
 import lmdb
 
+try:  # py-lmdb >= 3.0 imports this on the first open: load it now, with the package,
+    # so that a process that drops privileges after its imports (a server started as
+    # root, say) can still open a store where that user cannot read site-packages.
+    import lmdb._envid  # noqa: F401
+except ImportError:  # older py-lmdb: nothing imported lazily
+    pass
+
 from ..errors import ReadOnlyStoreError, StoreCorruptError
 
 # The map grows on demand (doubling); the start is small so tiny stores stay tiny.
