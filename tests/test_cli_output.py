@@ -136,3 +136,30 @@ def test_progress_line_has_an_eta(monkeypatch, capsys):
     assert capsys.readouterr().err.rstrip().endswith("ETA 0:00")
     assert prompting.eta(0, 1000, 5.0) == "-"
     assert prompting.eta(1, 10_000, 1.0) == "2:46:39"
+
+
+# -- ppc as mlx-lm users expect it --------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version_is_printed(flag):
+    from persistent_prefix_cache import __version__
+
+    done = _ppc(flag)
+    assert done.returncode == 0 and done.stdout.strip().endswith(__version__), done
+
+
+def test_an_unknown_command_suggests_the_nearest():
+    done = _ppc("generat")
+    assert done.returncode == 2
+    assert "did you mean generate?" in done.stderr.splitlines()[0]
+
+
+def test_serve_names_a_misspelt_option_before_anything_else(tmp_path):
+    done = _ppc("serve", "--stor", tmp_path / "s")
+    assert done.returncode == 2
+    assert done.stderr.strip() == "error: unknown option --stor (did you mean --store?)", done.stderr
+    assert not (tmp_path / "s").exists()
+    # mlx_lm.server's own options (and their unambiguous prefixes) still pass through.
+    theirs = _ppc("serve", "--prompt-cache-siz", "3")
+    assert "unknown option" not in theirs.stderr and "no store given" in theirs.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import sys
 
@@ -25,7 +26,11 @@ COMMANDS = {
 
 def _usage() -> str:
     width = max(map(len, COMMANDS))
-    lines = ["usage: ppc <command> [options]   (ppc <command> --help for details)", "", "commands:"]
+    lines = [
+        "usage: ppc <command> [options]   (ppc <command> --help for details; ppc --version)",
+        "",
+        "commands:",
+    ]
     lines += [f"  {name.ljust(width)}  {text}" for name, (_, text) in COMMANDS.items()]
     return "\n".join(lines)
 
@@ -37,9 +42,16 @@ def main(argv: list[str] | None = None) -> int:
         if not argv or argv[0] in ("-h", "--help"):
             print(_usage(), flush=True)
             return 0 if argv else 2
+        if argv[0] in ("-V", "--version"):
+            from .. import __version__
+
+            print(f"ppc (persistent-prefix-cache) {__version__}", flush=True)
+            return 0
         name, rest = argv[0], argv[1:]
         if name not in COMMANDS:
-            print(f"ppc: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+            near = difflib.get_close_matches(name, COMMANDS, n=1)
+            hint = f" (did you mean {near[0]}?)" if near else ""
+            print(f"ppc: unknown command {name!r}{hint}\n\n{_usage()}", file=sys.stderr)
             return 2
         module = importlib.import_module(f"persistent_prefix_cache.cli.{COMMANDS[name][0]}")
         code = module.main(rest)

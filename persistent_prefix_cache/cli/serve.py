@@ -23,6 +23,7 @@ stops its generation thread on an empty rest.
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import signal
@@ -242,6 +243,55 @@ def _check_store(path: str, args: argparse.Namespace) -> None:
         )
 
 
+class _Captured(Exception):
+    """Raised out of mlx_lm.server's ``main`` once it has built its parser."""
+
+
+def _server_parser() -> argparse.ArgumentParser | None:
+    """mlx_lm.server's own option parser (it builds it inside ``main``), or None if the
+    installed version builds it some other way."""
+    from mlx_lm import server
+
+    built: list[argparse.ArgumentParser] = []
+
+    def capture(self, *args, **kwargs):
+        built.append(self)
+        raise _Captured
+
+    saved = argparse.ArgumentParser.parse_args
+    argparse.ArgumentParser.parse_args = capture  # type: ignore[method-assign]
+    try:
+        server.main()
+    except _Captured:
+        pass
+    except Exception:  # another structure: leave the options to the server itself
+        return None
+    finally:
+        argparse.ArgumentParser.parse_args = saved  # type: ignore[method-assign]
+    return built[0] if built else None
+
+
+def _check_passthrough(ours: argparse.ArgumentParser, rest: list[str]) -> None:
+    """Name an option that neither ``ppc serve`` nor mlx_lm.server knows, before anything
+    else is checked (``--stor x`` is a typo, not a missing ``--store``).
+
+    Raises:
+        UserError: For the first unknown option, with the nearest known one.
+    """
+    theirs = _server_parser()
+    if theirs is None:
+        return
+    known = set(ours._option_string_actions) | set(theirs._option_string_actions)
+    for word in rest:
+        if not word.startswith("--"):
+            continue
+        name = word.split("=", 1)[0]
+        if name in known or any(k.startswith(name) for k in theirs._option_string_actions):
+            continue  # mlx_lm.server accepts unambiguous prefixes of its options
+        near = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.7)
+        raise UserError(f"unknown option {name}" + (f" (did you mean {near[0]}?)" if near else ""))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``ppc serve``.
 
@@ -258,7 +308,12 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if args.help:
         return _print_help(parser)
-    return run(lambda: _serve(args, rest))
+
+    def work() -> int:
+        _check_passthrough(parser, rest)
+        return _serve(args, rest)
+
+    return run(work)
 
 
 if __name__ == "__main__":
