@@ -5,9 +5,11 @@ template, system prompt, ``--prompt -`` for stdin); the longest stored prefix of
 tokens is restored instead of computed, the rest is prefilled (and stored as it goes),
 and the text is printed as it is generated. Afterwards the prompt and the generated
 tokens that the cache covers are stored, so the next turn of a conversation starts
-warm too. How many prompt tokens came from the store and the time to first token go
-to stderr (or into ``--json``), with mlx-lm's own summary lines (prompt and generation
-tokens per second, peak memory).
+warm too. Standard output is mlx_lm.generate's: the text between two ``==========``
+lines, then its summary lines (prompt and generation tokens per second, peak memory);
+how many prompt tokens came from the store and the time to first token go to stderr
+(or into ``--json``). ``--seed`` seeds before the model is loaded, as mlx-lm does, so
+the same flags sample the same text.
 
 mlx_lm.generate's model options work as there: ``--adapter-path`` (the adapted weights
 are hashed for the store's fingerprint: an adapter changes the KV without changing the
@@ -182,10 +184,9 @@ def _even(cache: list) -> list:
 
 
 def _summary(result: dict) -> str:
-    """mlx_lm.generate's summary lines (its ``--verbose`` output)."""
+    """mlx_lm.generate's summary lines (its ``--verbose`` output, after the text's frame)."""
     return "\n".join(
         [
-            "=" * 10,
             f"Prompt: {result['prompt_tokens']} tokens, {result['prompt_tps']:.3f} tokens-per-sec",
             f"Generation: {result['generation_tokens']} tokens, "
             f"{result['generation_tps']:.3f} tokens-per-sec",
@@ -222,6 +223,12 @@ def _generate(args) -> int:
     _check_model_options(args)
     check_store_path(args)
     prompt = read_prompt(args.prompt)
+    if args.seed is not None:
+        # Before loading, as mlx_lm.generate does: building the model draws from the
+        # global PRNG, so the same seed then samples the same text as mlx-lm.
+        import mlx.core as mx
+
+        mx.random.seed(args.seed)
     model, tokenizer, local_path = load_model(
         args.model, adapter_path=args.adapter_path, trust_remote_code=args.trust_remote_code
     )
@@ -241,8 +248,6 @@ def _generate(args) -> int:
     for token in args.extra_eos_token:
         tokenizer.add_eos_token(token)
     ids = prompt_tokens(prompt, tokenizer, args)
-    if args.seed is not None:
-        mx.random.seed(args.seed)
     sampler = make_sampler(
         args.temp,
         args.top_p,
@@ -285,6 +290,9 @@ def _generate(args) -> int:
             else:
                 cache = store.make_cache()
             generated, logprobs, pieces, ttft, last = [], [], [], None, None
+            framed = not args.json and not args.quiet and args.verbose
+            if framed:  # mlx_lm.generate's frame: scripts cut the text out between the lines
+                print("=" * 10, flush=True)
             speculative = {}
             if draft is not None:
                 speculative = {"draft_model": draft, "num_draft_tokens": args.num_draft_tokens}
@@ -307,6 +315,8 @@ def _generate(args) -> int:
                 last = response
         if not args.json:
             print(flush=True)
+        if framed:
+            print("=" * 10, flush=True)
 
         # mlx-lm's generator feeds each token before handing it out, so the cache covers
         # the prompt and every generated token (an end-of-sequence token included).
@@ -340,9 +350,11 @@ def _generate(args) -> int:
     }
     if args.json:
         emit(result, True, str)
-    elif not args.quiet and args.verbose:
+    elif framed:
+        if not generated:
+            print("No text generated for this prompt")
+        print(_summary(result), flush=True)
         print(_render(result), file=sys.stderr)
-        print(_summary(result), file=sys.stderr)
     return 0
 
 
