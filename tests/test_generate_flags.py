@@ -193,3 +193,49 @@ def test_seed_samples_what_mlx_lm_samples(tmp_path, tiny_model_dir):
         assert _framed_text(run.stdout) == want
     other = ppc(*flags[:-4], "--seed", "8", "--temp", "0.9", "--store", tmp_path / "store")
     assert _framed_text(other.stdout) != want  # the seed is what makes them agree
+
+
+def test_every_mlx_lm_generate_flag_is_taken():
+    """Each option of the installed `mlx_lm generate` is one of ours (or refused by us
+    with a sentence: see the next test)."""
+    from mlx_lm.generate import setup_arg_parser
+
+    from persistent_prefix_cache.cli.generate import build_parser
+
+    ours = set(build_parser()._option_string_actions)
+    theirs = {o for a in setup_arg_parser()._actions for o in a.option_strings}
+    assert theirs - ours == set()
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        (["--quantized-kv-start", "5000"], "--quantized-kv-start: only 0 is supported"),
+        (["--prompt-cache-file", "x.safetensors"], "--prompt-cache-file is not supported"),
+        (["--image", "a.png"], "--image is not supported"),
+    ],
+)
+def test_flags_we_cannot_honour_are_refused_with_a_reason(tmp_path, tiny_model_dir, extra, says):
+    proc = ppc("--model", tiny_model_dir, "--store", tmp_path / "store", "--prompt", "x", *extra)
+    assert proc.returncode == 2 and says in proc.stderr
+    assert not (tmp_path / "store").exists()
+
+
+def test_xtc_and_activation_flags_sample_what_mlx_lm_samples(tmp_path, tiny_model_dir):
+    flags = ["--model", str(tiny_model_dir), "--prompt", PROMPT, "-m", "10", "--ignore-chat-template",
+             "--seed", "3", "--temp", "0.8", "--xtc-probability", "0.5", "--xtc-threshold", "0.05",
+             "--quantized-kv-start", "0", "--use-default-chat-template"]  # fmt: skip
+    from persistent_prefix_cache.cli.generate import _mlx_lm_has
+
+    if _mlx_lm_has("--quantize-activations"):
+        flags.append("-qa")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    theirs = subprocess.run(
+        [sys.executable, "-m", "mlx_lm", "generate", *flags],
+        capture_output=True, text=True, env=env, timeout=300, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert theirs.returncode == 0, theirs.stderr
+    for _ in range(2):  # cold, then warm
+        ours = ppc(*flags, "--store", tmp_path / "store", "--block-size", BLOCK)
+        assert ours.returncode == 0, ours.stderr
+        assert _framed_text(ours.stdout) == _framed_text(theirs.stdout)

@@ -154,6 +154,7 @@ def load_model(
     with_tokenizer: bool = True,
     adapter_path: str | None = None,
     trust_remote_code: bool = False,
+    model_config: dict | None = None,
     what: str = "--model",
 ):
     """Load a model (and tokenizer) with mlx-lm, as ``(model, tokenizer, local_path)``.
@@ -165,6 +166,7 @@ def load_model(
             `local_path` is then None, so the store hashes the adapted weights
             instead of remembering the fingerprint by the model folder.
         trust_remote_code: Let the tokenizer run code from the model folder.
+        model_config: Overrides of the model's config (``mlx_lm.load``'s).
         what: The option that named the model, for messages.
 
     Raises:
@@ -184,6 +186,7 @@ def load_model(
             model, tokenizer = load(
                 local if looks_local else spec,
                 adapter_path=adapter_path,
+                model_config=model_config or {},
                 tokenizer_config={"trust_remote_code": True} if trust_remote_code else None,
                 trust_remote_code=trust_remote_code,
             )

@@ -158,6 +158,22 @@ def _check_model_options(args) -> None:
             "--max-kv-size cannot be combined with --kv-bits: mlx-lm does not quantize "
             "its rotating cache"
         )
+    if args.quantized_kv_start is not None and args.quantized_kv_start != 0:
+        raise UserError(
+            "--quantized-kv-start: only 0 is supported: the store keeps one layout per "
+            "model, so with --kv-bits the KV is quantized from the first token "
+            "(mlx_lm generate --quantized-kv-start 0 does the same)"
+        )
+    if args.prompt_cache_file is not None:
+        raise UserError(
+            "--prompt-cache-file is not supported: ppc generate restores the prompt's "
+            "prefix from --store instead (one store serves every prompt and model)"
+        )
+    if args.image:
+        raise UserError(
+            "--image is not supported: the store holds text prompts' KV only; use "
+            "mlx_lm generate for prompts with images"
+        )
 
 
 def _max_kv_size_applies(model, max_kv_size: int) -> bool:
@@ -230,7 +246,10 @@ def _generate(args) -> int:
 
         mx.random.seed(args.seed)
     model, tokenizer, local_path = load_model(
-        args.model, adapter_path=args.adapter_path, trust_remote_code=args.trust_remote_code
+        args.model,
+        adapter_path=args.adapter_path,
+        trust_remote_code=args.trust_remote_code,
+        model_config={"quantize_activations": True} if args.quantize_activations else None,
     )
     draft = None
     if args.draft_model is not None:
@@ -254,6 +273,9 @@ def _generate(args) -> int:
         args.min_p,
         args.min_tokens_to_keep,
         top_k=args.top_k,
+        xtc_probability=args.xtc_probability,
+        xtc_threshold=args.xtc_threshold,
+        xtc_special_tokens=tokenizer.encode("\n") + list(tokenizer.eos_token_ids),
     )
 
     from ..fingerprint import fingerprint_model
@@ -268,11 +290,16 @@ def _generate(args) -> int:
         )
         max_kv_size = None
     stored_model, options = model, {}
+    if args.quantize_activations:
+        # Activation quantization changes the KV but neither the weights nor the
+        # model's config: keep its blocks apart from the plain model's.
+        options["fingerprint"] = f"quantize-activations:{fingerprint_model(model)}"
+        local_path = None
     if draft is not None or max_kv_size is not None:
         stored_model = StoreModel(model, draft, max_kv_size)
         # The same fingerprint `ppc serve` gives a model with a draft; with a rotating
         # cache only the layout differs, and the layout is part of the store's key.
-        options["fingerprint"] = fingerprint_model(model)
+        options.setdefault("fingerprint", fingerprint_model(model))
         if draft is not None:
             options["fingerprint"] = f"with-draft:{options['fingerprint']}:{fingerprint_model(draft)}"
         local_path = None
@@ -368,6 +395,13 @@ def _str2bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"not a boolean: {text!r} (use True or False)")
 
 
+def _mlx_lm_has(option: str) -> bool:
+    """Whether the installed ``mlx_lm generate`` takes `option` (versions differ)."""
+    from mlx_lm.generate import setup_arg_parser
+
+    return option in setup_arg_parser()._option_string_actions
+
+
 def build_parser():
     """The argument parser of ``ppc generate`` (mlx_lm.generate's options, plus the store's)."""
     parser = make_parser(
@@ -422,7 +456,31 @@ def build_parser():
         default=1,
         help="minimum tokens to keep for min-p sampling",
     )
+    parser.add_argument(
+        "--xtc-probability", type=float, default=0.0, help="probability of XTC sampling at each token"
+    )
+    parser.add_argument(
+        "--xtc-threshold", type=float, default=0.1, help="probability threshold of XTC sampling's candidates"
+    )
     parser.add_argument("--seed", type=int, default=None, help="PRNG seed")
+    parser.add_argument(
+        "--quantized-kv-start", type=int, default=None, metavar="0",
+        help="with --kv-bits the store quantizes from the first token: only 0 is accepted",
+    )  # fmt: skip
+    parser.add_argument(
+        "--use-default-chat-template", action="store_true",
+        help="accepted as by mlx_lm.generate, which ignores it too",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prompt-cache-file", default=None, help="refused: ppc generate restores from --store"
+    )
+    parser.add_argument("--image", nargs="+", default=(), help="refused: the store holds text prompts only")
+    if _mlx_lm_has("--quantize-activations"):
+        parser.add_argument(
+            "--quantize-activations", "-qa", action="store_true",
+            help="quantize activations with the layers' quantization config (as mlx_lm.generate)",
+        )  # fmt: skip
+    parser.set_defaults(quantize_activations=False)
     parser.add_argument(
         "--extra-eos-token",
         nargs="+",
