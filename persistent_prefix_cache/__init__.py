@@ -80,7 +80,8 @@ def __getattr__(name: str):
         # mlx without a backend (a plain `pip install` on Linux): say which to pick.
         raise ImportError(
             f"MLX is installed without a backend ({exc}); on Linux install one: "
-            "pip install 'persistent-prefix-cache[cpu]', or '[cuda]' for an NVIDIA GPU"
+            "pip install 'mlx[cpu]', or 'mlx[cuda13]' for an NVIDIA GPU (the package's [cpu] "
+            "and [cuda] extras install the same)"
         ) from exc
     globals()[name] = value
     return value

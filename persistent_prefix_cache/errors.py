@@ -71,4 +71,4 @@ class UnsupportedServerError(PrefixCacheError):
 class MissingDependencyError(PrefixCacheError, ImportError):
     """An optional feature needs a package that is not installed."""
 
-    hint = "pip install 'persistent-prefix-cache[remote]'"
+    hint = "pip install redis hiredis (the package's [remote] extra)"

@@ -89,7 +89,7 @@ except MissingDependencyError as e:
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert "MISSING" in out.stdout and "pip install 'persistent-prefix-cache[remote]'" in out.stdout
+    assert "MISSING" in out.stdout and "pip install redis hiredis" in out.stdout
 
 
 def test_host_b_restores_what_host_a_stored(tmp_path, model, redis_server):
