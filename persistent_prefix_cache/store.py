@@ -49,7 +49,7 @@ DEFAULT_BLOCK_SIZE = 64
 DEFAULT_MEMORY_BYTES = 512 * 1024 * 1024
 COUNTERS = (
     "queries", "hits", "misses", "not_longer", "tokens_saved", "skipped_slower", "tokens_skipped",
-    "corrupt", "evictions", "write_errors",
+    "corrupt", "evictions", "write_errors", "blocks_written", "bytes_written",
 )  # fmt: skip
 
 _OPEN_STORES: "weakref.WeakSet[PersistentPrefixCache]" = weakref.WeakSet()
@@ -440,8 +440,10 @@ class PersistentPrefixCache:
             queries, hits, misses (queries = hits + misses), not_longer (fetches
             stopped by ``longer_than``, loading nothing), tokens_saved,
             skipped_slower and tokens_skipped (fetches the cost model cut short, and
-            the tokens it left to compute), corrupt, evictions, write_errors (this
-            handle); prefill_tokens_per_s, restore_bytes_per_s_ram and
+            the tokens it left to compute), corrupt, evictions, write_errors,
+            blocks_written and bytes_written (blocks this handle committed and the
+            bytes of the segment files it wrote for them: another process's blocks
+            are not counted) (this handle); prefill_tokens_per_s, restore_bytes_per_s_ram and
             restore_bytes_per_s_disk (the rates the cost model learned, None until
             measured);
             blocks, block_bytes (their tensors' bytes: what ``disk_bytes`` bounds) and

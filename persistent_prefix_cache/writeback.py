@@ -283,9 +283,10 @@ class WriteBack:
             # stores nothing leaves no trace in the store.
             w.register_model(self.root, description)
             w.add_segment(segment, size, digest)
-            removed = []
+            removed, taken = [], 0
             for node in written:
                 if w.insert(node):  # else someone stored this block first: theirs stays
+                    taken += 1
                     removed.extend(_superseded(w, node))
             book.apply(w)
             if self.disk_bytes is not None:
@@ -293,11 +294,11 @@ class WriteBack:
             held = w.segment(segment)
             if held is not None and held[0] == 0:
                 w.free_segment(segment)  # none of its blocks was taken
-            return removed, w.freed
+            return removed, w.freed, taken
 
         pause_point("before_commit")
         try:
-            removed, freed = self.index.write(commit)
+            removed, freed, taken = self.index.write(commit)
         except WRITE_ERRORS as exc:
             # The index could not take the records (disk full, say) and is as it was.
             # The segment's id is this writer's alone: nobody else can reference it.
@@ -305,6 +306,8 @@ class WriteBack:
             self.files.unlink([segment])
             return
         pause_point("after_commit")
+        # What this handle added to the store (another writer's blocks are theirs).
+        self.counters.add(blocks_written=taken, bytes_written=size if taken else 0)
         self.files.unlink(freed)
         self._forget(removed)
         compact_sparse(self.index, self.files, (n.segment for n in removed))

@@ -122,7 +122,45 @@ def test_precompute_explains_blocks_written_and_in_store(tmp_path, tiny_model_di
     assert ppc_main(argv) == 0
     text = capsys.readouterr().out
     now = summary["blocks_in_store"]
-    assert "blocks written (this run)" in text and f"blocks in store (before -> now)  {now} -> {now}" in text
+    assert "blocks written (this run)" in text and f"blocks in store (all writers)  {now} -> {now}" in text
+
+
+def test_two_precompute_runs_at_once_count_only_their_own_writes(tmp_path, tiny_model_dir):
+    """Two runs on one store at the same time (disjoint prompts): each reports what it
+    wrote itself, the same as it writes alone into an empty store."""
+    words = DEMO_TEXT.split()
+    prompts = []
+    for i, chunk in enumerate((words[:60], words[60:130])):
+        path = tmp_path / f"p{i}.txt"
+        path.write_text(("alpha " if i == 0 else "omega ") + " ".join(chunk))
+        prompts.append(path)
+
+    def start(store, prompt):
+        return subprocess.Popen(
+            [sys.executable, "-m", "persistent_prefix_cache", "precompute", "--model", str(tiny_model_dir),
+             "--store", str(store), "--block-size", str(BLOCK), "--ignore-chat-template", "--no-progress",
+             "--json", str(prompt)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+    def finish(proc) -> dict:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+        return json.loads(out)
+
+    alone = [finish(start(tmp_path / f"alone{i}", p)) for i, p in enumerate(prompts)]
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o700)
+    runs = [start(shared, p) for p in prompts]
+    together = [finish(proc) for proc in runs]
+    for solo, run in zip(alone, together):
+        assert run["blocks_written"] == solo["blocks_written"] > 0
+        assert run["bytes_written"] == solo["bytes_written"] > 0
+    final = StoreAdmin(str(shared), readonly=True)
+    try:
+        assert final.summary()["blocks"] == sum(r["blocks_in_store"] for r in alone)
+    finally:
+        final.close()
 
 
 def test_progress_line_has_an_eta(monkeypatch, capsys):

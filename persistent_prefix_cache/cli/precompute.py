@@ -250,12 +250,14 @@ def _render(summary: dict) -> str:
         # Written counts every block record this run committed, a prompt's partial last
         # block included, which the store replaces once the prompt's full last block is
         # stored (prefill stores up to the last token, then the whole prompt): so the
-        # store can grow by fewer blocks than were written (eviction, too).
+        # store can grow by fewer blocks than were written (eviction, too). Blocks
+        # another process committed first are not this run's.
         ("blocks written (this run)", summary["blocks_written"]),
+        ("bytes written (this run)", summary["bytes_written"]),
         ("blocks reused", summary["blocks_reused"]),
-        ("blocks in store (before -> now)", f"{summary['blocks_in_store_before']:,} -> {summary['blocks_in_store']:,}"),
-        ("bytes on disk", summary["bytes_on_disk"]),
-        ("bytes added", summary["bytes_added"]),
+        # The store's totals count every writer's blocks, other processes' too.
+        ("blocks in store (all writers)", f"{summary['blocks_in_store_before']:,} -> {summary['blocks_in_store']:,}"),
+        ("bytes on disk (all writers)", summary["bytes_on_disk"]),
         ("seconds", f"{summary['seconds']:.2f}"),
         ("tokens/s computed", round(summary["tokens_per_second"])),
     ]
@@ -286,12 +288,11 @@ def _precompute(args) -> int:
     store = open_checked_store(args, model, local_path, need_write=True)
     with store:
         at_start = store.stats()
-        before = at_start["bytes_on_disk"]
         bs = store.block_size
         blocks_per_chunk = prefill_step_blocks(store, args.prefill_step_size)
         total = sum(map(len, order))
         progress = Progress(len(order), total, enabled=not args.no_progress)
-        restored = computed = reused = written = 0
+        restored = computed = reused = 0
         details = []
         counting = CountingStore(store)
 
@@ -325,7 +326,6 @@ def _precompute(args) -> int:
                 restored += counting.restored
                 computed += len(ids) - counting.restored
                 reused += blocks_of(counting.restored, bs)
-                written += counting.new_blocks
                 progress.prompt_done(len(ids))
             store.flush()
         finally:
@@ -340,12 +340,12 @@ def _precompute(args) -> int:
         "tokens": total,
         "tokens_restored": restored,
         "tokens_computed": computed,
-        "blocks_written": written,
+        "blocks_written": stats["blocks_written"],
+        "bytes_written": stats["bytes_written"],
         "blocks_reused": reused,
         "blocks_in_store_before": at_start["blocks"],
         "blocks_in_store": stats["blocks"],
         "bytes_on_disk": stats["bytes_on_disk"],
-        "bytes_added": stats["bytes_on_disk"] - before,
         "write_errors": stats["write_errors"],
         "seconds": round(seconds, 3),
         "tokens_per_second": round(computed / seconds, 1) if seconds > 0 else 0.0,

@@ -147,6 +147,9 @@ def encode_raw(tokenizer: Any, text: str) -> list[int]:
 # -- the store ----------------------------------------------------------------------------
 
 
+_STORE_ENTRIES = frozenset({"index", "segments", "tmp", "blocks"})
+
+
 def check_store_path(args: argparse.Namespace) -> str:
     """The ``--store`` path, if it is a store or a place where one can be made.
 
@@ -159,7 +162,9 @@ def check_store_path(args: argparse.Namespace) -> str:
     path = store_path(args)
     if os.path.exists(path) and not os.path.isdir(path):
         raise UserError(f"--store {path}: not a directory")
-    if os.path.isdir(path) and not os.path.isdir(os.path.join(path, "index")) and os.listdir(path):
+    # A store's own folders without an index are a store another process is creating
+    # right now (they are made before the index), not somebody's files.
+    if os.path.isdir(path) and not os.path.isdir(os.path.join(path, "index")) and set(os.listdir(path)) - _STORE_ENTRIES:
         raise UserError(
             f"--store {path}: folder has files but no store in it (no index/); "
             "give a new or empty folder"
