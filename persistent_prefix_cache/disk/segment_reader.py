@@ -120,7 +120,7 @@ def parse_header(head: bytes, size: int, segment: bytes | None = None) -> Header
             raise ValueError("metadata keys")
         if meta["format"] != SEGMENT_FORMAT:
             raise ValueError("another format")
-        if int(meta["header_digest"], 16) != header_digest(head) or len(meta["header_digest"]) != 16:
+        if meta["header_digest"] != f"{header_digest(head):016x}":
             raise ValueError("header digest mismatch")
         if segment is not None and meta["segment"] != segment.hex():
             raise ValueError("another segment")
