@@ -19,6 +19,7 @@ from test_reliability import _snapshot
 
 from persistent_prefix_cache import PersistentPrefixCache, StoreVersionError
 from persistent_prefix_cache.disk.index import SCHEMA_VERSION, Index
+from persistent_prefix_cache.disk.node import Node
 
 
 def _version(store_dir) -> int:
@@ -253,3 +254,72 @@ def test_a_v3_export_imports_into_a_v4_store(tmp_path, legacy_v3):
     assert out["added"] == 13 and ppc_check(target)[1]["clean"]
     assert all(read_manifest(str(p)).nodes for p in target.glob("segments/*/*.seg"))
     _assert_restores_exactly(target, legacy_v3)
+
+
+def _downgrade_to_v3(path) -> None:
+    """Turn a v4 store into the v3 store the v3 code wrote: every segment rewritten by
+    the frozen v3 writer (`disk.segment_v3`, the v3 code as it was), records moved,
+    schema stamped 3 (the v3 test data holds no snapshots: this one does)."""
+    from persistent_prefix_cache.disk import segment_v3
+    from persistent_prefix_cache.disk.segment import SegmentFiles
+
+    files = SegmentFiles(str(path))
+    index = Index(os.path.join(path, "index"))
+    try:
+        with index.reader() as r:
+            nodes = sorted(r.iter_nodes(), key=lambda n: n.position)
+        moves, old = [], set()
+        for segment in dict.fromkeys(n.segment for n in nodes):
+            seg = files.open(segment)
+            run = [(n, seg.block_tensors(n)) for n in nodes if n.segment == segment]
+            seg.close()
+            copies = [(Node(**{k: getattr(n, k) for k in Node.__slots__}), t) for n, t in run]
+            new, size, digest = segment_v3.write(str(path), copies)
+            moves.append((new, size, digest, [n for n, _ in run]))
+            old.add(segment)
+
+        def commit(w):
+            for new, size, digest, moved in moves:
+                w.add_segment(new, size, digest)
+                assert all(w.move(n, new) for n in moved)
+            w.put_meta(b"version", b"3")
+            return w.freed
+
+        files.unlink(index.write(commit))
+    finally:
+        index.close()
+    assert _version(path) == 3
+
+
+def test_a_v3_store_with_snapshots_migrates_exactly(tmp_path):
+    from families import build
+    from helpers import prefill, random_tokens
+    from safetensors import safe_open
+
+    from persistent_prefix_cache.disk.manifest import read_manifest
+
+    model = build("mamba2")
+    tokens = [t % 256 for t in random_tokens(3 * 16 + 5, seed=77, first=1)]
+    path = tmp_path / "s"
+    with PersistentPrefixCache(path, model, block_size=16) as store:
+        store.store(tokens, prefill(model, tokens)[1])
+        store.flush()
+    query = tokens + [9, 8, 7]
+
+    def restored():
+        with PersistentPrefixCache(path, model, block_size=16, memory_bytes=0) as store:
+            cache, remaining = store.fetch(query)
+            assert cache is not None and store.stats()["corrupt"] == 0
+            return len(query) - len(remaining), warm_logits(model, cache, remaining)
+
+    matched, before = restored()
+    _downgrade_to_v3(path)
+    got_matched, got = restored()  # a writable open migrates
+    assert got_matched == matched > 0
+    assert_same_logits(got, before)
+    assert _version(path) == SCHEMA_VERSION and ppc_check(path)[1]["clean"]
+    manifests = [read_manifest(str(p)) for p in path.glob("segments/*/*.seg")]
+    with safe_open(str(next(path.glob("segments/*/*.seg"))), "numpy") as f:
+        assert f.metadata()["format"] == "ppc-segment/4"
+    assert any(json.loads(safe_open(str(p), "numpy").metadata()["snaps"]) for p in path.glob("segments/*/*.seg"))
+    assert sum(len(m.nodes) for m in manifests) == 4

@@ -242,7 +242,8 @@ class SegmentFiles:
 
     def digest_of(self, segment: bytes) -> int | None:
         """The whole-segment digest of a segment file as it is (None if it does not
-        open); every field is read."""
+        open, or its data does not match the digest its header records); every field
+        is read."""
         seg = self.open(segment)
         if seg is None:
             return None
@@ -254,12 +255,13 @@ class SegmentFiles:
                 if not seg.read_rows(f, f.first, len(seg.blocks), [buf], [0], step):
                     return None
                 rows[f.name] = (buf, step)
-            return seg.whole_digest(
+            digest = seg.whole_digest(
                 {
                     f.name: seg.field_digest(f, lambda f, r: rows[f.name][0][r * rows[f.name][1] : (r + 1) * rows[f.name][1]])
                     for f in seg.fields.values()
                 }
             )
+            return digest if digest == seg.header.digest else None
         finally:
             seg.close()
 
