@@ -50,7 +50,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import xxhash
 
-from .codec import dtype_info
+from .codec import MAX_HEADER, dtype_info
 from .faults import pause_point
 from .node import Node
 from .portable import IOV_MAX, durable_fsync, start_writeback, writev
@@ -466,6 +466,8 @@ def _layout(
     }
     text = json.dumps({"__metadata__": metadata, **tensors_of}, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # safetensors allows space padding; aligns the data
+    if len(text) > MAX_HEADER:  # ~1M tokens in one segment: a file no reader would open
+        raise ValueError(f"a segment header of {len(text):,} bytes is over the limit of {MAX_HEADER:,}")
     head = len(text).to_bytes(8, "little") + text
     at = head.index(DIGEST_MARK) + len(DIGEST_MARK)
     head = head[:at] + f"{header_digest(head):016x}".encode() + head[at + 16 :]
