@@ -53,6 +53,17 @@ def add_store_option(parser: argparse.ArgumentParser, *, required: bool = True) 
     parser.set_defaults(_store_required=required)
 
 
+def add_store_shared_option(parser: argparse.ArgumentParser) -> None:
+    """``--store-shared``: make a new store for a group (folders 2770, files 0660)."""
+    parser.add_argument(
+        "--store-shared",
+        action="store_true",
+        help="make a new store for a group: folders 2770 (setgid), files 0660, instead of "
+        "private to you (0700/0600); an existing store keeps its mode (ppc check --fix "
+        "--store-shared turns one into a group store)",
+    )
+
+
 def add_model_option(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
     """``--model PATH_OR_ID`` and the options that shape the store's layout."""
     parser.add_argument("--model", type=path_arg, required=required, help="local model folder or hub id")
@@ -207,6 +218,7 @@ def open_store(args: argparse.Namespace, model: Any, local_path: str | None, **k
         namespace=getattr(args, "namespace", ""),
         kv_bits=getattr(args, "kv_bits", None),
         kv_group_size=getattr(args, "kv_group_size", 64),
+        shared=getattr(args, "store_shared", False),
         **{**remote_options(args), **kwargs},
     )
 

@@ -7,6 +7,8 @@ import os
 from .common import add_json_option, add_store_option, emit, make_parser, run, store_path
 from ..errors import StoreVersionError
 from ..disk.index import SCHEMA_VERSION, Index
+from ..disk.maintenance import WRITE_HINT
+from ..disk.store_dir import require_writable
 
 
 def main(argv: list[str]) -> int:
@@ -19,6 +21,9 @@ def main(argv: list[str]) -> int:
 
     def work() -> int:
         path = store_path(args, must_exist=True)
+        if not args.dry_run:
+            # One line naming the remedy, not LMDB's "Read-only file system" traceback.
+            require_writable(path, hint=f"{WRITE_HINT}; `ppc migrate --dry-run` only reads it")
         index = Index(os.path.join(path, "index"), readonly=args.dry_run, migrate=False)
         try:
             version = index.version()

@@ -18,7 +18,8 @@ import time
 import warnings
 from typing import Any, Iterator, Sequence
 
-from .common import UserError, open_store, store_path
+from ..disk.store_dir import check_location
+from .common import UserError, add_store_shared_option, open_store, store_path
 
 # Tokens per forward pass for models whose every layer is sliceable (mlx-lm's default).
 DEFAULT_PREFILL_STEP_SIZE = 2048
@@ -28,7 +29,8 @@ DEFAULT_PREFILL_STEP_SIZE = 2048
 
 
 def add_block_size_option(parser: argparse.ArgumentParser) -> None:
-    """``--block-size N``: tokens per block of a new store (an existing store keeps its own)."""
+    """``--block-size N``: tokens per block of a new store (an existing store keeps its own);
+    with ``--store-shared``, the other option of a new store."""
     parser.add_argument(
         "--block-size",
         type=int,
@@ -36,6 +38,7 @@ def add_block_size_option(parser: argparse.ArgumentParser) -> None:
         help="tokens per block when the store is created (default: 64); "
         "an existing store must be given its own value or none",
     )
+    add_store_shared_option(parser)
 
 
 def add_template_options(parser: argparse.ArgumentParser) -> None:
@@ -153,17 +156,13 @@ def check_store_path(args: argparse.Namespace) -> str:
     Called before the model loads, so a wrong path fails at once.
 
     Raises:
-        UserError: If no store was given, the path is a file, or it is a folder with
-            other files in it (a store is never created among unrelated files).
+        UserError: If no store was given.
+        StorePathError: If the path is a file, or a folder with other files in it (a
+            store is never created among unrelated files).
+        StoreNotWritableError: If there is no store and none can be created there.
     """
     path = store_path(args)
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise UserError(f"--store {path}: not a directory")
-    if os.path.isdir(path) and not os.path.isdir(os.path.join(path, "index")) and os.listdir(path):
-        raise UserError(
-            f"--store {path}: folder has files but no store in it (no index/); "
-            "give a new or empty folder"
-        )
+    check_location(path, what="--store")  # the library's rule: one line, exit 2
     return path
 
 

@@ -30,7 +30,10 @@ import sys
 from typing import Any
 
 from ..errors import PrefixCacheError
-from .common import UserError, add_remote_option, add_store_option, parse_size, path_arg, remote_options, run, store_path
+from .common import (
+    UserError, add_remote_option, add_store_option, add_store_shared_option, parse_size, path_arg, remote_options, run,
+    store_path,
+)  # fmt: skip
 
 log = logging.getLogger("persistent_prefix_cache.serve")
 
@@ -82,6 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--store-readonly", action="store_true", help="restore from the store, never write it"
     )
+    add_store_shared_option(parser)
     parser.add_argument(
         "--store-optional",
         action="store_true",
@@ -95,6 +99,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _store_options(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = {"namespace": args.namespace, "readonly": args.store_readonly, **remote_options(args)}
+    options["shared"] = args.store_shared
     if args.store_memory_bytes is not None:
         options["memory_bytes"] = args.store_memory_bytes
     if args.store_disk_bytes is not None:
