@@ -14,6 +14,7 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
+from ..disk.store_dir import check_readable
 from ..errors import InvalidArgumentError, PrefixCacheError
 from ..paths import expand_path
 
@@ -149,11 +150,14 @@ def store_path(args: argparse.Namespace, *, must_exist: bool = False) -> str:
 
     Raises:
         UserError: If none was given, or (with `must_exist`) there is no store there.
+        StoreNotWritableError: If (with `must_exist`) the folder is one this user cannot open.
     """
     path = getattr(args, "store", None)
     if not path:
         raise UserError("no store given: pass --store DIR or set PPC_STORE")
     path = expand_path(path, what="--store")
+    if must_exist:
+        check_readable(path, what="--store")  # another user's private store: say so
     if must_exist and not os.path.isdir(os.path.join(path, "index")):
         raise UserError(f"no store at {path} (expected {os.path.join(path, 'index')})")
     return path

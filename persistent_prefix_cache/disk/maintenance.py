@@ -26,7 +26,7 @@ from .segment import SegmentFiles
 from .index import SCHEMA_VERSION, Index, Reader, Writer
 from .node import Node
 from .portable import durable_fsync
-from .store_dir import check_location, create_file, create_root, make_dirs, require_writable
+from .store_dir import check_location, check_readable, create_file, create_root, make_dirs, require_writable
 
 EXPORT_FORMAT = "ppc-export/2"
 LEGACY_EXPORT_FORMAT = "ppc-export/1"  # schema v1-v2: one file per block
@@ -88,6 +88,7 @@ class StoreAdmin:
         self, path: str, *, readonly: bool = False, create: bool = False, block_size: int = 64, shared: bool = False
     ):
         self.path = os.path.abspath(expand_path(path, what="path"))
+        check_readable(self.path)
         if not create and not os.path.isdir(os.path.join(self.path, "index")):
             raise InvalidArgumentError(f"no store at {self.path}")
         if create and not check_location(self.path):  # a file, other files, unwritable: refused

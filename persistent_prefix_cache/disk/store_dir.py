@@ -151,7 +151,20 @@ def require_writable(path: str, *, hint: str | None = None) -> None:
     """
     part = unwritable_part(path)
     if part is not None:
-        raise StoreNotWritableError(f"store {path}: {part} {_why_not_writable(part)}", hint=hint)
+        where = f"store {path}" if part == path else f"store {path}: {part}"
+        raise StoreNotWritableError(f"{where} {_why_not_writable(part)}", hint=hint)
+
+
+def check_readable(path: str, *, what: str = "store") -> None:
+    """Raise `StoreNotWritableError` if `path` is a folder this process cannot open
+    (another user's private store): "no store here" would be a wrong answer."""
+    if os.path.isdir(path) and not os.access(path, os.R_OK | os.X_OK):
+        st = os.stat(path)
+        raise StoreNotWritableError(
+            f"{what} {path}: this user cannot open it (mode {stat.S_IMODE(st.st_mode):04o}, owner uid {st.st_uid})",
+            hint="run as the store's owner, or have its owner share it with your group "
+            "(`ppc check --fix --store-shared`, then chgrp -R GROUP STORE)",
+        )
 
 
 def check_location(path: str, *, readonly: bool = False, what: str = "store") -> bool:
@@ -172,10 +185,11 @@ def check_location(path: str, *, readonly: bool = False, what: str = "store") ->
         StorePathError: If `path` is a file, a folder of other files, under a file,
             or (with `readonly`) holds no store.
         StoreNotWritableError: If a store would have to be created where this process
-            cannot write.
+            cannot write, or `path` is a folder it cannot open.
     """
     if os.path.lexists(path) and not os.path.isdir(path):
-        raise StorePathError(f"{what} {path} is a file, not a folder")
+        raise StorePathError(f"{what} {path}: is a file, not a directory")
+    check_readable(path, what=what)
     if store_exists(path):
         return True
     if readonly:
@@ -196,7 +210,7 @@ def check_location(path: str, *, readonly: bool = False, what: str = "store") ->
         while not os.path.lexists(place) and place != os.path.dirname(place):
             place = os.path.dirname(place)
         if not os.path.isdir(place):
-            raise StorePathError(f"{what} {path}: {place} is a file, not a folder")
+            raise StorePathError(f"{what} {path}: {place} is a file, not a directory")
     if not os.access(place, os.W_OK | os.X_OK):
         raise StoreNotWritableError(
             f"cannot create {what} {path}: {place} {_why_not_writable(place)}",
@@ -270,7 +284,8 @@ def permissions_finding(root: str, *, fix: bool = False, shared: bool = False) -
         (up to 3 ``"path 0644"``), ``made_private`` (entries changed) and ``refused``
         (entries this user could not change).
     """
-    found = exposed(root)
+    # Files first: they hold the prompts.
+    found = sorted(exposed(root), key=lambda e: (os.path.isdir(os.path.join(root, e[0])), e[0]))
     out = {"exposed": len(found), "examples": [f"{p} {m:04o}" for p, m in found[:3]], "made_private": 0, "refused": []}
     if fix and (found or shared):
         out["made_private"], out["refused"] = make_private(root, shared=shared)
