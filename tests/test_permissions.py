@@ -338,9 +338,11 @@ def test_library_entry_points_refuse_an_unwritable_place_and_create_nothing(runn
 # -- 2. commands on a store this user cannot write ------------------------------------------------------
 
 
-def test_commands_on_an_unwritable_store_end_in_one_error_line(runner, open_root, model, legacy):
+def test_commands_on_an_unwritable_store_end_in_one_error_line(runner, open_root, model, legacy, tiny_model_dir):
     store = open_root / "target" / "store"
     fill(store, model)
+    shutil.copytree(tiny_model_dir, open_root / "model")
+    (open_root / "prompt.txt").write_text("a prompt for a store that cannot take it")
     old = open_root / "target" / "old"  # schema v1: ppc migrate has work to do
     shutil.copytree(legacy["v1"], old)
     with StoreAdmin(store, readonly=True) as admin:
@@ -356,12 +358,16 @@ def test_commands_on_an_unwritable_store_end_in_one_error_line(runner, open_root
         "migrate": ["migrate", "--store", old],
         "import": ["import", open_root / "pack.tar", "--store", store],
         "import (new store)": ["import", open_root / "pack.tar", "--store", open_root / "target" / "new"],
+        "precompute": ["precompute", "--model", open_root / "model", "--store", store, open_root / "prompt.txt"],
     }
     why = "read-only file system" if runner.how == "read-only mount" else "not writable by this user"
     for name, args in writes.items():
         proc = runner.run(ppc_argv(*args), open_root / "target")
         assert_one_error_line(proc, why)
-        remedy = "give a directory you can write" if "new" in name else "copy it to a directory you can write"
+        remedy = {
+            "import (new store)": "give a directory you can write",
+            "precompute": "give a store directory you can write to",
+        }.get(name, "copy it to a directory you can write")
         assert remedy in proc.stderr, (name, proc.stderr)
     # What only reads works as it is.
     reads = {

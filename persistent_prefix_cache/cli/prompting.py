@@ -18,7 +18,7 @@ import time
 import warnings
 from typing import Any, Iterator, Sequence
 
-from ..disk.store_dir import check_location
+from ..disk.store_dir import check_location, require_writable
 from .common import UserError, add_store_shared_option, open_store, store_path
 
 # Tokens per forward pass for models whose every layer is sliceable (mlx-lm's default).
@@ -203,6 +203,8 @@ def open_checked_store(
     notes = [str(w.message) for w in caught]
     try:
         if need_write and store.readonly:
+            # Say why (a read-only file system, another user's files), in one line.
+            require_writable(store.path, hint="give a store directory you can write to, or fix its permissions")
             raise UserError(
                 f"store {store.path} is not writable; give a store directory you can write to"
             )

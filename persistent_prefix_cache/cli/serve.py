@@ -216,6 +216,7 @@ def _check_store(path: str, args: argparse.Namespace) -> None:
         UserError, PrefixCacheError: Saying what is wrong and what to do.
     """
     from ..disk.maintenance import StoreAdmin
+    from ..disk.store_dir import check_location, create_root
     from ..options import existing_but_not_writable
 
     if os.path.exists(path) and not os.path.isdir(path):
@@ -223,13 +224,9 @@ def _check_store(path: str, args: argparse.Namespace) -> None:
     if not os.path.isdir(os.path.join(path, "index")):
         if args.store_readonly:
             raise UserError(f"--store-readonly: no store at {path}")
-        if os.path.isdir(path) and os.listdir(path):
-            raise UserError(
-                f"--store {path}: folder has files but no store in it (no index/); "
-                "give a new or empty folder"
-            )
+        check_location(path, what="--store")  # other files, an unwritable place: the library's rule
         try:
-            os.makedirs(path, exist_ok=True)
+            create_root(path, shared=args.store_shared)  # private (or the group's), whatever the umask
         except OSError as exc:
             raise UserError(f"--store {path}: {exc.strerror or exc}") from None
         return
