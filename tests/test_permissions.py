@@ -259,7 +259,7 @@ def _entry_points(model):
     }
 
 
-@pytest.mark.parametrize("case", ["a file", "under a file", "a folder of other files"])
+@pytest.mark.parametrize("case", ["a file", "under a file", "a folder of other files", "a tmp/ of other files"])
 def test_no_library_entry_point_makes_a_store_among_other_files(tmp_path, model, case):
     target = tmp_path / "target"
     if case == "a file":
@@ -267,10 +267,13 @@ def test_no_library_entry_point_makes_a_store_among_other_files(tmp_path, model,
     elif case == "under a file":
         (tmp_path / "file").write_text("my notes")
         target = tmp_path / "file" / "store"
-    else:
+    elif case == "a folder of other files":
         target.mkdir()
         (target / "notes.txt").write_text("mine")
         (target / "segments").mkdir()  # a store's name among them does not make it one
+    else:
+        (target / "tmp").mkdir(parents=True)
+        (target / "tmp" / "draft.txt").write_text("mine")
     before = tree(tmp_path)
     for name, open_at in _entry_points(model).items():
         with pytest.raises(StorePathError) as caught:
@@ -278,6 +281,16 @@ def test_no_library_entry_point_makes_a_store_among_other_files(tmp_path, model,
         assert isinstance(caught.value, PrefixCacheError) and caught.value.hint, name
         assert "nothing was created" in str(caught.value) or "no store" in str(caught.value), (name, caught.value)
         assert tree(tmp_path) == before, name
+
+
+def test_a_creation_killed_midway_is_finished_by_the_next_open(tmp_path, model):
+    store = tmp_path / "store"
+    (store / "segments" / "ab").mkdir(parents=True)
+    (store / "tmp").mkdir()
+    (store / "tmp" / "0123.77.1.tmp").write_bytes(b"half a segment")
+    tokens = fill(store, model)
+    with PersistentPrefixCache(store, model) as handle:
+        assert handle.fetch(tokens)[0] is not None
 
 
 def test_lru_prompt_cache_reports_a_store_that_cannot_open_once(tmp_path, model, caplog):

@@ -16,7 +16,7 @@ writers can disagree.
 
 Where a store may be made (`check_location`, the one rule the library and ``ppc``
 share): a new path whose nearest existing folder this process can write, an empty
-folder, a folder holding only a store's own entries, or a store. Never a file, a
+folder (or one a creation killed midway left: ``segments/``, ``tmp/``), or a store. Never a file, a
 folder of other files, or a place this process cannot write.
 """
 
@@ -28,9 +28,6 @@ from dataclasses import dataclass
 
 from ..errors import StoreNotWritableError, StorePathError
 
-# What a store folder holds (``blocks/``: schema v1-v2); a folder holding only these
-# is a store in the making (a process killed while creating it), never the user's files.
-STORE_ENTRIES = frozenset({"index", "segments", "tmp", "blocks"})
 PRIVATE_FOLDER, PRIVATE_FILE = 0o700, 0o600
 SHARED_FOLDER, SHARED_FILE = 0o2770, 0o660
 # The modes of a store made before stores were private: the umask decides, as then.
@@ -167,6 +164,18 @@ def check_readable(path: str, *, what: str = "store") -> None:
         )
 
 
+def _left_by_a_creation(path: str, name: str) -> bool:
+    # A process killed while creating a store leaves ``segments/`` (two-hex-digit
+    # folders) and ``tmp/`` (``*.tmp`` files) before ``index/``: that folder is still
+    # ours to finish; anything else is the user's.
+    p = os.path.join(path, name)
+    if name not in ("segments", "tmp") or os.path.islink(p) or not os.path.isdir(p):
+        return False
+    if name == "tmp":
+        return all(f.endswith(".tmp") for f in os.listdir(p))
+    return all(len(f) == 2 and all(c in "0123456789abcdef" for c in f) for f in os.listdir(p))
+
+
 def check_location(path: str, *, readonly: bool = False, what: str = "store") -> bool:
     """Whether a store is at `path`; raise if none is and none may be made there.
 
@@ -196,7 +205,7 @@ def check_location(path: str, *, readonly: bool = False, what: str = "store") ->
         raise StorePathError(f"no store at {path} to open read-only", hint="give the folder of an existing store")
     if os.path.isdir(path):
         try:
-            foreign = sorted(set(os.listdir(path)) - STORE_ENTRIES)
+            foreign = [name for name in sorted(os.listdir(path)) if not _left_by_a_creation(path, name)]
         except OSError as exc:
             raise StoreNotWritableError(f"{what} {path}: cannot list it: {exc.strerror}") from None
         if foreign:
