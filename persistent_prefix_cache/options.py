@@ -15,9 +15,11 @@ def existing_but_not_writable(path: str) -> bool:
 
 
 def check_options(
-    *, fingerprint, model_path, namespace, block_size, memory_bytes, disk_bytes, kv_bits, kv_group_size
+    *, fingerprint, model_path, namespace, block_size, memory_bytes, disk_bytes, kv_bits, kv_group_size, shared=False
 ) -> None:
     """Raise `InvalidArgumentError` for a malformed option of `PersistentPrefixCache`."""
+    if not isinstance(shared, bool):
+        raise InvalidArgumentError(f"shared must be True or False, got {shared!r}")
     for name, value, minimum, optional in (
         ("block_size", block_size, 1, True),
         ("memory_bytes", memory_bytes, 0, False),

@@ -143,6 +143,7 @@ class PersistentPrefixCache:
         check_options(
             fingerprint=fingerprint, model_path=model_path, namespace=namespace, block_size=block_size,
             memory_bytes=memory_bytes, disk_bytes=disk_bytes, kv_bits=kv_bits, kv_group_size=kv_group_size,
+            shared=shared,
         )  # fmt: skip
         self.path = os.path.abspath(path)
         self.sync_writes = sync_writes

@@ -27,6 +27,7 @@ import pytest
 
 from helpers import prefill, random_tokens
 from persistent_prefix_cache import (
+    InvalidArgumentError,
     PersistentLRUPromptCache,
     PersistentPrefixCache,
     PrefixCacheError,
@@ -147,7 +148,8 @@ def runner(request, open_root) -> Runner:
     probe_dir = open_root / "probe"
     probe_dir.mkdir()
     r = Runner(how, open_root)
-    why = _probe(r.argv([sys.executable, "-c", "import persistent_prefix_cache.disk.maintenance"], probe_dir), open_root)
+    probe = [sys.executable, "-c", "import persistent_prefix_cache.disk.maintenance"]
+    why = _probe(r.argv(probe, probe_dir), open_root)
     if why is not None and how == "nobody":
         pytest.skip(f"user nobody cannot run this checkout's venv ({why}): the no-capabilities run covers it")
     if why is not None:
@@ -201,6 +203,18 @@ def test_a_shared_store_gives_its_group_read_write_never_others(tmp_path, model,
     assert modes(private) == {("dir", "0700"), ("file", "0600")}
     fill(store, model, seed=903)
     assert modes(store) == {("dir", "2770"), ("file", "0660")}
+    # ppc's --store-shared does the same for a store it creates.
+    with StoreAdmin(store, readonly=True) as admin:
+        admin.export_pack(str(tmp_path / "pack.tar"))
+    proc = subprocess.run(
+        ppc_argv("import", tmp_path / "pack.tar", "--store-shared", "--store", tmp_path / "imported"),
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert modes(tmp_path / "imported") == {("dir", "2770"), ("file", "0660")}
+    with pytest.raises(InvalidArgumentError):
+        PersistentPrefixCache(tmp_path / "never", model, shared="yes")
+    assert not (tmp_path / "never").exists()
 
 
 def test_ppc_check_warns_about_a_store_others_can_read_and_fix_makes_it_private(tmp_path, model, umask):
@@ -227,7 +241,9 @@ def test_ppc_check_warns_about_a_store_others_can_read_and_fix_makes_it_private(
     proc = subprocess.run(ppc_argv("check", "--store", store), capture_output=True, text=True)
     assert "open to other users" not in proc.stdout and "clean" in proc.stdout
     # --store-shared turns it into a group store instead; the store still serves.
-    proc = subprocess.run(ppc_argv("check", "--fix", "--store-shared", "--store", store), capture_output=True, text=True)
+    proc = subprocess.run(
+        ppc_argv("check", "--fix", "--store-shared", "--store", store), capture_output=True, text=True
+    )
     assert proc.returncode == 0 and modes(store) == {("dir", "2770"), ("file", "0660")}
     with PersistentPrefixCache(store, model) as handle:
         assert handle.fetch(tokens)[0] is not None

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from ..disk.store_dir import describe_finding, permissions_finding
-from .common import add_json_option, add_store_option, add_store_shared_option, emit, make_parser, run, store_path, table
+from .common import (
+    add_json_option, add_store_option, add_store_shared_option, emit, make_parser, run, store_path, table,
+)  # fmt: skip
 from ..disk.maintenance import StoreAdmin
 
 
@@ -24,7 +26,9 @@ def main(argv: list[str]) -> int:
     """Verify a store; exit 0 if clean (or repaired with --fix), 1 if problems remain."""
     parser = make_parser("check", "Verify every block file's checksum and the index's invariants.")
     add_store_option(parser)
-    parser.add_argument("--fix", action="store_true", help="drop what is broken, sweep leftover files, make the store private")
+    parser.add_argument(
+        "--fix", action="store_true", help="drop what is broken, sweep leftover files, make the store private"
+    )
     parser.add_argument("--grace", type=float, default=60.0,
                         help="leave unreferenced files younger than this many seconds (default: %(default)s)")  # fmt: skip
     add_store_shared_option(parser)
@@ -38,7 +42,8 @@ def main(argv: list[str]) -> int:
         with StoreAdmin(path, readonly=not args.fix) as admin:
             report = admin.check(fix=args.fix, grace=args.grace)
         # Who else can read the prompts: a warning (exit status unchanged); --fix makes it private.
-        result = {**report.to_dict(), "permissions": permissions_finding(path, fix=args.fix, shared=args.store_shared)}
+        permissions = permissions_finding(path, fix=args.fix, shared=args.store_shared)
+        result = {**report.to_dict(), "permissions": permissions}
         emit(result, args.json, _render)
         return 0 if report.clean or report.fixed else 1
 
