@@ -311,11 +311,15 @@ def test_a_creation_killed_midway_is_finished_by_the_next_open(tmp_path, model):
 
 def test_lru_prompt_cache_reports_a_store_that_cannot_open_once(tmp_path, model, caplog):
     (tmp_path / "file").write_text("x")
+    before = tree(tmp_path)
+    with pytest.raises(InvalidArgumentError, match="PersistentPrefixCache or a callable"):
+        PersistentLRUPromptCache(tmp_path / "file")  # it takes a store or an opener, never a path
     cache = PersistentLRUPromptCache(lambda key: PersistentPrefixCache(tmp_path / "file", model))
     with caplog.at_level(logging.WARNING):
         assert cache.store_for("m") is None and cache.store_for("m") is None
     assert [r.getMessage() for r in caplog.records if "is a file" in r.getMessage()] and len(caplog.records) == 1
     cache.close()
+    assert tree(tmp_path) == before
 
 
 _LIBRARY_SCRIPT = """

@@ -16,8 +16,8 @@ writers can disagree.
 
 Where a store may be made (`check_location`, the one rule the library and ``ppc``
 share): a new path whose nearest existing folder this process can write, an empty
-folder (or one a creation killed midway left: ``segments/``, ``tmp/``), or a store. Never a file, a
-folder of other files, or a place this process cannot write.
+folder (or what a creation killed midway left: ``segments/``, ``tmp/``), or a store.
+Never a file, a folder of other files, or a place this process cannot write.
 """
 
 from __future__ import annotations
