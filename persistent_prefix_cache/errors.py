@@ -62,6 +62,23 @@ class ReadOnlyStoreError(PrefixCacheError):
     hint = "open the store with readonly=False in a writable directory"
 
 
+class StorePathError(InvalidArgumentError):
+    """The store path cannot hold a store: a file, or a folder of other files (nothing
+    was created)."""
+
+    hint = "give a new or empty folder, or an existing store; nothing was created"
+
+
+class StoreNotWritableError(ReadOnlyStoreError):
+    """The store (or the folder to create it in) cannot be written by this process: its
+    permissions, another user's files, or a read-only file system (nothing was written)."""
+
+    hint = (
+        "open it read-only (readonly=True; ppc's --store-readonly) to serve its hits, give another "
+        "directory, or get write permission on it"
+    )
+
+
 class UnsupportedServerError(PrefixCacheError):
     """The installed ``mlx_lm.server`` does not have the structure ``ppc serve`` patches."""
 

@@ -4,21 +4,22 @@ from __future__ import annotations
 
 import os
 
+from .disk.store_dir import store_exists, unwritable_part
 from .errors import InvalidArgumentError
 
 
 def existing_but_not_writable(path: str) -> bool:
-    """Whether a store exists at `path` that this process cannot write to."""
-    index = os.path.join(path, "index")
-    return os.path.isdir(index) and not all(
-        os.access(p, os.W_OK) for p in (path, index, os.path.join(path, "blocks")) if os.path.exists(p)
-    )
+    """Whether a store exists at `path` that this process cannot write to (a folder or
+    index file of it: permissions, another user's files, a read-only file system)."""
+    return store_exists(path) and unwritable_part(path) is not None
 
 
 def check_options(
-    *, fingerprint, model_path, namespace, block_size, memory_bytes, disk_bytes, kv_bits, kv_group_size
+    *, fingerprint, model_path, namespace, block_size, memory_bytes, disk_bytes, kv_bits, kv_group_size, shared=False
 ) -> None:
     """Raise `InvalidArgumentError` for a malformed option of `PersistentPrefixCache`."""
+    if not isinstance(shared, bool):
+        raise InvalidArgumentError(f"shared must be True or False, got {shared!r}")
     for name, value, minimum, optional in (
         ("block_size", block_size, 1, True),
         ("memory_bytes", memory_bytes, 0, False),

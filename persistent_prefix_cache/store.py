@@ -24,6 +24,7 @@ from typing import Any, Sequence
 
 from .disk.segment import SegmentFiles
 from .disk.index import Index
+from .disk.store_dir import check_location, create_root
 from .disk.node import Node
 from .errors import (
     InvalidArgumentError,
@@ -98,9 +99,17 @@ class PersistentPrefixCache:
         remote_timeout: Seconds one round trip to the server may take; a server that
             does not answer costs a fetch at most about this, then is skipped for a
             back-off.
+        shared: Make a new store for a group: its folder 2770 (setgid) and its files
+            0660, instead of private (0700 / 0600). An existing store keeps the mode
+            of its folder (see `disk.store_dir`); others never get a bit.
 
     Raises:
         InvalidArgumentError: On bad arguments.
+        StorePathError: If `path` is a file or a folder of other files (an
+            `InvalidArgumentError`); nothing is created.
+        StoreNotWritableError: If the store must be created where this process cannot
+            write; nothing is created. (An existing store it cannot write opens
+            read-only, with a warning.)
         StoreVersionError: If a newer version of this library wrote the store.
         StoreCorruptError: If the index cannot be read safely.
     """
@@ -125,6 +134,7 @@ class PersistentPrefixCache:
         remote_secret: str | bytes | None = None,
         remote_ttl: float | None = None,
         remote_timeout: float = DEFAULT_REMOTE_TIMEOUT,
+        shared: bool = False,
     ):
         path = expand_path(path, what="path")
         if model_path is not None:
@@ -133,12 +143,14 @@ class PersistentPrefixCache:
         check_options(
             fingerprint=fingerprint, model_path=model_path, namespace=namespace, block_size=block_size,
             memory_bytes=memory_bytes, disk_bytes=disk_bytes, kv_bits=kv_bits, kv_group_size=kv_group_size,
+            shared=shared,
         )  # fmt: skip
         self.path = os.path.abspath(path)
         self.sync_writes = sync_writes
         self._warned_readonly = False
-        if readonly and not os.path.isdir(os.path.join(self.path, "index")):
-            raise InvalidArgumentError(f"no store at {self.path} to open read-only")
+        # A file, a folder of other files, a place this process cannot write: a typed
+        # error before anything is created.
+        exists = check_location(self.path, readonly=readonly)
         if not readonly and existing_but_not_writable(self.path):
             # Serve what is there (a store shipped on a read-only volume, say).
             warnings.warn(str(ReadOnlyStoreError(f"store {self.path} is not writable: serving hits only")))
@@ -148,8 +160,8 @@ class PersistentPrefixCache:
         # Open anyway if a layer cannot be stored (fetch misses), so that a server can
         # run uncached; store() raises.
         self.layout = Layout(template_cache(model, kv_bits=kv_bits, kv_group_size=kv_group_size))
-        if not readonly:
-            os.makedirs(self.path, exist_ok=True)
+        if not exists:
+            create_root(self.path, shared=shared)  # 0700 (2770 if shared), whatever the umask
         self.files = SegmentFiles(self.path, readonly=readonly)
         self.index = Index(
             os.path.join(self.path, "index"), readonly=readonly, block_size=block_size or DEFAULT_BLOCK_SIZE

@@ -14,6 +14,7 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
+from ..disk.store_dir import check_readable
 from ..errors import InvalidArgumentError, PrefixCacheError
 from ..paths import expand_path
 
@@ -51,6 +52,17 @@ def add_store_option(parser: argparse.ArgumentParser, *, required: bool = True) 
         help="store directory (default: $PPC_STORE)",
     )
     parser.set_defaults(_store_required=required)
+
+
+def add_store_shared_option(parser: argparse.ArgumentParser) -> None:
+    """``--store-shared``: make a new store for a group (folders 2770, files 0660)."""
+    parser.add_argument(
+        "--store-shared",
+        action="store_true",
+        help="make a new store for a group: folders 2770 (setgid), files 0660, instead of "
+        "private to you (0700/0600); an existing store keeps its mode (ppc check --fix "
+        "--store-shared turns one into a group store)",
+    )
 
 
 def add_model_option(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
@@ -138,11 +150,14 @@ def store_path(args: argparse.Namespace, *, must_exist: bool = False) -> str:
 
     Raises:
         UserError: If none was given, or (with `must_exist`) there is no store there.
+        StoreNotWritableError: If (with `must_exist`) the folder is one this user cannot open.
     """
     path = getattr(args, "store", None)
     if not path:
         raise UserError("no store given: pass --store DIR or set PPC_STORE")
     path = expand_path(path, what="--store")
+    if must_exist:
+        check_readable(path, what="--store")  # another user's private store: say so
     if must_exist and not os.path.isdir(os.path.join(path, "index")):
         raise UserError(f"no store at {path} (expected {os.path.join(path, 'index')})")
     return path
@@ -210,6 +225,7 @@ def open_store(args: argparse.Namespace, model: Any, local_path: str | None, **k
         namespace=getattr(args, "namespace", ""),
         kv_bits=getattr(args, "kv_bits", None),
         kv_group_size=getattr(args, "kv_group_size", 64),
+        shared=getattr(args, "store_shared", False),
         **{**remote_options(args), **kwargs},
     )
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 
-from .common import UserError, add_json_option, add_store_option, emit, make_parser, path_arg, run, store_path
+from .common import (
+    UserError, add_json_option, add_store_option, add_store_shared_option, emit, make_parser, path_arg, run, store_path,
+)  # fmt: skip
 from ..disk.maintenance import StoreAdmin
 
 
@@ -13,6 +15,7 @@ def main(argv: list[str]) -> int:
     parser = make_parser("import", "Load a file written by `ppc export` into a store.")
     add_store_option(parser)
     parser.add_argument("input", type=path_arg, help="a file written by `ppc export`")
+    add_store_shared_option(parser)
     add_json_option(parser)
     args = parser.parse_args(argv)
 
@@ -21,7 +24,9 @@ def main(argv: list[str]) -> int:
             raise UserError(f"{args.input}: no such file")
         path = store_path(args)
         block_size = _block_size_of(args.input)
-        with StoreAdmin(path, create=True, block_size=block_size) as admin:
+        # A file, a folder of other files, a store or a place this user cannot write:
+        # StoreAdmin says so in one line (exit 2), before anything is created.
+        with StoreAdmin(path, create=True, block_size=block_size, shared=args.store_shared) as admin:
             result = admin.import_pack(args.input)
         emit(result, args.json, lambda r: (
             f"imported {r['added']:,} block(s), {r['bytes']:,} bytes; {r['skipped']:,} already present"

@@ -7,6 +7,8 @@ import os
 from .common import add_json_option, add_store_option, emit, make_parser, run, store_path
 from ..errors import StoreVersionError
 from ..disk.index import SCHEMA_VERSION, Index
+from ..disk.maintenance import WRITE_HINT
+from ..disk.store_dir import require_writable, unwritable_part
 
 
 def main(argv: list[str]) -> int:
@@ -19,7 +21,9 @@ def main(argv: list[str]) -> int:
 
     def work() -> int:
         path = store_path(args, must_exist=True)
-        index = Index(os.path.join(path, "index"), readonly=args.dry_run, migrate=False)
+        # A store this user cannot write is read: "nothing to do" needs no write access.
+        writable = not args.dry_run and unwritable_part(path) is None
+        index = Index(os.path.join(path, "index"), readonly=not writable, migrate=False)
         try:
             version = index.version()
             if version > SCHEMA_VERSION:
@@ -27,6 +31,8 @@ def main(argv: list[str]) -> int:
             pending = [{"version": m.VERSION, "description": m.DESCRIPTION} for m in index.pending_migrations()]
             applied = []
             if pending and not args.dry_run:
+                # One line naming the remedy, not LMDB's "Read-only file system" traceback.
+                require_writable(path, hint=f"{WRITE_HINT}; `ppc migrate --dry-run` only reads it")
                 applied = index.apply_migrations({"block_size": index.block_size})
             result = {"store": path, "from_version": version, "to_version": index.version(),
                       "pending": pending, "applied": applied, "dry_run": args.dry_run}  # fmt: skip

@@ -18,7 +18,8 @@ import time
 import warnings
 from typing import Any, Iterator, Sequence
 
-from .common import UserError, open_store, store_path
+from ..disk.store_dir import check_location, require_writable
+from .common import UserError, add_store_shared_option, open_store, store_path
 
 # Tokens per forward pass for models whose every layer is sliceable (mlx-lm's default).
 DEFAULT_PREFILL_STEP_SIZE = 2048
@@ -28,7 +29,8 @@ DEFAULT_PREFILL_STEP_SIZE = 2048
 
 
 def add_block_size_option(parser: argparse.ArgumentParser) -> None:
-    """``--block-size N``: tokens per block of a new store (an existing store keeps its own)."""
+    """``--block-size N``: tokens per block of a new store (an existing store keeps its own);
+    with ``--store-shared``, the other option of a new store."""
     parser.add_argument(
         "--block-size",
         type=int,
@@ -36,6 +38,7 @@ def add_block_size_option(parser: argparse.ArgumentParser) -> None:
         help="tokens per block when the store is created (default: 64); "
         "an existing store must be given its own value or none",
     )
+    add_store_shared_option(parser)
 
 
 def add_template_options(parser: argparse.ArgumentParser) -> None:
@@ -147,28 +150,19 @@ def encode_raw(tokenizer: Any, text: str) -> list[int]:
 # -- the store ----------------------------------------------------------------------------
 
 
-_STORE_ENTRIES = frozenset({"index", "segments", "tmp", "blocks"})
-
-
 def check_store_path(args: argparse.Namespace) -> str:
     """The ``--store`` path, if it is a store or a place where one can be made.
 
     Called before the model loads, so a wrong path fails at once.
 
     Raises:
-        UserError: If no store was given, the path is a file, or it is a folder with
-            other files in it (a store is never created among unrelated files).
+        UserError: If no store was given.
+        StorePathError: If the path is a file, or a folder with other files in it (a
+            store is never created among unrelated files).
+        StoreNotWritableError: If there is no store and none can be created there.
     """
     path = store_path(args)
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise UserError(f"--store {path}: not a directory")
-    # A store's own folders without an index are a store another process is creating
-    # right now (they are made before the index), not somebody's files.
-    if os.path.isdir(path) and not os.path.isdir(os.path.join(path, "index")) and set(os.listdir(path)) - _STORE_ENTRIES:
-        raise UserError(
-            f"--store {path}: folder has files but no store in it (no index/); "
-            "give a new or empty folder"
-        )
+    check_location(path, what="--store")  # the library's rule: one line, exit 2
     return path
 
 
@@ -209,6 +203,8 @@ def open_checked_store(
     notes = [str(w.message) for w in caught]
     try:
         if need_write and store.readonly:
+            # Say why (a read-only file system, another user's files), in one line.
+            require_writable(store.path, hint="give a store directory you can write to, or fix its permissions")
             raise UserError(
                 f"store {store.path} is not writable; give a store directory you can write to"
             )

@@ -31,7 +31,10 @@ import sys
 from typing import Any
 
 from ..errors import PrefixCacheError
-from .common import UserError, add_remote_option, add_store_option, parse_size, path_arg, remote_options, run, store_path
+from .common import (
+    UserError, add_remote_option, add_store_option, add_store_shared_option, parse_size, path_arg, remote_options, run,
+    store_path,
+)  # fmt: skip
 
 log = logging.getLogger("persistent_prefix_cache.serve")
 
@@ -83,6 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--store-readonly", action="store_true", help="restore from the store, never write it"
     )
+    add_store_shared_option(parser)
     parser.add_argument(
         "--store-optional",
         action="store_true",
@@ -96,6 +100,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _store_options(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = {"namespace": args.namespace, "readonly": args.store_readonly, **remote_options(args)}
+    options["shared"] = args.store_shared
     if args.store_memory_bytes is not None:
         options["memory_bytes"] = args.store_memory_bytes
     if args.store_disk_bytes is not None:
@@ -212,6 +217,7 @@ def _check_store(path: str, args: argparse.Namespace) -> None:
         UserError, PrefixCacheError: Saying what is wrong and what to do.
     """
     from ..disk.maintenance import StoreAdmin
+    from ..disk.store_dir import check_location, create_root
     from ..options import existing_but_not_writable
 
     if os.path.exists(path) and not os.path.isdir(path):
@@ -219,13 +225,9 @@ def _check_store(path: str, args: argparse.Namespace) -> None:
     if not os.path.isdir(os.path.join(path, "index")):
         if args.store_readonly:
             raise UserError(f"--store-readonly: no store at {path}")
-        if os.path.isdir(path) and os.listdir(path):
-            raise UserError(
-                f"--store {path}: folder has files but no store in it (no index/); "
-                "give a new or empty folder"
-            )
+        check_location(path, what="--store")  # other files, an unwritable place: the library's rule
         try:
-            os.makedirs(path, exist_ok=True)
+            create_root(path, shared=args.store_shared)  # private (or the group's), whatever the umask
         except OSError as exc:
             raise UserError(f"--store {path}: {exc.strerror or exc}") from None
         return

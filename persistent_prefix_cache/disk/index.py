@@ -20,6 +20,7 @@ from .faults import pause_point
 from .index_env import acquire_env, release_env
 from .index_tables import COUNTERS, META, Reader, Writer  # noqa: F401 (re-exported)
 from .migrations import MIGRATIONS, SCHEMA_VERSION
+from .store_dir import make_dirs
 
 T = TypeVar("T")
 # What a failed write transaction raises (a full disk, say): the index is then as it was.
@@ -65,7 +66,7 @@ class Index:
         self.path = path
         self.readonly = readonly
         if not readonly:
-            os.makedirs(path, exist_ok=True)
+            make_dirs(path, os.path.dirname(os.path.abspath(path)))  # the store's folder mode
         self.env, self._gate = acquire_env(path, readonly)
         self._closed = False
         self._commits = 0

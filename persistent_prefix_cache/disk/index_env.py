@@ -7,6 +7,7 @@ This module (with `index`, the only code that imports ``lmdb``) owns those rules
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from contextlib import contextmanager
@@ -21,7 +22,8 @@ try:  # py-lmdb >= 3.0 imports this on the first open: load it now, with the pac
 except ImportError:  # older py-lmdb: nothing imported lazily
     pass
 
-from ..errors import ReadOnlyStoreError, StoreCorruptError
+from ..errors import ReadOnlyStoreError, StoreCorruptError, StoreNotWritableError
+from .store_dir import LEGACY_FILE, modes_of, require_writable, set_file_mode
 
 # The map grows on demand (doubling); the start is small so tiny stores stay tiny.
 INITIAL_MAP_SIZE = int(os.environ.get("PPC_INITIAL_MAP_SIZE", 64 * 1024 * 1024))
@@ -81,6 +83,14 @@ def _check_data_file(path: str) -> None:
         raise StoreCorruptError(f"index file {data} is truncated ({os.path.getsize(data)} bytes)")
 
 
+def _is_permission_error(exc: Exception) -> bool:
+    # py-lmdb raises its base Error (errno text only) for EROFS and EPERM.
+    text = str(exc)
+    return isinstance(exc, lmdb.ReadonlyError) or any(
+        os.strerror(code) in text for code in (errno.EROFS, errno.EACCES, errno.EPERM)
+    )
+
+
 def acquire_env(path: str, readonly: bool) -> tuple[lmdb.Environment, Gate]:
     ident = (os.getpid(), os.path.realpath(path))
     with _ENVS_LOCK:
@@ -94,7 +104,11 @@ def acquire_env(path: str, readonly: bool) -> tuple[lmdb.Environment, Gate]:
             held[1] += 1
             return held[0], held[2]
         _check_data_file(path)
+        root = os.path.dirname(os.path.abspath(path))
+        if not readonly:
+            require_writable(root)  # one clear error, not LMDB's "Read-only file system"
         writable = os.access(path, os.W_OK)
+        created = [f for f in ("data.mdb", "lock.mdb") if not os.path.exists(os.path.join(path, f))]
         # A read-only handle opens the environment read-only: then even a writer
         # paused inside its transaction in another process never blocks it.
         env_readonly = readonly
@@ -109,11 +123,20 @@ def acquire_env(path: str, readonly: bool) -> tuple[lmdb.Environment, Gate]:
                 # A reader of a directory it cannot write cannot take LMDB's reader
                 # lock either; no writer can be at work there (same permissions).
                 lock=writable or not readonly,
+                # The store's file mode (0600 unless shared); the umask may narrow it,
+                # so the files LMDB creates are given it below.
+                mode=modes_of(root).file or (LEGACY_FILE | 0o111),
             )
         except (lmdb.InvalidError, lmdb.CorruptedError) as exc:
             raise StoreCorruptError(f"index at {path} is not a valid LMDB environment: {exc}")
         except lmdb.VersionMismatchError as exc:
             raise StoreCorruptError(f"index at {path} was written by another LMDB: {exc}")
+        except lmdb.Error as exc:
+            if not _is_permission_error(exc):
+                raise
+            raise StoreNotWritableError(f"store index {path} cannot be opened for writing: {exc}") from None
+        for name in created:
+            set_file_mode(os.path.join(path, name), root)
         info = env.info()
         data = os.path.join(path, "data.mdb")
         if os.path.exists(data) and (info["last_pgno"] + 1) * env.stat()["psize"] > os.path.getsize(data):

@@ -26,11 +26,17 @@ from .segment import SegmentFiles
 from .index import SCHEMA_VERSION, Index, Reader, Writer
 from .node import Node
 from .portable import durable_fsync
+from .store_dir import check_location, check_readable, create_file, create_root, make_dirs, require_writable
 
 EXPORT_FORMAT = "ppc-export/3"  # segment files of format v4
 V3_EXPORT_FORMAT = "ppc-export/2"  # segment files of format v3 (rewritten on import)
 LEGACY_EXPORT_FORMAT = "ppc-export/1"  # schema v1-v2: one file per block
 _RECORD_HEAD = struct.Struct("<16sI")
+WRITE_HINT = (
+    "this writes the store: run it as the store's owner, make the store writable (its permissions, a "
+    "read-write mount), or copy it to a directory you can write; stats, inspect, export and check "
+    "without --fix only read it"
+)
 
 
 @dataclass
@@ -68,17 +74,28 @@ class StoreAdmin:
         readonly: Open without writing.
         create: Create an empty store if there is none (for `import_pack`).
         block_size: Block size of a store created here.
+        shared: Make a store created here for a group (see `store_dir.create_root`).
 
     Raises:
         InvalidArgumentError: If there is no store at `path` (and not `create`).
+        StorePathError: If `create` and `path` is a file or a folder of other files.
+        StoreNotWritableError: If not `readonly` and the store (or the place to create
+            it) cannot be written by this process.
         StoreVersionError: If the store's schema is not this library's (run
             ``ppc migrate`` for an older one).
     """
 
-    def __init__(self, path: str, *, readonly: bool = False, create: bool = False, block_size: int = 64):
+    def __init__(
+        self, path: str, *, readonly: bool = False, create: bool = False, block_size: int = 64, shared: bool = False
+    ):
         self.path = os.path.abspath(expand_path(path, what="path"))
+        check_readable(self.path)
         if not create and not os.path.isdir(os.path.join(self.path, "index")):
             raise InvalidArgumentError(f"no store at {self.path}")
+        if create and not check_location(self.path):  # a file, other files, unwritable: refused
+            create_root(self.path, shared=shared)
+        if not readonly:
+            require_writable(self.path, hint=WRITE_HINT)
         self.index = Index(
             os.path.join(self.path, "index"), readonly=readonly, block_size=block_size, migrate=create
         )
@@ -339,7 +356,8 @@ class StoreAdmin:
         out_path = expand_path(out_path, what="out_path")
         tmp = f"{out_path}.{os.getpid()}.tmp"
         try:
-            with tarfile.open(tmp, "w") as tar:
+            # The store's file mode (0600 unless shared): a pack holds the prompts too.
+            with os.fdopen(create_file(tmp, self.path), "wb") as raw, tarfile.open(fileobj=raw, mode="w") as tar:
                 manifest = {
                     "format": EXPORT_FORMAT,
                     "block_size": self.index.block_size,
@@ -430,12 +448,12 @@ class StoreAdmin:
                 continue  # imported before: the file is there
             data = _read_member(tar, f"segments/{seg.hex()}.seg", in_path)
             tmp = os.path.join(self.files.tmp, f"{seg.hex()}.{os.getpid()}.0.tmp")
-            with open(tmp, "wb") as f:
+            with os.fdopen(create_file(tmp, self.path), "wb") as f:
                 f.write(data)
                 f.flush()
                 durable_fsync(f.fileno())
             final = self.files.path_of(seg)
-            os.makedirs(os.path.dirname(final), exist_ok=True)
+            make_dirs(os.path.dirname(final), self.path)
             os.replace(tmp, final)
             digest = self.files.digest_of(seg)
             written[seg] = (len(data), digest)

@@ -55,6 +55,7 @@ from .faults import pause_point
 from .node import Node
 from .portable import IOV_MAX, durable_fsync, start_writeback, writev
 from .segment_reader import DIGEST_MARK, SEGMENT_FORMAT, OpenSegment, header_digest
+from .store_dir import create_file, make_dirs
 
 # Fields stored sliced along the sequence (what `layers.adapters` names them).
 SLICE_FIELDS = frozenset({"k", "v", "k0", "k1", "k2", "v0", "v1", "v2"})
@@ -145,7 +146,7 @@ class SegmentFiles:
         self.legacy = os.path.join(root, "blocks")  # schema v1-v2: one file per block
         if not readonly:
             for folder in (self.segments, self.tmp):
-                os.makedirs(folder, exist_ok=True)
+                make_dirs(folder, root)  # the store's modes, not the umask's
 
     def path_of(self, segment: bytes) -> str:
         """Absolute path of a segment's file."""
@@ -184,7 +185,7 @@ class SegmentFiles:
         segment = os.urandom(16)
         header, chunks, digest = _layout(segment, blocks, root, model)
         tmp = os.path.join(self.tmp, f"{segment.hex()}.{os.getpid()}.{threading.get_ident()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = create_file(tmp, self.root)  # the store's file mode (0600 unless shared), not the umask's
         try:
             size = _writev_all(fd, [memoryview(header)] + chunks)
             start_writeback(fd)  # Linux only, for speed: the fsync is what counts
@@ -199,7 +200,7 @@ class SegmentFiles:
         try:
             folder = os.path.dirname(final)
             if not os.path.isdir(folder):
-                os.makedirs(folder, exist_ok=True)
+                make_dirs(folder, self.root)
                 _fsync_dir(self.segments)
             os.replace(tmp, final)
             _fsync_dir(folder)
