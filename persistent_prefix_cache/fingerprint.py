@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
@@ -26,6 +27,9 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 from mlx.utils import tree_flatten
+
+from .errors import ModelMismatchError
+from .paths import expand_path
 
 
 def _config_of(model: Any) -> Any:
@@ -118,6 +122,167 @@ def _ahead(params):
         pool.shutdown(wait=True, cancel_futures=True)
 
 
+# -- remembering a fingerprint by a model folder, verified ------------------------------
+
+_SAMPLE_PAGES = 4  # evenly spaced pages per parameter in the sample digest
+_ST_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+    "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
+}  # fmt: skip
+
+
+def _dtype_name(value: mx.array) -> str:
+    return str(value.dtype).rsplit(".", 1)[-1].rstrip("_")
+
+
+def _pages(nbytes: int) -> list[tuple[int, int]]:
+    """The byte ranges a sample takes of a buffer: `_SAMPLE_PAGES` evenly spaced pages."""
+    if nbytes <= _SAMPLE_PAGES * _PAGE:
+        return [(0, nbytes)] if nbytes else []
+    last = (nbytes - 1) // _PAGE
+    picked = sorted({round(i * last / (_SAMPLE_PAGES - 1)) for i in range(_SAMPLE_PAGES)})
+    return [(p * _PAGE, min((p + 1) * _PAGE, nbytes)) for p in picked]
+
+
+def _evaluated_params(model: Any) -> list[tuple[str, mx.array]]:
+    params = sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0])
+    mx.eval([p for _, p in params])
+    return params
+
+
+def sample_digest(model: Any) -> str:
+    """A cheap digest of a loaded model: what tells it from another one at a glance.
+
+    Class, config, and every parameter's name, dtype and shape with a few evenly
+    spaced 4 KiB pages of its bytes (the whole of a small one). Two models that
+    differ in a weight's content only outside the sampled pages have the same sample
+    digest (a fine-tune changes nearly every element of the tensors it touches; an
+    edit of one row may not): it verifies a remembered fingerprint, it is no
+    fingerprint itself.
+
+    Args:
+        model: An mlx ``nn.Module``.
+
+    Returns:
+        A hex string (xxh3-128).
+    """
+    h = xxhash.xxh3_128()
+    cls = type(model)
+    h.update(f"{cls.__module__}.{cls.__qualname__}\0".encode())
+    h.update(json.dumps(_config_of(model), sort_keys=True, default=str).encode() + b"\0")
+    for name, value in _evaluated_params(model):
+        h.update(f"{name}:{value.dtype}:{tuple(value.shape)}:{value.nbytes}\0".encode())
+        view = _bytes_of(value)
+        for start, end in _pages(value.nbytes):
+            h.update(view[start:end])
+    return h.hexdigest()
+
+
+def describe_model(model: Any) -> str:
+    """A short description of a loaded model for messages: class, type, size."""
+    cls = type(model)
+    config = _config_of(model)
+    config = config if isinstance(config, dict) else {}
+    parts = [f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__qualname__}"]
+    for key in ("model_type", "num_hidden_layers", "hidden_size"):
+        if key in config:
+            parts.append(f"{key}={config[key]}")
+    return " ".join(parts)
+
+
+def _folder_tensors(root: str) -> dict[str, tuple[str, str, tuple, int, int]]:
+    """name -> (file, dtype, shape, first byte, end) of every tensor in a folder's
+    ``*.safetensors``, from their headers (an unreadable file is left out)."""
+    out = {}
+    for name in sorted(os.listdir(root)):
+        if not name.endswith(".safetensors"):
+            continue
+        path = os.path.join(root, name)
+        try:
+            with open(path, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                if size > 100 << 20:
+                    continue
+                header = json.loads(f.read(size))
+            for tensor, info in header.items():
+                if tensor == "__metadata__" or info.get("dtype") not in _ST_DTYPES:
+                    continue
+                start, end = info["data_offsets"]
+                out[tensor] = (path, _ST_DTYPES[info["dtype"]], tuple(info["shape"]), 8 + size + start, 8 + size + end)
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            continue  # not a safetensors file we can read: nothing to compare there
+    return out
+
+
+@dataclasses.dataclass
+class FolderComparison:
+    """What `compare_with_folder` found.
+
+    Attributes:
+        compared: Parameters compared (same name, dtype and shape in the files).
+        differing: Names of those whose sampled bytes differ from the files.
+        compared_bytes: Their total size.
+        differing_bytes: The total size of the differing ones.
+    """
+
+    compared: int = 0
+    differing: list = dataclasses.field(default_factory=list)
+    compared_bytes: int = 0
+    differing_bytes: int = 0
+
+    @property
+    def proven_other(self) -> bool:
+        """Most of what was compared (by bytes) differs: another model, not a
+        ``sanitize`` that rewrote a weight or two on load."""
+        return self.compared > 0 and 2 * self.differing_bytes > self.compared_bytes
+
+
+def compare_with_folder(model: Any, model_path: str) -> FolderComparison:
+    """Compare a loaded model with the weight files of the folder said to hold it.
+
+    Every parameter whose name, dtype and shape a ``*.safetensors`` file of the
+    folder also has is compared on the pages `sample_digest` takes. Parameters that
+    mlx-lm's ``sanitize`` renamed or reshaped on load are skipped.
+
+    Args:
+        model: The loaded model.
+        model_path: The folder.
+
+    Returns:
+        A `FolderComparison`.
+    """
+    files = _folder_tensors(os.path.realpath(model_path))
+    out = FolderComparison()
+    handles: dict[str, int] = {}
+    try:
+        for name, value in _evaluated_params(model):
+            entry = files.get(name)
+            if entry is None:
+                continue
+            path, dtype, shape, first, end = entry
+            if dtype != _dtype_name(value) or shape != tuple(value.shape) or end - first != value.nbytes:
+                continue
+            try:
+                if path not in handles:
+                    handles[path] = os.open(path, os.O_RDONLY)
+                view = _bytes_of(value)
+                same = all(
+                    os.pread(handles[path], stop - start, first + start) == view[start:stop]
+                    for start, stop in _pages(value.nbytes)
+                )
+            except OSError:
+                continue
+            out.compared += 1
+            out.compared_bytes += value.nbytes
+            if not same:
+                out.differing.append(name)
+                out.differing_bytes += value.nbytes
+    finally:
+        for fd in handles.values():
+            os.close(fd)
+    return out
+
+
 def weight_files_signature(model_path: str) -> bytes:
     """A digest of the (path, size, mtime, inode) of a model folder's files.
 
@@ -125,7 +290,8 @@ def weight_files_signature(model_path: str) -> bytes:
         model_path: The folder ``mlx_lm.load`` read the model from.
 
     Returns:
-        16 bytes; it changes whenever a weight or config file is replaced or edited.
+        16 bytes; it changes whenever a weight or config file is replaced or edited
+        (an edit in place that keeps size and mtime is caught by the sample digest).
     """
     h = xxhash.xxh3_128()
     root = os.path.realpath(model_path)
@@ -140,23 +306,94 @@ def weight_files_signature(model_path: str) -> bytes:
 def cached_fingerprint(
     model: Any,
     model_path: str | None,
-    lookup: Callable[[bytes], str | None],
-    remember: Callable[[bytes, str], None],
+    lookup: Callable[[bytes], dict | None],
+    remember: Callable[[bytes, dict], None],
 ) -> str:
-    """`fingerprint_model`, remembered by the files of `model_path` when given.
+    """`fingerprint_model`, remembered by the files of `model_path` and verified.
+
+    What happens, case by case (the module docstring has the residual risk):
+
+    - An entry remembered for the folder's files whose sample digest is the loaded
+      model's: its fingerprint is used (nothing is hashed).
+    - No entry, or one whose sample digest is not the loaded model's (another model
+      was hashed under these files, or an earlier version remembered it without a
+      sample): the loaded model is compared with the folder's files, then
+      - most of what was compared differs (by bytes; a model of another seed or a
+        full fine-tune differs in every large weight): `ModelMismatchError` (the
+        entry, if any, is left alone: it is the folder's, the loaded model is not);
+      - some differ (a partial fine-tune or adapters fused after loading, or a ``sanitize``
+        that rewrites a weight on load): the weights are hashed, nothing is
+        remembered and a warning says why;
+      - none differ (or none could be compared): the weights are hashed and the
+        result remembered with the sample digest; a discarded entry is warned about.
 
     Args:
         model: The loaded model.
         model_path: The folder it was loaded from, or None (always hash).
-        lookup: Returns the fingerprint remembered for a files signature, or None.
-        remember: Stores a fingerprint for a files signature.
+        lookup: Returns the entry remembered for a files signature (a dict with
+            ``fingerprint`` and ``sample``), or None.
+        remember: Stores an entry for a files signature (replacing a stale one).
+
+    Returns:
+        The fingerprint (hex).
+
+    Raises:
+        ModelMismatchError: If the loaded model is proven not to be the one in
+            `model_path`.
     """
     if model_path is None:
         return fingerprint_model(model)
-    signature = weight_files_signature(model_path)
+    folder = os.path.realpath(model_path)
+    signature = weight_files_signature(folder)
+    sample = sample_digest(model)
     known = lookup(signature)
-    if known:
-        return known
+    if known and known.get("sample") == sample and known.get("fingerprint"):
+        return known["fingerprint"]
+    found = compare_with_folder(model, folder)
+    if found.proven_other:
+        raise ModelMismatchError(
+            f"model_path {folder} does not hold the model that was loaded ({describe_model(model)}, "
+            f"weights sample {sample[:12]}): {len(found.differing)} of the {found.compared} weights compared "
+            f"({found.differing_bytes:,} of {found.compared_bytes:,} bytes) differ from the folder's files"
+        )
     fp = fingerprint_model(model)
-    remember(signature, fp)
+    stale = known is not None and (known.get("sample") is not None or known.get("fingerprint") != fp)
+    if found.differing:
+        warnings.warn(
+            f"the loaded model differs from the files of model_path {folder} in {len(found.differing)} of "
+            f"{found.compared} weights compared (e.g. {found.differing[0]}): its fingerprint is hashed from the weights at every open, "
+            "never remembered by the folder",
+            stacklevel=3,
+        )
+        return fp
+    if stale:
+        warnings.warn(
+            f"the fingerprint remembered for model_path {folder} was computed from another model "
+            f"(remembered {str(known.get('fingerprint'))[:16]}, loaded {fp[:16]}): discarded, the loaded model's "
+            "is remembered instead",
+            stacklevel=3,
+        )
+    remember(signature, {"fingerprint": fp, "sample": sample, "folder": folder, "compared": found.compared})
     return fp
+
+
+def forget_fingerprints(index: Any, model_path: str | os.PathLike | None = None) -> int:
+    """Forget the fingerprints an index remembers by model folder.
+
+    Args:
+        index: The store's `disk.index.Index`.
+        model_path: Only those of this folder (recorded with the entry, or keyed by its
+            files as they are now); None: every one.
+
+    Returns:
+        How many were forgotten.
+
+    Raises:
+        ReadOnlyStoreError: If the index is read-only.
+        InvalidArgumentError: If `model_path` is not a path.
+    """
+    if model_path is None:
+        return index.forget_fingerprints()
+    folder = os.path.realpath(expand_path(model_path, what="model_path"))
+    signature = weight_files_signature(folder) if os.path.isdir(folder) else None
+    return index.forget_fingerprints(folder=folder, signature=signature)
