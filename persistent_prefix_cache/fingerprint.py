@@ -361,8 +361,8 @@ def cached_fingerprint(
     if found.differing:
         warnings.warn(
             f"the loaded model differs from the files of model_path {folder} in {len(found.differing)} of "
-            f"{found.compared} weights compared (e.g. {found.differing[0]}): its fingerprint is hashed from the weights at every open, "
-            "never remembered by the folder",
+            f"{found.compared} weights compared (e.g. {found.differing[0]}): its fingerprint is hashed from "
+            "the weights at every open, never remembered by the folder",
             stacklevel=3,
         )
         return fp

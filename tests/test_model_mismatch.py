@@ -295,3 +295,26 @@ def test_compat_layers_never_restore_another_models_kv(two, tmp_path):
     # A compat layer given A's model with B's folder never opens.
     with pytest.raises(ModelMismatchError):
         PrefixCacheManager(two.model_a, store=PersistentPrefixCache(tmp_path / "other", two.model_a, model_path=two.b))
+
+
+def test_ppc_serve_never_restores_another_models_kv(two, tmp_path):
+    from test_serve import FIRST, Server, _answer
+
+    store = tmp_path / "store"
+    with Server(two.a, store, tmp_path / "a.log") as server:  # A's KV of the chat
+        as_a = server.chat(FIRST)
+        assert server.stop() == 0, server.log()
+    (model,) = ok_json(ppc("inspect", "--store", store, "--json"))["models"]
+    assert model["name"] == os.path.abspath(two.a)
+    _remember_raw(store, two.b, model["fingerprint"])  # the old poison for B's folder
+
+    with Server(two.b, store, tmp_path / "b.log") as server:
+        poisoned = server.chat(FIRST)
+        assert server.stop() == 0, server.log()
+    assert server.restored() == [], server.log()
+    assert "computed from another model" in server.log()
+    with Server(two.b, tmp_path / "empty", tmp_path / "cold.log") as server:
+        cold = server.chat(FIRST)
+        assert server.stop() == 0, server.log()
+    assert _answer(poisoned) == _answer(cold)
+    assert _answer(as_a) != _answer(cold)  # A's KV would have shown
