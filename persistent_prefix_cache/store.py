@@ -328,8 +328,9 @@ class PersistentPrefixCache:
         """Every model (with namespace and layout) that has blocks in this store.
 
         Returns:
-            ``{"root", "fingerprint", "namespace", "layout"}`` per model (``root`` in
-            hex); unreadable records are left out.
+            ``{"root", "fingerprint", "namespace", "layout", "name"}`` per model
+            (``root`` in hex; ``name`` the folder or hub id, None if unknown); unreadable
+            records are left out.
         """
         self._check_open()
         with self.index.reader() as reader:

@@ -34,7 +34,7 @@ from mlx.utils import tree_flatten
 from persistent_prefix_cache import PersistentPrefixCache
 from persistent_prefix_cache.disk.index import Index
 from persistent_prefix_cache.disk.index_tables import FINGERPRINTS
-from persistent_prefix_cache.errors import ModelMismatchError
+from persistent_prefix_cache.errors import InvalidArgumentError, ModelMismatchError
 from persistent_prefix_cache.fingerprint import (
     compare_with_folder,
     fingerprint_model,
@@ -318,3 +318,21 @@ def test_ppc_serve_never_restores_another_models_kv(two, tmp_path):
         assert server.stop() == 0, server.log()
     assert _answer(poisoned) == _answer(cold)
     assert _answer(as_a) != _answer(cold)  # A's KV would have shown
+
+
+def test_a_model_record_gets_the_first_name_it_is_stored_under(two, tmp_path):
+    store = tmp_path / "store"
+    with PersistentPrefixCache(store, two.model_a, block_size=BLOCK) as s:  # no name known
+        s.store(PROMPT[:40], prefill(two.model_a, PROMPT[:40])[1])
+        s.flush()
+        assert [m["name"] for m in s.stored_models()] == [None]
+    with PersistentPrefixCache(store, two.model_a, model_path=two.a) as s:
+        s.store(PROMPT, prefill(two.model_a, PROMPT)[1])
+        s.flush()
+        assert [m["name"] for m in s.stored_models()] == [os.path.abspath(two.a)]
+    with PersistentPrefixCache(store, two.model_a, model_name="elsewhere/a") as s:
+        s.store(PROMPT[:60] + [1, 2, 3], prefill(two.model_a, PROMPT[:60] + [1, 2, 3])[1])
+        s.flush()
+        assert [m["name"] for m in s.stored_models()] == [os.path.abspath(two.a)]
+    with pytest.raises(InvalidArgumentError):
+        PersistentPrefixCache(store, two.model_a, model_name=3)

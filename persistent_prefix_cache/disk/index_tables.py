@@ -162,8 +162,8 @@ class Reader:
         return {(int.from_bytes(k[:8], "big"), k[8:]) for k, _ in self._scan(LRU)}
 
     def fingerprint(self, signature: bytes) -> dict | None:
-        """The entry remembered for a weight files' signature (``fingerprint``, and
-        since schema v3's verified entries ``sample``, ``folder``, ``compared``), if any."""
+        """The entry remembered for a weight files' signature, if any: ``fingerprint``;
+        entries written since they are verified also ``sample``, ``folder``, ``compared``."""
         raw = self.txn.get(FINGERPRINTS + signature)
         return _fingerprint_entry(bytes(raw)) if raw else None
 
