@@ -17,6 +17,7 @@ from importlib import import_module
 from .errors import (
     InvalidArgumentError,
     LayoutMismatchError,
+    ModelMismatchError,
     PrefixCacheError,
     ReadOnlyStoreError,
     StoreCorruptError,
@@ -60,6 +61,7 @@ __all__ = [
     "PrefixCacheError",
     "InvalidArgumentError",
     "LayoutMismatchError",
+    "ModelMismatchError",
     "ReadOnlyStoreError",
     "StoreCorruptError",
     "StoreVersionError",

@@ -54,7 +54,9 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--intermediate", type=int, default=None, help="MLP width (default: 11/4 of --hidden)")
-    parser.add_argument("--llama8b", action="store_true", help="the Llama-3-8B shape (4096 wide, 32 layers, 128k vocab)")
+    parser.add_argument(
+        "--llama8b", action="store_true", help="the Llama-3-8B shape (4096 wide, 32 layers, 128k vocab)"
+    )
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -96,8 +98,10 @@ def main() -> int:
         print(json.dumps(result))
     else:
         print(f"model: {len(params)} tensors, {nbytes / 1e9:.2f} GB (bf16), device {mx.default_device()}")
-        print(f"fingerprint_model (full hash)   {full:8.3f} s   {nbytes / full / 1e9:.2f} GB/s (first {full_first:.3f} s)")
-        print(f"sample_digest (every reuse)     {sample:8.4f} s   {result['full_over_sample']}x cheaper (first {sample_first:.4f} s)")
+        rate = nbytes / full / 1e9
+        print(f"fingerprint_model (full hash)   {full:8.3f} s   {rate:.2f} GB/s (first {full_first:.3f} s)")
+        cheaper = result["full_over_sample"]
+        print(f"sample_digest (every reuse)     {sample:8.4f} s   {cheaper}x cheaper (first {sample_first:.4f} s)")
         print(f"compare_with_folder (once)      {compare:8.4f} s   (first {compare_first:.4f} s)")
         print(f"per tensor                      {result['sample_per_tensor_us']} us")
     return 0
