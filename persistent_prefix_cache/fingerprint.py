@@ -392,8 +392,8 @@ def cached_fingerprint(
     if stale:
         warnings.warn(
             f"the fingerprint remembered for model_path {folder} was computed from another model "
-            f"(remembered {str(known.get('fingerprint'))[:16]}, loaded {fp[:16]}): discarded, the loaded model's "
-            "is remembered instead",
+            f"(remembered {str(known.get('fingerprint'))[:16]}, loaded {fp[:16]}): not used; the loaded model "
+            "was hashed and its fingerprint replaces that one (unless the store is read-only)",
             stacklevel=3,
         )
     remember(signature, {"fingerprint": fp, "sample": sample, "folder": folder, "compared": found.compared})

@@ -34,7 +34,7 @@ from mlx.utils import tree_flatten
 from persistent_prefix_cache import PersistentPrefixCache
 from persistent_prefix_cache.disk.index import Index
 from persistent_prefix_cache.disk.index_tables import FINGERPRINTS
-from persistent_prefix_cache.errors import InvalidArgumentError, ModelMismatchError
+from persistent_prefix_cache.errors import InvalidArgumentError, ModelMismatchError, ReadOnlyStoreError
 from persistent_prefix_cache.fingerprint import (
     compare_with_folder,
     fingerprint_model,
@@ -200,6 +200,9 @@ def test_forget_in_the_library(two, tmp_path):
         assert s.forget_fingerprints() == 1
         assert s.forget_fingerprints() == 0
     assert _remembered(store) == []
+    with PersistentPrefixCache(store, two.model_b, readonly=True) as s:
+        with pytest.raises(ReadOnlyStoreError):
+            s.forget_fingerprints()
 
 
 # -- ppc --------------------------------------------------------------------------------
