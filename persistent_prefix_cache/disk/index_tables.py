@@ -148,7 +148,7 @@ class Reader:
             if not self.children(root):
                 continue
             try:
-                out.append({**json.loads(raw), "root": root.hex()})
+                out.append({"name": None, **json.loads(raw), "root": root.hex()})  # no name before issue 17
             except (ValueError, TypeError):
                 continue  # an unreadable record names no model one could compare with
         return out
