@@ -228,11 +228,14 @@ def ok_json(proc: subprocess.CompletedProcess):
 TEXT = "The persistent cache keeps what the model read. " * 4
 
 
-def _generate(model, store):
-    return ok_json(
-        ppc("generate", "--model", model, "--store", store, "--block-size", BLOCK, "--prompt", TEXT,
-            "--max-tokens", 8, "--temp", 0, "--json")  # fmt: skip
-    )
+def _generate(model, store, *, note: str | None = None):
+    proc = ppc(
+        "generate", "--model", model, "--store", store, "--block-size", BLOCK, "--prompt", TEXT,
+        "--max-tokens", 8, "--temp", 0, "--json",
+    )  # fmt: skip
+    if note is not None:
+        assert note in proc.stderr, proc.stderr
+    return ok_json(proc)
 
 
 def test_ppc_generate_never_restores_another_models_kv(two, tmp_path):
@@ -241,7 +244,8 @@ def test_ppc_generate_never_restores_another_models_kv(two, tmp_path):
     (model,) = ok_json(ppc("inspect", "--store", store, "--json"))["models"]
     _remember_raw(store, two.b, model["fingerprint"])  # and the old poison for B's folder
 
-    poisoned = _generate(two.b, store)
+    # The note names the model the store holds (the first run stored A's blocks, named by A's folder).
+    poisoned = _generate(two.b, store, note=f"holds KV of 1 other model(s) ({os.path.abspath(two.a)})")
     cold = _generate(two.b, tmp_path / "empty")
     assert poisoned["restored_tokens"] == 0
     assert (poisoned["tokens"], poisoned["logprobs"]) == (cold["tokens"], cold["logprobs"])
