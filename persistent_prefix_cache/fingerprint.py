@@ -19,9 +19,10 @@ fingerprint remembered under the wrong files is never attached to another model:
 is discarded (with a warning), the loaded model hashed and remembered instead.
 Before anything is remembered, the loaded model is compared with the folder's own
 ``*.safetensors`` files (`compare_with_folder`: the same pages of every tensor of the
-same name, dtype and shape): a model that is mostly not the folder's is refused with
-`ModelMismatchError`; one that differs in part (adapters fused after loading, a
-``sanitize`` that rewrote a weight) is hashed at every open and never remembered.
+same name, dtype and shape; differences the model's own ``sanitize`` makes on load are
+recognized by running it on the files): a model that is mostly not the folder's is
+refused with `ModelMismatchError`; one that differs in part (adapters fused after
+loading) is hashed at every open and never remembered.
 Measured (``tools/bench_fingerprint.py``, this 2-core VM, bf16): the sample costs
 ~14-17 us per tensor (4 ms for the 291 tensors of a 32-layer llama) against ~0.22 s per
 GB for the full hash; comparing with the folder once ~12 ms.
@@ -246,17 +247,22 @@ class FolderComparison:
         differing: Names of those whose sampled bytes differ from the files.
         compared_bytes: Their total size.
         differing_bytes: The total size of the differing ones.
+        explained: The differences are the model's ``sanitize`` at work (mlx-lm
+            rewrites some weights on load: folds in multipliers, normalizes a head):
+            the files, sanitized, give the loaded weights (checked on the smallest
+            `_SANITIZE_CHECKS` of them). `differing` is then empty.
     """
 
     compared: int = 0
     differing: list = dataclasses.field(default_factory=list)
     compared_bytes: int = 0
     differing_bytes: int = 0
+    explained: int = 0
 
     @property
     def proven_other(self) -> bool:
-        """Most of what was compared (by bytes) differs: another model, not a
-        ``sanitize`` that rewrote a weight or two on load."""
+        """Most of what was compared (by bytes) differs, and not by the model's own
+        ``sanitize``: another model."""
         return self.compared > 0 and 2 * self.differing_bytes > self.compared_bytes
 
 
@@ -265,7 +271,8 @@ def compare_with_folder(model: Any, model_path: str) -> FolderComparison:
 
     Every parameter whose name, dtype and shape a ``*.safetensors`` file of the
     folder also has is compared on the pages `sample_digest` takes. Parameters that
-    mlx-lm's ``sanitize`` renamed or reshaped on load are skipped.
+    mlx-lm's ``sanitize`` renamed or reshaped on load are skipped; where some differ,
+    the model's ``sanitize`` is run on the files to see whether it explains them.
 
     Args:
         model: The loaded model.
@@ -303,7 +310,41 @@ def compare_with_folder(model: Any, model_path: str) -> FolderComparison:
     finally:
         for fd in handles.values():
             os.close(fd)
+    if out.differing and _sanitize_explains(model, model_path, out.differing):
+        out.explained, out.differing, out.differing_bytes = len(out.differing), [], 0
     return out
+
+
+_SANITIZE_CHECKS = 8  # differing weights recomputed through `sanitize`, smallest first
+
+
+def _sanitize_explains(model: Any, model_path: str, names: list[str]) -> bool:
+    """Whether the model's ``sanitize`` turns the folder's tensors into the loaded ones
+    (as mlx-lm's loader does), for the smallest `_SANITIZE_CHECKS` of `names`.
+
+    The files are opened lazily (``mx.load``): only the checked tensors, and what
+    ``sanitize`` needs to make them, are read. Any failure means "not explained".
+    """
+    sanitize = getattr(model, "sanitize", None)
+    if not callable(sanitize):
+        return False
+    params = dict(tree_flatten(model.parameters()))
+    root = os.path.realpath(model_path)
+    try:
+        weights = {}
+        for name in sorted(os.listdir(root)):
+            if name.endswith(".safetensors"):
+                weights.update(mx.load(os.path.join(root, name)))
+        weights = sanitize(weights)
+        for name in sorted(names, key=lambda n: params[n].nbytes)[:_SANITIZE_CHECKS]:
+            made, loaded = weights.get(name), params[name]
+            if made is None or made.shape != loaded.shape or made.dtype != loaded.dtype:
+                return False
+            if not mx.array_equal(made, loaded, equal_nan=True).item():
+                return False
+    except Exception:  # a sanitize that needs what we did not give it: not explained
+        return False
+    return True
 
 
 def weight_files_signature(model_path: str) -> bytes:
@@ -344,11 +385,11 @@ def cached_fingerprint(
       - most of what was compared differs (by bytes; a model of another seed or a
         full fine-tune differs in every large weight): `ModelMismatchError` (the
         entry, if any, is left alone: it is the folder's, the loaded model is not);
-      - some differ (a partial fine-tune or adapters fused after loading, or a ``sanitize``
-        that rewrites a weight on load): the weights are hashed, nothing is
-        remembered and a warning says why;
-      - none differ (or none could be compared): the weights are hashed and the
-        result remembered with the sample digest; a discarded entry is warned about.
+      - some differ (a partial fine-tune, adapters fused after loading): the weights
+        are hashed, nothing is remembered and a warning says why;
+      - none differ, or only as the model's ``sanitize`` rewrites them on load (or
+        none could be compared): the weights are hashed and the result remembered
+        with the sample digest; a discarded entry is warned about.
 
     Args:
         model: The loaded model.

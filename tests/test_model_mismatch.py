@@ -343,3 +343,24 @@ def test_a_model_record_gets_the_first_name_it_is_stored_under(two, tmp_path):
         assert [m["name"] for m in s.stored_models()] == [os.path.abspath(two.a)]
     with pytest.raises(InvalidArgumentError):
         PersistentPrefixCache(store, two.model_a, model_name=3)
+
+
+def test_a_weight_rewritten_by_the_models_own_sanitize_is_no_mismatch(tmp_path):
+    # mlx-lm's baichuan_m1 normalizes lm_head on every load: the loaded weight is not
+    # the file's, and is still this folder's model. Another seed stays refused.
+    shape = {k: v for k, v in TEST_MODEL.items() if k != "family"}
+    extra = dict(sliding_window=32, sliding_window_layers=[1], conv_window=2, tie_word_embeddings=False)
+    folders = [
+        write_tiny_model(tmp_path / f"m{seed}", family="baichuan_m1", seed=seed, extra_config=extra, **shape)
+        for seed in (5, 7)
+    ]
+    model = load_tiny_model(folders[0])
+    found = compare_with_folder(model, folders[0])
+    assert found.explained == 1 and found.differing == [] and not found.proven_other
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with PersistentPrefixCache(tmp_path / "store", model, model_path=folders[0]) as s:
+            assert s.fingerprint == fingerprint_model(model)
+    assert [e["folder"] for e in _remembered(tmp_path / "store")] == [os.path.realpath(folders[0])]
+    with pytest.raises(ModelMismatchError):
+        PersistentPrefixCache(tmp_path / "store", model, model_path=folders[1])
