@@ -17,6 +17,7 @@ from importlib import import_module
 from .errors import (
     InvalidArgumentError,
     LayoutMismatchError,
+    ModelMismatchError,
     PrefixCacheError,
     ReadOnlyStoreError,
     StoreCorruptError,
@@ -62,6 +63,7 @@ __all__ = [
     "PrefixCacheError",
     "InvalidArgumentError",
     "LayoutMismatchError",
+    "ModelMismatchError",
     "ReadOnlyStoreError",
     "StoreCorruptError",
     "StoreNotWritableError",

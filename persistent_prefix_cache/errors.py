@@ -89,3 +89,12 @@ class MissingDependencyError(PrefixCacheError, ImportError):
     """An optional feature needs a package that is not installed."""
 
     hint = "pip install redis hiredis (the package's [remote] extra)"
+
+
+class ModelMismatchError(PrefixCacheError, ValueError):
+    """The loaded model is not the one in the folder given as its ``model_path``."""
+
+    hint = (
+        "pass the folder the model was loaded from as model_path, or omit model_path "
+        "(the weights are then hashed at every open); nothing was remembered"
+    )

@@ -5,12 +5,36 @@ fine-tune has the same names and shapes as its base), which also covers dtype an
 weight quantization. The cache layout (and so KV quantization) and the namespace
 are added by the root key (`keys.root_key`).
 
-Hashing weights costs a pass over them (one xxh3 stream, ~10 GB/s on one core; on a
+Hashing weights costs a pass over them (one xxh3 stream, ~4-10 GB/s on one core; on a
 CUDA GPU it hashes copies made on the device, touched by threads ahead of the hash, so
 the weights' own pages stay on the device).
-When the caller names the folder the model was loaded from, the result is remembered
-in the store under the folder's files' (path, size, mtime, inode), so a second open of
-unchanged files hashes nothing.
+
+Remembered by model folder, verified (`cached_fingerprint`): when the caller names the
+folder the model was loaded from, the fingerprint is remembered in the store under the
+folder's files' (path, size, mtime, inode), together with a *sample digest* of the
+model it was computed from (`sample_digest`: class, config, every parameter's name,
+dtype and shape, and 4 evenly spaced 4 KiB pages of each). Every reuse computes the
+sample of the model actually loaded and uses the entry only if it is the same, so a
+fingerprint remembered under the wrong files is never attached to another model: it
+is discarded (with a warning), the loaded model hashed and remembered instead.
+Before anything is remembered, the loaded model is compared with the folder's own
+``*.safetensors`` files (`compare_with_folder`: the same pages of every tensor of the
+same name, dtype and shape; differences the model's own ``sanitize`` makes on load are
+recognized by running it on the files): a model that is mostly not the folder's is
+refused with `ModelMismatchError`; one that differs in part (adapters fused after
+loading) is hashed at every open and never remembered.
+Measured (``tools/bench_fingerprint.py``, this 2-core VM, bf16): the sample costs
+~14-17 us per tensor (4 ms for the 291 tensors of a 32-layer llama) against ~0.22 s per
+GB for the full hash; comparing with the folder once ~12 ms.
+
+Residual risk, honestly: the sample sees 4 pages of each tensor. Two models with the
+same class, config, names, dtypes and shapes whose weights differ only outside the
+sampled pages (an edit of a few rows of one tensor; a model changed in memory that
+way after loading) have the same sample digest. Such a model, opened with a
+`model_path` whose entry was computed from the other one, would use the other's
+fingerprint, and with it its KV. A full fine-tune, different weights or a different
+quantization always differ in the sample. Without `model_path` (or with
+``fingerprint=``) nothing is remembered and this risk does not exist.
 """
 
 from __future__ import annotations
@@ -18,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
@@ -26,6 +51,9 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 from mlx.utils import tree_flatten
+
+from .errors import ModelMismatchError
+from .paths import expand_path
 
 
 def _config_of(model: Any) -> Any:
@@ -118,6 +146,207 @@ def _ahead(params):
         pool.shutdown(wait=True, cancel_futures=True)
 
 
+# -- remembering a fingerprint by a model folder, verified ------------------------------
+
+_SAMPLE_PAGES = 4  # evenly spaced pages per parameter in the sample digest
+_ST_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+    "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
+}  # fmt: skip
+
+
+def _dtype_name(value: mx.array) -> str:
+    return str(value.dtype).rsplit(".", 1)[-1].rstrip("_")
+
+
+def _pages(nbytes: int) -> list[tuple[int, int]]:
+    """The byte ranges a sample takes of a buffer: `_SAMPLE_PAGES` evenly spaced pages."""
+    if nbytes <= _SAMPLE_PAGES * _PAGE:
+        return [(0, nbytes)] if nbytes else []
+    last = (nbytes - 1) // _PAGE
+    picked = sorted({round(i * last / (_SAMPLE_PAGES - 1)) for i in range(_SAMPLE_PAGES)})
+    return [(p * _PAGE, min((p + 1) * _PAGE, nbytes)) for p in picked]
+
+
+def _evaluated_params(model: Any) -> list[tuple[str, mx.array]]:
+    params = sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0])
+    mx.eval([p for _, p in params])
+    return params
+
+
+def sample_digest(model: Any) -> str:
+    """A cheap digest of a loaded model: what tells it from another one at a glance.
+
+    Class, config, and every parameter's name, dtype and shape with a few evenly
+    spaced 4 KiB pages of its bytes (the whole of a small one). Two models that
+    differ in a weight's content only outside the sampled pages have the same sample
+    digest (a fine-tune changes nearly every element of the tensors it touches; an
+    edit of one row may not): it verifies a remembered fingerprint, it is no
+    fingerprint itself.
+
+    Args:
+        model: An mlx ``nn.Module``.
+
+    Returns:
+        A hex string (xxh3-128).
+    """
+    h = xxhash.xxh3_128()
+    cls = type(model)
+    h.update(f"{cls.__module__}.{cls.__qualname__}\0".encode())
+    h.update(json.dumps(_config_of(model), sort_keys=True, default=str).encode() + b"\0")
+    for name, value in _evaluated_params(model):
+        h.update(f"{name}:{value.dtype}:{tuple(value.shape)}:{value.nbytes}\0".encode())
+        view = _bytes_of(value)
+        for start, end in _pages(value.nbytes):
+            h.update(view[start:end])
+    return h.hexdigest()
+
+
+def describe_model(model: Any) -> str:
+    """A short description of a loaded model for messages: class, type, size."""
+    cls = type(model)
+    config = _config_of(model)
+    config = config if isinstance(config, dict) else {}
+    parts = [f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__qualname__}"]
+    for key in ("model_type", "num_hidden_layers", "hidden_size"):
+        if key in config:
+            parts.append(f"{key}={config[key]}")
+    return " ".join(parts)
+
+
+def _folder_tensors(root: str) -> dict[str, tuple[str, str, tuple, int, int]]:
+    """name -> (file, dtype, shape, first byte, end) of every tensor in a folder's
+    ``*.safetensors``, from their headers (an unreadable file is left out)."""
+    out = {}
+    for name in sorted(os.listdir(root)):
+        if not name.endswith(".safetensors"):
+            continue
+        path = os.path.join(root, name)
+        try:
+            with open(path, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                if size > 100 << 20:
+                    continue
+                header = json.loads(f.read(size))
+            for tensor, info in header.items():
+                if tensor == "__metadata__" or info.get("dtype") not in _ST_DTYPES:
+                    continue
+                start, end = info["data_offsets"]
+                out[tensor] = (path, _ST_DTYPES[info["dtype"]], tuple(info["shape"]), 8 + size + start, 8 + size + end)
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            continue  # not a safetensors file we can read: nothing to compare there
+    return out
+
+
+@dataclasses.dataclass
+class FolderComparison:
+    """What `compare_with_folder` found.
+
+    Attributes:
+        compared: Parameters compared (same name, dtype and shape in the files).
+        differing: Names of those whose sampled bytes differ from the files.
+        compared_bytes: Their total size.
+        differing_bytes: The total size of the differing ones.
+        explained: The differences are the model's ``sanitize`` at work (mlx-lm
+            rewrites some weights on load: folds in multipliers, normalizes a head):
+            the files, sanitized, give the loaded weights (checked on the smallest
+            `_SANITIZE_CHECKS` of them). `differing` is then empty.
+    """
+
+    compared: int = 0
+    differing: list = dataclasses.field(default_factory=list)
+    compared_bytes: int = 0
+    differing_bytes: int = 0
+    explained: int = 0
+
+    @property
+    def proven_other(self) -> bool:
+        """Most of what was compared (by bytes) differs, and not by the model's own
+        ``sanitize``: another model."""
+        return self.compared > 0 and 2 * self.differing_bytes > self.compared_bytes
+
+
+def compare_with_folder(model: Any, model_path: str) -> FolderComparison:
+    """Compare a loaded model with the weight files of the folder said to hold it.
+
+    Every parameter whose name, dtype and shape a ``*.safetensors`` file of the
+    folder also has is compared on the pages `sample_digest` takes. Parameters that
+    mlx-lm's ``sanitize`` renamed or reshaped on load are skipped; where some differ,
+    the model's ``sanitize`` is run on the files to see whether it explains them.
+
+    Args:
+        model: The loaded model.
+        model_path: The folder.
+
+    Returns:
+        A `FolderComparison`.
+    """
+    files = _folder_tensors(os.path.realpath(model_path))
+    out = FolderComparison()
+    handles: dict[str, int] = {}
+    try:
+        for name, value in _evaluated_params(model):
+            entry = files.get(name)
+            if entry is None:
+                continue
+            path, dtype, shape, first, end = entry
+            if dtype != _dtype_name(value) or shape != tuple(value.shape) or end - first != value.nbytes:
+                continue
+            try:
+                if path not in handles:
+                    handles[path] = os.open(path, os.O_RDONLY)
+                view = _bytes_of(value)
+                same = all(
+                    os.pread(handles[path], stop - start, first + start) == view[start:stop]
+                    for start, stop in _pages(value.nbytes)
+                )
+            except OSError:
+                continue
+            out.compared += 1
+            out.compared_bytes += value.nbytes
+            if not same:
+                out.differing.append(name)
+                out.differing_bytes += value.nbytes
+    finally:
+        for fd in handles.values():
+            os.close(fd)
+    if out.differing and _sanitize_explains(model, model_path, out.differing):
+        out.explained, out.differing, out.differing_bytes = len(out.differing), [], 0
+    return out
+
+
+_SANITIZE_CHECKS = 8  # differing weights recomputed through `sanitize`, smallest first
+
+
+def _sanitize_explains(model: Any, model_path: str, names: list[str]) -> bool:
+    """Whether the model's ``sanitize`` turns the folder's tensors into the loaded ones
+    (as mlx-lm's loader does), for the smallest `_SANITIZE_CHECKS` of `names`.
+
+    The files are opened lazily (``mx.load``): only the checked tensors, and what
+    ``sanitize`` needs to make them, are read. Any failure means "not explained".
+    """
+    sanitize = getattr(model, "sanitize", None)
+    if not callable(sanitize):
+        return False
+    params = dict(tree_flatten(model.parameters()))
+    root = os.path.realpath(model_path)
+    try:
+        weights = {}
+        for name in sorted(os.listdir(root)):
+            if name.endswith(".safetensors"):
+                weights.update(mx.load(os.path.join(root, name)))
+        weights = sanitize(weights)
+        for name in sorted(names, key=lambda n: params[n].nbytes)[:_SANITIZE_CHECKS]:
+            made, loaded = weights.get(name), params[name]
+            if made is None or made.shape != loaded.shape or made.dtype != loaded.dtype:
+                return False
+            if not mx.array_equal(made, loaded, equal_nan=True).item():
+                return False
+    except Exception:  # a sanitize that needs what we did not give it: not explained
+        return False
+    return True
+
+
 def weight_files_signature(model_path: str) -> bytes:
     """A digest of the (path, size, mtime, inode) of a model folder's files.
 
@@ -125,7 +354,8 @@ def weight_files_signature(model_path: str) -> bytes:
         model_path: The folder ``mlx_lm.load`` read the model from.
 
     Returns:
-        16 bytes; it changes whenever a weight or config file is replaced or edited.
+        16 bytes; it changes whenever a weight or config file is replaced or edited
+        (an edit in place that keeps size and mtime is caught by the sample digest).
     """
     h = xxhash.xxh3_128()
     root = os.path.realpath(model_path)
@@ -140,23 +370,94 @@ def weight_files_signature(model_path: str) -> bytes:
 def cached_fingerprint(
     model: Any,
     model_path: str | None,
-    lookup: Callable[[bytes], str | None],
-    remember: Callable[[bytes, str], None],
+    lookup: Callable[[bytes], dict | None],
+    remember: Callable[[bytes, dict], None],
 ) -> str:
-    """`fingerprint_model`, remembered by the files of `model_path` when given.
+    """`fingerprint_model`, remembered by the files of `model_path` and verified.
+
+    What happens, case by case (the module docstring has the residual risk):
+
+    - An entry remembered for the folder's files whose sample digest is the loaded
+      model's: its fingerprint is used (nothing is hashed).
+    - No entry, or one whose sample digest is not the loaded model's (another model
+      was hashed under these files, or an earlier version remembered it without a
+      sample): the loaded model is compared with the folder's files, then
+      - most of what was compared differs (by bytes; a model of another seed or a
+        full fine-tune differs in every large weight): `ModelMismatchError` (the
+        entry, if any, is left alone: it is the folder's, the loaded model is not);
+      - some differ (a partial fine-tune, adapters fused after loading): the weights
+        are hashed, nothing is remembered and a warning says why;
+      - none differ, or only as the model's ``sanitize`` rewrites them on load (or
+        none could be compared): the weights are hashed and the result remembered
+        with the sample digest; a discarded entry is warned about.
 
     Args:
         model: The loaded model.
         model_path: The folder it was loaded from, or None (always hash).
-        lookup: Returns the fingerprint remembered for a files signature, or None.
-        remember: Stores a fingerprint for a files signature.
+        lookup: Returns the entry remembered for a files signature (a dict with
+            ``fingerprint`` and ``sample``), or None.
+        remember: Stores an entry for a files signature (replacing a stale one).
+
+    Returns:
+        The fingerprint (hex).
+
+    Raises:
+        ModelMismatchError: If the loaded model is proven not to be the one in
+            `model_path`.
     """
     if model_path is None:
         return fingerprint_model(model)
-    signature = weight_files_signature(model_path)
+    folder = os.path.realpath(model_path)
+    signature = weight_files_signature(folder)
+    sample = sample_digest(model)
     known = lookup(signature)
-    if known:
-        return known
+    if known and known.get("sample") == sample and known.get("fingerprint"):
+        return known["fingerprint"]
+    found = compare_with_folder(model, folder)
+    if found.proven_other:
+        raise ModelMismatchError(
+            f"model_path {folder} does not hold the model that was loaded ({describe_model(model)}, "
+            f"weights sample {sample[:12]}): {len(found.differing)} of the {found.compared} weights compared "
+            f"({found.differing_bytes:,} of {found.compared_bytes:,} bytes) differ from the folder's files"
+        )
     fp = fingerprint_model(model)
-    remember(signature, fp)
+    stale = known is not None and (known.get("sample") is not None or known.get("fingerprint") != fp)
+    if found.differing:
+        warnings.warn(
+            f"the loaded model differs from the files of model_path {folder} in {len(found.differing)} of "
+            f"{found.compared} weights compared (e.g. {found.differing[0]}): its fingerprint is hashed from "
+            "the weights at every open, never remembered by the folder",
+            stacklevel=3,
+        )
+        return fp
+    if stale:
+        warnings.warn(
+            f"the fingerprint remembered for model_path {folder} was computed from another model "
+            f"(remembered {str(known.get('fingerprint'))[:16]}, loaded {fp[:16]}): not used; the loaded model "
+            "was hashed and its fingerprint replaces that one (unless the store is read-only)",
+            stacklevel=3,
+        )
+    remember(signature, {"fingerprint": fp, "sample": sample, "folder": folder, "compared": found.compared})
     return fp
+
+
+def forget_fingerprints(index: Any, model_path: str | os.PathLike | None = None) -> int:
+    """Forget the fingerprints an index remembers by model folder.
+
+    Args:
+        index: The store's `disk.index.Index`.
+        model_path: Only those of this folder (recorded with the entry, or keyed by its
+            files as they are now); None: every one.
+
+    Returns:
+        How many were forgotten.
+
+    Raises:
+        ReadOnlyStoreError: If the index is read-only.
+        InvalidArgumentError: If `model_path` is not a path.
+    """
+    if model_path is None:
+        return index.forget_fingerprints()
+    folder = os.path.realpath(expand_path(model_path, what="model_path"))
+    signature = weight_files_signature(folder) if os.path.isdir(folder) else None
+    return index.forget_fingerprints(folder=folder, signature=signature)

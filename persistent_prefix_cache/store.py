@@ -31,7 +31,7 @@ from .errors import (
     LayoutMismatchError,
     ReadOnlyStoreError,
 )
-from .fingerprint import cached_fingerprint
+from .fingerprint import cached_fingerprint, forget_fingerprints
 from .keys import as_token_array, chain_keys, root_key
 from .layers import Layout, cache_length, signature_of, template_cache
 from .lookup import Trie, back_off
@@ -74,7 +74,11 @@ class PersistentPrefixCache:
             weights. Two models given the same string share blocks: only pass one you
             derive from the weights yourself.
         model_path: The folder `model` was loaded from; the fingerprint is then
-            remembered in the store under the files' (path, size, mtime, inode).
+            remembered in the store under the files' (path, size, mtime, inode),
+            with a sample of the weights that every later open checks against the
+            model loaded (`fingerprint.cached_fingerprint`).
+        model_name: The model's name in the store's record (``ppc inspect`` and
+            ``ppc stats`` show it): a folder or hub id. Default: `model_path`.
         namespace: Keeps tenants apart: different namespaces never share a block.
         block_size: Tokens per block for a new store (64 if None); an existing store
             keeps its own, and a different explicit value is an error.
@@ -112,6 +116,7 @@ class PersistentPrefixCache:
             read-only, with a warning.)
         StoreVersionError: If a newer version of this library wrote the store.
         StoreCorruptError: If the index cannot be read safely.
+        ModelMismatchError: If `model` is proven not to be the model in `model_path`.
     """
 
     def __init__(
@@ -121,6 +126,7 @@ class PersistentPrefixCache:
         *,
         fingerprint: str | None = None,
         model_path: str | os.PathLike | None = None,
+        model_name: str | None = None,
         namespace: str = "",
         block_size: int | None = None,
         memory_bytes: int = DEFAULT_MEMORY_BYTES,
@@ -139,6 +145,9 @@ class PersistentPrefixCache:
         path = expand_path(path, what="path")
         if model_path is not None:
             model_path = expand_path(model_path, what="model_path")
+        if model_name is not None and not isinstance(model_name, str):
+            raise InvalidArgumentError(f"model_name must be a string, got {type(model_name).__name__}")
+        self.model_name = model_name or (None if model_path is None else os.path.abspath(model_path))
         check_remote(remote=remote, secret=remote_secret, ttl=remote_ttl, timeout=remote_timeout)
         check_options(
             fingerprint=fingerprint, model_path=model_path, namespace=namespace, block_size=block_size,
@@ -331,12 +340,29 @@ class PersistentPrefixCache:
         """Every model (with namespace and layout) that has blocks in this store.
 
         Returns:
-            ``{"root", "fingerprint", "namespace", "layout"}`` per model (``root`` in
-            hex); unreadable records are left out.
+            ``{"root", "fingerprint", "namespace", "layout", "name"}`` per model
+            (``root`` in hex; ``name`` the folder or hub id, None if unknown); unreadable
+            records are left out.
         """
         self._check_open()
         with self.index.reader() as reader:
             return reader.filled_models()
+
+    def forget_fingerprints(self, model_path: str | os.PathLike | None = None) -> int:
+        """Forget the fingerprints remembered by model folder (the next open of each
+        hashes its weights again); this handle keeps its own fingerprint.
+
+        Args:
+            model_path: Only those remembered for this folder; None: every one.
+
+        Returns:
+            How many were forgotten.
+
+        Raises:
+            ReadOnlyStoreError: If the store was opened read-only.
+        """
+        self._check_open()
+        return forget_fingerprints(self.index, model_path)
 
     # -- writing ------------------------------------------------------------------------
 
@@ -525,6 +551,7 @@ class PersistentPrefixCache:
                 "namespace": self.namespace,
                 "layout": self.layout.signature,
                 "fields": self.layout.fields or {},
+                "name": self.model_name,
             }
         ).encode()
 

@@ -222,12 +222,22 @@ def open_store(args: argparse.Namespace, model: Any, local_path: str | None, **k
         store_path(args),
         model,
         model_path=local_path,
+        model_name=_model_name(args, local_path),
         namespace=getattr(args, "namespace", ""),
         kv_bits=getattr(args, "kv_bits", None),
         kv_group_size=getattr(args, "kv_group_size", 64),
         shared=getattr(args, "store_shared", False),
         **{**remote_options(args), **kwargs},
     )
+
+
+def _model_name(args: argparse.Namespace, local_path: str | None) -> str | None:
+    # The name `ppc inspect` shows: the folder (absolute) or the hub id as given.
+    spec, adapter = getattr(args, "model", None), getattr(args, "adapter_path", None)
+    if not isinstance(spec, str):
+        return None
+    name = os.path.abspath(local_path) if local_path is not None else spec
+    return f"{name} + adapter {adapter}" if adapter else name
 
 
 def table(rows: Sequence[Sequence[Any]], *, header: Sequence[str] | None = None) -> str:

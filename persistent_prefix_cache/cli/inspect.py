@@ -14,10 +14,11 @@ def _render(s: dict) -> str:
     out.append(
         table(
             [
-                (m["root"][:12], m["fingerprint"][:16], m["namespace"] or "-", m["blocks"], m["bytes"], m["block_hits"], m["layout"])
+                (m["root"][:12], str(m["fingerprint"])[:16], m.get("name") or "(unnamed)", m["namespace"] or "-",
+                 m["blocks"], m["bytes"], m["block_hits"], m["layout"])
                 for m in s["models"]
-            ],
-            header=("model", "fingerprint", "namespace", "blocks", "bytes", "block hits", "layout"),
+            ],  # fmt: skip
+            header=("model", "fingerprint", "name", "namespace", "blocks", "bytes", "block hits", "layout"),
         )
     )
     out += ["", "longest stored prefixes:"]
@@ -32,11 +33,21 @@ def _render(s: dict) -> str:
         )
         or "(none)"
     )
+    out += ["", "fingerprints remembered by model folder (`ppc forget` forgets them):"]
+    out.append(
+        table(
+            [(r.get("folder") or "(unknown: remembered before verification)", str(r.get("fingerprint"))[:16],
+              "yes" if r.get("sample") else "no") for r in s.get("remembered", [])],  # fmt: skip
+            header=("folder", "fingerprint", "verified"),
+        )
+        or "(none)"
+    )
     return "\n".join(out)
 
 
 def main(argv: list[str]) -> int:
-    """Print the models, fingerprints and longest prefixes stored."""
+    """Print the models (fingerprint and name), the longest prefixes stored and the
+    fingerprints remembered by model folder."""
     parser = make_parser("inspect", "Models, fingerprints and the longest stored prefixes.")
     add_store_option(parser)
     parser.add_argument("--top", type=int, default=10, help="how many prefixes to list (default: %(default)s)")
@@ -47,7 +58,12 @@ def main(argv: list[str]) -> int:
 
     def work() -> int:
         with StoreAdmin(store_path(args, must_exist=True), readonly=True) as admin:
-            emit(admin.summary(longest=args.top), args.json, _render)
+            summary = admin.summary(longest=args.top)
+            summary["remembered"] = [
+                {k: r.get(k) for k in ("folder", "fingerprint", "sample", "signature")}
+                for r in admin.index.remembered_fingerprints()
+            ]
+            emit(summary, args.json, _render)
         return 0
 
     return run(work)

@@ -264,9 +264,10 @@ def _check_models(store: Any) -> str | None:
             f"store {store.path} holds this model only under --namespace "
             f"{', '.join(spaces)} (this run: {store.namespace!r}); nothing will be restored"
         )
+    names = sorted({d.get("name") or f"fingerprint {str(d.get('fingerprint'))[:16]}" for d in others})
     return (
-        f"store {store.path} holds KV of {len(others)} other model(s) and none of --model; "
-        "nothing will be restored (is --model the one the store was filled with?)"
+        f"store {store.path} holds KV of {len(others)} other model(s) ({', '.join(names)}) and none of "
+        "--model; nothing will be restored (is --model the one the store was filled with?)"
     )
 
 

@@ -25,6 +25,8 @@ def _render(s: dict) -> str:
         ("bytes on disk", s["bytes_on_disk"]),
         ("bytes of the blocks", s["block_bytes"]),
         ("models", len(s["models"])),
+        *((f"  {m['root'][:12]}", f"{m.get('name') or '(unnamed)'}, fingerprint {str(m['fingerprint'])[:16]}")
+          for m in s["models"]),  # fmt: skip
         # Per fetch (a query): did it restore a prefix? `ppc inspect` counts per block.
         ("query hits", s["hits"]),
         ("query misses", s["misses"]),

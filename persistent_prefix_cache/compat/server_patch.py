@@ -169,6 +169,11 @@ class ProviderStores:
             # Remembering the fingerprint by file stats is only sound for plain weights:
             # an adapter changes the KV without touching the model folder.
             options["model_path"] = _local_folder(model_path)
+        if isinstance(model_path, str):  # the folder or hub id the server loaded: the store's name for it
+            name = os.path.abspath(model_path) if os.path.isdir(model_path) else model_path
+            if adapter_path is not None:
+                name += f" + adapter {adapter_path}"
+            options.setdefault("model_name", name if draft is None else f"{name} + draft model")
         store = PersistentPrefixCache(self.path, model, **options)
         log.info(
             "persistent prompt cache for %s: store %s, fingerprint %s",

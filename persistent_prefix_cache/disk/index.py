@@ -15,7 +15,7 @@ from typing import Callable, Iterator, TypeVar
 
 import lmdb
 
-from ..errors import StoreCorruptError, StoreVersionError
+from ..errors import ReadOnlyStoreError, StoreCorruptError, StoreVersionError
 from .faults import pause_point
 from .index_env import acquire_env, release_env
 from .index_tables import COUNTERS, META, Reader, Writer  # noqa: F401 (re-exported)
@@ -202,16 +202,45 @@ class Index:
                     return
             self._gate.resize(self.env, 0)
 
-    def remembered_fingerprint(self, signature: bytes) -> str | None:
-        """The model fingerprint remembered for a weight files' signature, if any."""
+    def remembered_fingerprint(self, signature: bytes) -> dict | None:
+        """The fingerprint entry remembered for a weight files' signature, if any."""
         with self.reader() as r:
             return r.fingerprint(signature)
 
-    def remember_fingerprint(self, signature: bytes, fingerprint: str) -> None:
-        """Remember a model fingerprint under its weight files' signature (a read-only
+    def remember_fingerprint(self, signature: bytes, entry: dict) -> None:
+        """Remember a fingerprint entry under its weight files' signature (a read-only
         handle remembers nothing)."""
         if not self.readonly:
-            self.write(lambda w: w.remember_fingerprint(signature, fingerprint))
+            self.write(lambda w: w.remember_fingerprint(signature, entry))
+
+    def remembered_fingerprints(self) -> list[dict]:
+        """Every remembered fingerprint entry, with its ``signature`` in hex."""
+        with self.reader() as r:
+            return [{**entry, "signature": sig.hex()} for sig, entry in sorted(r.fingerprints().items())]
+
+    def forget_fingerprints(self, *, folder: str | None = None, signature: bytes | None = None) -> int:
+        """Forget remembered fingerprints: those of `folder` (by the folder recorded with
+        them) and of `signature` (the folder's files as they are now: entries from
+        before the folder was recorded); every one if neither is given.
+
+        Returns:
+            How many entries were forgotten.
+
+        Raises:
+            ReadOnlyStoreError: If the index was opened read-only.
+        """
+        if self.readonly:
+            raise ReadOnlyStoreError(f"store index {self.path} is open read-only: cannot forget fingerprints")
+
+        def run(w: Writer) -> int:
+            doomed = [
+                sig
+                for sig, entry in w.fingerprints().items()
+                if (folder is None and signature is None) or sig == signature or entry.get("folder") == folder
+            ]
+            return sum(w.forget_fingerprint(sig) for sig in doomed)
+
+        return self.write(run)
 
     def totals(self) -> tuple[int, int]:
         """(bytes of the stored blocks, number of blocks) as recorded in the index."""

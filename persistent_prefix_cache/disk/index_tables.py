@@ -12,7 +12,8 @@ Tables (prefix byte, key -> value):
 - nodes ``\\x03``: block key -> packed `Node`
 - children ``\\x04``: parent key + child key -> empty (the trie's edges)
 - lru ``\\x05``: last access (u64 BE, ns) + block key -> empty (eviction order)
-- fingerprints ``\\x06``: weight files' signature -> model fingerprint
+- fingerprints ``\\x06``: weight files' signature -> JSON (fingerprint, sample digest of
+  the model it was computed from, folder; a bare hex fingerprint before)
 - hits ``\\x07``: block key -> u64 LE count of fetches that restored the block
 - segments ``\\x08``: segment id -> live blocks, live bytes, file bytes (3 x u64 LE)
 - digests ``\\x09``: segment id -> u64 LE xxh3 of its sliced fields' bytes and its
@@ -40,6 +41,18 @@ def u64(n: int) -> bytes:
 
 def _lru_key(access: int, key: bytes) -> bytes:
     return LRU + access.to_bytes(8, "big") + key  # big-endian sorts by time
+
+
+def _fingerprint_entry(raw: bytes) -> dict:
+    # Entries written before verification were the bare hex fingerprint: no sample,
+    # so never trusted (`fingerprint.cached_fingerprint` hashes and replaces them).
+    try:
+        entry = json.loads(raw)
+    except ValueError:
+        entry = None
+    if not isinstance(entry, dict):
+        return {"fingerprint": raw.decode("utf-8", "replace")}
+    return entry
 
 
 class Reader:
@@ -135,7 +148,7 @@ class Reader:
             if not self.children(root):
                 continue
             try:
-                out.append({**json.loads(raw), "root": root.hex()})
+                out.append({"name": None, **json.loads(raw), "root": root.hex()})  # no name before issue 17
             except (ValueError, TypeError):
                 continue  # an unreadable record names no model one could compare with
         return out
@@ -148,10 +161,15 @@ class Reader:
         """Every entry of the LRU order as (last access, key)."""
         return {(int.from_bytes(k[:8], "big"), k[8:]) for k, _ in self._scan(LRU)}
 
-    def fingerprint(self, signature: bytes) -> str | None:
-        """The model fingerprint remembered for a weight files' signature, if any."""
+    def fingerprint(self, signature: bytes) -> dict | None:
+        """The entry remembered for a weight files' signature, if any: ``fingerprint``;
+        entries written since they are verified also ``sample``, ``folder``, ``compared``."""
         raw = self.txn.get(FINGERPRINTS + signature)
-        return bytes(raw).decode() if raw else None
+        return _fingerprint_entry(bytes(raw)) if raw else None
+
+    def fingerprints(self) -> dict[bytes, dict]:
+        """Every remembered fingerprint entry, by weight files' signature."""
+        return {sig: _fingerprint_entry(raw) for sig, raw in self._scan(FINGERPRINTS)}
 
     def segment(self, segment: bytes) -> tuple[int, int, int] | None:
         """(live blocks, live bytes, file bytes) of a segment, or None if not referenced."""
@@ -191,20 +209,29 @@ class Writer(Reader):
         self.txn.put(META + name, value)
 
     def register_model(self, root: bytes, description: bytes) -> None:
-        """Record a model's root key and description (again only if it learned fields)."""
+        """Record a model's root key and description (again only if it learned fields,
+        or names a model the record did not name; the first name recorded stays)."""
         current = self.txn.get(MODELS + root)
         if current is not None:
             try:
-                known = json.loads(current).get("fields") or {}
-                if set(json.loads(description).get("fields") or {}) <= set(known):
+                known, new = json.loads(current), json.loads(description)
+                if set(new.get("fields") or {}) <= set(known.get("fields") or {}) and (
+                    known.get("name") or not new.get("name")
+                ):
                     return
+                if known.get("name"):
+                    description = json.dumps({**new, "name": known["name"]}).encode()
             except (ValueError, AttributeError):
                 pass  # an unreadable record: replace it
         self.txn.put(MODELS + root, description)
 
-    def remember_fingerprint(self, signature: bytes, fingerprint: str) -> None:
-        """Remember a model fingerprint under its weight files' signature."""
-        self.txn.put(FINGERPRINTS + signature, fingerprint.encode())
+    def remember_fingerprint(self, signature: bytes, entry: dict) -> None:
+        """Remember a fingerprint entry (JSON) under its weight files' signature."""
+        self.txn.put(FINGERPRINTS + signature, json.dumps(entry, sort_keys=True).encode())
+
+    def forget_fingerprint(self, signature: bytes) -> bool:
+        """Forget the entry of a weight files' signature; whether there was one."""
+        return self.txn.delete(FINGERPRINTS + signature)
 
     def add_segment(self, segment: bytes, file_bytes: int, digest: int) -> None:
         """Reference a newly written segment file (its blocks are inserted after)."""

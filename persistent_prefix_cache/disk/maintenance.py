@@ -152,6 +152,7 @@ class StoreAdmin:
                     {
                         "root": root.hex(),
                         "fingerprint": desc.get("fingerprint"),
+                        "name": desc.get("name"),  # the folder or hub id it was stored from, if known
                         "namespace": desc.get("namespace"),
                         "layout": desc.get("layout"),
                         "blocks": len(nodes),

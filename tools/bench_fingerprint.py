@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""What verifying a remembered fingerprint costs, against hashing the weights.
+
+Builds a synthetic llama of a realistic width (random bf16 weights; default 2048 wide,
+8 layers, 32k vocabulary: ~0.54 B parameters, ~1.1 GB), writes it as a safetensors
+file, and times in one run, each the median of ``--repeat``:
+
+- ``fingerprint_model``: the full hash (what a store without a remembered fingerprint
+  pays at every open);
+- ``sample_digest``: what every open with a remembered fingerprint pays to verify it;
+- ``compare_with_folder``: what the first open of a folder pays once to check the
+  loaded model against the folder's files (page cache warm).
+
+The sample's cost grows with the number of tensors (4 pages each), not their size:
+the line ``per tensor`` lets one scale it to a larger model (an 8B llama has 291).
+
+Example::
+
+    .venv/bin/python tools/bench_fingerprint.py --hidden 2048 --layers 8 --repeat 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from persistent_prefix_cache.fingerprint import compare_with_folder, fingerprint_model, sample_digest  # noqa: E402
+
+
+def _median_time(fn, repeat: int) -> tuple[float, float]:
+    """(the first call, the median of `repeat` more): on a GPU the first call may move
+    the pages it reads to the host."""
+    times = []
+    for _ in range(repeat + 1):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return times[0], statistics.median(times[1:])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--intermediate", type=int, default=None, help="MLP width (default: 11/4 of --hidden)")
+    parser.add_argument(
+        "--llama8b", action="store_true", help="the Llama-3-8B shape (4096 wide, 32 layers, 128k vocab)"
+    )
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if args.llama8b:
+        args.hidden, args.layers, args.vocab, args.intermediate = 4096, 32, 128256, 14336
+
+    model_args = llama.ModelArgs(
+        model_type="llama", hidden_size=args.hidden, num_hidden_layers=args.layers,
+        intermediate_size=args.intermediate or args.hidden * 11 // 4, num_attention_heads=args.hidden // 64,
+        num_key_value_heads=max(1, args.hidden // 256), rms_norm_eps=1e-5, vocab_size=args.vocab,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    model = llama.Model(model_args)
+    model.set_dtype(mx.bfloat16)
+    params = tree_flatten(model.parameters())
+    mx.eval([p for _, p in params])
+    nbytes = sum(p.nbytes for _, p in params)
+    with tempfile.TemporaryDirectory() as folder:
+        mx.save_safetensors(os.path.join(folder, "model.safetensors"), dict(params))
+        sample_first, sample = _median_time(lambda: sample_digest(model), args.repeat)
+        compare_first, compare = _median_time(lambda: compare_with_folder(model, folder), args.repeat)
+        full_first, full = _median_time(lambda: fingerprint_model(model), args.repeat)
+        found = compare_with_folder(model, folder)
+        assert found.compared == len(params) and not found.differing
+    result = {
+        "device": str(mx.default_device()),
+        "tensors": len(params),
+        "bytes": nbytes,
+        "fingerprint_model_s": round(full, 4),
+        "fingerprint_model_first_s": round(full_first, 4),
+        "sample_digest_s": round(sample, 5),
+        "sample_digest_first_s": round(sample_first, 5),
+        "compare_with_folder_s": round(compare, 5),
+        "compare_with_folder_first_s": round(compare_first, 5),
+        "sample_per_tensor_us": round(sample / len(params) * 1e6, 1),
+        "full_over_sample": round(full / sample, 1),
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"model: {len(params)} tensors, {nbytes / 1e9:.2f} GB (bf16), device {mx.default_device()}")
+        rate = nbytes / full / 1e9
+        print(f"fingerprint_model (full hash)   {full:8.3f} s   {rate:.2f} GB/s (first {full_first:.3f} s)")
+        cheaper = result["full_over_sample"]
+        print(f"sample_digest (every reuse)     {sample:8.4f} s   {cheaper}x cheaper (first {sample_first:.4f} s)")
+        print(f"compare_with_folder (once)      {compare:8.4f} s   (first {compare_first:.4f} s)")
+        print(f"per tensor                      {result['sample_per_tensor_us']} us")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
