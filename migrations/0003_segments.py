@@ -79,10 +79,10 @@ def upgrade(env, txn, params):
         except ValueError:
             continue  # a malformed record: a miss before, dropped now
     segments = os.path.join(params["store"], "segments")
-    os.makedirs(segments, exist_ok=True)
     # A v2 store references no segment: any there were left by a migration that died
-    # before its commit.
-    for entry in os.scandir(segments):
+    # before its commit. (The folder is made by the first write: a new, empty store
+    # passes through here too, and its folders take the store's modes.)
+    for entry in os.scandir(segments) if os.path.isdir(segments) else ():
         if entry.is_dir():
             shutil.rmtree(entry.path, ignore_errors=True)
     dropped = set()
