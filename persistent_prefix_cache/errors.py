@@ -72,3 +72,16 @@ class MissingDependencyError(PrefixCacheError, ImportError):
     """An optional feature needs a package that is not installed."""
 
     hint = "pip install 'persistent-prefix-cache[remote]'"
+
+
+class RemoteConfigError(InvalidArgumentError):
+    """The remote server refuses what its URL asks for: a database it does not have,
+    a user name or password it does not accept."""
+
+    hint = "fix the remote URL (--remote / $PPC_REMOTE, or remote=); nothing was written"
+
+
+class RemoteUnreachableError(PrefixCacheError, ConnectionError):
+    """The remote server (or every node of a cluster) cannot be reached."""
+
+    hint = "start the server, or check the remote URL (--remote / $PPC_REMOTE, or remote=)"

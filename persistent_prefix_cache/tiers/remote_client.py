@@ -5,7 +5,17 @@ URL forms (what redis-py takes, plus one for a cluster):
 - ``redis://[user:password@]host:port[/db]``, ``rediss://...`` (TLS),
   ``unix:///path/to/socket[?db=0]``: one server;
 - ``redis+cluster://[user:password@]host:port[,host:port...]`` (``rediss+cluster://``
-  for TLS): a Redis Cluster, found from any of the listed nodes.
+  for TLS): a Redis Cluster, found from any of the listed nodes (a cluster has db 0 only).
+
+A db must be a number (redis-py would take ``/abc`` as db 0 without a word); whether
+the server has it is known at first contact (`Servers.contact`), which also tells a
+server that refuses the URL (a db it lacks, a wrong password: `RemoteConfigError`)
+from one that cannot be reached (`RemoteUnreachableError`).
+
+A server that cannot be reached is said once, in plain words (``cannot reach
+redis://127.0.0.1:6379: connection refused; serving from the local store only``), on
+the ``persistent_prefix_cache`` logger: once per URL and process until it answers
+again, never per call (`Voice`). Passwords are never shown (`redact`).
 
 Every socket has a connect and a read timeout and redis-py's own retries are off: a
 dead, paused or slow node costs a caller at most one timeout per round trip, and then
@@ -17,14 +27,18 @@ only when a remote is opened (the ``[remote]`` extra).
 
 from __future__ import annotations
 
+import logging
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
-from ..errors import InvalidArgumentError, MissingDependencyError
+from ..errors import InvalidArgumentError, MissingDependencyError, RemoteConfigError, RemoteUnreachableError
 from .remote_replies import read_values
+
+log = logging.getLogger("persistent_prefix_cache")
 
 SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 FIRST_BACKOFF = 0.5
@@ -44,12 +58,28 @@ def _redis():
 
 
 def redact(url: str) -> str:
-    """`url` without its password (for messages and logs)."""
-    parts = urlsplit(url)
-    if parts.password is None:
+    """`url` without its password (for messages and logs): the one after ``user:`` and
+    a ``password=`` query option (redis-py takes both)."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:  # not a URL at all: nothing in it is known to be a password
         return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return parts._replace(netloc=netloc).geturl()
+    if password is None and "password=" not in parts.query:
+        return url  # as given (geturl would normalize it: unix:///s -> unix:/s)
+    if password is not None:
+        parts = parts._replace(netloc=parts.netloc.replace(f":{password}@", ":***@", 1))
+    if "password=" in parts.query:
+        query = "&".join(
+            "password=***" if item.startswith("password=") else item for item in parts.query.split("&")
+        )
+        parts = parts._replace(query=query)
+    return parts.geturl()
+
+
+def shown(url: str) -> str:
+    """`url` as messages name the server: password hidden, query options left out."""
+    return redact(url).split("?", 1)[0]
 
 
 @dataclass
@@ -62,13 +92,15 @@ class Target:
     username: str | None = None
     password: str | None = None
     tls: bool = False
+    db: int = 0
 
 
 def parse_url(url: str) -> Target:
     """Check a remote URL and say what it names.
 
     Raises:
-        InvalidArgumentError: If it is not one of the forms above.
+        InvalidArgumentError: If it is not one of the forms above, or names a db that
+            is not a number (``/abc``, ``?db=-1``), or a db other than 0 of a cluster.
     """
     if not isinstance(url, str) or "://" not in url:
         raise InvalidArgumentError(
@@ -84,7 +116,7 @@ def parse_url(url: str) -> Target:
     if scheme == "unix":
         if not urlsplit(url).path:
             raise InvalidArgumentError(f"remote URL {url!r} names no socket path", hint="use unix:///path/to/socket")
-        return Target(url, False)
+        return Target(url, False, db=_db_of(url, path=False))
     auth, _, hosts = rest.rpartition("@")
     hosts = hosts.split("/", 1)[0].split("?", 1)[0]
     nodes = []
@@ -102,10 +134,118 @@ def parse_url(url: str) -> Target:
         raise InvalidArgumentError(
             f"remote URL {redact(url)!r} lists several hosts", hint="for a cluster use redis+cluster://h1:p1,h2:p2"
         )
+    db = _db_of(url, path=True)
+    if cluster and db:
+        raise InvalidArgumentError(
+            f"remote URL {redact(url)!r} asks a cluster for db {db}: a cluster has db 0 only",
+            hint="leave the db out of a redis+cluster:// URL",
+        )
     user, _, password = auth.partition(":")
     return Target(
-        url, cluster, nodes, unquote(user) or None, unquote(password) if password else None, scheme.startswith("rediss")
-    )
+        url, cluster, nodes, unquote(user) or None, unquote(password) if password else None,
+        scheme.startswith("rediss"), db,
+    )  # fmt: skip
+
+
+def _db_of(url: str, *, path: bool) -> int:
+    """The db a URL names (``/N`` after the host, or ``?db=N``): a number >= 0.
+
+    Raises:
+        InvalidArgumentError: If either is not a number, or they differ.
+    """
+    parts = urlsplit(url)
+    found = []
+    if path and parts.path.strip("/"):
+        found.append(("the path", parts.path[1:]))
+    found += [("db=", value) for name, value in parse_qsl(parts.query, keep_blank_values=True) if name == "db"]
+    for where, text in found:
+        if not (text.isascii() and text.isdigit()):
+            raise InvalidArgumentError(
+                f"remote URL {redact(url)!r}: the db must be a number >= 0, not {text!r} ({where})",
+                hint="e.g. redis://host:6379/0",
+            )
+    numbers = {int(text) for _, text in found}
+    if len(numbers) > 1:
+        raise InvalidArgumentError(
+            f"remote URL {redact(url)!r} names two dbs ({', '.join(map(str, sorted(numbers)))})", hint="name one"
+        )
+    return numbers.pop() if numbers else 0
+
+
+def _reason(exc: BaseException) -> str:
+    """What went wrong with a connection, in a few lower-case words ("connection
+    refused", "name or service not known", "connection closed by server")."""
+    cause = exc.__cause__ or exc.__context__
+    if isinstance(cause, OSError) and cause.strerror:
+        return cause.strerror.lower()
+    text = str(exc).strip().rstrip(".")
+    if " connecting to " in text and ". " in text:  # redis-py: "Error 111 connecting to h:p. Connection refused."
+        text = text.rsplit(". ", 1)[1]
+    if text[1:2].islower():  # "Connection refused", not "HELLO ..."
+        text = text[:1].lower() + text[1:]
+    return text or type(exc).__name__
+
+
+def describe(target: Target, exc: BaseException, *, timeout: float, node: Any = None) -> tuple[bool, str]:
+    """A failure of a round trip, said plainly.
+
+    Args:
+        target: The URL's target.
+        exc: What redis-py (or the socket) raised.
+        timeout: The connect and read timeout in force.
+        node: A cluster node's (host, port), where one failed.
+
+    Returns:
+        (refused, message): refused is True when the server answered but refuses what
+        the URL asks (a db it lacks, a user or password it does not accept), False
+        when it cannot be reached (refused, reset, timed out, no such host).
+    """
+    where = shown(target.url) if node is None or not target.cluster else f"{node[0]}:{node[1]} of {shown(target.url)}"
+    name = type(exc).__name__
+    text = str(exc)
+    if name == "AuthenticationError" or name.startswith("Authentication") or "WRONGPASS" in text or "NOAUTH" in text:
+        if target.password is None:
+            return True, f"{where}: the server asks for a password, and the URL gives none"
+        return True, f"{where}: the server refuses the URL's user name or password ({_reason(exc)})"
+    if name == "ResponseError" and "DB index" in text:
+        return True, f"{where}: the server has no db {target.db} ({_reason(exc)})"
+    if name == "ResponseError":
+        return True, f"{where}: the server refuses the connection: {_reason(exc)}"
+    if isinstance(exc, (socket.timeout, TimeoutError)) or name == "TimeoutError":
+        return False, f"cannot reach {where}: no answer within {timeout:g} s"
+    return False, f"cannot reach {where}: {_reason(exc)}"
+
+
+class Voice:
+    """Says a server's failures once: the first failure of a URL in this process is
+    logged as a warning (with what the caller does without it), later ones are not
+    until the server answered again (then that is logged at info)."""
+
+    _lock = threading.Lock()
+    _down: dict[str, str] = {}  # shown URL -> the message said
+
+    @classmethod
+    def failed(cls, url: str, message: str, tail: str) -> bool:
+        """Say `message` (plus "; `tail`") unless a failure of `url` was said already.
+
+        Returns:
+            Whether it was said now.
+        """
+        with cls._lock:
+            if url in cls._down:
+                return False
+            cls._down[url] = message
+        log.warning("%s%s", message, f"; {tail}" if tail else "")
+        return True
+
+    @classmethod
+    def answered(cls, url: str) -> None:
+        """`url` answered: its next failure is said again."""
+        if url in cls._down:  # read without the lock: the common case is a dict miss
+            with cls._lock:
+                said = cls._down.pop(url, None)
+            if said is not None:
+                log.info("%s answers again", url)
 
 
 class Breaker:
@@ -167,13 +307,20 @@ class Servers:
     Args:
         url: A remote URL (see the module's docstring).
         timeout: Seconds a connect or a read may take before the call fails.
+        tail: What the caller does without the server, said after its first failure
+            ("serving from the local store only"; empty: nothing).
     """
 
-    def __init__(self, url: str, *, timeout: float):
+    def __init__(self, url: str, *, timeout: float, tail: str = ""):
         self.target = parse_url(url)
         self.timeout = timeout
+        self.tail = tail
+        self.shown = shown(url)
         self.redis = _redis()
         self.errors = 0  # round trips that failed (timeouts, refused connections, ...)
+        self.problem: str | None = None  # the last failure, said plainly (None: none yet)
+        self._last_failure: tuple[BaseException, Any] | None = None
+        self._quiet = False  # in `contact`: its caller says what failed
         self._lock = threading.Lock()
         self._nodes: dict[Any, _Node] = {}
         self._slots: list[Any] | None = None  # cluster: slot -> node address
@@ -215,9 +362,10 @@ class Servers:
                 continue
             try:
                 ranges = node.client().execute_command("CLUSTER SLOTS")
-            except Exception:  # noqa: BLE001 - any failure of a node means: try another
-                self._failed(node)
+            except Exception as exc:  # noqa: BLE001 - any failure of a node means: try another
+                self._failed(node, exc, address)
                 continue
+            self._answered(node)
             slots: list[Any] = [None] * _SLOTS
             for lo, hi, master, *_ in ranges:
                 host = master[0].decode() if isinstance(master[0], bytes) else master[0]
@@ -246,10 +394,30 @@ class Servers:
                 groups.setdefault(address, []).append(i)
         return groups
 
-    def _failed(self, node: _Node) -> None:
+    def _failed(self, node: _Node, exc: BaseException, address: Any = None) -> None:
+        """Count a failed round trip, back the node off, and say it (once, see `Voice`)."""
         node.breaker.failed()
         with self._lock:
             self.errors += 1
+        try:
+            refused, self.problem = describe(self.target, exc, timeout=self.timeout, node=address)
+        except Exception:  # noqa: BLE001 - saying it must never fail the caller
+            self.problem = f"cannot reach {self.shown}: {type(exc).__name__}"
+        self._last_failure = (exc, address)
+        if not self._quiet:
+            Voice.failed(self.shown, self.problem, self.tail)
+
+    def back_off(self) -> None:
+        """Skip the server for a while, as after a failed call (another connection to
+        it just failed: a call now would pay the same failure)."""
+        if self.target.cluster:
+            self._slots_breaker.failed()
+        else:
+            self._node("single").breaker.failed()
+
+    def _answered(self, node: _Node) -> None:
+        node.breaker.succeeded()
+        Voice.answered(self.shown)
 
     def call(self, commands: Sequence[Command]) -> list[Any]:
         """Run commands (one key each) in one pipeline per node.
@@ -295,12 +463,12 @@ class Servers:
                 continue
             try:
                 results = run(node.client(), where)
-            except Exception:  # noqa: BLE001 - a timeout, a refused or reset connection, ...
-                self._failed(node)
+            except Exception as exc:  # noqa: BLE001 - a timeout, a refused or reset connection, ...
+                self._failed(node, exc, address)
                 if self.target.cluster:
                     self.forget_topology()
                 continue
-            node.breaker.succeeded()
+            self._answered(node)
             for i, res in zip(where, results):
                 if isinstance(res, Exception):
                     moved = moved or "MOVED" in str(res) or "ASK" in str(res)
@@ -322,46 +490,102 @@ class Servers:
         """Every key matching `pattern`, node by node (for ``ppc pull`` of a model).
 
         Raises:
-            OSError: If a node cannot be read.
+            RemoteConfigError: If the server refuses the URL (db, user, password).
+            RemoteUnreachableError: If a node cannot be read.
         """
-        addresses = ["single"]
-        if self.target.cluster:
-            slots = self._slot_map()
-            if slots is None:
-                raise OSError("no cluster node answers")
-            addresses = sorted({a for a in slots if a is not None})
-        for address in addresses:
+        for address in self._addresses():
             try:
                 yield from self._node(address).client().scan_iter(match=pattern, count=count)
             except self.redis.RedisError as exc:
-                raise OSError(f"cannot scan {address}: {exc}") from None
+                raise self._error(exc, address) from None
+
+    def _addresses(self) -> list[Any]:
+        """Every node to ask (one server: "single").
+
+        Raises:
+            RemoteUnreachableError: If no node of a cluster answers.
+        """
+        if not self.target.cluster:
+            return ["single"]
+        slots = self._slot_map()
+        if slots is None:
+            if self._last_failure is not None:
+                raise self._error(*self._last_failure)
+            raise RemoteUnreachableError(self.problem or f"cannot reach any node of {self.shown}")
+        return sorted({a for a in slots if a is not None})
+
+    def _error(self, exc: BaseException, address: Any) -> Exception:
+        """The typed error for a failure of `address` (see `describe`)."""
+        refused, message = describe(self.target, exc, timeout=self.timeout, node=address)
+        if refused and "has no db" in message:
+            message = self._databases(message)
+        return RemoteConfigError(message) if refused else RemoteUnreachableError(message)
+
+    def _databases(self, message: str) -> str:
+        """`message` with how many dbs the server has (asked on db 0; as it was if the
+        server does not say)."""
+        try:
+            pool = self._node("single").client().connection_pool
+            kwargs = {k: v for k, v in pool.connection_kwargs.items() if not k.startswith(("maint_", "orig_"))}
+            probe = self.redis.Redis(connection_pool=type(pool)(connection_class=pool.connection_class, **{**kwargs, "db": 0}))
+            try:
+                n = int(probe.config_get("databases")["databases"])
+            finally:
+                probe.close()
+        except Exception:  # noqa: BLE001 - CONFIG may be renamed or not allowed: keep the server's words
+            return message
+        return f"{self.shown}: the server has {n} databases (0-{n - 1}), not db {self.target.db}"
+
+    def contact(self) -> None:
+        """Talk to the server now (PING; a cluster: its slot map), so that a URL the
+        server refuses, or a server that cannot be reached, is known at once.
+
+        Raises:
+            RemoteConfigError: If the server refuses the URL's db, user or password.
+            RemoteUnreachableError: If it cannot be reached (the failure is counted
+                and its node backed off, as a failed call's; nothing is logged: the
+                caller says it).
+        """
+        self._quiet = True
+        try:
+            for address in self._addresses():
+                node = self._node(address)
+                try:
+                    node.client().ping()
+                except Exception as exc:  # noqa: BLE001 - redis-py's errors, ssl's, the socket's
+                    error = self._error(exc, address)
+                    node.breaker.failed()
+                    with self._lock:
+                        self.errors += 1
+                    self.problem = error.message
+                    raise error from None
+                self._answered(node)
+        finally:
+            self._quiet = False
 
     def info(self) -> list[dict]:
         """Memory and eviction figures of every node (for ``ppc stats --remote``).
 
         Raises:
-            OSError: If no node answers.
+            RemoteConfigError: If the server refuses the URL (db, user, password).
+            RemoteUnreachableError: If no node answers.
         """
-        addresses: list[Any] = ["single"]
-        if self.target.cluster:
-            slots = self._slot_map()
-            if slots is None:
-                raise OSError("no cluster node answers")
-            addresses = sorted({a for a in slots if a is not None})
+        addresses = self._addresses()
         out = []
         for address in addresses:
             try:
                 client = self._node(address).client()
                 info = {**client.info("memory"), **client.info("stats")}
             except self.redis.RedisError as exc:
-                out.append({"node": str(address), "error": str(exc)})
+                out.append({"node": str(address), "error": self._error(exc, address).message})
                 continue
             out.append({
                 "node": str(address) if self.target.cluster else redact(self.target.url),
                 **{k: info.get(k) for k in ("used_memory", "maxmemory", "maxmemory_policy", "evicted_keys")},
             })  # fmt: skip
         if all("error" in n for n in out):
-            raise OSError(f"no node answers: {out[0]['error']}")
+            error = out[0]["error"]
+            raise (RemoteUnreachableError if error.startswith("cannot reach") else RemoteConfigError)(error)
         return out
 
     def close(self) -> None:
