@@ -78,10 +78,10 @@ class RemoteConfigError(InvalidArgumentError):
     """The remote server refuses what its URL asks for: a database it does not have,
     a user name or password it does not accept."""
 
-    hint = "fix the remote URL (--remote / $PPC_REMOTE, or remote=); nothing was written"
+    hint = "fix the remote URL; nothing was written"
 
 
 class RemoteUnreachableError(PrefixCacheError, ConnectionError):
     """The remote server (or every node of a cluster) cannot be reached."""
 
-    hint = "start the server, or check the remote URL (--remote / $PPC_REMOTE, or remote=)"
+    hint = "start the server, or check the remote URL"

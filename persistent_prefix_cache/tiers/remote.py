@@ -124,6 +124,7 @@ class RemoteTier:
         self._check_pool: ThreadPoolExecutor | None = None
         self._check_pid = 0
         self._said_unauthenticated = False
+        self.warn_unauthenticated = True  # False: the caller says it (ppc pull, with a count)
         if contact:
             try:
                 self.contact()
@@ -324,7 +325,7 @@ class RemoteTier:
         self.counters.add(**{f"remote_{exc.reason}": 1})
         if exc.reason != "unauthenticated":
             log.warning("remote block %s rejected: %s", key.hex(), exc)
-        elif not self._said_unauthenticated:
+        elif self.warn_unauthenticated and not self._said_unauthenticated:
             self._said_unauthenticated = True
             log.warning(
                 "blocks from %s fail authentication (%s): is the remote secret ($PPC_REMOTE_SECRET, remote_secret=) "

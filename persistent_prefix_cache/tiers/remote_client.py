@@ -365,7 +365,7 @@ class Servers:
             except Exception as exc:  # noqa: BLE001 - any failure of a node means: try another
                 self._failed(node, exc, address)
                 continue
-            self._answered(node)
+            self._answered(node, address)
             slots: list[Any] = [None] * _SLOTS
             for lo, hi, master, *_ in ranges:
                 host = master[0].decode() if isinstance(master[0], bytes) else master[0]
@@ -405,7 +405,13 @@ class Servers:
             self.problem = f"cannot reach {self.shown}: {type(exc).__name__}"
         self._last_failure = (exc, address)
         if not self._quiet:
-            Voice.failed(self.shown, self.problem, self.tail)
+            Voice.failed(self._voice_key(address), self.problem, self.tail)
+
+    def _voice_key(self, address: Any) -> str:
+        """What `Voice` says once: the server, or one node of a cluster."""
+        if not self.target.cluster or address is None:
+            return self.shown
+        return f"{address[0]}:{address[1]} of {self.shown}"
 
     def back_off(self) -> None:
         """Skip the server for a while, as after a failed call (another connection to
@@ -415,9 +421,9 @@ class Servers:
         else:
             self._node("single").breaker.failed()
 
-    def _answered(self, node: _Node) -> None:
+    def _answered(self, node: _Node, address: Any = None) -> None:
         node.breaker.succeeded()
-        Voice.answered(self.shown)
+        Voice.answered(self._voice_key(address))
 
     def call(self, commands: Sequence[Command]) -> list[Any]:
         """Run commands (one key each) in one pipeline per node.
@@ -468,7 +474,7 @@ class Servers:
                 if self.target.cluster:
                     self.forget_topology()
                 continue
-            self._answered(node)
+            self._answered(node, address)
             for i, res in zip(where, results):
                 if isinstance(res, Exception):
                     moved = moved or "MOVED" in str(res) or "ASK" in str(res)
@@ -548,18 +554,27 @@ class Servers:
         """
         self._quiet = True
         try:
-            for address in self._addresses():
+            addresses = self._addresses()
+            down = []
+            for address in addresses:
                 node = self._node(address)
                 try:
                     node.client().ping()
                 except Exception as exc:  # noqa: BLE001 - redis-py's errors, ssl's, the socket's
                     error = self._error(exc, address)
+                    if isinstance(error, RemoteConfigError):
+                        raise error from None
                     node.breaker.failed()
                     with self._lock:
                         self.errors += 1
                     self.problem = error.message
-                    raise error from None
-                self._answered(node)
+                    down.append((address, error))
+                    continue
+                self._answered(node, address)
+            if down and len(down) == len(addresses):
+                raise down[0][1] from None
+            for address, error in down:  # a cluster's node is down: its slots miss, the rest serve
+                Voice.failed(self._voice_key(address), error.message, "its slots miss")
         finally:
             self._quiet = False
 
@@ -594,3 +609,18 @@ class Servers:
             nodes = list(self._nodes.values())
         for node in nodes:
             node.close()
+
+
+def contact(url: str, *, timeout: float) -> None:
+    """Talk to the server of `url` once (see `Servers.contact`), on a connection of its own.
+
+    Raises:
+        InvalidArgumentError: On a malformed URL.
+        RemoteConfigError: If the server refuses the URL's db, user or password.
+        RemoteUnreachableError: If it cannot be reached.
+    """
+    servers = Servers(url, timeout=timeout)
+    try:
+        servers.contact()
+    finally:
+        servers.close()
