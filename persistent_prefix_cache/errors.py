@@ -78,7 +78,7 @@ class RemoteConfigError(InvalidArgumentError):
     """The remote server refuses what its URL asks for: a database it does not have,
     a user name or password it does not accept."""
 
-    hint = "fix the remote URL; nothing was written"
+    hint = "fix the remote URL: its db, user name or password"
 
 
 class RemoteUnreachableError(PrefixCacheError, ConnectionError):
