@@ -334,14 +334,17 @@ class Servers:
         return f"{self.shown}: the server has {n} databases (0-{n - 1}), not db {self.target.db}"
 
     def contact(self) -> None:
-        """Talk to the server now (PING; a cluster: its slot map), so that a URL the
-        server refuses, or a server that cannot be reached, is known at once.
+        """Talk to the server now (a PING; a cluster: its slot map, then a PING to
+        each node), so that a URL the server refuses, or a server that cannot be
+        reached, is known at once.
 
         Raises:
-            RemoteConfigError: If the server refuses the URL's db, user or password.
-            RemoteUnreachableError: If it cannot be reached (the failure is counted
-                and its node backed off, as a failed call's; nothing is logged: the
-                caller says it).
+            RemoteConfigError: If the server (any node) refuses the URL's db, user or
+                password.
+            RemoteUnreachableError: If it (every node) cannot be reached: the failure
+                is counted and backed off, as a failed call's, and not logged: the
+                caller says it. A cluster node that is down while others answer is
+                said (once) and its slots miss.
         """
         self._quiet = True
         try:

@@ -177,17 +177,18 @@ def describe(target: Target, exc: BaseException, *, timeout: float, node: Any = 
         when it cannot be reached (refused, reset, timed out, no such host).
     """
     where = shown(target.url) if node is None or not target.cluster else f"{node[0]}:{node[1]} of {shown(target.url)}"
-    name = type(exc).__name__
+    # redis-py's classes by name: this module does not import redis-py.
+    kinds = {c.__name__ for c in type(exc).__mro__}
     text = str(exc)
-    if name == "AuthenticationError" or name.startswith("Authentication") or "WRONGPASS" in text or "NOAUTH" in text:
+    if any(k.startswith("Authentication") for k in kinds) or "WRONGPASS" in text or "NOAUTH" in text:
         if target.password is None:
             return True, f"{where}: the server asks for a password, and the URL gives none"
         return True, f"{where}: the server refuses the URL's user name or password ({_reason(exc)})"
-    if name == "ResponseError" and "DB index" in text:
+    if "ResponseError" in kinds and "DB index" in text:
         return True, f"{where}: the server has no db {target.db} ({_reason(exc)})"
-    if name == "ResponseError":
+    if "ResponseError" in kinds:
         return True, f"{where}: the server refuses the connection: {_reason(exc)}"
-    if isinstance(exc, (socket.timeout, TimeoutError)) or name == "TimeoutError":
+    if isinstance(exc, (socket.timeout, TimeoutError)) or "TimeoutError" in kinds:
         return False, f"cannot reach {where}: no answer within {timeout:g} s"
     return False, f"cannot reach {where}: {_reason(exc)}"
 
