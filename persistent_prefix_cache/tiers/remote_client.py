@@ -324,7 +324,8 @@ class Servers:
         try:
             pool = self._node("single").client().connection_pool
             kwargs = {k: v for k, v in pool.connection_kwargs.items() if not k.startswith(("maint_", "orig_"))}
-            probe = self.redis.Redis(connection_pool=type(pool)(connection_class=pool.connection_class, **{**kwargs, "db": 0}))
+            db0 = type(pool)(connection_class=pool.connection_class, **{**kwargs, "db": 0})
+            probe = self.redis.Redis(connection_pool=db0)
             try:
                 n = int(probe.config_get("databases")["databases"])
             finally:
