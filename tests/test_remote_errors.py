@@ -250,3 +250,25 @@ def test_passwords_are_never_printed(tmp_path, tiny_model_dir, filled, dead_url,
         assert "the server asks for a password, and the URL gives none" in line
     finally:
         server.stop()
+
+
+def test_a_cluster_nothing_answers_is_said_once(tmp_path, model, caplog):
+    socks = [socket.socket() for _ in range(2)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    url = "redis+cluster://" + ",".join(f"127.0.0.1:{s.getsockname()[1]}" for s in socks)
+    toks = random_tokens(40, 92, first=92)
+    try:
+        with caplog.at_level(logging.WARNING, logger="persistent_prefix_cache"):
+            host = open_host(tmp_path / "a", model, url, remote_timeout=1.0)
+            for i in range(3):
+                time.sleep(0.6)  # past the breaker's first back-off
+                assert fetch_exact(host, model, toks + [i]) == 0
+            publish(host, model, toks)
+        said = [r.getMessage() for r in caplog.records if "cannot reach" in r.getMessage()]
+        assert said == [f"cannot reach any node of {url}: connection refused; serving from the local store only"]
+        assert host.stats()["remote_errors"] >= 2
+        host.close()
+    finally:
+        for s in socks:
+            s.close()

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 from ..errors import MissingDependencyError, RemoteConfigError, RemoteUnreachableError
 from .remote_replies import read_values
-from .remote_urls import SCHEMES, Target, Voice, describe, parse_url, redact, shown  # noqa: F401 - re-exported
+from .remote_urls import SCHEMES, Target, Voice, describe, parse_url, reason_of, redact, shown  # noqa: F401 - re-exported
 
 FIRST_BACKOFF = 0.5
 MAX_BACKOFF = 30.0
@@ -154,9 +154,10 @@ class Servers:
             try:
                 ranges = node.client().execute_command("CLUSTER SLOTS")
             except Exception as exc:  # noqa: BLE001 - any failure of a node means: try another
-                self._failed(node, exc, address)
+                self._failed(node, exc, address, say=False)  # said below if no node answers
                 continue
             self._answered(node, address)
+            Voice.answered(self.shown)
             slots: list[Any] = [None] * _SLOTS
             for lo, hi, master, *_ in ranges:
                 host = master[0].decode() if isinstance(master[0], bytes) else master[0]
@@ -165,7 +166,17 @@ class Servers:
             self._slots = slots
             return slots
         self._slots_breaker.failed()
+        if not self._quiet and self._last_failure is not None:
+            Voice.failed(self.shown, self._no_node_error().message, self.tail)
         return None
+
+    def _no_node_error(self) -> Exception:
+        """The typed error when no node of a cluster answers (after a failure)."""
+        exc, address = self._last_failure or (OSError("no node answers"), None)
+        error = self._error(exc, address)
+        if isinstance(error, RemoteConfigError):
+            return error
+        return RemoteUnreachableError(f"cannot reach any node of {self.shown}: {reason_of(exc)}")
 
     def forget_topology(self) -> None:
         """Ask the cluster for its slots again before the next call (after MOVED)."""
@@ -185,7 +196,7 @@ class Servers:
                 groups.setdefault(address, []).append(i)
         return groups
 
-    def _failed(self, node: _Node, exc: BaseException, address: Any = None) -> None:
+    def _failed(self, node: _Node, exc: BaseException, address: Any = None, *, say: bool = True) -> None:
         """Count a failed round trip, back the node off, and say it (once, see `Voice`)."""
         node.breaker.failed()
         with self._lock:
@@ -195,7 +206,7 @@ class Servers:
         except Exception:  # noqa: BLE001 - saying it must never fail the caller
             self.problem = f"cannot reach {self.shown}: {type(exc).__name__}"
         self._last_failure = (exc, address)
-        if not self._quiet:
+        if say and not self._quiet:
             Voice.failed(self._voice_key(address), self.problem, self.tail)
 
     def _voice_key(self, address: Any) -> str:
@@ -306,9 +317,7 @@ class Servers:
             return ["single"]
         slots = self._slot_map()
         if slots is None:
-            if self._last_failure is not None:
-                raise self._error(*self._last_failure)
-            raise RemoteUnreachableError(self.problem or f"cannot reach any node of {self.shown}")
+            raise self._no_node_error()
         return sorted({a for a in slots if a is not None})
 
     def _error(self, exc: BaseException, address: Any) -> Exception:

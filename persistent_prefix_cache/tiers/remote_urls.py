@@ -148,7 +148,7 @@ def _db_of(url: str, *, path: bool) -> int:
     return numbers.pop() if numbers else 0
 
 
-def _reason(exc: BaseException) -> str:
+def reason_of(exc: BaseException) -> str:
     """What went wrong with a connection, in a few lower-case words ("connection
     refused", "name or service not known", "connection closed by server")."""
     cause = exc.__cause__ or exc.__context__
@@ -183,14 +183,14 @@ def describe(target: Target, exc: BaseException, *, timeout: float, node: Any = 
     if any(k.startswith("Authentication") for k in kinds) or "WRONGPASS" in text or "NOAUTH" in text:
         if target.password is None:
             return True, f"{where}: the server asks for a password, and the URL gives none"
-        return True, f"{where}: the server refuses the URL's user name or password ({_reason(exc)})"
+        return True, f"{where}: the server refuses the URL's user name or password ({reason_of(exc)})"
     if "ResponseError" in kinds and "DB index" in text:
-        return True, f"{where}: the server has no db {target.db} ({_reason(exc)})"
+        return True, f"{where}: the server has no db {target.db} ({reason_of(exc)})"
     if "ResponseError" in kinds:
-        return True, f"{where}: the server refuses the connection: {_reason(exc)}"
+        return True, f"{where}: the server refuses the connection: {reason_of(exc)}"
     if isinstance(exc, (socket.timeout, TimeoutError)) or "TimeoutError" in kinds:
         return False, f"cannot reach {where}: no answer within {timeout:g} s"
-    return False, f"cannot reach {where}: {_reason(exc)}"
+    return False, f"cannot reach {where}: {reason_of(exc)}"
 
 
 class Voice:
