@@ -71,7 +71,8 @@ def push_store(
 
     Returns:
         blocks, pushed, already (held by the server), damaged (failed their checksum
-        here, not sent), failed (the server did not take them).
+        here, not sent), failed (the server did not take them); with failures, also
+        why: the server's words (a refusal, or why it could not be reached).
 
     Raises:
         InvalidArgumentError: If there is no store at `path`, or on a malformed URL.
@@ -121,6 +122,10 @@ def push_store(
                     out["failed"] += len(blocks) - written - already
             if progress is not None:
                 progress(min(lo + BATCH, len(todo)), len(todo))
+        if out["failed"]:
+            said = [f"the server says: {t.bulk.refusal.rstrip('.')}" if t.bulk.refusal else t.bulk.problem
+                    for t in tiers.values()]  # fmt: skip
+            out["why"] = next((why for why in said if why), None)
     finally:
         for tier in tiers.values():
             tier.close()

@@ -272,3 +272,19 @@ def test_a_cluster_nothing_answers_is_said_once(tmp_path, model, caplog):
     finally:
         for s in socks:
             s.close()
+
+
+def test_push_to_a_full_server_that_evicts_nothing_says_why(tmp_path, filled, redis_engine):
+    from redis_servers import RedisServer
+
+    server = RedisServer(tmp_path / "redis", args=["--maxmemory", "1", "--maxmemory-policy", "noeviction"],
+                         engine=redis_engine).start()  # fmt: skip
+    try:
+        proc = ppc("push", "--store", filled, "--remote", server.url, "--json")
+        line = one_error(proc, 1)
+        blocks = json.loads(proc.stdout)["blocks"]
+        assert json.loads(proc.stdout)["failed"] == blocks > 0
+        assert line.startswith(f"error: {blocks} blocks not taken by the server (the server says: "), line
+        assert "maxmemory" in line and line.endswith("set its maxmemory-policy to allkeys-lru"), line
+    finally:
+        server.stop()

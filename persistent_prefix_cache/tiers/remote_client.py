@@ -110,6 +110,7 @@ class Servers:
         self.redis = _redis()
         self.errors = 0  # round trips that failed (timeouts, refused connections, ...)
         self.problem: str | None = None  # the last failure, said plainly (None: none yet)
+        self.refusal: str | None = None  # the server's words when it last refused a command
         self._last_failure: tuple[BaseException, Any] | None = None
         self._quiet = False  # in `contact`: its caller says what failed
         self._lock = threading.Lock()
@@ -279,7 +280,11 @@ class Servers:
             self._answered(node, address)
             for i, res in zip(where, results):
                 if isinstance(res, Exception):
-                    moved = moved or "MOVED" in str(res) or "ASK" in str(res)
+                    text = str(res)
+                    if "MOVED" in text or "ASK" in text:
+                        moved = True
+                    else:  # the server refused this command (full and not evicting, say)
+                        self.refusal = text
                     continue
                 out[i] = res
         if moved:
