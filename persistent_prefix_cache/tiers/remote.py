@@ -11,6 +11,11 @@ bytes; a full queue drops them (counted). A publisher thread writes them with
 ``SET NX`` (the first writer wins; a value is one SET, so never half-written), with
 an optional TTL. `flush` waits until every block queued so far is published or has
 failed and been counted.
+
+Opening (`RemoteTier.contact`): a handle talks to the server once when it is made, so
+that a URL the server refuses (a db it lacks, a wrong password) raises there and a
+server that cannot be reached is said at once, in plain words (then the handle serves
+from its local store, and from the server as soon as it answers).
 """
 
 from __future__ import annotations
@@ -25,9 +30,9 @@ from typing import Any, Callable, Sequence
 
 from ..disk.faults import pause_point
 from ..disk.node import Node
+from ..errors import RemoteUnreachableError
 from ..keys import block_key
 from . import remote_wire as wire
-from ..errors import RemoteUnreachableError
 from .remote_client import UNAVAILABLE, Servers, Voice, redact
 
 log = logging.getLogger("persistent_prefix_cache")
@@ -81,7 +86,7 @@ class RemoteTier:
         queue_bytes: Bound of the publish queue's tensor bytes.
         counters: Where to count (a `writeback.Counters` with `COUNTERS`).
         tail: What the caller does without the server, said once after its first
-            failure (see `remote_client.Voice`).
+            failure (see `remote_urls.Voice`).
         contact: Talk to the server now (`contact`), so that a URL it refuses raises
             here and a server that cannot be reached is said at once.
 
