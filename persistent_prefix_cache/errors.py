@@ -98,3 +98,16 @@ class ModelMismatchError(PrefixCacheError, ValueError):
         "pass the folder the model was loaded from as model_path, or omit model_path "
         "(the weights are then hashed at every open); nothing was remembered"
     )
+
+
+class RemoteConfigError(InvalidArgumentError):
+    """The remote server refuses what its URL asks for: a database it does not have,
+    a user name or password it does not accept."""
+
+    hint = "fix the remote URL: its db, user name or password"
+
+
+class RemoteUnreachableError(PrefixCacheError, ConnectionError):
+    """The remote server (or every node of a cluster) cannot be reached."""
+
+    hint = "start the server, or check the remote URL"

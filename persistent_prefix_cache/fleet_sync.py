@@ -7,7 +7,9 @@ publisher's. `pull_model` reads every block the server holds for one model (SCAN
 its key prefix), verifies each as a fetch does (its key follows from its parent and
 tokens, checksum, MAC, layout) and writes the ones the local store lacks through the
 store's own write path, parents first; a block whose parent is missing is skipped.
-Both are safe to re-run and to interrupt.
+Both are safe to re-run and to interrupt. Both need the server: they talk to it first
+and raise `RemoteUnreachableError` (or `RemoteConfigError` for a db it lacks, a wrong
+password) before doing anything else.
 """
 
 from __future__ import annotations
@@ -19,15 +21,33 @@ from typing import Any, Callable
 from .disk.index import Index
 from .disk.node import Node
 from .disk.segment import SegmentFiles
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, PrefixCacheError, RemoteUnreachableError
 from .tiers import remote_wire as wire
 from .tiers.remote import COUNTERS, RemoteTier
-from .tiers.remote_client import UNAVAILABLE
+from .tiers.remote_client import UNAVAILABLE, contact
 from .writeback import Counters
 
 BATCH = 16
 BULK_TIMEOUT = 10.0  # seconds per round trip for bulk transfers (no caller waits on them)
 Progress = Callable[[int, int], None]
+
+
+def reach(url: str, tail: str, timeout: float = BULK_TIMEOUT) -> None:
+    """Talk to the server before a transfer that cannot go on without it.
+
+    Args:
+        url: The remote URL.
+        tail: What it means for the transfer ("nothing was pushed"), said after why.
+        timeout: Seconds the connect and the answer may take.
+
+    Raises:
+        RemoteConfigError: If the server refuses the URL's db, user or password.
+        RemoteUnreachableError: If it cannot be reached.
+    """
+    try:
+        contact(url, timeout=timeout)
+    except RemoteUnreachableError as exc:
+        raise RemoteUnreachableError(f"{exc.message}; {tail}") from None
 
 
 def _roots_of(nodes: dict[bytes, Node], roots: set[bytes]) -> dict[bytes, bytes]:
@@ -51,13 +71,17 @@ def push_store(
 
     Returns:
         blocks, pushed, already (held by the server), damaged (failed their checksum
-        here, not sent), failed (the server did not take them).
+        here, not sent), failed (the server did not take them); with failures, also
+        why: the server's words (a refusal, or why it could not be reached).
 
     Raises:
         InvalidArgumentError: If there is no store at `path`, or on a malformed URL.
+        RemoteConfigError: If the server refuses the URL's db, user or password.
+        RemoteUnreachableError: If the server cannot be reached (nothing was sent).
     """
     if not os.path.isdir(os.path.join(path, "index")):
         raise InvalidArgumentError(f"no store at {path}")
+    reach(url, "nothing was pushed")
     index = Index(os.path.join(path, "index"), readonly=True)
     files = SegmentFiles(path, readonly=True)
     counters = Counters(*COUNTERS)
@@ -75,8 +99,9 @@ def push_store(
             for root in {root_of[n.key] for n in batch}:
                 if root not in tiers:
                     tiers[root] = RemoteTier(
-                        url, root=root, secret=secret, ttl=ttl, timeout=BULK_TIMEOUT, queue_bytes=0, counters=counters
-                    )
+                        url, root=root, secret=secret, ttl=ttl, timeout=BULK_TIMEOUT, queue_bytes=0, counters=counters,
+                        tail="the blocks it does not take are counted as failed", contact=False,
+                    )  # fmt: skip
             first = tiers[root_of[batch[0].key]]
             held = first.bulk.call([("EXISTS", tiers[root_of[n.key]].key(n.key)) for n in batch])
             out["already"] += sum(1 for h in held if h == 1)
@@ -97,6 +122,10 @@ def push_store(
                     out["failed"] += len(blocks) - written - already
             if progress is not None:
                 progress(min(lo + BATCH, len(todo)), len(todo))
+        if out["failed"]:
+            said = [f"the server says: {t.bulk.refusal.rstrip('.')}" if t.bulk.refusal else t.bulk.problem
+                    for t in tiers.values()]  # fmt: skip
+            out["why"] = next((why for why in said if why), None)
     finally:
         for tier in tiers.values():
             tier.close()
@@ -125,7 +154,8 @@ def pull_model(store: Any, progress: Progress | None = None) -> dict[str, int]:
 
     Raises:
         InvalidArgumentError: If the store has no remote, or is read-only.
-        OSError: If the server cannot be scanned.
+        RemoteConfigError: If the server refuses the URL's db, user or password.
+        RemoteUnreachableError: If the server cannot be scanned.
     """
     tier, fill, writeback = store.remote, store.remote_fill, store.writeback
     if tier is None or writeback is None:
@@ -204,8 +234,8 @@ def remote_summary(url: str, roots: list[bytes]) -> dict[str, Any]:
     try:
         nodes = servers.info()
         blocks = sum(1 for root in roots for _ in servers.scan(wire.key_pattern(root)))
-    except OSError as exc:
-        return {"reachable": False, "error": str(exc)}
+    except PrefixCacheError as exc:  # cannot reach it, or it refuses the URL: said plainly
+        return {"reachable": False, "error": exc.message}
     finally:
         servers.close()
     return {"reachable": True, "blocks": blocks, "nodes": nodes}

@@ -18,7 +18,7 @@ import pytest
 from helpers import assert_same_logits, cold_logits, prefill, random_tokens, warm_logits
 
 from persistent_prefix_cache import PersistentPrefixCache
-from persistent_prefix_cache.errors import InvalidArgumentError
+from persistent_prefix_cache.errors import InvalidArgumentError, RemoteConfigError
 from persistent_prefix_cache.keys import chain_keys
 from persistent_prefix_cache.tiers import remote_wire as wire
 
@@ -328,10 +328,13 @@ def test_auth_and_a_wrong_password(tmp_path, model, redis_engine):
         assert a.stats()["remote"] == f"redis://:***@127.0.0.1:{server.port}"
         b = open_host(tmp_path / "b", model, f"redis://default:s3cret@127.0.0.1:{server.port}/0")
         assert fetch_exact(b, model, toks + [1]) == 40
-        c = open_host(tmp_path / "c", model, f"redis://:wrong@127.0.0.1:{server.port}")
-        assert fetch_exact(c, model, toks + [1]) == 0
-        assert c.stats()["remote_errors"] == 1
-        for h in (a, b, c):
+        # A password the server refuses is a misconfiguration, said at open (never shown).
+        with pytest.raises(RemoteConfigError) as err:
+            open_host(tmp_path / "c", model, f"redis://:wrong@127.0.0.1:{server.port}")
+        assert "refuses the URL's user name or password" in str(err.value) and "wrong" not in str(err.value)
+        with pytest.raises(RemoteConfigError, match="asks for a password, and the URL gives none"):
+            open_host(tmp_path / "c", model, f"redis://127.0.0.1:{server.port}")
+        for h in (a, b):
             h.close()
     finally:
         server.stop()

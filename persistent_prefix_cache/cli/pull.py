@@ -44,16 +44,20 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     def work() -> int:
-        from ..fleet_sync import pull_model
+        from ..fleet_sync import BULK_TIMEOUT, pull_model, reach
         from .precompute import read_inputs, tokenize
 
-        require_remote(args)
+        options = require_remote(args)
         check_store_path(args)
         kwargs = template_kwargs(args)
         prompts = read_inputs(args.inputs, args.format) if args.inputs else []
+        # Pulling needs the server: one that cannot be reached, or refuses the URL, is
+        # an error before the model is loaded.
+        reach(options["remote"], "nothing was pulled", max(options.get("remote_timeout", 0), BULK_TIMEOUT))
         model, tokenizer, local_path = load_model(args.model)
         store = open_checked_store(args, model, local_path, need_write=True)
         with store:
+            store.remote.warn_unauthenticated = False  # said below, with the count
             if prompts:
                 draw = progress_line("pulled prompts:", not args.no_progress)
                 restored = 0
@@ -73,9 +77,13 @@ def main(argv: list[str]) -> int:
                 remote_errors=st["remote_errors"],
             )  # fmt: skip
             emit({"store": store.path, "remote": st["remote"], **out}, args.json, _render)
+        failed = st["remote_unauthenticated"]
+        if failed:
+            print(f"error: {failed} block{'s' * (failed != 1)} failed authentication: "
+                  "is $PPC_REMOTE_SECRET the one they were pushed with?",
+                  file=sys.stderr)  # fmt: skip
         if out["remote_errors"]:
             print(f"error: {out['remote_errors']} round trips to the server failed; run ppc pull again", file=sys.stderr)
-            return 1
-        return 0
+        return 1 if failed or out["remote_errors"] else 0
 
     return run(work)

@@ -68,10 +68,17 @@ def main(argv: list[str]) -> int:
             path, options["remote"], secret=options["remote_secret"], ttl=args.ttl,
             progress=progress_line("pushed", not args.no_progress),
         )  # fmt: skip
+        why = out.pop("why", None)
         emit({"store": os.path.abspath(path), "remote": redact(options["remote"]), **out}, args.json, _render)
         if out["failed"] or out["damaged"]:
-            print(f"error: {out['failed']} blocks not taken by the server, {out['damaged']} damaged here; "
-                  "run ppc push again (and ppc check for damage)", file=sys.stderr)  # fmt: skip
+            said = f" ({why})" if why else ""
+            remedy = "run ppc push again"
+            if why and "maxmemory" in why:  # full, and evicting nothing: a re-run would fail the same way
+                remedy = "the server is full and evicts nothing: set its maxmemory-policy to allkeys-lru"
+            parts = [f"{out['failed']} blocks not taken by the server{said}; {remedy}"] if out["failed"] else []
+            if out["damaged"]:
+                parts.append(f"{out['damaged']} blocks damaged here, not sent; see ppc check")
+            print("error: " + "; ".join(parts), file=sys.stderr)
             return 1
         return 0
 

@@ -140,6 +140,9 @@ def _serve(args: argparse.Namespace, server_argv: list[str]) -> int:
             raise
         log.warning("--store-optional: serving without a persistent cache: %s", exc)
         path = None
+    options = _store_options(args)
+    if path is not None:
+        _reach_remote(options)  # the store opens at the first request: say it now
 
     from mlx_lm import server
 
@@ -148,8 +151,6 @@ def _serve(args: argparse.Namespace, server_argv: list[str]) -> int:
     check_server(server)  # before importing our class, which needs the same mlx-lm
 
     from ..compat.lru_prompt_cache import PersistentLRUPromptCache
-
-    options = _store_options(args)
 
     def make_cache(provider, max_size, max_bytes):
         return PersistentLRUPromptCache(
@@ -189,6 +190,27 @@ def _serve(args: argparse.Namespace, server_argv: list[str]) -> int:
     if built.get("cache") is not None:
         _exit_now(0)
     return 0
+
+
+def _reach_remote(options: dict[str, Any]) -> None:
+    """Talk to ``--remote`` before serving: a URL the server refuses (a db it lacks, a
+    wrong password) stops ``ppc serve`` (exit 2); a server that cannot be reached is
+    said once, and requests are served from the local store (and from the server once
+    it answers).
+
+    Raises:
+        RemoteConfigError: If the server refuses the URL.
+    """
+    if not options.get("remote"):
+        return
+    from ..errors import RemoteUnreachableError
+    from ..tiers.remote import LOCAL_ONLY, PUBLISH_TIMEOUT
+    from ..tiers.remote_client import Voice, contact, shown
+
+    try:
+        contact(options["remote"], timeout=max(options.get("remote_timeout", 0), PUBLISH_TIMEOUT))
+    except RemoteUnreachableError as exc:
+        Voice.failed(shown(options["remote"]), exc.message, LOCAL_ONLY)
 
 
 def _exit_now(code: int) -> None:

@@ -11,6 +11,11 @@ bytes; a full queue drops them (counted). A publisher thread writes them with
 ``SET NX`` (the first writer wins; a value is one SET, so never half-written), with
 an optional TTL. `flush` waits until every block queued so far is published or has
 failed and been counted.
+
+Opening (`RemoteTier.contact`): a handle talks to the server once when it is made, so
+that a URL the server refuses (a db it lacks, a wrong password) raises there and a
+server that cannot be reached is said at once, in plain words (then the handle serves
+from its local store, and from the server as soon as it answers).
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ from typing import Any, Callable, Sequence
 
 from ..disk.faults import pause_point
 from ..disk.node import Node
+from ..errors import RemoteUnreachableError
 from ..keys import block_key
 from . import remote_wire as wire
-from .remote_client import UNAVAILABLE, Servers, redact
+from .remote_client import UNAVAILABLE, Servers, Voice, redact
 
 log = logging.getLogger("persistent_prefix_cache")
 
@@ -41,6 +47,8 @@ PUBLISH_BATCH = 16
 DEFAULT_TIMEOUT = 0.1
 PUBLISH_TIMEOUT = 2.0
 DEFAULT_QUEUE_BYTES = 256 * 1024 * 1024
+# What a handle does when the server cannot be reached (said after the failure, once).
+LOCAL_ONLY = "serving from the local store only"
 COUNTERS = (
     "remote_hits", "remote_misses", "remote_blocks", "remote_errors", "remote_corrupt",
     "remote_unauthenticated", "remote_skipped", "remote_bytes_read", "remote_published",
@@ -77,9 +85,14 @@ class RemoteTier:
         timeout: Seconds one round trip may take (connect or read) before it fails.
         queue_bytes: Bound of the publish queue's tensor bytes.
         counters: Where to count (a `writeback.Counters` with `COUNTERS`).
+        tail: What the caller does without the server, said once after its first
+            failure (see `remote_urls.Voice`).
+        contact: Talk to the server now (`contact`), so that a URL it refuses raises
+            here and a server that cannot be reached is said at once.
 
     Raises:
         InvalidArgumentError: On a malformed URL or option.
+        RemoteConfigError: If the server refuses the URL's db, user or password.
         MissingDependencyError: If redis-py is not installed.
     """
 
@@ -93,12 +106,14 @@ class RemoteTier:
         timeout: float,
         queue_bytes: int,
         counters: Any,
+        tail: str = LOCAL_ONLY,
+        contact: bool = True,
     ):
         self.url = redact(url)
-        self.servers = Servers(url, timeout=timeout)
+        self.servers = Servers(url, timeout=timeout, tail=tail)
         # Publishing has connections of its own, with a longer timeout: no caller waits
         # on it, and a batch of large values may take longer than a fetch may wait.
-        self.bulk = Servers(url, timeout=max(timeout, PUBLISH_TIMEOUT))
+        self.bulk = Servers(url, timeout=max(timeout, PUBLISH_TIMEOUT), tail=tail)
         self.root = root
         self.mac = wire.mac_key(secret) if secret else None
         self.ttl_ms = None if ttl is None else max(1, int(ttl * 1000))
@@ -113,6 +128,36 @@ class RemoteTier:
         self._value_bytes = 0  # length of the last value read (sizes the read batches)
         self._check_pool: ThreadPoolExecutor | None = None
         self._check_pid = 0
+        self._said_unauthenticated = False
+        self.warn_unauthenticated = True  # False: the caller says it (ppc pull, with a count)
+        if contact:
+            try:
+                self.contact()
+            except BaseException:
+                self.servers.close()
+                self.bulk.close()
+                raise
+
+    def contact(self) -> bool:
+        """Talk to the server now (on the publisher's connections, whose timeout is
+        longer: one slow answer at open should not read as a dead server).
+
+        Returns:
+            Whether it answered; if not, that is said once (a warning naming the server
+            and the reason, then the tail), counted in ``remote_errors``, and fetches
+            skip the server for a while.
+
+        Raises:
+            RemoteConfigError: If the server refuses the URL's db, user or password.
+        """
+        try:
+            self.bulk.contact()
+        except RemoteUnreachableError as exc:
+            self.counters.add(remote_errors=1)
+            Voice.failed(self.bulk.shown, exc.message, self.bulk.tail)
+            self.servers.back_off()
+            return False
+        return True
 
     def key(self, key: bytes) -> bytes:
         """The server key of one of this model's blocks."""
@@ -274,11 +319,24 @@ class RemoteTier:
             got, bad = check.result()
             blocks += got
             if bad is not None:
-                log.warning("remote block %s rejected: %s", bad[0].hex(), bad[1])
-                self.counters.add(**{f"remote_{bad[1].reason}": 1})
+                self._rejected(*bad)
             if len(got) < asked:
                 break
         return blocks
+
+    def _rejected(self, key: bytes, exc: wire.BadValue) -> None:
+        """Count a value that failed a check; say it (a failed MAC once per handle: a
+        wrong secret fails every block, and each is a miss, not news)."""
+        self.counters.add(**{f"remote_{exc.reason}": 1})
+        if exc.reason != "unauthenticated":
+            log.warning("remote block %s rejected: %s", key.hex(), exc)
+        elif self.warn_unauthenticated and not self._said_unauthenticated:
+            self._said_unauthenticated = True
+            log.warning(
+                "blocks from %s fail authentication (%s): is the remote secret ($PPC_REMOTE_SECRET, remote_secret=) "
+                "the one they were published with? They are read as misses (counted: remote_unauthenticated)",
+                self.url, exc,
+            )  # fmt: skip
 
     def _decode(self, values: list[tuple[tuple, Any]]) -> tuple[list[wire.Block], tuple | None]:
         """The leading `values` that decode as the blocks wanted, and (key, error) of

@@ -1,11 +1,9 @@
-"""The connection to a Redis / Valkey server or cluster: URLs, timeouts, one pipeline per node.
+"""The connection to a Redis / Valkey server or cluster: timeouts, one pipeline per node.
 
-URL forms (what redis-py takes, plus one for a cluster):
-
-- ``redis://[user:password@]host:port[/db]``, ``rediss://...`` (TLS),
-  ``unix:///path/to/socket[?db=0]``: one server;
-- ``redis+cluster://[user:password@]host:port[,host:port...]`` (``rediss+cluster://``
-  for TLS): a Redis Cluster, found from any of the listed nodes.
+URLs (their forms, and their checks when parsed) are `remote_urls`'s. First
+contact (`Servers.contact`) tells a server that refuses the URL (a db it lacks, a wrong
+password: `RemoteConfigError`) from one that cannot be reached
+(`RemoteUnreachableError`); a failure is said once, plainly (`remote_urls.Voice`).
 
 Every socket has a connect and a read timeout and redis-py's own retries are off: a
 dead, paused or slow node costs a caller at most one timeout per round trip, and then
@@ -19,14 +17,12 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
-from urllib.parse import unquote, urlsplit
 
-from ..errors import InvalidArgumentError, MissingDependencyError
+from ..errors import MissingDependencyError, RemoteConfigError, RemoteUnreachableError
 from .remote_replies import read_values
+from .remote_urls import SCHEMES, Target, Voice, describe, parse_url, reason_of, redact, shown  # noqa: F401 - re-exported
 
-SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 FIRST_BACKOFF = 0.5
 MAX_BACKOFF = 30.0
 _SLOTS = 16384
@@ -41,71 +37,6 @@ def _redis():
     except ImportError:
         raise MissingDependencyError("the remote tier needs the 'redis' package (redis-py)") from None
     return redis
-
-
-def redact(url: str) -> str:
-    """`url` without its password (for messages and logs)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return parts._replace(netloc=netloc).geturl()
-
-
-@dataclass
-class Target:
-    """A parsed remote URL: one server (`url`) or a cluster (`nodes`)."""
-
-    url: str
-    cluster: bool
-    nodes: list[tuple[str, int]] = field(default_factory=list)
-    username: str | None = None
-    password: str | None = None
-    tls: bool = False
-
-
-def parse_url(url: str) -> Target:
-    """Check a remote URL and say what it names.
-
-    Raises:
-        InvalidArgumentError: If it is not one of the forms above.
-    """
-    if not isinstance(url, str) or "://" not in url:
-        raise InvalidArgumentError(
-            f"remote URL {url!r} is not a URL",
-            hint="use redis://host:port, rediss://..., unix:///path or redis+cluster://host:port,host:port",
-        )
-    scheme = url.split("://", 1)[0].lower()
-    if scheme not in SCHEMES:
-        raise InvalidArgumentError(
-            f"remote URL {redact(url)!r}: unknown scheme {scheme!r}", hint=f"use one of {', '.join(SCHEMES)}"
-        )
-    rest = url.split("://", 1)[1]
-    if scheme == "unix":
-        if not urlsplit(url).path:
-            raise InvalidArgumentError(f"remote URL {url!r} names no socket path", hint="use unix:///path/to/socket")
-        return Target(url, False)
-    auth, _, hosts = rest.rpartition("@")
-    hosts = hosts.split("/", 1)[0].split("?", 1)[0]
-    nodes = []
-    for item in hosts.split(",") if hosts else []:
-        host, sep, port = item.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise InvalidArgumentError(
-                f"remote URL {redact(url)!r}: {item!r} is not host:port", hint="write the port, e.g. redis://127.0.0.1:6379"
-            )
-        nodes.append((host.strip("[]"), int(port)))
-    if not nodes:
-        raise InvalidArgumentError(f"remote URL {redact(url)!r} names no host", hint="e.g. redis://127.0.0.1:6379")
-    cluster = scheme.endswith("+cluster")
-    if not cluster and len(nodes) > 1:
-        raise InvalidArgumentError(
-            f"remote URL {redact(url)!r} lists several hosts", hint="for a cluster use redis+cluster://h1:p1,h2:p2"
-        )
-    user, _, password = auth.partition(":")
-    return Target(
-        url, cluster, nodes, unquote(user) or None, unquote(password) if password else None, scheme.startswith("rediss")
-    )
 
 
 class Breaker:
@@ -167,13 +98,21 @@ class Servers:
     Args:
         url: A remote URL (see the module's docstring).
         timeout: Seconds a connect or a read may take before the call fails.
+        tail: What the caller does without the server, said after its first failure
+            ("serving from the local store only"; empty: nothing).
     """
 
-    def __init__(self, url: str, *, timeout: float):
+    def __init__(self, url: str, *, timeout: float, tail: str = ""):
         self.target = parse_url(url)
         self.timeout = timeout
+        self.tail = tail
+        self.shown = shown(url)
         self.redis = _redis()
         self.errors = 0  # round trips that failed (timeouts, refused connections, ...)
+        self.problem: str | None = None  # the last failure, said plainly (None: none yet)
+        self.refusal: str | None = None  # the server's words when it last refused a command
+        self._last_failure: tuple[BaseException, Any] | None = None
+        self._quiet = False  # in `contact`: its caller says what failed
         self._lock = threading.Lock()
         self._nodes: dict[Any, _Node] = {}
         self._slots: list[Any] | None = None  # cluster: slot -> node address
@@ -215,9 +154,11 @@ class Servers:
                 continue
             try:
                 ranges = node.client().execute_command("CLUSTER SLOTS")
-            except Exception:  # noqa: BLE001 - any failure of a node means: try another
-                self._failed(node)
+            except Exception as exc:  # noqa: BLE001 - any failure of a node means: try another
+                self._failed(node, exc, address, say=False)  # said below if no node answers
                 continue
+            self._answered(node, address)
+            Voice.answered(self.shown)
             slots: list[Any] = [None] * _SLOTS
             for lo, hi, master, *_ in ranges:
                 host = master[0].decode() if isinstance(master[0], bytes) else master[0]
@@ -226,7 +167,17 @@ class Servers:
             self._slots = slots
             return slots
         self._slots_breaker.failed()
+        if not self._quiet and self._last_failure is not None:
+            Voice.failed(self.shown, self._no_node_error().message, self.tail)
         return None
+
+    def _no_node_error(self) -> Exception:
+        """The typed error when no node of a cluster answers (after a failure)."""
+        exc, address = self._last_failure or (OSError("no node answers"), None)
+        error = self._error(exc, address)
+        if isinstance(error, RemoteConfigError):
+            return error
+        return RemoteUnreachableError(f"cannot reach any node of {self.shown}: {reason_of(exc)}")
 
     def forget_topology(self) -> None:
         """Ask the cluster for its slots again before the next call (after MOVED)."""
@@ -246,10 +197,36 @@ class Servers:
                 groups.setdefault(address, []).append(i)
         return groups
 
-    def _failed(self, node: _Node) -> None:
+    def _failed(self, node: _Node, exc: BaseException, address: Any = None, *, say: bool = True) -> None:
+        """Count a failed round trip, back the node off, and say it (once, see `Voice`)."""
         node.breaker.failed()
         with self._lock:
             self.errors += 1
+        try:
+            refused, self.problem = describe(self.target, exc, timeout=self.timeout, node=address)
+        except Exception:  # noqa: BLE001 - saying it must never fail the caller
+            self.problem = f"cannot reach {self.shown}: {type(exc).__name__}"
+        self._last_failure = (exc, address)
+        if say and not self._quiet:
+            Voice.failed(self._voice_key(address), self.problem, self.tail)
+
+    def _voice_key(self, address: Any) -> str:
+        """What `Voice` says once: the server, or one node of a cluster."""
+        if not self.target.cluster or address is None:
+            return self.shown
+        return f"{address[0]}:{address[1]} of {self.shown}"
+
+    def back_off(self) -> None:
+        """Skip the server for a while, as after a failed call (another connection to
+        it just failed: a call now would pay the same failure)."""
+        if self.target.cluster:
+            self._slots_breaker.failed()
+        else:
+            self._node("single").breaker.failed()
+
+    def _answered(self, node: _Node, address: Any = None) -> None:
+        node.breaker.succeeded()
+        Voice.answered(self._voice_key(address))
 
     def call(self, commands: Sequence[Command]) -> list[Any]:
         """Run commands (one key each) in one pipeline per node.
@@ -295,15 +272,19 @@ class Servers:
                 continue
             try:
                 results = run(node.client(), where)
-            except Exception:  # noqa: BLE001 - a timeout, a refused or reset connection, ...
-                self._failed(node)
+            except Exception as exc:  # noqa: BLE001 - a timeout, a refused or reset connection, ...
+                self._failed(node, exc, address)
                 if self.target.cluster:
                     self.forget_topology()
                 continue
-            node.breaker.succeeded()
+            self._answered(node, address)
             for i, res in zip(where, results):
                 if isinstance(res, Exception):
-                    moved = moved or "MOVED" in str(res) or "ASK" in str(res)
+                    text = str(res)
+                    if "MOVED" in text or "ASK" in text:
+                        moved = True
+                    else:  # the server refused this command (full and not evicting, say)
+                        self.refusal = text
                     continue
                 out[i] = res
         if moved:
@@ -322,46 +303,113 @@ class Servers:
         """Every key matching `pattern`, node by node (for ``ppc pull`` of a model).
 
         Raises:
-            OSError: If a node cannot be read.
+            RemoteConfigError: If the server refuses the URL (db, user, password).
+            RemoteUnreachableError: If a node cannot be read.
         """
-        addresses = ["single"]
-        if self.target.cluster:
-            slots = self._slot_map()
-            if slots is None:
-                raise OSError("no cluster node answers")
-            addresses = sorted({a for a in slots if a is not None})
-        for address in addresses:
+        for address in self._addresses():
             try:
                 yield from self._node(address).client().scan_iter(match=pattern, count=count)
             except self.redis.RedisError as exc:
-                raise OSError(f"cannot scan {address}: {exc}") from None
+                raise self._error(exc, address) from None
+
+    def _addresses(self) -> list[Any]:
+        """Every node to ask (one server: "single").
+
+        Raises:
+            RemoteUnreachableError: If no node of a cluster answers.
+        """
+        if not self.target.cluster:
+            return ["single"]
+        slots = self._slot_map()
+        if slots is None:
+            raise self._no_node_error()
+        return sorted({a for a in slots if a is not None})
+
+    def _error(self, exc: BaseException, address: Any) -> Exception:
+        """The typed error for a failure of `address` (see `describe`)."""
+        refused, message = describe(self.target, exc, timeout=self.timeout, node=address)
+        if refused and "has no db" in message:
+            message = self._databases(message)
+        return RemoteConfigError(message) if refused else RemoteUnreachableError(message)
+
+    def _databases(self, message: str) -> str:
+        """`message` with how many dbs the server has (asked on db 0; as it was if the
+        server does not say)."""
+        try:
+            pool = self._node("single").client().connection_pool
+            kwargs = {k: v for k, v in pool.connection_kwargs.items() if not k.startswith(("maint_", "orig_"))}
+            db0 = type(pool)(connection_class=pool.connection_class, **{**kwargs, "db": 0})
+            probe = self.redis.Redis(connection_pool=db0)
+            try:
+                n = int(probe.config_get("databases")["databases"])
+            finally:
+                probe.close()
+        except Exception:  # noqa: BLE001 - CONFIG may be renamed or not allowed: keep the server's words
+            return message
+        return f"{self.shown}: the server has {n} databases (0-{n - 1}), not db {self.target.db}"
+
+    def contact(self) -> None:
+        """Talk to the server now (a PING; a cluster: its slot map, then a PING to
+        each node), so that a URL the server refuses, or a server that cannot be
+        reached, is known at once.
+
+        Raises:
+            RemoteConfigError: If the server (any node) refuses the URL's db, user or
+                password.
+            RemoteUnreachableError: If it (every node) cannot be reached: the failure
+                is counted and backed off, as a failed call's, and not logged: the
+                caller says it. A cluster node that is down while others answer is
+                said (once) and its slots miss.
+        """
+        self._quiet = True
+        try:
+            addresses = self._addresses()
+            down = []
+            for address in addresses:
+                node = self._node(address)
+                try:
+                    node.client().ping()
+                except Exception as exc:  # noqa: BLE001 - redis-py's errors, ssl's, the socket's
+                    error = self._error(exc, address)
+                    if isinstance(error, RemoteConfigError):
+                        raise error from None
+                    node.breaker.failed()
+                    with self._lock:
+                        self.errors += 1
+                    self.problem = error.message
+                    down.append((address, error))
+                    continue
+                self._answered(node, address)
+            if down and len(down) == len(addresses):
+                raise down[0][1] from None
+            for address, error in down:  # a cluster's node is down: its slots miss, the rest serve
+                Voice.failed(self._voice_key(address), error.message, "its slots miss")
+        finally:
+            self._quiet = False
 
     def info(self) -> list[dict]:
         """Memory and eviction figures of every node (for ``ppc stats --remote``).
 
         Raises:
-            OSError: If no node answers.
+            RemoteConfigError: If the server refuses the URL (db, user, password).
+            RemoteUnreachableError: If no node answers.
         """
-        addresses: list[Any] = ["single"]
-        if self.target.cluster:
-            slots = self._slot_map()
-            if slots is None:
-                raise OSError("no cluster node answers")
-            addresses = sorted({a for a in slots if a is not None})
+        addresses = self._addresses()
         out = []
         for address in addresses:
             try:
                 client = self._node(address).client()
                 info = {**client.info("memory"), **client.info("stats")}
             except self.redis.RedisError as exc:
-                out.append({"node": str(address), "error": str(exc)})
+                out.append({"node": str(address), "error": self._error(exc, address).message})
                 continue
             out.append({
                 "node": str(address) if self.target.cluster else redact(self.target.url),
                 **{k: info.get(k) for k in ("used_memory", "maxmemory", "maxmemory_policy", "evicted_keys")},
             })  # fmt: skip
         if all("error" in n for n in out):
-            raise OSError(f"no node answers: {out[0]['error']}")
+            error = out[0]["error"]
+            raise (RemoteUnreachableError if error.startswith("cannot reach") else RemoteConfigError)(error)
         return out
 
     def close(self) -> None:
@@ -370,3 +418,18 @@ class Servers:
             nodes = list(self._nodes.values())
         for node in nodes:
             node.close()
+
+
+def contact(url: str, *, timeout: float) -> None:
+    """Talk to the server of `url` once (see `Servers.contact`), on a connection of its own.
+
+    Raises:
+        InvalidArgumentError: On a malformed URL.
+        RemoteConfigError: If the server refuses the URL's db, user or password.
+        RemoteUnreachableError: If it cannot be reached.
+    """
+    servers = Servers(url, timeout=timeout)
+    try:
+        servers.contact()
+    finally:
+        servers.close()
