@@ -14,7 +14,8 @@ open waited behind any other process's commit). v3:
   `persistent_prefix_cache.disk.index_tables`), with a new ``segments`` table of live
   counts, and the named databases are dropped.
 
-Segment files are written and fsynced before the transaction commits; a crash before
+Segment files (format v3, written by the frozen `disk.segment_v3`: migration 0004
+rewrites them as v4) are written and fsynced before the transaction commits; a crash before
 the commit leaves the v2 store as it was (and unreferenced segments, swept later).
 After the commit the old ``blocks/`` folder is removed.
 """
@@ -42,7 +43,7 @@ def upgrade(env, txn, params):
     from persistent_prefix_cache.disk import legacy
     from persistent_prefix_cache.disk.index_tables import Writer, u64
     from persistent_prefix_cache.disk.node import Node
-    from persistent_prefix_cache.disk.segment import SegmentFiles
+    from persistent_prefix_cache.disk import segment_v3  # frozen: v3 as this migration wrote it
 
     old = {}
     for name in OLD_DATABASES:
@@ -77,10 +78,11 @@ def upgrade(env, txn, params):
             nodes[key] = Node.unpack(key, raw)
         except ValueError:
             continue  # a malformed record: a miss before, dropped now
-    files = SegmentFiles(params["store"])
+    segments = os.path.join(params["store"], "segments")
+    os.makedirs(segments, exist_ok=True)
     # A v2 store references no segment: any there were left by a migration that died
     # before its commit.
-    for entry in os.scandir(files.segments):
+    for entry in os.scandir(segments):
         if entry.is_dir():
             shutil.rmtree(entry.path, ignore_errors=True)
     dropped = set()
@@ -95,7 +97,7 @@ def upgrade(env, txn, params):
             blocks.append((node, tensors))
         if not blocks:
             continue
-        segment, size, digest = files.write(blocks)
+        segment, size, digest = segment_v3.write(params["store"], blocks)
         w.add_segment(segment, size, digest)
         for node, _ in blocks:
             if w.insert(node) and node.key in hits:

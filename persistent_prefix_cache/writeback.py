@@ -270,13 +270,13 @@ class WriteBack:
             new: ``(node, tensors by leaf)`` per block, consecutive, tensors evaluated.
         """
         written = [node for node, _ in new]
+        description = self.describe()  # kept in the segment too: the index can be rebuilt
         try:
-            segment, size, digest = self.files.write(new)
+            segment, size, digest = self.files.write(new, root=self.root, model=description)
         except (OSError, ValueError) as exc:
             self._failed("write", written, exc)  # nothing was renamed into place
             return
         book = self._book.take(self._lock)
-        description = self.describe()
 
         def commit(w: Writer):
             # The model is recorded with its first block, not at open: a run that

@@ -20,14 +20,15 @@ from typing import Iterator
 from ..errors import InvalidArgumentError, StoreVersionError
 from ..keys import block_key
 from ..paths import expand_path
-from . import legacy
+from . import legacy, segment_v3
 from .compaction import compact_sparse
 from .segment import SegmentFiles
 from .index import SCHEMA_VERSION, Index, Reader, Writer
 from .node import Node
 from .portable import durable_fsync
 
-EXPORT_FORMAT = "ppc-export/2"
+EXPORT_FORMAT = "ppc-export/3"  # segment files of format v4
+V3_EXPORT_FORMAT = "ppc-export/2"  # segment files of format v3 (rewritten on import)
 LEGACY_EXPORT_FORMAT = "ppc-export/1"  # schema v1-v2: one file per block
 _RECORD_HEAD = struct.Struct("<16sI")
 
@@ -380,7 +381,7 @@ class StoreAdmin:
             raise InvalidArgumentError(f"{in_path} is not a ppc export: {exc}") from None
         with tar:
             manifest = _read_json(tar, "manifest.json", in_path)
-            if manifest.get("format") not in (EXPORT_FORMAT, LEGACY_EXPORT_FORMAT):
+            if manifest.get("format") not in (EXPORT_FORMAT, V3_EXPORT_FORMAT, LEGACY_EXPORT_FORMAT):
                 raise InvalidArgumentError(f"{in_path}: unknown export format {manifest.get('format')!r}")
             if manifest["block_size"] != self.index.block_size:
                 raise InvalidArgumentError(
@@ -395,7 +396,9 @@ class StoreAdmin:
             written: dict[bytes, tuple[int, int]] = {}  # segment -> (file size, digest) written here
             try:
                 if manifest["format"] == LEGACY_EXPORT_FORMAT:
-                    self._import_legacy(tar, in_path, todo, written)
+                    self._import_legacy(tar, in_path, todo, written, _models_of(self.index, nodes, manifest, in_path))
+                elif manifest["format"] == V3_EXPORT_FORMAT:
+                    self._import_v3(tar, in_path, todo, written, _models_of(self.index, nodes, manifest, in_path))
                 else:
                     self._import_segments(tar, in_path, todo, known, written)
             except BaseException:
@@ -442,7 +445,7 @@ class StoreAdmin:
             if self.files.verify(n) is not None:
                 raise InvalidArgumentError(f"{in_path}: block {n.key.hex()} is damaged")
 
-    def _import_legacy(self, tar, in_path: str, todo: list[Node], written: dict) -> None:
+    def _import_legacy(self, tar, in_path: str, todo: list[Node], written: dict, models: dict) -> None:
         # An export of schema v1-v2: one block file each, rewritten as one segment each.
         for n in todo:
             data = _read_member(tar, f"blocks/{n.legacy_file_name}", in_path)
@@ -450,8 +453,69 @@ class StoreAdmin:
                 tensors = legacy.decode_block(data, n)
             except ValueError:
                 raise InvalidArgumentError(f"{in_path}: block {n.key.hex()} is damaged") from None
-            seg, size, digest = self.files.write([(n, tensors)])
+            seg, size, digest = self.files.write([(n, tensors)], **models[n.key])
             written[seg] = (size, digest)
+
+    def _import_v3(self, tar, in_path: str, todo: list[Node], written: dict, models: dict) -> None:
+        # An export of segment format v3: each segment read (frozen v3 reader) and its
+        # blocks rewritten as v4, run by run of one chain.
+        for old in dict.fromkeys(n.segment for n in todo):
+            data = _read_member(tar, f"segments/{old.hex()}.seg", in_path)
+            tmp = os.path.join(self.files.tmp, f"{old.hex()}.{os.getpid()}.0.tmp")
+            with open(tmp, "wb") as f:
+                f.write(data)
+            try:
+                fd = os.open(tmp, os.O_RDONLY)
+                try:
+                    seg = segment_v3.OpenSegment(fd, old)
+                except ValueError:
+                    raise InvalidArgumentError(f"{in_path}: segment {old.hex()} is damaged") from None
+                runs: list[list] = []
+                for n in sorted((n for n in todo if n.segment == old), key=lambda n: n.position):
+                    tensors = seg.block_tensors(n)
+                    if tensors is None:
+                        raise InvalidArgumentError(f"{in_path}: block {n.key.hex()} is damaged")
+                    if not runs or runs[-1][-1][0].key != n.parent:
+                        runs.append([])
+                    runs[-1].append((n, tensors))
+            finally:
+                os.close(fd)
+                os.unlink(tmp)
+            for run in runs:
+                checksums = [n.checksum for n, _ in run]
+                seg_id, size, digest = self.files.write(run, **models[run[0][0].key])
+                written[seg_id] = (size, digest)
+                if checksums != [n.checksum for n, _ in run]:
+                    raise InvalidArgumentError(f"{in_path}: segment {old.hex()} does not rewrite to its checksums")
+
+
+def _models_of(index: Index, nodes: list[Node], manifest: dict, path: str) -> dict[bytes, dict]:
+    """Block key -> ``root`` and ``model`` record (as the import registers it) for
+    `SegmentFiles.write`, found by walking each block's parents up to its root."""
+    roots: dict[bytes, bytes] = {}
+    by_key = {n.key: n for n in nodes}
+    for n in sorted(nodes, key=lambda n: n.position):
+        root = n.parent if n.position == 0 else roots.get(n.parent)
+        if root is None and n.parent in by_key:
+            raise InvalidArgumentError(f"{path}: damaged node records")  # a parent after its child
+        if root is not None:
+            roots[n.key] = root
+    models = manifest.get("models") or {}
+    out = {}
+    for key, root in roots.items():
+        if root.hex() not in models:
+            raise InvalidArgumentError(f"{path}: a block of a model the export does not describe")
+        out[key] = {"root": root, "model": json.dumps(models[root.hex()]).encode()}
+    orphans = [n for n in nodes if n.key not in out]
+    if orphans:  # a parent outside the export: this store may hold it (else it is skipped)
+        with index.reader() as reader:
+            for n in orphans:
+                up, seen = reader.get(n.parent), 0
+                while up is not None and up.position > 0 and seen < 1 << 20:
+                    up, seen = reader.get(up.parent), seen + 1
+                root = up.parent if up is not None else bytes(16)
+                out[n.key] = {"root": root, "model": reader.model(root) or b"{}"}
+    return out
 
 
 def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:

@@ -1,22 +1,35 @@
-"""Segment files (format v3): the one owner of the bytes of stored blocks.
+"""Segment files (format v4): the one owner of the bytes of stored blocks.
 
-One segment holds the new blocks of one `store()` (consecutive positions of one
-prompt), laid out so that a run of blocks reads in few, large I/Os straight into the
-joined cache buffers::
+One segment holds the new blocks of one `store()` (consecutive blocks of one prompt,
+so of one model), laid out so that a run of blocks reads in few, large I/Os straight
+into the joined cache buffers. It is a safetensors file (``safetensors.safe_open`` and
+``mx.load(path, format="safetensors")`` read every tensor)::
 
     [u64 LE header length n][header: JSON, space-padded to a multiple of 8][data]
 
-The header names the format (`SEGMENT_FORMAT`), the segment id, its blocks
-(``[key hex, position, tokens]``, consecutive), its *sliced fields* and its
-*snapshots*. A sliced field (a KV tensor ``[batch, heads, tokens, width]`` of a layer
-sliced along the sequence) covers the blocks from ``first`` on and is stored head-major:
-for each of its ``rows`` (batch x heads), the tokens of all those blocks, contiguous.
-A snapshot (a recurrent state, a window) belongs to one block and is stored whole,
-with the xxh3-64 digest of its bytes in the header.
+A *sliced field* (a KV tensor ``[batch, heads, tokens, width]`` of a layer sliced along
+the sequence) is one tensor ``<leaf>.<field>`` of shape ``[batch, heads, T, width]``
+over the blocks from its first one on (T tokens): stored in C order, each of its rows
+(batch x head) holds the tokens of all those blocks, contiguous (head-major). A
+*snapshot* (a recurrent state, a window) belongs to one block and is the tensor
+``b<i>.<leaf>.<field>``. The header's ``__metadata__`` (strings only) makes the
+segment self-describing, so the index can be rebuilt from the segments alone:
 
-A block's checksum (kept in its index record, verified on every read) is xxh3-64 over
-its piece of every sliced field (header order, row by row), then the digests of its
-snapshots: a damaged byte, a damaged header or a file of another block is a miss.
+- ``format`` (`SEGMENT_FORMAT`), ``segment`` (the id, hex), ``root`` (the model's root
+  key, hex) and ``model`` (that model's record, the bytes the index stores);
+- ``blocks``: JSON, per block ``[key, parent, position, tokens, flags, size, checksum,
+  extra]`` (keys hex, checksum 16 hex digits): the index record less its bookkeeping;
+  ``tokens``: every block's token ids, int32 LE, joined, base64;
+- ``fields``: JSON, each sliced field's first block; ``snaps``: JSON, each snapshot's
+  xxh3-64 digest; ``digest``: the whole-segment digest (xxh3-64 over each field's
+  xxh3-64, then the snapshots' digests), as the index keeps it;
+- ``header_digest``: xxh3-64 of the whole header with these 16 digits as zeros: a
+  flipped byte anywhere in the header makes the segment fail to open (a miss).
+
+A block's checksum (kept in its index record and the header, verified on every read)
+is xxh3-64 over its piece of every sliced field (data order, row by row), then the
+digests of its snapshots: a damaged byte, a damaged header or a file of another block
+is a miss.
 
 Write order: write under ``tmp/``, fsync, rename into ``segments/``, fsync the folder;
 only then does the caller commit the index records. Segment ids are random, so no two
@@ -27,6 +40,7 @@ or an unreferenced segment, both swept later.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import threading
@@ -40,7 +54,7 @@ from .codec import dtype_info
 from .faults import pause_point
 from .node import Node
 from .portable import IOV_MAX, durable_fsync, start_writeback, writev
-from .segment_reader import SEGMENT_FORMAT, OpenSegment
+from .segment_reader import DIGEST_MARK, SEGMENT_FORMAT, OpenSegment, header_digest
 
 # Fields stored sliced along the sequence (what `layers.adapters` names them).
 SLICE_FIELDS = frozenset({"k", "v", "k0", "k1", "k2", "v0", "v1", "v2"})
@@ -140,16 +154,22 @@ class SegmentFiles:
 
     # -- writing --------------------------------------------------------------------
 
-    def write(self, blocks: Sequence[tuple[Node, dict[str, dict[str, Any]]]]) -> tuple[bytes, int, int]:
-        """Write consecutive blocks into a new segment, durably.
+    def write(
+        self, blocks: Sequence[tuple[Node, dict[str, dict[str, Any]]]], *, root: bytes, model: bytes
+    ) -> tuple[bytes, int, int]:
+        """Write consecutive blocks of one chain into a new segment, durably.
 
         Sets each node's ``segment``, ``size`` and ``checksum``. The caller commits
         the index records only after this returns.
 
         Args:
             blocks: ``(node, tensors by leaf, then field)`` per block, in position
-                order; tensors are evaluated, row-contiguous mlx or numpy arrays, or
-                ``(numpy array of the bits, dtype name)`` (as `block_tensors` gives).
+                order, each the parent of the next; tensors are evaluated,
+                row-contiguous mlx or numpy arrays, or ``(numpy array of the bits,
+                dtype name)`` (as `block_tensors` gives).
+            root: The root key of the model the blocks belong to.
+            model: That model's record (JSON, as `index_tables.Writer.register_model`
+                stores it), kept in the header so the index can be rebuilt.
 
         Returns:
             (segment id, file size, digest of the whole segment: xxh3-64 over the
@@ -158,10 +178,11 @@ class SegmentFiles:
         Raises:
             OSError: On any failure (disk full, permissions); the temporary file is
                 removed and nothing is referenced.
-            ValueError: If the blocks are not consecutive or their tensors disagree.
+            ValueError: If the blocks are not one chain of one model, or their
+                tensors disagree.
         """
         segment = os.urandom(16)
-        header, chunks, digest = _layout(segment, blocks)
+        header, chunks, digest = _layout(segment, blocks, root, model)
         tmp = os.path.join(self.tmp, f"{segment.hex()}.{os.getpid()}.{threading.get_ident()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -338,14 +359,21 @@ def _writev_all(fd: int, chunks: list) -> int:
     return size
 
 
-def _layout(segment: bytes, blocks: Sequence[tuple[Node, dict]]) -> tuple[bytes, list[memoryview], int]:
+def _layout(
+    segment: bytes, blocks: Sequence[tuple[Node, dict]], root: bytes, model: bytes
+) -> tuple[bytes, list[memoryview], int]:
     """The header, the data chunks and the digest of a segment; sets each node's size
     and checksum."""
     if not blocks:
         raise ValueError("a segment needs at least one block")
     for (a, _), (b, _) in zip(blocks, blocks[1:]):
-        if b.position != a.end:
-            raise ValueError("a segment's blocks must be consecutive")
+        if b.position != a.end or b.parent != a.key:
+            raise ValueError("a segment's blocks must be consecutive blocks of one chain")
+    # One segment, one model: a chain that starts at position 0 hangs from the root.
+    if blocks[0][0].position == 0 and blocks[0][0].parent != root:
+        raise ValueError("a segment's first block is not under its model's root")
+    if len(root) != 16:
+        raise ValueError("a model root key has 16 bytes")
     flat = [
         {f"{lid}.{f}": x for lid, part in tensors.items() for f, x in part.items()}
         for _, tensors in blocks
@@ -367,52 +395,76 @@ def _layout(segment: bytes, blocks: Sequence[tuple[Node, dict]]) -> tuple[bytes,
     chunks: list[memoryview] = []
     whole = xxhash.xxh3_64()
     row_pieces: dict[str, list[np.ndarray]] = {}  # name -> per block (from first), its rows
-    fields, at = [], 0
+    tensors_of: dict[str, dict] = {}  # safetensors entries, in data order
+    firsts: dict[str, int] = {}
+    at = 0
     for name in sorted(sliced):
         dtype, batch, heads, width, first = sliced[name]
         rows = batch * heads
-        fields.append([name, dtype, batch, heads, width, first, at])
         pieces = [_rows(flat[i][name], rows) for i in range(first, len(blocks))]
         row_pieces[name] = pieces
         joined = _joined_rows(pieces)
         h = xxhash.xxh3_64()
+        begin = at
         for r in range(rows):
             for run in joined:
                 chunks.append(run[r])
                 h.update(run[r])
                 at += run.shape[1]
         whole.update(h.intdigest().to_bytes(8, "little"))
-    snaps = []
+        tokens = sum(node.n_tokens for node, _ in blocks[first:])
+        tensors_of[name] = {"dtype": dtype, "shape": [batch, heads, tokens, width], "data_offsets": [begin, at]}
+        firsts[name] = first
+    snaps: list[tuple[int, str, int]] = []  # (block, "<leaf>.<field>", digest)
     for i, tensors in enumerate(flat):
         for name in sorted(tensors):
             if name in sliced and i >= sliced[name][4]:
                 continue
             view = _bytes(tensors[name])
             digest = xxhash.xxh3_64_intdigest(view)
-            snaps.append([i, name, _dtype(tensors[name]), list(_shape(tensors[name])), at, f"{digest:016x}"])
+            snaps.append((i, name, digest))
             whole.update(digest.to_bytes(8, "little"))
             chunks.append(view)
+            tensors_of[f"b{i}.{name}"] = {
+                "dtype": _dtype(tensors[name]),
+                "shape": list(_shape(tensors[name])),
+                "data_offsets": [at, at + len(view)],
+            }
             at += len(view)
+    if len(tensors_of) != len(sliced) + len(snaps):
+        raise ValueError("a snapshot's tensor name clashes with a field's")
+    records = []
     for i, ((node, _), tensors) in enumerate(zip(blocks, flat)):
         h = xxhash.xxh3_64()
         size = 0
-        for name, *_, first, _ in fields:
-            if i >= first:
-                for row in row_pieces[name][i - first]:  # rows in order, as a read sees them
+        for name in sorted(sliced):
+            if i >= firsts[name]:
+                for row in row_pieces[name][i - firsts[name]]:  # rows in order, as a read sees them
                     h.update(row)
                     size += row.nbytes
-        for j, name, _, _, _, digest in snaps:
+        for j, name, digest in snaps:
             if j == i:
-                h.update(int(digest, 16).to_bytes(8, "little"))
+                h.update(digest.to_bytes(8, "little"))
                 size += _bytes(tensors[name]).nbytes
         node.segment, node.size, node.checksum = segment, size, h.intdigest()
-    header = {
+        records.append(
+            [node.key.hex(), node.parent.hex(), node.position, node.n_tokens, node.flags, size, f"{node.checksum:016x}", node.extra or {}]
+        )
+    metadata = {
         "format": SEGMENT_FORMAT,
         "segment": segment.hex(),
-        "blocks": [[node.key.hex(), node.position, node.n_tokens] for node, _ in blocks],
-        "fields": fields,
-        "snaps": snaps,
+        "root": root.hex(),
+        "model": model.decode("utf-8"),  # a JSON record: the index's bytes, exactly
+        "blocks": json.dumps(records, separators=(",", ":")),
+        "tokens": base64.b64encode(b"".join(node.tokens for node, _ in blocks)).decode(),
+        "fields": json.dumps(firsts, separators=(",", ":")),
+        "snaps": json.dumps({f"b{i}.{name}": f"{d:016x}" for i, name, d in snaps}, separators=(",", ":")),
+        "digest": f"{whole.intdigest():016x}",
+        "header_digest": "0" * 16,
     }
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return len(text).to_bytes(8, "little") + text, chunks, whole.intdigest()
+    text = json.dumps({"__metadata__": metadata, **tensors_of}, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # safetensors allows space padding; aligns the data
+    head = len(text).to_bytes(8, "little") + text
+    at = head.index(DIGEST_MARK) + len(DIGEST_MARK)
+    head = head[:at] + f"{header_digest(head):016x}".encode() + head[at + 16 :]
+    return head, chunks, whole.intdigest()

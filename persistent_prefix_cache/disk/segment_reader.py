@@ -1,12 +1,20 @@
-"""Reading a segment file (see `segment`): its header, checked against the file, and
-its blocks' pieces, checksums and snapshots."""
+"""Reading a segment file (see `segment`): its header, parsed strictly and checked
+against the file, and its blocks' pieces, checksums and snapshots.
+
+A v4 segment is a safetensors file (``safe_open`` and ``mx.load`` read every tensor),
+but we never trust a parser that accepts overlapping offsets, trailing bytes or a
+damaged header: `parse_header` checks the safetensors schema itself, then our own
+metadata (covered byte for byte by the header digest), and that the header describes
+the file exactly.
+"""
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import os
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import xxhash
@@ -15,9 +23,13 @@ from .codec import MAX_HEADER, dtype_info
 from .node import Node
 from .portable import IOV_MAX, preadv
 
-SEGMENT_FORMAT = "ppc-segment/3"
-
-
+SEGMENT_FORMAT = "ppc-segment/4"
+# The metadata keys of a v4 segment (all values are strings, as safetensors requires).
+META_KEYS = frozenset({"format", "segment", "root", "model", "blocks", "tokens", "fields", "snaps", "digest", "header_digest"})
+# The header digest's value is found by this marker (unique: a quote inside a JSON
+# string is escaped) and hashed as zeros: xxh3-64 of every other byte of the header.
+DIGEST_MARK = b'"header_digest":"'
+_TENSOR_KEYS = frozenset({"dtype", "shape", "data_offsets"})
 class Field:
     """A sliced field of a segment: where each row (batch x head) of its tokens lies."""
 
@@ -45,54 +57,195 @@ class Snap:
         self.at, self.digest, self.nbytes = at, digest, nbytes
 
 
+class Header:
+    """A v4 segment header, parsed and checked (see `parse_header`).
+
+    Attributes:
+        segment: The segment id.
+        root: The root key of the model every block belongs to.
+        model: That model's record (the bytes the index stores for the root).
+        blocks: Per block ``(key, position, tokens)``, consecutive, one chain.
+        records: Per block ``[key hex, parent hex, position, tokens, flags, size,
+            checksum hex, extra]`` as stored.
+        tokens: The blocks' token ids, base64 of int32 LE, all blocks joined.
+        fields: Sliced fields by name, in data order.
+        snaps: Snapshots, in data order.
+        digest: The whole-segment digest.
+        body: File offset of the data.
+    """
+
+    def __init__(self, **kw: Any):
+        self.__dict__.update(kw)
+
+
+def _unique(pairs: list) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("a key is repeated")
+    return out
+
+
+def header_digest(head: bytes) -> int:
+    """xxh3-64 of a header (length prefix included) with its digest's 16 hex digits as zeros.
+
+    Raises:
+        ValueError: If the header does not hold exactly one digest.
+    """
+    at = head.find(DIGEST_MARK)
+    if at < 0 or head.find(DIGEST_MARK, at + 1) >= 0:
+        raise ValueError("no single header digest")
+    at += len(DIGEST_MARK)
+    return xxhash.xxh3_64_intdigest(head[:at] + b"0" * 16 + head[at + 16 :])
+
+
+def parse_header(head: bytes, size: int, segment: bytes | None = None) -> Header:
+    """Parse a v4 segment's header strictly and check that it describes the file.
+
+    Args:
+        head: The file's first ``8 + n`` bytes (length prefix and header).
+        size: The file's size.
+        segment: The id the file must have (None: any).
+
+    Raises:
+        ValueError: If anything is damaged, inconsistent, or not v4.
+    """
+    n = int.from_bytes(head[:8], "little") if len(head) >= 8 else -1
+    if n < 2 or n > MAX_HEADER or 8 + n > size or len(head) < 8 + n:
+        raise ValueError("bad header length")
+    head = bytes(head[: 8 + n])
+    try:
+        h = json.loads(head[8:], object_pairs_hook=_unique)
+        meta = h.pop("__metadata__")
+        if set(meta) != META_KEYS or not all(isinstance(v, str) for v in meta.values()):
+            raise ValueError("metadata keys")
+        if meta["format"] != SEGMENT_FORMAT:
+            raise ValueError("another format")
+        if int(meta["header_digest"], 16) != header_digest(head) or len(meta["header_digest"]) != 16:
+            raise ValueError("header digest mismatch")
+        if segment is not None and meta["segment"] != segment.hex():
+            raise ValueError("another segment")
+        records = json.loads(meta["blocks"])
+        blocks = []
+        for i, (key, parent, pos, t, flags, nbytes, csum, extra) in enumerate(records):
+            key, pos, t = bytes.fromhex(key), int(pos), int(t)
+            if len(key) != 16 or len(bytes.fromhex(parent)) != 16 or t < 1 or pos < 0 or len(csum) != 16:
+                raise ValueError("block record")
+            if i and (pos != blocks[-1][1] + blocks[-1][2] or parent != records[i - 1][0]):
+                raise ValueError("blocks are not one chain")
+            if not (isinstance(flags, int) and 0 <= flags < 256 and isinstance(nbytes, int) and nbytes >= 0 and isinstance(extra, dict)):
+                raise ValueError("block record")
+            int(csum, 16)
+            blocks.append((key, pos, t))
+        if not blocks or (blocks[0][1] == 0 and records[0][1] != meta["root"]):
+            raise ValueError("no blocks, or a first block not under the root")
+        total = sum(t for _, _, t in blocks)
+        if len(meta["tokens"]) != 4 * -(-4 * total // 3):
+            raise ValueError("token ids")
+        firsts, digests = json.loads(meta["fields"]), json.loads(meta["snaps"])
+        if set(firsts) & set(digests) or set(firsts) | set(digests) != set(h):
+            raise ValueError("tensors and metadata disagree")
+        ends = [0] * (len(blocks) + 1)  # tokens before block i
+        for i, (_, _, t) in enumerate(blocks):
+            ends[i + 1] = ends[i] + t
+        fields, snaps, spans = [], [], []
+        for name, info in h.items():
+            if set(info) != _TENSOR_KEYS:
+                raise ValueError("tensor entry")
+            dtype, itemsize = dtype_info(info["dtype"])
+            shape = [int(d) for d in info["shape"]]
+            a, b = (int(o) for o in info["data_offsets"])
+            if any(d < 0 for d in shape) or b - a != math.prod(shape) * itemsize:
+                raise ValueError("shape does not match its bytes")
+            spans.append((a, b))
+            if name in firsts:
+                first = int(firsts[name])
+                if len(shape) != 4 or not 0 <= first < len(blocks) or shape[2] != total - ends[first]:
+                    raise ValueError("field shape")
+                batch, heads, tokens, width = shape
+                fields.append(Field(name, dtype, itemsize, batch, heads, width, first, a, blocks[first][1], tokens))
+            else:
+                tag, _, rest = name.partition(".")
+                i = int(tag[1:]) if tag[:1] == "b" and tag[1:].isdigit() else -1
+                if not 0 <= i < len(blocks) or not rest or len(digests[name]) != 16:
+                    raise ValueError("snapshot name")
+                snaps.append(Snap(i, rest, dtype, shape, a, int(digests[name], 16), b - a))
+        cursor = 0
+        for a, b in sorted(spans):
+            if a != cursor:
+                raise ValueError("gap or overlap in the data")
+            cursor = b
+        if 8 + n + cursor != size:
+            raise ValueError("data does not end where the file does")
+        out = Header(
+            segment=bytes.fromhex(meta["segment"]),
+            root=bytes.fromhex(meta["root"]),
+            model=meta["model"].encode(),
+            blocks=blocks,
+            records=records,
+            tokens=meta["tokens"],
+            fields=sorted(fields, key=lambda f: f.at),
+            snaps=sorted(snaps, key=lambda s: s.at),
+            digest=int(meta["digest"], 16),
+            body=8 + n,
+        )
+        if len(out.segment) != 16 or len(out.root) != 16 or len(meta["digest"]) != 16:
+            raise ValueError("ids")
+        return out
+    except (KeyError, TypeError, IndexError, AttributeError, ValueError, RecursionError) as exc:
+        raise ValueError(f"damaged header: {exc}") from None
+
+
+def read_head(fd: int) -> tuple[bytes, int]:
+    """(the length prefix and header of an open segment file, the file's size).
+
+    Raises:
+        ValueError: If the length prefix does not fit the file.
+        OSError: If the file cannot be read.
+    """
+    size = os.fstat(fd).st_size
+    head = os.pread(fd, min(size, 65536), 0)
+    n = int.from_bytes(head[:8], "little") if len(head) >= 8 else -1
+    if n < 0 or n > MAX_HEADER or 8 + n > size:
+        raise ValueError("bad header length")
+    if 8 + n > len(head):
+        head = os.pread(fd, 8 + n, 0)
+    return head, size
+
+
+def decode_tokens(header: Header) -> list[bytes]:
+    """Each block's token ids (int32 LE bytes), from a parsed header.
+
+    Raises:
+        ValueError: If the token ids do not decode or do not fit the blocks.
+    """
+    try:
+        data = base64.b64decode(header.tokens, validate=True)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"damaged header: token ids: {exc}") from None
+    out, at = [], 0
+    for _, _, t in header.blocks:
+        out.append(data[at : at + 4 * t])
+        at += 4 * t
+    if at != len(data):
+        raise ValueError("damaged header: token ids do not fit the blocks")
+    return out
+
+
 class OpenSegment:
     """An open segment file whose header was parsed and checked against its size.
 
     Raises:
-        ValueError: If the header is damaged or does not describe the file.
+        ValueError: If the header is damaged, not v4, or does not describe the file.
     """
 
     def __init__(self, fd: int, segment: bytes):
         self.fd = fd
         self.segment = segment
-        size = os.fstat(fd).st_size
-        head = os.pread(fd, min(size, 65536), 0)
-        n = int.from_bytes(head[:8], "little") if len(head) >= 8 else -1
-        if n < 0 or n > MAX_HEADER or 8 + n > size:
-            raise ValueError("bad header length")
-        if 8 + n > len(head):
-            head = os.pread(fd, 8 + n, 0)
-        try:
-            h = json.loads(head[8 : 8 + n])
-            if h["format"] != SEGMENT_FORMAT or h["segment"] != segment.hex():
-                raise ValueError("another format or segment")
-            self.blocks = [(bytes.fromhex(k), int(p), int(t)) for k, p, t in h["blocks"]]
-            self.body = 8 + n
-            self.fields: dict[str, Field] = {}
-            for name, dtype, batch, heads, width, first, at in h["fields"]:
-                first = int(first)
-                start = self.blocks[first][1]
-                tokens = sum(t for _, _, t in self.blocks[first:])
-                self.fields[name] = Field(
-                    name, dtype, dtype_info(dtype)[1], int(batch), int(heads), int(width), first, int(at), start, tokens
-                )
-            self.snaps = [
-                Snap(int(i), name, dtype, shape, int(at), int(d, 16), math.prod(shape) * dtype_info(dtype)[1])
-                for i, name, dtype, shape, at, d in h["snaps"]
-            ]
-        except (KeyError, TypeError, IndexError, AttributeError, ValueError, RecursionError) as exc:
-            raise ValueError(f"damaged header: {type(exc).__name__}") from None
-        ends = sorted([(f.at, f.at + f.nbytes) for f in self.fields.values()] + [(s.at, s.at + s.nbytes) for s in self.snaps])
-        cursor = 0
-        for a, b in ends:
-            if a != cursor or b < a:
-                raise ValueError("gap or overlap in the data")
-            cursor = b
-        if self.body + cursor != size:
-            raise ValueError("data does not end where the file does")
-        for (_, p, t), (_, q, _) in zip(self.blocks, self.blocks[1:]):
-            if q != p + t:
-                raise ValueError("blocks are not consecutive")
+        head, size = read_head(fd)
+        self.header = h = parse_header(head, size, segment)
+        self.root, self.model, self.body, self.blocks = h.root, h.model, h.body, h.blocks
+        self.fields: dict[str, Field] = {f.name: f for f in h.fields}
+        self.snaps: list[Snap] = h.snaps
         self._by_key = {k: i for i, (k, _, _) in enumerate(self.blocks)}
 
     def close(self) -> None:
@@ -104,6 +257,9 @@ class OpenSegment:
         i = self._by_key.get(node.key)
         if i is None or self.blocks[i][1:] != (node.position, node.n_tokens):
             return None
+        record = self.header.records[i]
+        if int(record[6], 16) != node.checksum or record[5] != node.size or record[1] != node.parent.hex():
+            return None  # a record of another block with this key: not ours to read
         return i
 
     def tokens_of(self, i: int) -> int:
