@@ -1,9 +1,14 @@
-"""``ppc check [--fix]``: verify every block file and the index's invariants."""
+"""``ppc check [--fix]``: verify the index (walked in a child process), every block file
+and the index's invariants; ``--fix`` rebuilds a damaged index from the segment files.
+
+Exit codes: 0 clean (or repaired with ``--fix``), 1 problems remain (run ``--fix``),
+2 an error line (no store, the store is open elsewhere during a rebuild, not writable).
+"""
 
 from __future__ import annotations
 
 from .common import add_json_option, add_store_option, emit, make_parser, run, store_path, table
-from ..disk.maintenance import StoreAdmin
+from ..disk.store_check import check_store
 
 
 def _render(r: dict) -> str:
@@ -11,6 +16,21 @@ def _render(r: dict) -> str:
     if r["problems"]:
         lines.append(table([(p["kind"], p["detail"]) for p in r["problems"]], header=("problem", "where")))
     lines.append("clean" if r["clean"] else f"{len(r['problems'])} problem(s)")
+    lines += [f"note: {n}" for n in r["notes"]]
+    b = r["rebuild"]
+    if b is not None and b["resumed"]:
+        lines.append("rebuilt: finished the swap of an interrupted rebuild")
+    elif b is not None:
+        lines.append(
+            f"rebuilt the index from {b['segments']} segment file(s): {b['blocks']} block(s) of "
+            f"{b['models']} model(s); recency and hit counts were reset"
+        )
+        if b["dropped"]:
+            lines.append(f"left out {b['dropped']} intact block(s) whose earlier blocks are missing")
+        for u in b["unusable"]:
+            lines.append(f"set aside {u['file']}: {u['why']}")
+    if b is not None and b["aside"]:
+        lines.append(f"the damaged index was kept in {b['aside']} (delete it when you like)")
     if r["fixed"]:
         lines.append(f"fixed: removed {r['removed_nodes']} block(s) from the index and {r['removed_files']} file(s)")
     elif not r["clean"]:
@@ -31,8 +51,7 @@ def main(argv: list[str]) -> int:
         parser.error("--grace must not be negative")
 
     def work() -> int:
-        with StoreAdmin(store_path(args, must_exist=True), readonly=not args.fix) as admin:
-            report = admin.check(fix=args.fix, grace=args.grace)
+        report = check_store(store_path(args), fix=args.fix, grace=args.grace)
         emit(report.to_dict(), args.json, _render)
         return 0 if report.clean or report.fixed else 1
 

@@ -144,6 +144,9 @@ def store_path(args: argparse.Namespace, *, must_exist: bool = False) -> str:
         raise UserError("no store given: pass --store DIR or set PPC_STORE")
     path = expand_path(path, what="--store")
     if must_exist and not os.path.isdir(os.path.join(path, "index")):
+        from ..disk.store_guard import check_no_pending_repair
+
+        check_no_pending_repair(path)  # a repair stopped mid-swap: say how to finish it
         raise UserError(f"no store at {path} (expected {os.path.join(path, 'index')})")
     return path
 
