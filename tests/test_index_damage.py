@@ -112,3 +112,163 @@ def test_every_damaged_index_page_is_found_and_rebuilt(source, tiny_model_dir, t
     assert figures["prompts_restored"] == figures["prompts"]
     # The sweep means something: most pages in use are found damaged (the rest are free).
     assert figures["found_damaged"] >= pages // 3
+
+
+# -- a rebuild killed midway; other processes ---------------------------------------------
+
+
+def _damaged_copy(source, tmp_path, page: int = 0) -> Path:
+    """A copy of the sweep's store with one index page (0: a meta page) overwritten."""
+    import random
+    import shutil
+
+    store = tmp_path / "store"
+    shutil.copytree(source["store"], store)
+    with open(store / "index" / "data.mdb", "r+b") as f:
+        f.seek(page * PAGE)
+        f.write(random.Random(page).randbytes(PAGE))
+    return store
+
+
+def _ppc(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, "-m", "persistent_prefix_cache", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc
+
+
+# Open the store as the library does (read-write), report the error's type and text.
+_OPEN = """
+    import json, sys
+    from persistent_prefix_cache.disk.maintenance import StoreAdmin
+    try:
+        StoreAdmin(sys.argv[1]).close()
+        print(json.dumps(None))
+    except Exception as exc:
+        print(json.dumps([type(exc).__name__, str(exc)]))
+"""
+
+
+def _open_error(store) -> list | None:
+    return json.loads(run_python(_OPEN, str(store)).stdout)
+
+
+def _assert_all_restore(store, model, source) -> None:
+    with PersistentPrefixCache(store, model, memory_bytes=0) as cache_store:
+        for tokens in source["prompts"]:
+            cache, remaining = cache_store.fetch(tokens + [1])
+            assert len(remaining) == 1, "a prompt did not restore fully"
+        assert cache_store.stats()["corrupt"] == 0
+
+
+@pytest.mark.parametrize("point", ["in_write_txn", "rebuild_built", "rebuild_swap"])
+def test_rebuild_killed_midway_then_finished_by_a_rerun(source, model, tmp_path, point):
+    import signal
+    import time
+
+    store = _damaged_copy(source, tmp_path)
+    marker = tmp_path / "paused"
+    fixer = subprocess.Popen(
+        [sys.executable, "-m", "persistent_prefix_cache", "check", "--fix", "--store", str(store)],
+        env={**os.environ, "PPC_PAUSE_AT": point, "PPC_PAUSE_FILE": str(marker), "PPC_REPAIR_WAIT": "0.2"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (marker.exists() and marker.read_text() == point):
+            assert fixer.poll() is None, fixer.stderr.read().decode()
+            assert time.monotonic() < deadline, "the repair never paused"
+            time.sleep(0.02)
+        # While the repair runs, an open says so (after a short wait), typed.
+        name, message = _open_error(store)
+        assert name == "StoreBusyError" and "is being repaired" in message, message
+        # A second repair refuses to start.
+        second = _ppc("check", "--fix", "--store", str(store))
+        assert second.returncode == 2 and "being repaired" in second.stderr, second.stderr
+    finally:
+        fixer.send_signal(signal.SIGKILL)
+        fixer.wait()
+    # Killed: an open names the command that finishes the repair; check reports it.
+    name, message = _open_error(store)
+    assert name == "StoreCorruptError", message
+    assert "interrupted" in message and f"ppc check --fix --store {store}" in message, message
+    checked = _ppc("check", "--store", str(store))
+    assert checked.returncode == 1 and "index damaged" in checked.stdout, checked.stdout
+    # A rerun finishes it; nothing the segments hold is lost.
+    fixed = _ppc("check", "--fix", "--store", str(store))
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    assert _ppc("check", "--store", str(store)).returncode == 0
+    assert sorted(os.listdir(store / "segments")) == sorted(os.listdir(source["store"] / "segments"))
+    _assert_all_restore(store, model, source)
+
+
+def test_a_repair_refuses_while_the_store_is_open_elsewhere(source, model, tmp_path):
+    import shutil
+
+    store = tmp_path / "store"
+    shutil.copytree(source["store"], store)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(store)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "open", holder.stderr.read()
+        with open(store / "index" / "data.mdb", "r+b") as f:  # damage under the open handle
+            f.seek(0)
+            f.write(bytes(PAGE))
+        checked = _ppc("check", "--store", str(store))
+        assert checked.returncode == 1 and "index damaged" in checked.stdout
+        refused = _ppc("check", "--fix", "--store", str(store))
+        assert refused.returncode == 2, refused.stdout + refused.stderr
+        assert refused.stderr.startswith("error: ") and len(refused.stderr.strip().splitlines()) == 1
+        assert "is open in another process" in refused.stderr and "close ppc serve" in refused.stderr
+        assert (store / "index").is_dir() and not (store / "index.new").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert _ppc("check", "--fix", "--store", str(store)).returncode == 0
+    _assert_all_restore(store, model, source)
+
+
+# Hold a store open (as ppc serve would) until killed.
+_HOLD = """
+import sys, time
+from persistent_prefix_cache.disk.maintenance import StoreAdmin
+admin = StoreAdmin(sys.argv[1])
+print("open", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_forked_child_closing_its_copy_keeps_the_parents_lock(source, tmp_path):
+    import shutil
+
+    store = tmp_path / "store"
+    shutil.copytree(source["store"], store)
+    code = """
+        import os, sys
+        from persistent_prefix_cache.disk.maintenance import StoreAdmin
+        from persistent_prefix_cache.disk import store_guard
+        from persistent_prefix_cache.errors import StoreBusyError
+        admin = StoreAdmin(sys.argv[1])
+        pid = os.fork()
+        if pid == 0:  # the child forgets the inherited lock (closes its copy) and exits
+            os._exit(0 if not store_guard._HELD else 1)
+        _, status = os.waitpid(pid, 0)
+        assert status == 0, "the child kept the parent's lock record"
+        # The parent still holds the store: a repair in another process refuses.
+        import subprocess
+        probe = subprocess.run([sys.executable, "-c", "import sys\\n"
+            "from persistent_prefix_cache.disk import store_guard\\n"
+            "from persistent_prefix_cache.errors import StoreBusyError\\n"
+            "try:\\n    with store_guard.exclusive(sys.argv[1]): print('got it')\\n"
+            "except StoreBusyError: print('busy')", sys.argv[1]], capture_output=True, text=True)
+        print(probe.stdout.strip())
+        admin.close()
+    """
+    assert run_python(code, str(store)).stdout.strip() == "busy"

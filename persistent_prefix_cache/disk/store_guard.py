@@ -131,6 +131,8 @@ def exclusive(store: str) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
+            if any(os.path.isdir(os.path.join(store, n)) for n in (COMPLETE, BUILDING)):
+                raise StoreBusyError(f"store {store} is being repaired by another process") from None
             raise StoreBusyError(
                 f"store {store} is open in another process",
                 hint="close ppc serve and the store's other users first, then run `ppc check --fix` again",
@@ -204,10 +206,13 @@ def check_no_pending_repair(store: str) -> None:
     """Raise if a repair of `store` was interrupted.
 
     Raises:
+        StoreBusyError: If the repair is still running (in another process).
         StoreCorruptError: Naming the command that finishes it.
     """
     left = pending_repair(store)
     if left is not None:
+        share(store, create=False)  # raises StoreBusyError while the repair still runs
+        unshare(store)
         raise StoreCorruptError(
             f"store {store}: a repair of its index was interrupted (found {left}/)",
             hint=f"run `ppc check --fix --store {store}` to finish it",
