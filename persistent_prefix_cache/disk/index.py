@@ -29,6 +29,8 @@ from .migrations import MIGRATIONS, SCHEMA_VERSION
 T = TypeVar("T")
 # What a failed write transaction raises (a full disk, say): the index is then as it was.
 WRITE_ERRORS = (lmdb.Error, OSError)
+# What LMDB raises for a damaged page (a read of one becomes StoreCorruptError).
+_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError)
 # Schemas up to this one kept their tables in named databases (migrations 0001, 0002).
 _LAST_NAMED_SCHEMA = 2
 
@@ -189,7 +191,12 @@ class Index:
 
     @contextmanager
     def reader(self) -> Iterator[Reader]:
-        """A read transaction, as a `Reader`."""
+        """A read transaction, as a `Reader`.
+
+        Raises:
+            StoreCorruptError: If a read inside meets a damaged page (LMDB may also
+                abort the process there: only `index_probe` is safe from that).
+        """
         while True:
             with self._gate.transaction():
                 try:
@@ -199,6 +206,8 @@ class Index:
                 else:
                     try:
                         yield Reader(txn)
+                    except _DAMAGE as exc:  # a damaged page met by a read: typed, with the remedy
+                        raise corrupt_index(store_of(self.path), f"{type(exc).__name__}: {exc}") from None
                     finally:
                         txn.abort()
                     return

@@ -118,7 +118,7 @@ def _main(argv: list[str]) -> int:
     try:
         walk_index(argv[0], trial_write="--write" in argv[1:], say=say)
     except PrefixCacheError as exc:
-        say({"error": exc.message})
+        say({"error": exc.message.split("index damaged: ", 1)[-1]})
     except Exception as exc:  # an LMDB error (CorruptedError, PageNotFoundError, ...) is the finding
         say({"error": f"{type(exc).__name__}: {exc}"})
     return 0

@@ -35,8 +35,8 @@ def check_store(path: str, *, fix: bool = False, grace: float = 60.0) -> CheckRe
 
     Raises:
         InvalidArgumentError: If there is no store at `path`.
-        StoreBusyError: With `fix`, if the index needs a rebuild and another process
-            has the store open.
+        StoreBusyError: If a repair is running in another process, or (with `fix`) the
+            index needs a rebuild and another process has the store open.
         StoreVersionError: If the store needs ``ppc migrate`` (or a newer library).
     """
     path = os.path.abspath(expand_path(path, what="path"))
@@ -47,6 +47,8 @@ def check_store(path: str, *, fix: bool = False, grace: float = 60.0) -> CheckRe
     report = CheckReport()
     block_size = None
     if pending is not None:
+        store_guard.share(path, create=False)  # raises StoreBusyError while it still runs
+        store_guard.unshare(path)
         damage = f"a repair was interrupted (found {pending}/)"
     else:
         health = probe_index(index)
