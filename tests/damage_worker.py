@@ -4,7 +4,8 @@ with random bytes, run ``ppc check`` and ``ppc check --fix`` as real subprocesse
 open the store here and restore every prompt, comparing its KV with the original bits.
 
 Usage: ``python damage_worker.py SPEC_JSON FIRST_PAGE`` (the spec names the store, the
-work folder, the model, the prompts, the originals' ``.npz`` and the page count).
+work folder, the model, the prompts, the originals' ``.npz`` and the page count; optional
+``seed`` for the random bytes, or ``"fill": "zeros"``).
 Prints one JSON line per page; a page on which this process dies is the last line's
 successor (the test restarts the worker after it and counts the death as an abort).
 """
@@ -41,6 +42,7 @@ def ppc_check(store: str, *flags: str) -> dict:
         "error": proc.stderr.strip()[-300:] if proc.returncode else "",
         "clean": report["clean"] if report else None,
         "rebuilt": bool(report and report.get("rebuild")),
+        "problems": [p["detail"] for p in report["problems"]] if report else [],
     }
 
 
@@ -96,7 +98,8 @@ def main() -> None:
         shutil.copytree(spec["store"], work)
         with open(os.path.join(work, "index", "data.mdb"), "r+b") as f:
             f.seek(page * PAGE)
-            f.write(random.Random(page).randbytes(PAGE))
+            seed = spec.get("seed", 0) * 1_000_003 + page
+            f.write(bytes(PAGE) if spec.get("fill") == "zeros" else random.Random(seed).randbytes(PAGE))
         line = {"page": page, "check": ppc_check(work), "fix": ppc_check(work, "--fix")}
         try:
             line["restored"], line["failures"] = restore_all(work, model, spec["prompts"], originals)

@@ -91,6 +91,10 @@ def test_every_damaged_index_page_is_found_and_rebuilt(source, tiny_model_dir, t
         "pages": pages,
         "found_damaged": sum(1 for line in lines if "check" in line and line["check"]["rc"] == 1),
         "rebuilt": sum(1 for line in lines if line.get("fix", {}).get("rebuilt")),
+        # Pages every read passed, found by the trial write only (the free list's).
+        "found_by_trial_write": sum(
+            1 for line in lines if any(p.startswith("a write would fail") for p in line.get("check", {}).get("problems", []))
+        ),
         "tracebacks": sum(r["traceback"] for r in runs),
         "aborts": sum(r["signal"] is not None for r in runs) + sum("worker_died" in line for line in lines),
         "opens_after_fix": sum(1 for line in lines if line.get("opens")),
@@ -110,8 +114,11 @@ def test_every_damaged_index_page_is_found_and_rebuilt(source, tiny_model_dir, t
         assert line["fix"]["rebuilt"] == (line["check"]["rc"] == 1), line
     assert figures["opens_after_fix"] == pages
     assert figures["prompts_restored"] == figures["prompts"]
-    # The sweep means something: most pages in use are found damaged (the rest are free).
+    # The sweep means something: most pages in use are found damaged (the rest are free),
+    # and at least one (a page of LMDB's free list) only by the trial write: without it,
+    # check said "clean" while every write failed.
     assert figures["found_damaged"] >= pages // 3
+    assert figures["found_by_trial_write"] >= 1
 
 
 # -- a rebuild killed midway; other processes ---------------------------------------------
@@ -272,3 +279,43 @@ def test_a_forked_child_closing_its_copy_keeps_the_parents_lock(source, tmp_path
         admin.close()
     """
     assert run_python(code, str(store)).stdout.strip() == "busy"
+
+
+def test_rebuild_sets_a_damaged_segment_aside_and_keeps_everything_else(source, model, tmp_path):
+    from persistent_prefix_cache.disk.manifest import read_manifest
+    from persistent_prefix_cache.keys import block_key
+
+    store = _damaged_copy(source, tmp_path)
+    paths = sorted((store / "segments").rglob("*.seg"))
+    manifests = [read_manifest(str(p)) for p in paths]
+    # The victim: the segment of prompt 1's blocks after the shared first one.
+    where = {n.key: m.segment for m in manifests for n in m.nodes}
+    root = manifests[0].root
+
+    def chain(tokens):
+        keys, parent = [], root
+        for at in range(0, len(tokens), BLOCK):
+            parent = block_key(parent, np.asarray(tokens[at : at + BLOCK], dtype="<i4").tobytes())
+            keys.append((at, parent))
+        return keys
+
+    victim = where[chain(source["prompts"][1])[1][1]]
+    victim_path = next(p for p in paths if p.name.startswith(victim.hex()))
+    with open(victim_path, "r+b") as f:  # one flipped byte near the end: a tensor's bytes
+        f.seek(-5, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-5, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    fixed = json.loads(_ppc("check", "--fix", "--json", "--store", str(store)).stdout)
+    assert fixed["fixed"] and fixed["rebuild"]["unusable"][0]["file"].endswith(victim_path.name)
+    aside = Path(fixed["rebuild"]["aside"])
+    assert (aside / "index" / "data.mdb").exists()
+    assert (aside / victim_path.relative_to(store)).exists(), "the damaged segment is kept aside"
+    assert _ppc("check", "--store", str(store)).returncode == 0
+    # Every prompt restores up to its first block in the damaged segment, all of it otherwise.
+    with PersistentPrefixCache(store, model, memory_bytes=0) as cache_store:
+        for tokens in source["prompts"]:
+            lost = [at for at, key in chain(tokens) if where[key] == victim]
+            cache, remaining = cache_store.fetch(tokens + [1])
+            assert len(tokens) + 1 - len(remaining) == (lost[0] if lost else len(tokens))
+        assert cache_store.stats()["corrupt"] == 0

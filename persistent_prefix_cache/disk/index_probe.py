@@ -86,7 +86,8 @@ def probe_index(index_path: str, *, timeout: float | None = None) -> IndexHealth
         elif "problem" in item:
             health.problems.append(item["problem"])
         elif "error" in item:
-            health.damaged = item["error"]
+            # Every page read fine, but a write would fail (the free list, say).
+            health.damaged = ("a write would fail: " if stage == "write" else "") + item["error"]
         elif item.get("done"):
             done = item
     if done is not None:
