@@ -319,3 +319,25 @@ def test_rebuild_sets_a_damaged_segment_aside_and_keeps_everything_else(source, 
             cache, remaining = cache_store.fetch(tokens + [1])
             assert len(tokens) + 1 - len(remaining) == (lost[0] if lost else len(tokens))
         assert cache_store.stats()["corrupt"] == 0
+
+
+@pytest.mark.parametrize("command", [["stats"], ["inspect"], ["gc", "--max-bytes", "0"], ["export"]])
+def test_every_command_on_a_damaged_index_is_one_error_line(source, tmp_path, command):
+    from persistent_prefix_cache.disk.index_probe import probe_index
+
+    # A tree page, which LMDB reports (or aborts on) only when it is read; and page 0,
+    # a meta page (LMDB refuses the file at once).
+    tree = next(
+        p
+        for p in range(2, os.path.getsize(source["store"] / "index" / "data.mdb") // PAGE)
+        if probe_index(str(_damaged_copy(source, tmp_path / f"t{p}", p) / "index"), trial_write=False).damaged
+    )
+    for page in (tree, 0):
+        store = _damaged_copy(source, tmp_path / f"p{page}", page)
+        extra = [str(tmp_path / "x.tar")] if command == ["export"] else []
+        proc = _ppc(command[0], "--store", str(store), *command[1:], *extra)
+        assert proc.returncode == 2, (page, proc.stdout, proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+        assert "index damaged" in lines[0] and f"ppc check --fix --store {store}" in lines[0], lines[0]
+        assert "rebuilds the index from the 24 segment files" in lines[0], lines[0]

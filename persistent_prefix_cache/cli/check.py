@@ -51,7 +51,7 @@ def main(argv: list[str]) -> int:
         parser.error("--grace must not be negative")
 
     def work() -> int:
-        report = check_store(store_path(args), fix=args.fix, grace=args.grace)
+        report = check_store(store_path(args, walk=False), fix=args.fix, grace=args.grace)
         emit(report.to_dict(), args.json, _render)
         return 0 if report.clean or report.fixed else 1
 

@@ -50,11 +50,12 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def probe_index(index_path: str, *, timeout: float | None = None) -> IndexHealth:
+def probe_index(index_path: str, *, trial_write: bool = True, timeout: float | None = None) -> IndexHealth:
     """Walk a whole index in a child process and say whether it is damaged.
 
     Args:
         index_path: The store's ``index/`` folder.
+        trial_write: Also try a write (never committed), where the store is writable.
         timeout: Seconds before the walk counts as hung (default `PROBE_TIMEOUT`).
 
     Returns:
@@ -65,9 +66,9 @@ def probe_index(index_path: str, *, timeout: float | None = None) -> IndexHealth
         health.damaged = f"{index_path} is missing"
         return health
     write = os.access(index_path, os.W_OK) and os.access(os.path.join(index_path, "data.mdb"), os.W_OK)
-    if not write:
+    if trial_write and not write:
         health.notes.append("the store is not writable: no trial write")
-    cmd = [sys.executable, "-m", __name__, index_path] + (["--write"] if write else [])
+    cmd = [sys.executable, "-m", __name__, index_path] + (["--write"] if write and trial_write else [])
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout or PROBE_TIMEOUT)
         out, rc = proc.stdout, proc.returncode
