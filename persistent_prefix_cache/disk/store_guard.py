@@ -47,11 +47,21 @@ def store_of(index_path: str) -> str:
 
 
 def _open_lock_file(store: str, *, create: bool) -> int | None:
+    # Read-only is enough for flock (either kind): a member of a shared store's group
+    # who may not write the lock file still takes it.
     path = os.path.join(store, LOCK_NAME)
     try:
-        if create:
-            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if not create:
+                raise
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:  # readable by whoever may list the store (the owner alone unless it is shared)
+            os.fchmod(fd, os.stat(store).st_mode & 0o660 | 0o400)
+        except OSError:
+            pass
+        return fd
     except OSError as exc:
         if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT):
             return None  # a store nobody can write: no repair can run there either
