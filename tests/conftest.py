@@ -70,6 +70,30 @@ def legacy(tmp_path):
     }
 
 
+@pytest.fixture
+def legacy_v3(tmp_path, legacy):
+    """A schema v3 store (segment format v3) and a ``ppc-export/2`` pack of it, written
+    by the v3 code (see data/make_v3_stores.py) with the model of `legacy`: a dict
+    with ``model``, ``model_dir``, ``v3`` (store path), ``pack``, ``prompts`` and
+    ``block_size``."""
+    import json
+    import tarfile
+    from pathlib import Path
+
+    root = tmp_path / "legacy_v3"
+    with tarfile.open(Path(__file__).parent / "data" / "v3_stores.tar.gz") as tar:
+        tar.extractall(root, filter="data")
+    spec = json.loads((root / "v3_prompts.json").read_text())
+    return {
+        "model": legacy["model"],
+        "model_dir": legacy["model_dir"],
+        "v3": root / "v3",
+        "pack": root / "v3.ppcpack",
+        "prompts": spec["prompts"],
+        "block_size": spec["block_size"],
+    }
+
+
 @pytest.fixture(scope="session", params=["redis", "valkey"])
 def redis_engine(request):
     """Each server engine the remote tests run against ("redis", "valkey"): skipped

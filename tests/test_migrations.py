@@ -1,6 +1,7 @@
-"""Stores written before schema v3, migrated in place (migration 0003, and 0002 before
-it for a v1 store). The stores were written by the v2 code itself (see
-data/make_legacy_stores.py); every restore is compared bit for bit with a cold prefill.
+"""Stores written before schema v4, migrated in place (migration 0004 for a v3 store;
+0003 then 0004 for v2, and 0002 before them for v1). The stores were written by the
+code of their own schema (see data/make_legacy_stores.py and data/make_v3_stores.py);
+every restore is compared bit for bit with a cold prefill.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from test_reliability import _snapshot
 
 from persistent_prefix_cache import PersistentPrefixCache, StoreVersionError
 from persistent_prefix_cache.disk.index import SCHEMA_VERSION, Index
+from persistent_prefix_cache.disk.node import Node
 
 
 def _version(store_dir) -> int:
@@ -57,13 +59,13 @@ def test_read_only_open_of_an_older_store_says_to_migrate_and_changes_nothing(le
     assert _snapshot(path) == before and _version(path) == int(schema[1])
 
 
-@pytest.mark.parametrize("schema, pending", [("v1", [2, 3]), ("v2", [3])])
+@pytest.mark.parametrize("schema, pending", [("v1", [2, 3, 4]), ("v2", [3, 4])])
 def test_ppc_migrate_converts_an_older_store_in_place(legacy, schema, pending):
     path = legacy[schema]
     dry = json.loads(ppc("migrate", "--store", path, "--dry-run", "--json").stdout)
     assert [p["version"] for p in dry["pending"]] == pending
     done = json.loads(ppc("migrate", "--store", path, "--json").stdout)
-    assert done["applied"] == pending and done["to_version"] == SCHEMA_VERSION == 3
+    assert done["applied"] == pending and done["to_version"] == SCHEMA_VERSION == 4
     assert json.loads(ppc("migrate", "--store", path, "--json").stdout)["pending"] == []
     # Every block now lives in a segment; the v2 block files are gone.
     assert not (path / "blocks").exists() and any((path / "segments").iterdir())
@@ -71,7 +73,7 @@ def test_ppc_migrate_converts_an_older_store_in_place(legacy, schema, pending):
     nodes = assert_tree_consistent(path)
     assert len(nodes) == 8  # 2 + 1 + 1 + 4 blocks of the three prompts, shared one once
     stats = json.loads(ppc("stats", "--store", path, "--json").stdout)
-    assert stats["schema_version"] == 3
+    assert stats["schema_version"] == 4
     assert stats["hits"] == (1 if schema == "v2" else 0)  # v2's counters came along
     _assert_restores_exactly(path, legacy)
 
@@ -126,3 +128,198 @@ def test_kill9_during_the_migration_leaves_the_old_store(tmp_path, legacy):
     assert all(k.startswith(("segments", "tmp")) for k in set(after) - set(before))
     _assert_restores_exactly(path, legacy)
     assert ppc_check(path)[1]["clean"]
+
+
+# -- schema v3 -> v4: segment files rewritten as self-describing safetensors files --
+
+
+def _index_records(path) -> tuple[dict, dict, dict]:
+    """(nodes by key, models by root, hits by key) as the index holds them."""
+    index = Index(os.path.join(path, "index"), readonly=True)
+    try:
+        with index.reader() as r:
+            nodes = {n.key: n for n in r.iter_nodes()}
+            return nodes, r.models(), {k: r.hits(k) for k in nodes}
+    finally:
+        index.close()
+
+
+def _v3_records(path) -> tuple[dict, dict, dict]:
+    index = Index(os.path.join(path, "index"), readonly=True, migrate=False)
+    try:
+        with index.reader() as r:
+            nodes = {n.key: n for n in r.iter_nodes()}
+            return nodes, r.models(), {k: r.hits(k) for k in nodes}
+    finally:
+        index.close()
+
+
+def test_ppc_migrate_rewrites_v3_segments_as_v4_and_restores_bitwise(legacy_v3):
+    from persistent_prefix_cache.disk.manifest import read_manifest
+
+    path = legacy_v3["v3"]
+    before, models, hits = _v3_records(path)
+    old_files = sorted(str(p) for p in path.glob("segments/*/*.seg"))
+    dry = json.loads(ppc("migrate", "--store", path, "--dry-run", "--json").stdout)
+    assert [p["version"] for p in dry["pending"]] == [4]
+    done = json.loads(ppc("migrate", "--store", path, "--json").stdout)
+    assert done["applied"] == [4] and done["to_version"] == SCHEMA_VERSION
+    assert ppc_check(path)[1]["clean"]
+    after, models_after, hits_after = _index_records(path)
+    # Every record survives, only its segment changed; models and hit counts are kept.
+    assert set(after) == set(before) and models_after == models and hits_after == hits and sum(hits.values()) > 0
+    for key, node in after.items():
+        old = before[key]
+        assert node.segment != old.segment
+        old.segment = node.segment
+        assert node == old
+    # The v3 files are gone; every file left is v4 and names its blocks and model.
+    new_files = sorted(str(p) for p in path.glob("segments/*/*.seg"))
+    assert not set(old_files) & set(new_files) and not any((path / "tmp").iterdir())
+    listed = {}
+    for f in new_files:
+        m = read_manifest(f)
+        assert m.model == models[m.root]
+        listed.update({n.key: n for n in m.nodes})
+    for key, node in after.items():
+        node.child_count = node.last_access = 0
+        assert listed[key] == node
+    _assert_restores_exactly(path, legacy_v3)
+
+
+def test_a_writable_open_migrates_a_v3_store(legacy_v3):
+    _assert_restores_exactly(legacy_v3["v3"], legacy_v3)
+    assert _version(legacy_v3["v3"]) == SCHEMA_VERSION
+    assert ppc_check(legacy_v3["v3"])[1]["clean"]
+
+
+def test_a_damaged_v3_segment_drops_its_blocks_and_what_follows(legacy_v3):
+    path = legacy_v3["v3"]
+    before, _, _ = _v3_records(path)
+    # The long prompt was stored in two steps: damage the last byte of the segment of
+    # its first two blocks (the second block's); the later segment's blocks hang below
+    # it and go too.
+    long = legacy_v3["prompts"][-1]
+    first = next(n for n in before.values() if n.position == 0 and n.tokens[:4] == long[0].to_bytes(4, "little"))
+    victim = path / "segments" / first.segment.hex()[:2] / f"{first.segment.hex()}.seg"
+    size = victim.stat().st_size
+    with open(victim, "r+b") as f:
+        f.seek(size - 3)
+        byte = f.read(1)
+        f.seek(size - 3)
+        f.write(bytes([byte[0] ^ 1]))
+    ppc("migrate", "--store", path)
+    assert ppc_check(path)[1]["clean"]
+    after = assert_tree_consistent(path)
+    assert len(after) == len(before) - 4  # 1 + 3 blocks of the long prompt
+    model = legacy_v3["model"]
+    with PersistentPrefixCache(path, model, memory_bytes=0) as store:
+        for tokens in legacy_v3["prompts"][:-1]:
+            cache, remaining = store.fetch(tokens)
+            assert len(tokens) - len(remaining) == len(tokens) - 1
+            assert_same_logits(warm_logits(model, cache, remaining), cold_logits(model, tokens))
+        cache, remaining = store.fetch(long)
+        assert len(long) - len(remaining) == legacy_v3["block_size"]  # the intact first block
+        assert_same_logits(warm_logits(model, cache, remaining), cold_logits(model, long))
+        assert store.stats()["corrupt"] == 0
+
+
+def test_kill9_during_the_v4_migration_leaves_the_v3_store(tmp_path, legacy_v3):
+    path = legacy_v3["v3"]
+    before = _snapshot(path)
+    marker = tmp_path / "paused"
+    worker = Worker(
+        {"model": str(legacy_v3["model_dir"]), "store": str(path), "steps": []},
+        str(tmp_path),
+        env={"PPC_PAUSE_AT": "in_write_txn", "PPC_PAUSE_FILE": str(marker)},
+    )
+    try:
+        wait_for_pause(str(marker), worker, "in_write_txn")
+    finally:
+        worker.reap()
+    assert worker.proc.returncode == -signal.SIGKILL
+    assert _version(path) == 3
+    after = _snapshot(path)
+    assert {k: v for k, v in after.items() if k in before} == before
+    assert all(k.startswith(("segments", "tmp")) for k in set(after) - set(before))
+    _assert_restores_exactly(path, legacy_v3)  # the rerun finishes the migration
+    assert _version(path) == SCHEMA_VERSION and ppc_check(path)[1]["clean"]
+
+
+def test_a_v3_export_imports_into_a_v4_store(tmp_path, legacy_v3):
+    from persistent_prefix_cache.disk.manifest import read_manifest
+
+    target = tmp_path / "imported"
+    out = json.loads(ppc("import", legacy_v3["pack"], "--store", target, "--json").stdout)
+    assert out["added"] == 13 and ppc_check(target)[1]["clean"]
+    assert all(read_manifest(str(p)).nodes for p in target.glob("segments/*/*.seg"))
+    _assert_restores_exactly(target, legacy_v3)
+
+
+def _downgrade_to_v3(path) -> None:
+    """Turn a v4 store into the v3 store the v3 code wrote: every segment rewritten by
+    the frozen v3 writer (`disk.segment_v3`, the v3 code as it was), records moved,
+    schema stamped 3 (the v3 test data holds no snapshots: this one does)."""
+    from persistent_prefix_cache.disk import segment_v3
+    from persistent_prefix_cache.disk.segment import SegmentFiles
+
+    files = SegmentFiles(str(path))
+    index = Index(os.path.join(path, "index"))
+    try:
+        with index.reader() as r:
+            nodes = sorted(r.iter_nodes(), key=lambda n: n.position)
+        moves, old = [], set()
+        for segment in dict.fromkeys(n.segment for n in nodes):
+            seg = files.open(segment)
+            run = [(n, seg.block_tensors(n)) for n in nodes if n.segment == segment]
+            seg.close()
+            copies = [(Node(**{k: getattr(n, k) for k in Node.__slots__}), t) for n, t in run]
+            new, size, digest = segment_v3.write(str(path), copies)
+            moves.append((new, size, digest, [n for n, _ in run]))
+            old.add(segment)
+
+        def commit(w):
+            for new, size, digest, moved in moves:
+                w.add_segment(new, size, digest)
+                assert all(w.move(n, new) for n in moved)
+            w.put_meta(b"version", b"3")
+            return w.freed
+
+        files.unlink(index.write(commit))
+    finally:
+        index.close()
+    assert _version(path) == 3
+
+
+def test_a_v3_store_with_snapshots_migrates_exactly(tmp_path):
+    from families import build
+    from helpers import prefill, random_tokens
+    from safetensors import safe_open
+
+    from persistent_prefix_cache.disk.manifest import read_manifest
+
+    model = build("mamba2")
+    tokens = [t % 256 for t in random_tokens(3 * 16 + 5, seed=77, first=1)]
+    path = tmp_path / "s"
+    with PersistentPrefixCache(path, model, block_size=16) as store:
+        store.store(tokens, prefill(model, tokens)[1])
+        store.flush()
+    query = tokens + [9, 8, 7]
+
+    def restored():
+        with PersistentPrefixCache(path, model, block_size=16, memory_bytes=0) as store:
+            cache, remaining = store.fetch(query)
+            assert cache is not None and store.stats()["corrupt"] == 0
+            return len(query) - len(remaining), warm_logits(model, cache, remaining)
+
+    matched, before = restored()
+    _downgrade_to_v3(path)
+    got_matched, got = restored()  # a writable open migrates
+    assert got_matched == matched > 0
+    assert_same_logits(got, before)
+    assert _version(path) == SCHEMA_VERSION and ppc_check(path)[1]["clean"]
+    manifests = [read_manifest(str(p)) for p in path.glob("segments/*/*.seg")]
+    with safe_open(str(next(path.glob("segments/*/*.seg"))), "numpy") as f:
+        assert f.metadata()["format"] == "ppc-segment/4"
+    assert any(json.loads(safe_open(str(p), "numpy").metadata()["snaps"]) for p in path.glob("segments/*/*.seg"))
+    assert sum(len(m.nodes) for m in manifests) == 4

@@ -45,6 +45,7 @@ from persistent_prefix_cache import (
     PersistentPrefixCache,
 )
 from persistent_prefix_cache.disk.segment import SegmentFiles
+from persistent_prefix_cache.disk.segment_reader import DIGEST_MARK, header_digest
 from persistent_prefix_cache.disk.index import Index
 from persistent_prefix_cache.disk.maintenance import StoreAdmin
 
@@ -80,13 +81,26 @@ def _split(data: bytes) -> tuple[dict, bytes]:
 
 
 def _join(header: dict, body: bytes) -> bytes:
+    """A segment with this header, its header digest made to fit (as a buggy writer
+    would have written it): only the structural checks can catch the damage."""
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    return len(text).to_bytes(8, "little") + text + body
+    head = len(text).to_bytes(8, "little") + text
+    at = head.find(DIGEST_MARK)
+    if at >= 0:
+        at += len(DIGEST_MARK)
+        head = head[:at] + f"{header_digest(head[:at] + b'0' * 16 + head[at + 16 :]):016x}".encode() + head[at + 16 :]
+    return head + body
 
 
-# A segment header's sliced fields: [name, dtype, batch, heads, width, first block, at].
-NAME, DTYPE, BATCH, HEADS, WIDTH, FIRST, AT = range(7)
+def _fields(header: dict) -> list[dict]:
+    """The safetensors entries of a segment's sliced fields, in data order."""
+    names = json.loads(header["__metadata__"]["fields"])
+    return sorted((header[name] for name in names), key=lambda e: e["data_offsets"][0])
+
+
+# A sliced field's shape: [batch, heads, tokens, width].
+BATCH, HEADS, TOKENS, WIDTH = range(4)
 
 
 def truncated_body(data: bytes) -> bytes:
@@ -111,13 +125,13 @@ def invalid_json(data: bytes) -> bytes:
 
 def unknown_dtype(data: bytes) -> bytes:
     header, body = _split(data)
-    header["fields"][0][DTYPE] = "F33"
+    _fields(header)[0]["dtype"] = "F33"
     return _join(header, body)
 
 
 def shape_not_matching_bytes(data: bytes) -> bytes:
     header, body = _split(data)
-    header["fields"][0][WIDTH] -= 1
+    _fields(header)[0]["shape"][WIDTH] -= 1
     return _join(header, body)
 
 
@@ -128,16 +142,16 @@ def trailing_bytes(data: bytes) -> bytes:
 def overlapping_offsets(data: bytes) -> bytes:
     # Every field reads the first field's bytes (all have one shape here).
     header, body = _split(data)
-    first = header["fields"][0][AT]
-    for f in header["fields"]:
-        f[AT] = first
-    size = len(body) // len(header["fields"])
-    return _join(header, body[first : first + size])
+    fields = _fields(header)
+    first, end = fields[0]["data_offsets"]
+    for f in fields:
+        f["data_offsets"] = [first, end]
+    return _join(header, body[first:end])
 
 
 def metadata_not_an_object(data: bytes) -> bytes:
     header, body = _split(data)
-    header["blocks"] = "ppc-segment/3"
+    header["__metadata__"] = "ppc-segment/4"
     return _join(header, body)
 
 
@@ -166,10 +180,10 @@ def well_formed_but_wrong_dtype(data: bytes) -> bytes:
     # Parses cleanly: the first half of every field's bytes, read as float16.
     header, body = _split(data)
     parts, offset = [], 0
-    for f in sorted(header["fields"], key=lambda f: f[AT]):
-        n = f[BATCH] * f[HEADS] * f[WIDTH] * 4 * sum(t for _, _, t in header["blocks"][f[FIRST] :])
-        half = body[f[AT] : f[AT] + n // 2]
-        f[DTYPE], f[AT] = "F16", offset
+    for f in _fields(header):
+        a, b = f["data_offsets"]
+        half = body[a : a + (b - a) // 2]
+        f["dtype"], f["data_offsets"] = "F16", [offset, offset + len(half)]
         parts.append(half)
         offset += len(half)
     return _join(header, b"".join(parts))
@@ -177,8 +191,8 @@ def well_formed_but_wrong_dtype(data: bytes) -> bytes:
 
 def well_formed_but_wrong_shape(data: bytes) -> bytes:
     header, body = _split(data)
-    for f in header["fields"]:
-        f[HEADS], f[WIDTH] = f[WIDTH], f[HEADS]
+    for f in _fields(header):
+        f["shape"][HEADS], f["shape"][WIDTH] = f["shape"][WIDTH], f["shape"][HEADS]
     return _join(header, body)
 
 
@@ -209,6 +223,7 @@ def _damage(store_dir, node, damage, *, rewrite_record: bool) -> None:
         return  # nothing a writer could have described
     try:
         i = seg.block_index(node)
+        assert i is not None
         pieces = {f.name: bytearray(f.nbytes) for f in seg.fields_of(i)}
         for f in seg.fields_of(i):
             assert seg.read_rows(f, i, i + 1, [memoryview(pieces[f.name])], [0], f.nbytes // f.rows)
@@ -217,6 +232,14 @@ def _damage(store_dir, node, damage, *, rewrite_record: bool) -> None:
         size_before, node.size = node.size, sum(len(b) for b in pieces.values())
     finally:
         seg.close()
+    # The header's record of the block says so too.
+    with open(path, "rb") as f:
+        header, body = _split(f.read())
+    records = json.loads(header["__metadata__"]["blocks"])
+    records[i][5], records[i][6] = node.size, f"{node.checksum:016x}"
+    header["__metadata__"]["blocks"] = json.dumps(records, separators=(",", ":"))
+    with open(path, "wb") as f:
+        f.write(_join(header, body))
     index = Index(os.path.join(store_dir, "index"))
 
     def rewrite(w):

@@ -50,7 +50,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import xxhash
 
-from .codec import dtype_info
+from .codec import MAX_HEADER, dtype_info
 from .faults import pause_point
 from .node import Node
 from .portable import IOV_MAX, durable_fsync, start_writeback, writev
@@ -242,7 +242,8 @@ class SegmentFiles:
 
     def digest_of(self, segment: bytes) -> int | None:
         """The whole-segment digest of a segment file as it is (None if it does not
-        open); every field is read."""
+        open, or its data does not match the digest its header records); every field
+        is read."""
         seg = self.open(segment)
         if seg is None:
             return None
@@ -254,12 +255,13 @@ class SegmentFiles:
                 if not seg.read_rows(f, f.first, len(seg.blocks), [buf], [0], step):
                     return None
                 rows[f.name] = (buf, step)
-            return seg.whole_digest(
+            digest = seg.whole_digest(
                 {
                     f.name: seg.field_digest(f, lambda f, r: rows[f.name][0][r * rows[f.name][1] : (r + 1) * rows[f.name][1]])
                     for f in seg.fields.values()
                 }
             )
+            return digest if digest == seg.header.digest else None
         finally:
             seg.close()
 
@@ -464,6 +466,8 @@ def _layout(
     }
     text = json.dumps({"__metadata__": metadata, **tensors_of}, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # safetensors allows space padding; aligns the data
+    if len(text) > MAX_HEADER:  # ~1M tokens in one segment: a file no reader would open
+        raise ValueError(f"a segment header of {len(text):,} bytes is over the limit of {MAX_HEADER:,}")
     head = len(text).to_bytes(8, "little") + text
     at = head.index(DIGEST_MARK) + len(DIGEST_MARK)
     head = head[:at] + f"{header_digest(head):016x}".encode() + head[at + 16 :]

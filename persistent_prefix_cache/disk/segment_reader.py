@@ -25,11 +25,15 @@ from .portable import IOV_MAX, preadv
 
 SEGMENT_FORMAT = "ppc-segment/4"
 # The metadata keys of a v4 segment (all values are strings, as safetensors requires).
-META_KEYS = frozenset({"format", "segment", "root", "model", "blocks", "tokens", "fields", "snaps", "digest", "header_digest"})
+META_KEYS = frozenset(
+    {"format", "segment", "root", "model", "blocks", "tokens", "fields", "snaps", "digest", "header_digest"}
+)
 # The header digest's value is found by this marker (unique: a quote inside a JSON
 # string is escaped) and hashed as zeros: xxh3-64 of every other byte of the header.
 DIGEST_MARK = b'"header_digest":"'
 _TENSOR_KEYS = frozenset({"dtype", "shape", "data_offsets"})
+
+
 class Field:
     """A sliced field of a segment: where each row (batch x head) of its tokens lies."""
 
@@ -120,7 +124,7 @@ def parse_header(head: bytes, size: int, segment: bytes | None = None) -> Header
             raise ValueError("metadata keys")
         if meta["format"] != SEGMENT_FORMAT:
             raise ValueError("another format")
-        if int(meta["header_digest"], 16) != header_digest(head) or len(meta["header_digest"]) != 16:
+        if meta["header_digest"] != f"{header_digest(head):016x}":
             raise ValueError("header digest mismatch")
         if segment is not None and meta["segment"] != segment.hex():
             raise ValueError("another segment")
@@ -132,7 +136,9 @@ def parse_header(head: bytes, size: int, segment: bytes | None = None) -> Header
                 raise ValueError("block record")
             if i and (pos != blocks[-1][1] + blocks[-1][2] or parent != records[i - 1][0]):
                 raise ValueError("blocks are not one chain")
-            if not (isinstance(flags, int) and 0 <= flags < 256 and isinstance(nbytes, int) and nbytes >= 0 and isinstance(extra, dict)):
+            if not (isinstance(flags, int) and 0 <= flags < 256 and isinstance(nbytes, int) and nbytes >= 0):
+                raise ValueError("block record")
+            if not isinstance(extra, dict):
                 raise ValueError("block record")
             int(csum, 16)
             blocks.append((key, pos, t))
