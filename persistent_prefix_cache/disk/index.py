@@ -305,16 +305,26 @@ def walk_index(path: str, *, trial_write: bool, say: Callable[[dict], None]) -> 
         say({"stage": "walk"})
         records, problems, previous, block_size = 0, 0, None, None
         with env.begin(buffers=False) as txn:
-            for key, value in txn.cursor():
-                records += 1
-                problem = None if previous is None or key > previous else "keys out of order"
-                problem = problem or _record_problem(key, value)
-                if key == META + b"block_size" and value.isdigit():
-                    block_size = int(value)
-                if problem and problems < 20:
-                    say({"problem": problem})
-                problems += bool(problem)
-                previous = key
+            # Schemas v1-v2 (before `ppc migrate`) keep their tables in named databases:
+            # walk each (every page read, keys in order), their records undecoded.
+            named = 0 < _stamped_version(env, txn) <= _LAST_NAMED_SCHEMA
+            databases = [None]
+            while databases:
+                db = databases.pop()
+                for key, value in txn.cursor(db=db) if db is not None else txn.cursor():
+                    records += 1
+                    problem = None if previous is None or key > previous else "keys out of order"
+                    if db is None and named and key[:1] > SEGMENTS:
+                        databases.append(env.open_db(key, txn=txn, create=False))
+                    elif db is None:
+                        problem = problem or _record_problem(key, value)
+                    if key == META + b"block_size" and value.isdigit():
+                        block_size = int(value)
+                    if problem and problems < 20:
+                        say({"problem": problem})
+                    problems += bool(problem)
+                    previous = key
+                previous = None
         if trial_write:
             info, stat = env.info(), env.stat()
             used = stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"] + 2
