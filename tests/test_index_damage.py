@@ -93,7 +93,9 @@ def test_every_damaged_index_page_is_found_and_rebuilt(source, tiny_model_dir, t
         "rebuilt": sum(1 for line in lines if line.get("fix", {}).get("rebuilt")),
         # Pages every read passed, found by the trial write only (the free list's).
         "found_by_trial_write": sum(
-            1 for line in lines if any(p.startswith("a write would fail") for p in line.get("check", {}).get("problems", []))
+            1
+            for line in lines
+            if any(p.startswith("a write would fail") for p in line.get("check", {}).get("problems", []))
         ),
         "tracebacks": sum(r["traceback"] for r in runs),
         "aborts": sum(r["signal"] is not None for r in runs) + sum("worker_died" in line for line in lines),

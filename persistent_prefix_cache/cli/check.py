@@ -42,7 +42,8 @@ def main(argv: list[str]) -> int:
     """Verify a store; exit 0 if clean (or repaired with --fix), 1 if problems remain."""
     parser = make_parser("check", "Verify every block file's checksum and the index's invariants.")
     add_store_option(parser)
-    parser.add_argument("--fix", action="store_true", help="drop what is broken and sweep leftover files")
+    parser.add_argument("--fix", action="store_true",
+                        help="rebuild a damaged index from the segment files, drop what is broken, sweep leftovers")  # fmt: skip
     parser.add_argument("--grace", type=float, default=60.0,
                         help="leave unreferenced files younger than this many seconds (default: %(default)s)")  # fmt: skip
     add_json_option(parser)

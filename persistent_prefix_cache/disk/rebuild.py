@@ -65,6 +65,7 @@ class RebuildReport:
     resumed: bool = False
 
     def to_dict(self) -> dict:
+        """The report as JSON-ready data (``ppc check --json``'s ``rebuild``)."""
         return {
             "segments": self.segments,
             "unusable": [{"file": f, "why": w} for f, w in self.unusable],
