@@ -343,3 +343,17 @@ def test_every_command_on_a_damaged_index_is_one_error_line(source, tmp_path, co
         assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
         assert "index damaged" in lines[0] and f"ppc check --fix --store {store}" in lines[0], lines[0]
         assert "rebuilds the index from the 24 segment files" in lines[0], lines[0]
+
+
+def test_an_index_gone_while_the_segments_stayed_is_rebuilt(source, model, tmp_path):
+    import shutil
+
+    store = tmp_path / "store"
+    shutil.copytree(source["store"], store)
+    shutil.rmtree(store / "index")
+    checked = _ppc("check", "--store", str(store))
+    assert checked.returncode == 1 and "index/ is missing" in checked.stdout, checked.stdout
+    assert "rebuilds the index from the 24 segment files" in checked.stdout
+    assert _ppc("check", "--fix", "--store", str(store)).returncode == 0
+    assert not list(store.glob("damaged-*")), "nothing was set aside"
+    _assert_all_restore(store, model, source)

@@ -34,7 +34,8 @@ def check_store(path: str, *, fix: bool = False, grace: float = 60.0) -> CheckRe
         with `fix`, ``rebuild`` says what the rebuild did.
 
     Raises:
-        InvalidArgumentError: If there is no store at `path`.
+        InvalidArgumentError: If there is no store at `path` (no index and no segment
+            files: an ``index/`` that went while the segments stayed is rebuilt).
         StoreBusyError: If a repair is running in another process, or (with `fix`) the
             index needs a rebuild and another process has the store open.
         StoreVersionError: If the store needs ``ppc migrate`` (or a newer library).
@@ -42,11 +43,15 @@ def check_store(path: str, *, fix: bool = False, grace: float = 60.0) -> CheckRe
     path = os.path.abspath(expand_path(path, what="path"))
     index = os.path.join(path, "index")
     pending = store_guard.pending_repair(path)
-    if pending is None and not os.path.isdir(index):
+    missing = pending is None and not os.path.isdir(index)
+    if missing and not store_guard.segment_count(path):
         raise InvalidArgumentError(f"no store at {path}")
     report = CheckReport()
     block_size = None
-    if pending is not None:
+    if missing:  # segment files without an index: it can be rebuilt from them
+        damage = "index/ is missing"
+        report.problems.append((INDEX_DAMAGED, damage))
+    elif pending is not None:
         store_guard.share(path, create=False)  # raises StoreBusyError while it still runs
         store_guard.unshare(path)
         damage = f"a repair was interrupted (found {pending}/)"
@@ -58,7 +63,7 @@ def check_store(path: str, *, fix: bool = False, grace: float = 60.0) -> CheckRe
         if health.damaged and not health.problems:
             report.problems.append((INDEX_DAMAGED, health.damaged))
     if damage is not None:
-        if pending is not None:
+        if pending is not None and not missing:
             report.problems.append((INDEX_DAMAGED, damage))
         if not fix:
             report.notes.append(store_guard.rebuild_hint(path))
