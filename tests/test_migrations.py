@@ -323,3 +323,18 @@ def test_a_v3_store_with_snapshots_migrates_exactly(tmp_path):
         assert f.metadata()["format"] == "ppc-segment/4"
     assert any(json.loads(safe_open(str(p), "numpy").metadata()["snaps"]) for p in path.glob("segments/*/*.seg"))
     assert sum(len(m.nodes) for m in manifests) == 4
+
+
+def test_a_v2_export_imports_into_a_v4_store(tmp_path, legacy):
+    # A ppc-export/1 pack (one file per block) written by the v2 code from the v2 store.
+    from pathlib import Path
+
+    from persistent_prefix_cache.disk.manifest import read_manifest
+
+    pack = Path(__file__).parent / "data" / "v2_export.ppcpack"
+    target = tmp_path / "imported"
+    out = json.loads(ppc("import", pack, "--store", target, "--json").stdout)
+    assert out["added"] == 8 and ppc_check(target)[1]["clean"]
+    manifests = [read_manifest(str(p)) for p in target.glob("segments/*/*.seg")]
+    assert sum(len(m.nodes) for m in manifests) == 8 and len({m.root for m in manifests}) == 1
+    _assert_restores_exactly(target, legacy)

@@ -458,7 +458,8 @@ class StoreAdmin:
                 tensors = legacy.decode_block(data, n)
             except ValueError:
                 raise InvalidArgumentError(f"{in_path}: block {n.key.hex()} is damaged") from None
-            seg, size, digest = self.files.write([(n, tensors)], **models[n.key])
+            # v1-v2 checksums were over whole files: the segment's are new.
+            seg, size, digest = self._rewrite([(n, tensors)], models, in_path, same_checksums=False)
             written[seg] = (size, digest)
 
     def _import_v3(self, tar, in_path: str, todo: list[Node], written: dict, models: dict) -> None:
@@ -469,8 +470,8 @@ class StoreAdmin:
             tmp = os.path.join(self.files.tmp, f"{old.hex()}.{os.getpid()}.0.tmp")
             with open(tmp, "wb") as f:
                 f.write(data)
+            fd = os.open(tmp, os.O_RDONLY)
             try:
-                fd = os.open(tmp, os.O_RDONLY)
                 try:
                     seg = segment_v3.OpenSegment(fd, old)
                 except ValueError:
@@ -487,11 +488,21 @@ class StoreAdmin:
                 os.close(fd)
                 os.unlink(tmp)
             for run in runs:
-                checksums = [n.checksum for n, _ in run]
-                seg_id, size, digest = self.files.write(run, **models[run[0][0].key])
+                seg_id, size, digest = self._rewrite(run, models, in_path, same_checksums=True)
                 written[seg_id] = (size, digest)
-                if checksums != [n.checksum for n, _ in run]:
-                    raise InvalidArgumentError(f"{in_path}: segment {old.hex()} does not rewrite to its checksums")
+
+    def _rewrite(self, run: list, models: dict, in_path: str, *, same_checksums: bool) -> tuple[bytes, int, int]:
+        # Blocks of an older format into a new segment; from v3 the checksums come out
+        # the same (they are over the same bytes), or the pack is damaged.
+        checksums = [n.checksum for n, _ in run]
+        try:
+            out = self.files.write(run, **models[run[0][0].key])
+        except ValueError as exc:
+            raise InvalidArgumentError(f"{in_path}: damaged blocks: {exc}") from None
+        if same_checksums and checksums != [n.checksum for n, _ in run]:
+            self.files.unlink([out[0]])
+            raise InvalidArgumentError(f"{in_path}: blocks do not match their records' checksums")
+        return out
 
 
 def _models_of(index: Index, nodes: list[Node], manifest: dict, path: str) -> dict[bytes, dict]:

@@ -449,8 +449,9 @@ def _layout(
                 h.update(digest.to_bytes(8, "little"))
                 size += _bytes(tensors[name]).nbytes
         node.segment, node.size, node.checksum = segment, size, h.intdigest()
+        checksum = f"{node.checksum:016x}"
         records.append(
-            [node.key.hex(), node.parent.hex(), node.position, node.n_tokens, node.flags, size, f"{node.checksum:016x}", node.extra or {}]
+            [node.key.hex(), node.parent.hex(), node.position, node.n_tokens, node.flags, size, checksum, node.extra or {}]
         )
     metadata = {
         "format": SEGMENT_FORMAT,

@@ -12,6 +12,9 @@ inside the package, where an installed wheel has it), from outside the checkout:
         $VENV/bin/python -S $CHECKOUT/tests/data/make_legacy_stores.py \
         $CHECKOUT/tests/data/legacy_stores.tar.gz
 
+``v2_export.ppcpack`` beside it is ``StoreAdmin(<the v2 store>).export_pack(...)`` run
+with the same code on the v2 store of that archive (an ``ppc-export/1`` pack).
+
 It writes the tiny test model (weights included, so the tests need not rebuild them
 bit for bit), a schema v2 store filled by that code's `PersistentPrefixCache`, a schema
 v1 store made from it the way that code's tests made one (the v1 migration only, then
