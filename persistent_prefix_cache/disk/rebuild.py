@@ -11,6 +11,7 @@ the store-wide counters and remembered fingerprints (recomputed on the next load
 
 Crash-safe, in steps that a rerun recognises (see `store_guard`)::
 
+    damaged-<time>/  segment files that are not intact moved here first
     index.rebuild/index/  written and committed (LMDB fsyncs the commit)
     index.new/       renamed from index.rebuild/index/ once complete; store folder fsynced
     damaged-<time>/  the damaged index renamed into it, with unusable segment files
@@ -205,6 +206,11 @@ def rebuild_index(store: str, *, block_size: int | None = None) -> RebuildReport
                 report.unusable.append((os.path.relpath(path, store), why))
             else:
                 manifests.append((m, os.stat(path).st_mtime_ns))
+        aside = os.path.join(store, store_guard.ASIDE_PREFIX + stamp)
+        for path in unusable:  # kept for a closer look, out of the sweeps' way (before the swap)
+            target = os.path.join(aside, os.path.relpath(path, store))
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.rename(path, target)
         kept, report.dropped = _chained(manifests)
         longest = max((n.n_tokens for n in kept.values()), default=0)
         if block_size is None or block_size < longest:
@@ -212,15 +218,13 @@ def rebuild_index(store: str, *, block_size: int | None = None) -> RebuildReport
         for key in _superseded(kept, block_size):
             kept.pop(key)
         report.blocks, report.block_size = len(kept), block_size
-        models: dict[bytes, bytes] = {}
-        for m, _ in manifests:
-            models.setdefault(m.root, m.model)
-        report.models = len({n.parent for n in kept.values() if n.parent in models})
+        roots = {m.root for m, _ in manifests}
+        report.models = len({n.parent for n in kept.values() if n.parent in roots})
         segments = {m.segment: m for m, _ in manifests}
 
         def fill(w):
-            for root, record in models.items():
-                w.register_model(root, record)
+            for m, _ in manifests:  # the record that knows the most fields wins
+                w.register_model(m.root, m.model)
             for seg in {n.segment for n in kept.values()}:
                 w.add_segment(seg, segments[seg].file_bytes, segments[seg].digest)
             for node in sorted(kept.values(), key=lambda n: n.position):
@@ -237,12 +241,5 @@ def rebuild_index(store: str, *, block_size: int | None = None) -> RebuildReport
         os.rename(os.path.join(building, "index"), os.path.join(store, store_guard.COMPLETE))
         _fsync_dir(store)
         shutil.rmtree(building, ignore_errors=True)
-        report.aside = _finish_swap(store, stamp)
-        if unusable:  # kept for a closer look, out of the sweeps' way
-            aside = report.aside or os.path.join(store, store_guard.ASIDE_PREFIX + stamp)
-            for path in unusable:
-                target = os.path.join(aside, os.path.relpath(path, store))
-                os.makedirs(os.path.dirname(target), exist_ok=True)
-                os.rename(path, target)
-            report.aside = aside
+        report.aside = _finish_swap(store, stamp) or (aside if unusable else None)
     return report
