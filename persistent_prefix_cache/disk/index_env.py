@@ -132,9 +132,9 @@ def acquire_env(path: str, readonly: bool) -> tuple[lmdb.Environment, Gate]:
             os.makedirs(store, exist_ok=True)
         # Every open shares the store lock: a repair (which takes it alone) waits for
         # no one and is never surprised by a handle opened meanwhile.
-        # (A read-only handle creates the lock file too where it may: a repair must
-        # see every reader.)
-        store_guard.share(store, create=not readonly or os.access(store, os.W_OK))
+        # A read-only handle changes nothing, not even by creating the lock file: it
+        # shares the lock once any writable open (or a repair) made it.
+        store_guard.share(store, create=not readonly)
         try:
             store_guard.check_no_pending_repair(store)
             if not readonly:
