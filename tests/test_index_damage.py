@@ -357,3 +357,27 @@ def test_an_index_gone_while_the_segments_stayed_is_rebuilt(source, model, tmp_p
     assert _ppc("check", "--fix", "--store", str(store)).returncode == 0
     assert not list(store.glob("damaged-*")), "nothing was set aside"
     _assert_all_restore(store, model, source)
+
+
+def test_a_rebuild_on_a_read_only_mount_is_one_error_line(source, tmp_path):
+    import shlex
+    import shutil
+
+    store = _damaged_copy(source, tmp_path)
+    fix = f"{shlex.quote(sys.executable)} -m persistent_prefix_cache check --fix --store {shlex.quote(str(store))}"
+    mount = f"mount --bind {shlex.quote(str(store))} {shlex.quote(str(store))}"
+    remount = f"mount -o remount,bind,ro {shlex.quote(str(store))}"
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare here to make a read-only mount")
+    proc = subprocess.run(
+        ["unshare", "-m", "sh", "-c", f"{mount} && {remount} || exit 99; {fix}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if proc.returncode == 99 or "unshare" in proc.stderr:
+        pytest.skip(f"cannot make a read-only mount here (needs root): {proc.stderr.strip()[:200]}")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "not writable" in lines[0], proc.stderr
+    assert (store / "index").is_dir() and not list(store.glob("damaged-*")), "nothing moved"

@@ -29,6 +29,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 
+from ..errors import ReadOnlyStoreError
 from ..keys import block_key
 from . import store_guard
 from .faults import pause_point
@@ -186,6 +187,11 @@ def rebuild_index(store: str, *, block_size: int | None = None) -> RebuildReport
         ReadOnlyStoreError: If the store cannot be written.
     """
     store = os.path.realpath(store)
+    if not os.access(store, os.W_OK):
+        raise ReadOnlyStoreError(
+            f"store {store} is not writable: its index cannot be rebuilt here",
+            hint="run `ppc check --fix` with write access to the store, or on a writable copy of it",
+        )
     report = RebuildReport()
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + f"-{os.getpid()}"
     building = os.path.join(store, store_guard.BUILDING)
