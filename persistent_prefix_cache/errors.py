@@ -53,7 +53,13 @@ class StoreVersionError(PrefixCacheError):
 class StoreCorruptError(PrefixCacheError):
     """The store's index cannot be read safely."""
 
-    hint = "move the store directory aside (or delete it) and let it be rebuilt"
+    hint = "run `ppc check --fix --store STORE`: it rebuilds the index from the store's segment files"
+
+
+class StoreBusyError(PrefixCacheError):
+    """The store is being repaired by another process, or a repair found it in use."""
+
+    hint = "wait for `ppc check --fix` to finish, then open the store again"
 
 
 class ReadOnlyStoreError(PrefixCacheError):

@@ -425,7 +425,9 @@ def test_damaged_index_is_a_typed_error(tmp_path, index_source, damage):
         assert out[mode] is not None, f"{mode} open of a damaged index succeeded"
         name, message = out[mode]
         assert name == "StoreCorruptError", out[mode]
-        assert str(store) in message and "move the store directory aside" in message
+        # The hint says what `ppc check --fix` will do, from how many segment files.
+        assert str(store) in message and f"ppc check --fix --store {store}" in message, message
+        assert "rebuilds the index from the 6 segment files" in message, message
 
 
 # -- 5. the LMDB map fills up -------------------------------------------------------------------

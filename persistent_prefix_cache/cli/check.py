@@ -1,12 +1,17 @@
-"""``ppc check [--fix]``: verify every block file and the index's invariants."""
+"""``ppc check [--fix]``: verify the index (walked in a child process), every block file
+and the index's invariants; ``--fix`` rebuilds a damaged index from the segment files.
+
+Exit codes: 0 clean (or repaired with ``--fix``), 1 problems remain (run ``--fix``),
+2 an error line (no store, the store is open elsewhere during a rebuild, not writable).
+"""
 
 from __future__ import annotations
 
+from ..disk.store_check import check_store
 from ..disk.store_dir import describe_finding, permissions_finding
 from .common import (
     add_json_option, add_store_option, add_store_shared_option, emit, make_parser, run, store_path, table,
 )  # fmt: skip
-from ..disk.maintenance import StoreAdmin
 
 
 def _render(r: dict) -> str:
@@ -14,6 +19,21 @@ def _render(r: dict) -> str:
     if r["problems"]:
         lines.append(table([(p["kind"], p["detail"]) for p in r["problems"]], header=("problem", "where")))
     lines.append("clean" if r["clean"] else f"{len(r['problems'])} problem(s)")
+    lines += [f"note: {n}" for n in r["notes"]]
+    b = r["rebuild"]
+    if b is not None and b["resumed"]:
+        lines.append("rebuilt: finished the swap of an interrupted rebuild")
+    elif b is not None:
+        lines.append(
+            f"rebuilt the index from {b['segments']} segment file(s): {b['blocks']} block(s) of "
+            f"{b['models']} model(s); recency and hit counts were reset"
+        )
+        if b["dropped"]:
+            lines.append(f"left out {b['dropped']} intact block(s) whose earlier blocks are missing")
+        for u in b["unusable"]:
+            lines.append(f"set aside {u['file']}: {u['why']}")
+    if b is not None and b["aside"]:
+        lines.append(f"the damaged index was kept in {b['aside']} (delete it when you like)")
     if r["fixed"]:
         lines.append(f"fixed: removed {r['removed_nodes']} block(s) from the index and {r['removed_files']} file(s)")
     elif not r["clean"]:
@@ -27,8 +47,10 @@ def main(argv: list[str]) -> int:
     parser = make_parser("check", "Verify every block file's checksum and the index's invariants.")
     add_store_option(parser)
     parser.add_argument(
-        "--fix", action="store_true", help="drop what is broken, sweep leftover files, make the store private"
-    )
+        "--fix", action="store_true",
+        help="rebuild a damaged index from the segment files, drop what is broken, sweep leftovers, "
+        "make the store private",
+    )  # fmt: skip
     parser.add_argument("--grace", type=float, default=60.0,
                         help="leave unreferenced files younger than this many seconds (default: %(default)s)")  # fmt: skip
     add_store_shared_option(parser)
@@ -38,13 +60,11 @@ def main(argv: list[str]) -> int:
         parser.error("--grace must not be negative")
 
     def work() -> int:
-        path = store_path(args, must_exist=True)
-        with StoreAdmin(path, readonly=not args.fix) as admin:
-            report = admin.check(fix=args.fix, grace=args.grace)
+        path = store_path(args, walk=False)
+        report = check_store(path, fix=args.fix, grace=args.grace)
         # Who else can read the prompts: a warning (exit status unchanged); --fix makes it private.
         permissions = permissions_finding(path, fix=args.fix, shared=args.store_shared)
-        result = {**report.to_dict(), "permissions": permissions}
-        emit(result, args.json, _render)
+        emit({**report.to_dict(), "permissions": permissions}, args.json, _render)
         return 0 if report.clean or report.fixed else 1
 
     return run(work)

@@ -145,12 +145,16 @@ def parse_size(text: str) -> int:
     return int(number * _SIZE_UNITS[unit])
 
 
-def store_path(args: argparse.Namespace, *, must_exist: bool = False) -> str:
-    """The store directory from ``--store``/``$PPC_STORE``.
+def store_path(args: argparse.Namespace, *, must_exist: bool = False, walk: bool = True) -> str:
+    """The store directory from ``--store``/``$PPC_STORE``; an existing index is walked
+    in a child process first (`walk`), so that a damaged page is one error line, never
+    an LMDB abort of this process.
 
     Raises:
         UserError: If none was given, or (with `must_exist`) there is no store there.
         StoreNotWritableError: If (with `must_exist`) the folder is one this user cannot open.
+        StoreCorruptError: If the index is damaged (the hint: what ``ppc check --fix``
+            will do).
     """
     path = getattr(args, "store", None)
     if not path:
@@ -159,7 +163,17 @@ def store_path(args: argparse.Namespace, *, must_exist: bool = False) -> str:
     if must_exist:
         check_readable(path, what="--store")  # another user's private store: say so
     if must_exist and not os.path.isdir(os.path.join(path, "index")):
+        from ..disk.store_guard import check_no_pending_repair
+
+        check_no_pending_repair(path)  # a repair stopped mid-swap: say how to finish it
         raise UserError(f"no store at {path} (expected {os.path.join(path, 'index')})")
+    if walk and os.path.isdir(os.path.join(path, "index")):
+        from ..disk.index_probe import probe_index
+        from ..disk.store_guard import corrupt_index
+
+        health = probe_index(os.path.join(path, "index"), trial_write=False)
+        if health.damaged:
+            raise corrupt_index(os.path.abspath(path), health.damaged)
     return path
 
 
@@ -219,7 +233,7 @@ def open_store(args: argparse.Namespace, model: Any, local_path: str | None, **k
     from ..store import PersistentPrefixCache
 
     return PersistentPrefixCache(
-        store_path(args),
+        store_path(args, walk=False),  # the callers walked the index before the model loaded
         model,
         model_path=local_path,
         model_name=_model_name(args, local_path),

@@ -150,10 +150,11 @@ def encode_raw(tokenizer: Any, text: str) -> list[int]:
 # -- the store ----------------------------------------------------------------------------
 
 
-def check_store_path(args: argparse.Namespace) -> str:
+def check_store_path(args: argparse.Namespace, *, walk: bool = True) -> str:
     """The ``--store`` path, if it is a store or a place where one can be made.
 
-    Called before the model loads, so a wrong path fails at once.
+    Called before the model loads, so a wrong path fails at once (and, with `walk`, a
+    damaged index: see `common.store_path`).
 
     Raises:
         UserError: If no store was given.
@@ -161,7 +162,7 @@ def check_store_path(args: argparse.Namespace) -> str:
             store is never created among unrelated files).
         StoreNotWritableError: If there is no store and none can be created there.
     """
-    path = store_path(args)
+    path = store_path(args, walk=walk)
     check_location(path, what="--store")  # the library's rule: one line, exit 2
     return path
 
@@ -191,7 +192,7 @@ def open_checked_store(
     Raises:
         UserError: If the store does not fit the options (see above).
     """
-    path = check_store_path(args)
+    path = check_store_path(args, walk=False)  # walked before the model loaded
     exists = os.path.isdir(os.path.join(path, "index"))
     # An existing store keeps its block size: compare rather than pass it, so the
     # message can name the option the user typed.

@@ -128,12 +128,13 @@ def _print_help(parser: argparse.ArgumentParser) -> int:
 
 
 def _serve(args: argparse.Namespace, server_argv: list[str]) -> int:
-    path = store_path(args)
+    path = store_path(args, walk=False)
     if args.model is not None:
         if args.model.startswith((".", "/")) and not os.path.isdir(args.model):
             raise UserError(f"--model {args.model}: no such folder")
         server_argv = ["--model", args.model, *server_argv]
     try:
+        store_path(args)  # the index walked in a child process: damage is an error, not an abort
         _check_store(path, args)  # fail now, not at the first request
     except (UserError, PrefixCacheError) as exc:
         if not args.store_optional:

@@ -9,7 +9,9 @@ Points: ``before_rename`` (segment file written and fsynced under ``tmp/``),
 ``before_commit`` (segment renamed into ``segments/``, index not yet committed),
 ``after_commit`` (index committed), ``in_write_txn`` (inside an open LMDB write
 transaction, before it commits), ``remote_publish`` (the publisher has sent the
-first block of a batch to the remote, not the rest).
+first block of a batch to the remote, not the rest), ``rebuild_built`` (an index rebuild
+has committed its new index under ``index.rebuild/``), ``rebuild_swap`` (the damaged
+index is set aside, the new one not yet in place).
 """
 
 from __future__ import annotations

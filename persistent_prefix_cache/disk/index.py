@@ -9,22 +9,28 @@ open never waits behind another process's commit.
 
 from __future__ import annotations
 
+import json
 import os
 from contextlib import contextmanager
 from typing import Callable, Iterator, TypeVar
 
 import lmdb
 
-from ..errors import ReadOnlyStoreError, StoreCorruptError, StoreVersionError
+from ..errors import ReadOnlyStoreError, StoreVersionError
 from .faults import pause_point
 from .index_env import acquire_env, release_env
-from .index_tables import COUNTERS, META, Reader, Writer  # noqa: F401 (re-exported)
+from .store_guard import corrupt_index, store_of
+from .index_tables import (  # noqa: F401 (COUNTERS re-exported)
+    CHILDREN, COUNTERS, DIGESTS, FINGERPRINTS, HITS, LRU, META, MODELS, NODES, SEGMENTS, Reader, Writer,
+)
+from .node import Node
 from .migrations import MIGRATIONS, SCHEMA_VERSION
-from .store_dir import make_dirs
 
 T = TypeVar("T")
 # What a failed write transaction raises (a full disk, say): the index is then as it was.
 WRITE_ERRORS = (lmdb.Error, OSError)
+# What LMDB raises for a damaged page (a read of one becomes StoreCorruptError).
+_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError)
 # Schemas up to this one kept their tables in named databases (migrations 0001, 0002).
 _LAST_NAMED_SCHEMA = 2
 
@@ -65,8 +71,6 @@ class Index:
     ):
         self.path = path
         self.readonly = readonly
-        if not readonly:
-            make_dirs(path, os.path.dirname(os.path.abspath(path)))  # the store's folder mode
         self.env, self._gate = acquire_env(path, readonly)
         self._closed = False
         self._commits = 0
@@ -74,7 +78,7 @@ class Index:
             self._retrying(lambda: (self._migrate(block_size) if migrate else None, self._read_block_size()))
         except lmdb.Error as exc:
             self.close()
-            raise StoreCorruptError(f"store index {path} cannot be read: {type(exc).__name__}: {exc}")
+            raise corrupt_index(store_of(path), f"{type(exc).__name__}: {exc}") from None
         except BaseException:
             self.close()
             raise
@@ -187,7 +191,12 @@ class Index:
 
     @contextmanager
     def reader(self) -> Iterator[Reader]:
-        """A read transaction, as a `Reader`."""
+        """A read transaction, as a `Reader`.
+
+        Raises:
+            StoreCorruptError: If a read inside meets a damaged page (LMDB may also
+                abort the process there: only `index_probe` is safe from that).
+        """
         while True:
             with self._gate.transaction():
                 try:
@@ -197,6 +206,8 @@ class Index:
                 else:
                     try:
                         yield Reader(txn)
+                    except _DAMAGE as exc:  # a damaged page met by a read: typed, with the remedy
+                        raise corrupt_index(store_of(self.path), f"{type(exc).__name__}: {exc}") from None
                     finally:
                         txn.abort()
                     return
@@ -252,3 +263,112 @@ class Index:
         if not self._closed:
             self._closed = True
             release_env(self.path)
+
+
+# -- the whole-index walk (run in a child process: see index_probe) ----------------------
+
+_META_TEXT = (b"version", b"block_size")  # stamped as ASCII digits; every other meta value is a u64
+_KEY_LENGTHS = {MODELS: 17, NODES: 17, CHILDREN: 33, LRU: 25, HITS: 17, SEGMENTS: 17, DIGESTS: 17}
+_VALUE_LENGTHS = {CHILDREN: 0, LRU: 0, HITS: 8, SEGMENTS: 24, DIGESTS: 8}
+
+
+def _record_problem(key: bytes, value: bytes) -> str | None:
+    """What is wrong with one record of the main database (None if it decodes)."""
+    table = key[:1]
+    want = _KEY_LENGTHS.get(table)
+    if table == META:
+        name = key[1:]
+        if name in _META_TEXT:
+            return None if value.isdigit() else f"meta {name.decode(errors='replace')} is not a number"
+        return None if len(value) == 8 else f"meta {name!r} has {len(value)} bytes"
+    if table == FINGERPRINTS:
+        try:
+            value.decode()
+        except UnicodeDecodeError:
+            return "fingerprint is not text"
+        return None
+    if want is None:
+        return f"unknown key {key[:24].hex()}"
+    if len(key) != want:
+        return f"key {key[:24].hex()} has {len(key)} bytes"
+    if table in _VALUE_LENGTHS and len(value) != _VALUE_LENGTHS[table]:
+        return f"value of {key[:24].hex()} has {len(value)} bytes"
+    if table == NODES:
+        try:
+            Node.unpack(key[1:], value)
+        except (ValueError, UnicodeDecodeError) as exc:
+            return f"node {key[1:].hex()}: {exc}"
+    elif table == MODELS:
+        try:
+            if not isinstance(json.loads(value), dict):
+                raise ValueError("not an object")
+        except (ValueError, UnicodeDecodeError) as exc:
+            return f"model {key[1:].hex()}: {exc}"
+    return None
+
+
+def walk_index(path: str, *, trial_write: bool, say: Callable[[dict], None]) -> None:
+    """Read every page of an index and try a write: in a child process only, because
+    LMDB may abort the process (or it may die of SIGBUS) on a damaged page.
+
+    The walk reads every record of the main database in key order (every branch, leaf
+    and overflow page of the tree), checks the order, and decodes each record as its
+    table says. The trial write (aborted, never committed) asks for more pages than
+    the free list can hold, so that LMDB reads the whole free list as a commit would.
+
+    Args:
+        path: The ``index/`` folder.
+        trial_write: Also try the write (needs write access).
+        say: Called with each finding: ``{"stage": ...}`` before each step,
+            ``{"problem": ...}`` for each record that does not decode, then
+            ``{"done": True, "records": n, "block_size": n or None}``.
+
+    Raises:
+        lmdb.Error: What LMDB says of a damaged page (the caller reports it).
+    """
+    from .index_env import open_env
+
+    say({"stage": "open"})
+    env = open_env(path, readonly=not trial_write)
+    try:
+        say({"stage": "walk"})
+        records, problems, previous, block_size = 0, 0, None, None
+        with env.begin(buffers=False) as txn:
+            # Schemas v1-v2 (before `ppc migrate`) keep their tables in named databases:
+            # walk each (every page read, keys in order), their records undecoded.
+            named = 0 < _stamped_version(env, txn) <= _LAST_NAMED_SCHEMA
+            databases = [None]
+            while databases:
+                db = databases.pop()
+                for key, value in txn.cursor(db=db) if db is not None else txn.cursor():
+                    records += 1
+                    problem = None if previous is None or key > previous else "keys out of order"
+                    if db is None and named and key[:1] > SEGMENTS:
+                        databases.append(env.open_db(key, txn=txn, create=False))
+                    elif db is None:
+                        problem = problem or _record_problem(key, value)
+                    if key == META + b"block_size" and value.isdigit():
+                        block_size = int(value)
+                    if problem and problems < 20:
+                        say({"problem": problem})
+                    problems += bool(problem)
+                    previous = key
+                previous = None
+        if trial_write:
+            info, stat = env.info(), env.stat()
+            used = stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"] + 2
+            pages = max(1, info["last_pgno"] + 1 - used) + 1
+            say({"stage": "write_wait"})
+            txn = env.begin(write=True)
+            try:
+                say({"stage": "write"})
+                try:
+                    txn.put(META + b"trial_write", bytes(pages * stat["psize"]))
+                except lmdb.MapFullError:
+                    pass  # the free list was read before the map was found too small
+                txn.put(META + b"trial_write", b"")
+            finally:
+                txn.abort()
+        say({"done": True, "records": records, "problems": problems, "block_size": block_size})
+    finally:
+        env.close()

@@ -22,8 +22,9 @@ try:  # py-lmdb >= 3.0 imports this on the first open: load it now, with the pac
 except ImportError:  # older py-lmdb: nothing imported lazily
     pass
 
-from ..errors import ReadOnlyStoreError, StoreCorruptError, StoreNotWritableError
-from .store_dir import LEGACY_FILE, modes_of, require_writable, set_file_mode
+from ..errors import ReadOnlyStoreError, StoreNotWritableError
+from . import store_guard
+from .store_dir import LEGACY_FILE, make_dirs, modes_of, require_writable, set_file_mode
 
 # The map grows on demand (doubling); the start is small so tiny stores stay tiny.
 INITIAL_MAP_SIZE = int(os.environ.get("PPC_INITIAL_MAP_SIZE", 64 * 1024 * 1024))
@@ -80,7 +81,58 @@ def _check_data_file(path: str) -> None:
     # file holds at least the two meta pages before LMDB maps it.
     data = os.path.join(path, "data.mdb")
     if os.path.exists(data) and os.path.getsize(data) < 2 * 4096:
-        raise StoreCorruptError(f"index file {data} is truncated ({os.path.getsize(data)} bytes)")
+        raise store_guard.corrupt_index(
+            store_guard.store_of(path), f"{data} is truncated ({os.path.getsize(data)} bytes)"
+        )
+
+
+def open_env(path: str, readonly: bool) -> lmdb.Environment:
+    """Open an index's LMDB environment, checked against truncation (no sharing, no
+    store lock: `acquire_env` adds those; the index walk in a child uses this alone).
+
+    Raises:
+        StoreCorruptError: If the files are not a valid, complete environment.
+    """
+    _check_data_file(path)
+    writable = os.access(path, os.W_OK)
+    store = store_guard.store_of(path)
+    created = [f for f in ("data.mdb", "lock.mdb") if not os.path.exists(os.path.join(path, f))]
+    # A read-only handle opens the environment read-only: then even a writer
+    # paused inside its transaction in another process never blocks it.
+    try:
+        env = lmdb.open(
+            path,
+            map_size=INITIAL_MAP_SIZE,
+            max_dbs=MAX_DBS,
+            readonly=readonly,
+            create=not readonly,
+            max_readers=512,
+            # A reader of a directory it cannot write cannot take LMDB's reader
+            # lock either; no writer can be at work there (same permissions).
+            lock=writable or not readonly,
+            # The store's file mode (0600 unless shared); the umask may narrow it,
+            # so the files LMDB creates are given it below.
+            mode=modes_of(store).file or (LEGACY_FILE | 0o111),
+        )
+    except (lmdb.InvalidError, lmdb.CorruptedError) as exc:
+        raise store_guard.corrupt_index(store, f"not a valid LMDB environment: {exc}")
+    except lmdb.VersionMismatchError as exc:
+        raise store_guard.corrupt_index(store, f"written by another LMDB: {exc}")
+    except lmdb.Error as exc:
+        if not _is_permission_error(exc):
+            raise
+        raise StoreNotWritableError(f"store index {path} cannot be opened for writing: {exc}") from None
+    if not readonly:
+        for name in created:
+            set_file_mode(os.path.join(path, name), store)
+    info = env.info()
+    data = os.path.join(path, "data.mdb")
+    if os.path.exists(data) and (info["last_pgno"] + 1) * env.stat()["psize"] > os.path.getsize(data):
+        env.close()
+        raise store_guard.corrupt_index(store, f"{data} is shorter than its last page")
+    if not readonly:
+        env.reader_check()
+    return env
 
 
 def _is_permission_error(exc: Exception) -> bool:
@@ -103,47 +155,23 @@ def acquire_env(path: str, readonly: bool) -> tuple[lmdb.Environment, Gate]:
                 )
             held[1] += 1
             return held[0], held[2]
-        _check_data_file(path)
-        root = os.path.dirname(os.path.abspath(path))
+        store = store_guard.store_of(path)
         if not readonly:
-            require_writable(root)  # one clear error, not LMDB's "Read-only file system"
-        writable = os.access(path, os.W_OK)
-        created = [f for f in ("data.mdb", "lock.mdb") if not os.path.exists(os.path.join(path, f))]
-        # A read-only handle opens the environment read-only: then even a writer
-        # paused inside its transaction in another process never blocks it.
-        env_readonly = readonly
+            require_writable(store)  # one clear error, not LMDB's "Read-only file system"
+            os.makedirs(store, exist_ok=True)
+        # Every open shares the store lock: a repair (which takes it alone) waits for
+        # no one and is never surprised by a handle opened meanwhile.
+        # A read-only handle changes nothing, not even by creating the lock file: it
+        # shares the lock once any writable open (or a repair) made it.
+        store_guard.share(store, create=not readonly)
         try:
-            env = lmdb.open(
-                path,
-                map_size=INITIAL_MAP_SIZE,
-                max_dbs=MAX_DBS,
-                readonly=env_readonly,
-                create=not readonly,
-                max_readers=512,
-                # A reader of a directory it cannot write cannot take LMDB's reader
-                # lock either; no writer can be at work there (same permissions).
-                lock=writable or not readonly,
-                # The store's file mode (0600 unless shared); the umask may narrow it,
-                # so the files LMDB creates are given it below.
-                mode=modes_of(root).file or (LEGACY_FILE | 0o111),
-            )
-        except (lmdb.InvalidError, lmdb.CorruptedError) as exc:
-            raise StoreCorruptError(f"index at {path} is not a valid LMDB environment: {exc}")
-        except lmdb.VersionMismatchError as exc:
-            raise StoreCorruptError(f"index at {path} was written by another LMDB: {exc}")
-        except lmdb.Error as exc:
-            if not _is_permission_error(exc):
-                raise
-            raise StoreNotWritableError(f"store index {path} cannot be opened for writing: {exc}") from None
-        for name in created:
-            set_file_mode(os.path.join(path, name), root)
-        info = env.info()
-        data = os.path.join(path, "data.mdb")
-        if os.path.exists(data) and (info["last_pgno"] + 1) * env.stat()["psize"] > os.path.getsize(data):
-            env.close()
-            raise StoreCorruptError(f"index file {data} is shorter than its last page")
-        if not env_readonly:
-            env.reader_check()
+            store_guard.check_no_pending_repair(store)
+            if not readonly:
+                make_dirs(path, store)  # the store's folder mode, not the umask's
+            env = open_env(path, readonly)
+        except BaseException:
+            store_guard.unshare(store)
+            raise
         gate = Gate()
         _ENVS[ident] = [env, 1, gate]
         return env, gate
@@ -159,6 +187,7 @@ def _forget_inherited_envs() -> None:
             except lmdb.Error:
                 pass
     _ENVS.clear()
+    store_guard.forget_inherited()
 
 
 if hasattr(os, "register_at_fork"):
@@ -175,3 +204,4 @@ def release_env(path: str) -> None:
         if held[1] == 0:
             del _ENVS[ident]
             held[0].close()
+            store_guard.unshare(store_guard.store_of(path))

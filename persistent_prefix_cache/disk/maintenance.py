@@ -20,7 +20,7 @@ from typing import Iterator
 from ..errors import InvalidArgumentError, StoreVersionError
 from ..keys import block_key
 from ..paths import expand_path
-from . import legacy, segment_v3
+from . import legacy, store_guard, segment_v3
 from .compaction import compact_sparse
 from .segment import SegmentFiles
 from .index import SCHEMA_VERSION, Index, Reader, Writer
@@ -49,6 +49,8 @@ class CheckReport:
     removed_nodes: int = 0
     removed_files: int = 0
     fixed: bool = False
+    notes: list[str] = field(default_factory=list)  # what was not checked, and why
+    rebuild: dict | None = None  # what a rebuild of the index did (`rebuild.RebuildReport`)
 
     @property
     def clean(self) -> bool:
@@ -63,6 +65,8 @@ class CheckReport:
             "fixed": self.fixed,
             "removed_nodes": self.removed_nodes,
             "removed_files": self.removed_files,
+            "notes": self.notes,
+            "rebuild": self.rebuild,
         }
 
 
@@ -91,6 +95,7 @@ class StoreAdmin:
         self.path = os.path.abspath(expand_path(path, what="path"))
         check_readable(self.path)
         if not create and not os.path.isdir(os.path.join(self.path, "index")):
+            store_guard.check_no_pending_repair(self.path)  # a repair stopped mid-swap
             raise InvalidArgumentError(f"no store at {self.path}")
         if create and not check_location(self.path):  # a file, other files, unwritable: refused
             create_root(self.path, shared=shared)
