@@ -381,3 +381,45 @@ def test_a_rebuild_on_a_read_only_mount_is_one_error_line(source, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "not writable" in lines[0], proc.stderr
     assert (store / "index").is_dir() and not list(store.glob("damaged-*")), "nothing moved"
+
+
+def test_a_lost_index_is_never_replaced_by_an_empty_one(tmp_path):
+    """A store whose index/ is gone still holds its blocks in segments/: an open (the
+    library, any ppc command) must not make a fresh index there (the next sweep would
+    take the segments for orphans); it names the rebuild instead, and the rebuild
+    brings every block back."""
+    import shutil
+
+    from persistent_prefix_cache import PersistentPrefixCache, StoreCorruptError
+    from persistent_prefix_cache.tiny_model import load_tiny_model, write_tiny_model
+
+    model_dir = write_tiny_model(tmp_path / "model", seed=3)
+    model = load_tiny_model(model_dir)
+    store = tmp_path / "store"
+    tokens = list(range(1, 50))
+    from helpers import prefill
+
+    with PersistentPrefixCache(store, model, block_size=16) as handle:
+        handle.store(tokens, prefill(model, tokens)[1])
+        handle.flush()
+    segments = sorted(p.name for p in (store / "segments").rglob("*.seg"))
+    assert segments
+    shutil.rmtree(store / "index")
+    with pytest.raises(StoreCorruptError, match="ppc check --fix"):
+        PersistentPrefixCache(store, model, block_size=16)
+    assert not (store / "index").exists()
+    assert sorted(p.name for p in (store / "segments").rglob("*.seg")) == segments
+    env = {k: v for k, v in os.environ.items() if k != "PPC_STORE"}
+    stats = subprocess.run(
+        [sys.executable, "-m", "persistent_prefix_cache", "stats", "--store", str(store)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert stats.returncode == 2 and "ppc check --fix" in stats.stderr and "Traceback" not in stats.stderr
+    fix = subprocess.run(
+        [sys.executable, "-m", "persistent_prefix_cache", "check", "--fix", "--store", str(store)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert fix.returncode == 0, fix.stdout + fix.stderr
+    with PersistentPrefixCache(store, model, block_size=16) as handle:
+        cache, rest = handle.fetch(tokens)
+        assert len(tokens) - len(rest) == len(tokens) - 1

@@ -166,6 +166,12 @@ def store_path(args: argparse.Namespace, *, must_exist: bool = False, walk: bool
         from ..disk.store_guard import check_no_pending_repair
 
         check_no_pending_repair(path)  # a repair stopped mid-swap: say how to finish it
+        from ..disk.store_dir import segment_file_count
+        from ..disk.store_guard import corrupt_index
+
+        held = segment_file_count(path)
+        if held:  # a store that lost its index: the segments still hold its blocks
+            raise corrupt_index(os.path.abspath(path), f"index/ is missing, but {held} segment file(s) hold blocks")
         raise UserError(f"no store at {path} (expected {os.path.join(path, 'index')})")
     if walk and os.path.isdir(os.path.join(path, "index")):
         from ..disk.index_probe import probe_index

@@ -27,6 +27,7 @@ import stat
 from dataclasses import dataclass
 
 from ..errors import StoreNotWritableError, StorePathError
+from .store_guard import corrupt_index
 
 PRIVATE_FOLDER, PRIVATE_FILE = 0o700, 0o600
 SHARED_FOLDER, SHARED_FILE = 0o2770, 0o660
@@ -164,11 +165,24 @@ def check_readable(path: str, *, what: str = "store") -> None:
         )
 
 
+def segment_file_count(path: str) -> int:
+    """How many segment files ``segments/`` of `path` holds."""
+    top = os.path.join(path, "segments")
+    try:
+        subs = [e.path for e in os.scandir(top) if e.is_dir(follow_symlinks=False)]
+        return sum(1 for sub in subs for e in os.scandir(sub) if e.name.endswith(".seg"))
+    except OSError:
+        return 0
+
+
 def _left_by_a_creation(path: str, name: str) -> bool:
-    # A process killed while creating a store leaves ``segments/`` (two-hex-digit
-    # folders) and ``tmp/`` (``*.tmp`` files) before ``index/``: that folder is still
-    # ours to finish; anything else is the user's.
+    # A process killed while creating a store leaves ``lock``, ``segments/`` (two-hex-digit
+    # folders, no segment file: those are written only once ``index/`` exists) and
+    # ``tmp/`` (``*.tmp`` files) before ``index/``: that folder is still ours to finish;
+    # anything else is the user's.
     p = os.path.join(path, name)
+    if name == "lock":
+        return os.path.isfile(p) and not os.path.islink(p)
     if name not in ("segments", "tmp") or os.path.islink(p) or not os.path.isdir(p):
         return False
     if name == "tmp":
@@ -195,12 +209,18 @@ def check_location(path: str, *, readonly: bool = False, what: str = "store") ->
             or (with `readonly`) holds no store.
         StoreNotWritableError: If a store would have to be created where this process
             cannot write, or `path` is a folder it cannot open.
+        StoreCorruptError: If `path` holds segment files but no index (a lost index:
+            the hint names ``ppc check --fix``, which rebuilds it from them).
     """
     if os.path.lexists(path) and not os.path.isdir(path):
         raise StorePathError(f"{what} {path}: is a file, not a directory")
     check_readable(path, what=what)
     if store_exists(path):
         return True
+    held = segment_file_count(path)
+    if held:
+        # A store that lost its index: a new one here would sweep these as orphans.
+        raise corrupt_index(path, f"index/ is missing, but {held} segment file(s) hold blocks")
     if readonly:
         raise StorePathError(f"no store at {path} to open read-only", hint="give the folder of an existing store")
     if os.path.isdir(path):
