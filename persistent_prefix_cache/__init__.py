@@ -88,8 +88,8 @@ def __getattr__(name: str):
         # mlx without a backend (a plain `pip install` on Linux): say which to pick.
         raise ImportError(
             f"MLX is installed without a backend ({exc}); on Linux install one: "
-            "pip install 'mlx[cpu]', or 'mlx[cuda13]' for an NVIDIA GPU (the package's [cpu] "
-            "and [cuda] extras install the same)"
+            "reinstall this package with its [cpu] extra (pip install '.[cpu]' in its checkout), "
+            "or [cuda] for an NVIDIA GPU"
         ) from exc
     globals()[name] = value
     return value

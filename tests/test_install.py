@@ -53,4 +53,4 @@ def test_mlx_without_a_backend_gets_a_clear_message():
     )
     assert proc.returncode == 1
     assert "MLX is installed without a backend" in proc.stderr
-    assert "pip install 'mlx[cpu]', or 'mlx[cuda13]'" in proc.stderr
+    assert "with its [cpu] extra (pip install '.[cpu]' in its checkout), or [cuda]" in proc.stderr
