@@ -50,6 +50,7 @@ def upgrade(env, txn, params):
     nodes = {n.key: n for n in w.iter_nodes()}
     roots = _roots(nodes)
     old_segments = set(w.segments())
+    block_size = int(w.meta(b"block_size") or b"64")  # stamped as ASCII digits since schema v1
     files = SegmentFiles(store)
     by_segment = {}
     for n in nodes.values():
@@ -79,7 +80,7 @@ def upgrade(env, txn, params):
         for run in filter(None, runs):
             root = roots[run[0][0].key]
             try:
-                new, size, digest = files.write(run, root=root, model=w.model(root) or b"{}")
+                new, size, digest = files.write(run, root=root, model=w.model(root) or b"{}", block_size=block_size)
             except ValueError:  # tensors that do not make a segment: damaged
                 doomed.extend(nodes[copy.key] for copy, _ in run)
                 continue

@@ -272,7 +272,9 @@ class WriteBack:
         written = [node for node, _ in new]
         description = self.describe()  # kept in the segment too: the index can be rebuilt
         try:
-            segment, size, digest = self.files.write(new, root=self.root, model=description)
+            segment, size, digest = self.files.write(
+                new, root=self.root, model=description, block_size=self.index.block_size
+            )
         except (OSError, ValueError) as exc:
             self._failed("write", written, exc)  # nothing was renamed into place
             return

@@ -423,3 +423,31 @@ def test_a_lost_index_is_never_replaced_by_an_empty_one(tmp_path):
     with PersistentPrefixCache(store, model, block_size=16) as handle:
         cache, rest = handle.fetch(tokens)
         assert len(tokens) - len(rest) == len(tokens) - 1
+
+
+def test_a_rebuild_keeps_the_block_size_when_no_block_is_full(tmp_path):
+    """Every segment records the block size it was cut with: a rebuild takes it from
+    there, not from the longest block (here every block is a short prompt's last)."""
+    import shutil
+
+    from persistent_prefix_cache.disk.maintenance import StoreAdmin
+    from persistent_prefix_cache.tiny_model import load_tiny_model, write_tiny_model
+
+    model = load_tiny_model(write_tiny_model(tmp_path / "model", seed=4))
+    store = tmp_path / "store"
+    prompts = [list(range(s, s + 20)) for s in (1, 100)]
+    with PersistentPrefixCache(store, model, block_size=64) as handle:
+        for tokens in prompts:
+            handle.store(tokens, prefill(model, tokens)[1])
+    shutil.rmtree(store / "index")
+    env = {k: v for k, v in os.environ.items() if k != "PPC_STORE"}
+    fix = subprocess.run(
+        [sys.executable, "-m", "persistent_prefix_cache", "check", "--fix", "--store", str(store)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert fix.returncode == 0, fix.stdout + fix.stderr
+    with StoreAdmin(str(store), readonly=True) as admin:
+        assert admin.index.block_size == 64
+    with PersistentPrefixCache(store, model) as handle:
+        for tokens in prompts:
+            assert len(tokens) - len(handle.fetch(tokens)[1]) == len(tokens) - 1

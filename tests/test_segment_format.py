@@ -171,6 +171,7 @@ def test_read_manifest_holds_the_index_records(tmp_path, model):
         assert m.segment.hex() == os.path.basename(seg_path)[:32]
         assert m.model == models[m.root] and json.loads(m.model)["namespace"] == "tenant-a"
         assert m.digest == digests[m.segment] and m.file_bytes == os.path.getsize(seg_path)
+        assert m.block_size == BLOCK
         assert SegmentFiles(str(tmp_path / "s"), readonly=True).digest_of(m.segment) == m.digest
         for a, b in zip(m.nodes, m.nodes[1:]):
             assert b.parent == a.key and b.position == a.end
@@ -242,10 +243,10 @@ def test_a_segment_holds_one_chain_of_one_model(tmp_path):
         return Node(key, parent, position, bytes(16), 1, 0, 0)
 
     a, b = node(b"a" * 16, root, 0), node(b"b" * 16, b"a" * 16, 4)
-    seg, size, _ = files.write([(a, {"0": {"k": x}}), (b, {"0": {"k": x}})], root=root, model=b"{}")
+    seg, size, _ = files.write([(a, {"0": {"k": x}}), (b, {"0": {"k": x}})], root=root, model=b"{}", block_size=4)
     assert read_manifest(files.path_of(seg)).root == root and size == os.path.getsize(files.path_of(seg))
     with pytest.raises(ValueError, match="root"):
-        files.write([(node(b"c" * 16, other, 0), {"0": {"k": x}})], root=root, model=b"{}")
+        files.write([(node(b"c" * 16, other, 0), {"0": {"k": x}})], root=root, model=b"{}", block_size=4)
     with pytest.raises(ValueError, match="chain"):
-        files.write([(a, {"0": {"k": x}}), (node(b"d" * 16, b"z" * 16, 4), {"0": {"k": x}})], root=root, model=b"{}")
+        files.write([(a, {"0": {"k": x}}), (node(b"d" * 16, b"z" * 16, 4), {"0": {"k": x}})], root=root, model=b"{}", block_size=4)
     assert not os.listdir(files.tmp)

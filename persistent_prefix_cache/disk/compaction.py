@@ -62,13 +62,13 @@ def compact(index: Index, files: SegmentFiles, segment: bytes) -> bool:
                 runs.append([])
             copy = Node(**{k: getattr(node, k) for k in Node.__slots__})
             runs[-1].append((copy, tensors))
-        root, model = seg.root, seg.model  # the copy names the same model
+        root, model, block_size = seg.root, seg.model, seg.block_size  # the copy names the same model
     finally:
         seg.close()
     moved = False
     for run in filter(None, runs):
         try:
-            new, size, digest = files.write(run, root=root, model=model)
+            new, size, digest = files.write(run, root=root, model=model, block_size=block_size)
         except (OSError, ValueError) as exc:
             log.warning("could not compact segment %s: %s", segment.hex(), exc)
             return moved

@@ -515,7 +515,7 @@ class StoreAdmin:
         # the same (they are over the same bytes), or the pack is damaged.
         checksums = [n.checksum for n, _ in run]
         try:
-            out = self.files.write(run, **models[run[0][0].key])
+            out = self.files.write(run, **models[run[0][0].key], block_size=self.index.block_size)
         except ValueError as exc:
             raise InvalidArgumentError(f"{in_path}: damaged blocks: {exc}") from None
         if same_checksums and checksums != [n.checksum for n, _ in run]:

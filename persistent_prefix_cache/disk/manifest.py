@@ -25,6 +25,7 @@ class Manifest:
         root: The root key of the model the blocks belong to.
         model: That model's record, exactly as the index stores it (the writer's
             record: a later store may have registered one that knows more fields).
+        block_size: The store's block size when the segment was written.
         nodes: Complete index records (key, parent, position, tokens, flags, size,
             checksum, extra, segment), in position order; child count and last
             access are 0.
@@ -35,6 +36,7 @@ class Manifest:
     segment: bytes
     root: bytes
     model: bytes
+    block_size: int
     nodes: list[Node]
     digest: int
     file_bytes: int
@@ -83,4 +85,4 @@ def read_manifest(path: str) -> Manifest:
         )
         for i, (key, parent, position, _, flags, nbytes, checksum, extra) in enumerate(header.records)
     ]
-    return Manifest(header.segment, header.root, header.model, nodes, header.digest, size)
+    return Manifest(header.segment, header.root, header.model, header.block_size, nodes, header.digest, size)

@@ -176,8 +176,8 @@ def rebuild_index(store: str, *, block_size: int | None = None) -> RebuildReport
     Args:
         store: The store directory.
         block_size: The store's block size if known (read from the damaged index);
-            otherwise the longest block found (every block but a prompt's last is full),
-            or the default when no block is.
+            the segments' own record of it wins (every segment names the block size
+            it was cut with), and the default is taken when there is neither.
 
     Returns:
         A `RebuildReport`.
@@ -218,9 +218,11 @@ def rebuild_index(store: str, *, block_size: int | None = None) -> RebuildReport
             os.makedirs(os.path.dirname(target), exist_ok=True)
             os.rename(path, target)
         kept, report.dropped = _chained(manifests)
-        longest = max((n.n_tokens for n in kept.values()), default=0)
-        if block_size is None or block_size < longest:
-            block_size = longest or DEFAULT_BLOCK_SIZE
+        recorded = {m.block_size for m, _ in manifests}
+        if recorded:
+            block_size = max(recorded)  # one store, one block size: its segments say which
+        elif block_size is None:
+            block_size = DEFAULT_BLOCK_SIZE
         for key in _superseded(kept, block_size):
             kept.pop(key)
         report.blocks, report.block_size = len(kept), block_size

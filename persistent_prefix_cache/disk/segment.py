@@ -156,7 +156,7 @@ class SegmentFiles:
     # -- writing --------------------------------------------------------------------
 
     def write(
-        self, blocks: Sequence[tuple[Node, dict[str, dict[str, Any]]]], *, root: bytes, model: bytes
+        self, blocks: Sequence[tuple[Node, dict[str, dict[str, Any]]]], *, root: bytes, model: bytes, block_size: int
     ) -> tuple[bytes, int, int]:
         """Write consecutive blocks of one chain into a new segment, durably.
 
@@ -171,6 +171,8 @@ class SegmentFiles:
             root: The root key of the model the blocks belong to.
             model: That model's record (JSON, as `index_tables.Writer.register_model`
                 stores it), kept in the header so the index can be rebuilt.
+            block_size: The store's block size (kept in the header for the same reason:
+                a rebuild must cut new prompts as the lost index did).
 
         Returns:
             (segment id, file size, digest of the whole segment: xxh3-64 over the
@@ -183,7 +185,7 @@ class SegmentFiles:
                 tensors disagree.
         """
         segment = os.urandom(16)
-        header, chunks, digest = _layout(segment, blocks, root, model)
+        header, chunks, digest = _layout(segment, blocks, root, model, block_size)
         tmp = os.path.join(self.tmp, f"{segment.hex()}.{os.getpid()}.{threading.get_ident()}.tmp")
         fd = create_file(tmp, self.root)  # the store's file mode (0600 unless shared), not the umask's
         try:
@@ -363,7 +365,7 @@ def _writev_all(fd: int, chunks: list) -> int:
 
 
 def _layout(
-    segment: bytes, blocks: Sequence[tuple[Node, dict]], root: bytes, model: bytes
+    segment: bytes, blocks: Sequence[tuple[Node, dict]], root: bytes, model: bytes, block_size: int
 ) -> tuple[bytes, list[memoryview], int]:
     """The header, the data chunks and the digest of a segment; sets each node's size
     and checksum."""
@@ -459,6 +461,7 @@ def _layout(
         "segment": segment.hex(),
         "root": root.hex(),
         "model": model.decode("utf-8"),  # a JSON record: the index's bytes, exactly
+        "block_size": str(int(block_size)),
         "blocks": json.dumps(records, separators=(",", ":")),
         "tokens": base64.b64encode(b"".join(node.tokens for node, _ in blocks)).decode(),
         "fields": json.dumps(firsts, separators=(",", ":")),

@@ -26,7 +26,7 @@ from .portable import IOV_MAX, preadv
 SEGMENT_FORMAT = "ppc-segment/4"
 # The metadata keys of a v4 segment (all values are strings, as safetensors requires).
 META_KEYS = frozenset(
-    {"format", "segment", "root", "model", "blocks", "tokens", "fields", "snaps", "digest", "header_digest"}
+    {"format", "segment", "root", "model", "block_size", "blocks", "tokens", "fields", "snaps", "digest", "header_digest"}
 )
 # The header digest's value is found by this marker (unique: a quote inside a JSON
 # string is escaped) and hashed as zeros: xxh3-64 of every other byte of the header.
@@ -68,6 +68,7 @@ class Header:
         segment: The segment id.
         root: The root key of the model every block belongs to.
         model: That model's record (the bytes the index stores for the root).
+        block_size: The store's block size when the segment was written (no block is longer).
         blocks: Per block ``(key, position, tokens)``, consecutive, one chain.
         records: Per block ``[key hex, parent hex, position, tokens, flags, size,
             checksum hex, extra]`` as stored.
@@ -128,11 +129,12 @@ def parse_header(head: bytes, size: int, segment: bytes | None = None) -> Header
             raise ValueError("header digest mismatch")
         if segment is not None and meta["segment"] != segment.hex():
             raise ValueError("another segment")
+        block_size = int(meta["block_size"])
         records = json.loads(meta["blocks"])
         blocks = []
         for i, (key, parent, pos, t, flags, nbytes, csum, extra) in enumerate(records):
             key, pos, t = bytes.fromhex(key), int(pos), int(t)
-            if len(key) != 16 or len(bytes.fromhex(parent)) != 16 or t < 1 or pos < 0 or len(csum) != 16:
+            if len(key) != 16 or len(bytes.fromhex(parent)) != 16 or not 0 < t <= block_size or pos < 0 or len(csum) != 16:
                 raise ValueError("block record")
             if i and (pos != blocks[-1][1] + blocks[-1][2] or parent != records[i - 1][0]):
                 raise ValueError("blocks are not one chain")
@@ -186,6 +188,7 @@ def parse_header(head: bytes, size: int, segment: bytes | None = None) -> Header
             segment=bytes.fromhex(meta["segment"]),
             root=bytes.fromhex(meta["root"]),
             model=meta["model"].encode(),
+            block_size=block_size,
             blocks=blocks,
             records=records,
             tokens=meta["tokens"],
@@ -250,6 +253,7 @@ class OpenSegment:
         head, size = read_head(fd)
         self.header = h = parse_header(head, size, segment)
         self.root, self.model, self.body, self.blocks = h.root, h.model, h.body, h.blocks
+        self.block_size = h.block_size
         self.fields: dict[str, Field] = {f.name: f for f in h.fields}
         self.snaps: list[Snap] = h.snaps
         self._by_key = {k: i for i, (k, _, _) in enumerate(self.blocks)}
