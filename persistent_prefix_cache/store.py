@@ -24,12 +24,13 @@ from typing import Any, Sequence
 
 from .disk.segment import SegmentFiles
 from .disk.index import Index
-from .disk.store_dir import check_location, create_root
+from .disk.store_dir import check_location, create_root, undo_creation
 from .disk.node import Node
 from .errors import (
     InvalidArgumentError,
     LayoutMismatchError,
     ReadOnlyStoreError,
+    StoreCorruptError,
 )
 from .fingerprint import cached_fingerprint, forget_fingerprints
 from .keys import as_token_array, chain_keys, root_key
@@ -157,6 +158,7 @@ class PersistentPrefixCache:
         self.path = os.path.abspath(path)
         self.sync_writes = sync_writes
         self._warned_readonly = False
+        self._warned_index = False
         # A file, a folder of other files, a place this process cannot write: a typed
         # error before anything is created.
         exists = check_location(self.path, readonly=readonly)
@@ -169,57 +171,64 @@ class PersistentPrefixCache:
         # Open anyway if a layer cannot be stored (fetch misses), so that a server can
         # run uncached; store() raises.
         self.layout = Layout(template_cache(model, kv_bits=kv_bits, kv_group_size=kv_group_size))
-        if not exists:
-            create_root(self.path, shared=shared)  # 0700 (2770 if shared), whatever the umask
-        self.files = SegmentFiles(self.path, readonly=readonly)
-        self.index = Index(
-            os.path.join(self.path, "index"), readonly=readonly, block_size=block_size or DEFAULT_BLOCK_SIZE
-        )
-        self._closed = False
+        made_folder = None if exists else create_root(self.path, shared=shared)  # 0700 (2770 if shared)
         try:
-            if block_size is not None and block_size != self.index.block_size:
-                raise InvalidArgumentError(
-                    f"store {self.path} uses block_size={self.index.block_size}, not {block_size}",
-                    hint="omit block_size, or use another store directory",
-                )
-            self.block_size = self.index.block_size
-            self.namespace = namespace
-            self.fingerprint = fingerprint or cached_fingerprint(
-                model,
-                None if model_path is None else os.fspath(model_path),
-                self.index.remembered_fingerprint,
-                self.index.remember_fingerprint,
+            self.files = SegmentFiles(self.path, readonly=readonly)
+            self.index = Index(
+                os.path.join(self.path, "index"), readonly=readonly, block_size=block_size or DEFAULT_BLOCK_SIZE
             )
-        except BaseException:
-            self.index.close()
-            raise
-        self.root = root_key(self.fingerprint, namespace, self.layout.signature)
-        self.layout.fields = self._recorded_fields()
-        self.memory = MemoryTier(memory_bytes)
-        self.trie = Trie(self.index, self.memory, self.root, self.block_size)
-        self.counters = Counters(*COUNTERS, *REMOTE_COUNTERS)
-        self.costs = Costs(enabled=cost_model)
-        self.writeback = None
-        if not readonly:
-            self.writeback = WriteBack(
-                self.index, self.files, self.memory, self.counters,
-                root=self.root, describe=self._describe, disk_bytes=disk_bytes,
-            )  # fmt: skip
-        self.remote = self.remote_fill = None
-        if remote is not None:
+            self._closed = False
             try:
-                self.remote = RemoteTier(
-                    remote, root=self.root, secret=remote_secret, ttl=remote_ttl, timeout=remote_timeout,
-                    queue_bytes=DEFAULT_QUEUE_BYTES, counters=self.counters,
-                )  # fmt: skip
+                if block_size is not None and block_size != self.index.block_size:
+                    raise InvalidArgumentError(
+                        f"store {self.path} uses block_size={self.index.block_size}, not {block_size}",
+                        hint="omit block_size, or use another store directory",
+                    )
+                self.block_size = self.index.block_size
+                self.namespace = namespace
+                self.fingerprint = fingerprint or cached_fingerprint(
+                    model,
+                    None if model_path is None else os.fspath(model_path),
+                    self.index.remembered_fingerprint,
+                    self.index.remember_fingerprint,
+                )
             except BaseException:
-                self.close()
+                self.index.close()
                 raise
-            self.remote_fill = RemoteFill(
-                self.remote, trie=self.trie, memory=self.memory, layout=self.layout, writeback=self.writeback,
-                costs=self.costs, root=self.root, block_size=self.block_size,
-            )  # fmt: skip
-        _OPEN_STORES.add(self)
+            self.root = root_key(self.fingerprint, namespace, self.layout.signature)
+            self.layout.fields = self._recorded_fields()
+            self.memory = MemoryTier(memory_bytes)
+            self.trie = Trie(self.index, self.memory, self.root, self.block_size)
+            self.counters = Counters(*COUNTERS, *REMOTE_COUNTERS)
+            self.costs = Costs(enabled=cost_model)
+            self.writeback = None
+            if not readonly:
+                self.writeback = WriteBack(
+                    self.index, self.files, self.memory, self.counters,
+                    root=self.root, describe=self._describe, disk_bytes=disk_bytes,
+                )  # fmt: skip
+            self.remote = self.remote_fill = None
+            if remote is not None:
+                try:
+                    self.remote = RemoteTier(
+                        remote, root=self.root, secret=remote_secret, ttl=remote_ttl, timeout=remote_timeout,
+                        queue_bytes=DEFAULT_QUEUE_BYTES, counters=self.counters,
+                    )  # fmt: skip
+                except BaseException:
+                    self.close()
+                    raise
+                self.remote_fill = RemoteFill(
+                    self.remote, trie=self.trie, memory=self.memory, layout=self.layout, writeback=self.writeback,
+                    costs=self.costs, root=self.root, block_size=self.block_size,
+                )  # fmt: skip
+            _OPEN_STORES.add(self)
+        except BaseException:
+            if made_folder is not None:  # a store made by this call, for nothing: take it back
+                index = getattr(self, "index", None)
+                if index is not None and not getattr(self, "_closed", True):
+                    index.close()
+                undo_creation(self.path, made_folder=made_folder)
+            raise
 
     # -- reading ------------------------------------------------------------------------
 
@@ -244,6 +253,15 @@ class PersistentPrefixCache:
         """
         self._check_open()
         toks = as_token_array(tokens)
+        try:
+            return self._fetch(tokens, toks, longer_than)
+        except StoreCorruptError as exc:  # a damaged index page: a miss, never an error
+            self._index_damaged(exc)
+            self.counters.add(queries=1, misses=1)
+            return None, tokens
+
+    def _fetch(self, tokens: Any, toks: Any, longer_than: int | None) -> tuple[list | None, Any]:
+        """`fetch` past its checks: the trie walk, the remote's part, the restore."""
         path, matched = self.trie.longest(toks) if self.layout.unsupported is None else ([], 0)
         pending = None
         if self.remote_fill is not None and matched < len(toks) - 1 and self.layout.unsupported is None:
@@ -407,7 +425,12 @@ class PersistentPrefixCache:
             return 0
         keys = chain_keys(self.root, toks, self.block_size)
         data = toks.tobytes()
-        path = self.trie.stored_prefix(keys, data)
+        try:
+            path = self.trie.stored_prefix(keys, data)
+        except StoreCorruptError as exc:  # the caller's work goes on; nothing is written
+            self._index_damaged(exc)
+            self.counters.add(write_errors=1)
+            return 0
         if path is None:
             log.warning("block key collision; not storing the rest of this prompt")
             return 0
@@ -523,6 +546,14 @@ class PersistentPrefixCache:
         self.close()
 
     # -- helpers ----------------------------------------------------------------------
+
+    def _index_damaged(self, exc: StoreCorruptError) -> None:
+        """Count a read that met a damaged index page; say so once per handle (with
+        what ``ppc check --fix`` will do)."""
+        self.counters.add(corrupt=1)
+        if not self._warned_index:
+            self._warned_index = True
+            log.warning("%s; serving what can be read, everything else misses", exc)
 
     def _damaged(self, node: Node) -> None:
         """Count a damaged block and drop it, with everything stored after it."""

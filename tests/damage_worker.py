@@ -3,6 +3,10 @@ given, on a fresh copy of the store, overwrite that 4 KiB page of ``index/data.m
 with random bytes, run ``ppc check`` and ``ppc check --fix`` as real subprocesses, then
 open the store here and restore every prompt, comparing its KV with the original bits.
 
+With ``"serve": true`` in the spec it plays a serving process instead, before any
+check: it opens the damaged copy with the library and fetches every prompt, recording
+hits (exact or not), misses and exceptions.
+
 Usage: ``python damage_worker.py SPEC_JSON FIRST_PAGE`` (the spec names the store, the
 work folder, the model, the prompts, the originals' ``.npz`` and the page count; optional
 ``seed`` for the random bytes, or ``"fill": "zeros"``).
@@ -76,6 +80,39 @@ def restore_all(store: str, model, prompts: list[list[int]], originals) -> tuple
     return ok, failures
 
 
+def serve_all(store: str, model, prompts: list[list[int]], originals) -> dict:
+    """A serving process on a damaged index: every fetch is an exact hit or a miss."""
+    import mlx.core as mx
+
+    from persistent_prefix_cache import PersistentPrefixCache, StoreCorruptError
+
+    out = {"refused_at_open": False, "exact": 0, "misses": 0, "wrong": 0, "errors": []}
+    try:
+        cache_store = PersistentPrefixCache(store, model, memory_bytes=0)
+    except StoreCorruptError:  # one typed error at open, naming `ppc check --fix`
+        out["refused_at_open"] = True
+        return out
+    with cache_store:
+        for i, tokens in enumerate(prompts):
+            try:
+                cache, remaining = cache_store.fetch(tokens + [1])
+            except Exception as exc:  # recorded: the test asserts there are none
+                out["errors"].append(f"{type(exc).__name__}: {exc}")
+                continue
+            if cache is None:
+                out["misses"] += 1
+                continue
+            n = len(tokens) + 1 - len(remaining)
+            same = True
+            for j, layer in enumerate(cache):
+                keys = layer.keys[..., : layer.offset, :]
+                mx.eval(keys)
+                same &= np.array_equal(np.array(keys), originals[f"{i}.{j}.k"][..., :n, :])
+            out["exact" if same else "wrong"] += 1
+        out["corrupt"] = cache_store.stats()["corrupt"]
+    return out
+
+
 def _prefill(model, tokens):
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
@@ -100,6 +137,11 @@ def main() -> None:
             f.seek(page * PAGE)
             seed = spec.get("seed", 0) * 1_000_003 + page
             f.write(bytes(PAGE) if spec.get("fill") == "zeros" else random.Random(seed).randbytes(PAGE))
+        if spec.get("serve"):
+            line = {"page": page, "served": serve_all(work, model, spec["prompts"], originals)}
+            shutil.rmtree(work, ignore_errors=True)
+            print(json.dumps(line), flush=True)
+            continue
         line = {"page": page, "check": ppc_check(work), "fix": ppc_check(work, "--fix")}
         try:
             line["restored"], line["failures"] = restore_all(work, model, spec["prompts"], originals)

@@ -102,6 +102,14 @@ def test_the_repro_a_wrong_model_path_is_refused_naming_both(two, tmp_path):
     assert os.path.realpath(two.b) in message and "llama.Model" in message
     assert "model_path" in raised.value.hint
     assert _remembered(store) == []  # nothing attached to B's files
+    # On a new store the refused call leaves nothing behind.
+    with pytest.raises(ModelMismatchError):
+        PersistentPrefixCache(tmp_path / "new", two.model_a, model_path=two.b)
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelMismatchError):
+        PersistentPrefixCache(tmp_path / "empty", two.model_a, model_path=two.b)
+    assert os.listdir(tmp_path / "empty") == []  # the user's empty folder stays, empty
 
     with PersistentPrefixCache(store, two.model_b, model_path=two.b) as s:
         assert s.fingerprint == fingerprint_model(two.model_b)

@@ -104,6 +104,7 @@ def test_a_db_the_server_lacks_is_said_by_every_command(tmp_path, model, tiny_mo
     with pytest.raises(RemoteConfigError) as err:
         PersistentPrefixCache(tmp_path / "lib", model, remote=url)
     assert said in str(err.value)
+    assert not (tmp_path / "lib").exists()  # a store made for nothing is taken back
     runs = {
         "push": ppc("push", "--store", filled, "--remote", url),
         "pull": ppc("pull", "--model", tiny_model_dir, "--store", tmp_path / "p", "--remote", url),

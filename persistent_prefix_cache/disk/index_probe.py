@@ -76,6 +76,10 @@ def probe_index(index_path: str, *, trial_write: bool = True, timeout: float | N
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
         err, rc = "", None
+    except OSError as exc:  # no child can be started (this user cannot run the interpreter's
+        # path, say): the walk is a safety net, not a gate; say so and go on unwalked
+        health.notes.append(f"the index was not walked: no child process could start ({exc.strerror})")
+        return health
     stage, done = "start", None
     for line in out.splitlines():
         try:

@@ -248,11 +248,44 @@ def check_location(path: str, *, readonly: bool = False, what: str = "store") ->
     return False
 
 
-def create_root(path: str, *, shared: bool = False) -> None:
+def create_root(path: str, *, shared: bool = False) -> bool:
     """Make the folder of a new store (or claim an empty one) with its mode: 0700, or
-    2770 if `shared`. The parents it needs are made as ``mkdir -p`` makes them."""
+    2770 if `shared`. The parents it needs are made as ``mkdir -p`` makes them.
+
+    Returns:
+        Whether the folder itself was made here (else it existed, empty).
+    """
+    made = not os.path.isdir(path)
     os.makedirs(path, exist_ok=True)
     os.chmod(path, SHARED_FOLDER if shared else PRIVATE_FOLDER)
+    return made
+
+
+def undo_creation(path: str, *, made_folder: bool) -> None:
+    """Take back a store this process has just created and not written to (its open
+    failed: a wrong model, a refused remote URL): what a caller's mistake made is gone
+    again. Only what a creation makes is removed, and nothing once a segment exists.
+
+    Args:
+        path: The store directory.
+        made_folder: Remove the folder too (`create_root` made it).
+    """
+    if segment_file_count(path):
+        return  # another process has begun to use the store meanwhile: leave it
+    for name in ("index/data.mdb", "index/lock.mdb", "lock"):
+        try:
+            os.unlink(os.path.join(path, name))
+        except OSError:
+            pass
+    tops = ["index", "tmp", "segments"] + ([""] if made_folder else [])
+    for top in tops:
+        folder = os.path.join(path, top)
+        subs = [os.path.join(folder, e) for e in os.listdir(folder)] if top == "segments" and os.path.isdir(folder) else []
+        for sub in subs + [folder]:
+            try:
+                os.rmdir(sub)  # only an empty folder: never somebody's files
+            except OSError:
+                pass
 
 
 # -- the permissions finding of ``ppc check`` -----------------------------------------------
