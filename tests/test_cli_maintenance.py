@@ -9,9 +9,11 @@ from __future__ import annotations
 import argparse
 
 import json
+import re
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from helpers import BLOCK, assert_same_logits, cold_logits, random_tokens, read_index, segment_files, warm_logits
@@ -61,6 +63,14 @@ def test_stats_and_inspect(filled):
     assert stats["hits"] == 2 and stats["tokens_saved"] == 32 + len(prompts[0]) - 1
     text = ppc("stats", "--store", store_dir).stdout
     assert "bytes on disk" in text and f"{stats['blocks']:,}" in text
+    # The hit rate of the queries that asked; each model with its bytes and last use.
+    asked = stats["hits"] + stats["misses"]
+    assert stats["hit_rate"] == round(stats["hits"] / asked, 4) and asked >= 2
+    assert re.search(rf"^hit rate +{100 * stats['hit_rate']:.1f} %$", text, re.M), text
+    (m,) = stats["models"]
+    assert m["bytes"] == stats["block_bytes"] and m["last_used"] > 0
+    when = time.strftime("%Y-%m-%d", time.gmtime(m["last_used"] / 1e9))
+    assert re.search(rf"^{m['root'][:12]} .* {m['blocks']} +{m['bytes']:,} +{when} \d\d:\d\d$", text, re.M), text
 
     info = ppc_json("inspect", "--store", store_dir, "--top", "5")
     (model,) = info["models"]

@@ -201,3 +201,21 @@ def test_serve_names_a_misspelt_option_before_anything_else(tmp_path):
     # mlx_lm.server's own options (and their unambiguous prefixes) still pass through.
     theirs = _ppc("serve", "--prompt-cache-siz", "3")
     assert "unknown option" not in theirs.stderr and "no store given" in theirs.stderr
+
+
+def test_check_counts_blocks_and_segment_files_and_names_the_damaged_file(filled):
+    clean = _ppc("check", "--store", filled)
+    n_segments = len(segment_files(filled))
+    report = json.loads(_ppc("check", "--store", filled, "--json").stdout)
+    assert report["segments_verified"] == n_segments and report["blocks_verified"] == report["nodes"]
+    assert clean.stdout.splitlines()[0] == f"{report['nodes']} of {report['nodes']} blocks verified in {n_segments} segment files"
+    name = sorted(segment_files(filled))[0]
+    path = os.path.join(filled, "segments", name)
+    with open(path, "r+b") as f:  # a flipped byte near the end: one block's checksum fails
+        f.seek(-3, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-3, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    damaged = _ppc("check", "--store", filled)
+    assert damaged.returncode == 1
+    assert os.path.join("segments", name) in damaged.stdout, damaged.stdout

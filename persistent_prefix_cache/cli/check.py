@@ -15,7 +15,7 @@ from .common import (
 
 
 def _render(r: dict) -> str:
-    lines = [f"{r['nodes']:,} blocks, {r['files_verified']:,} files verified"]
+    lines = [f"{r['blocks_verified']:,} of {r['nodes']:,} blocks verified in {r['segments_verified']:,} segment files"]
     if r["problems"]:
         lines.append(table([(p["kind"], p["detail"]) for p in r["problems"]], header=("problem", "where")))
     lines.append("clean" if r["clean"] else f"{len(r['problems'])} problem(s)")

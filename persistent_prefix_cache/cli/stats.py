@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from .common import (
     add_json_option,
     add_remote_option,
@@ -25,11 +27,10 @@ def _render(s: dict) -> str:
         ("bytes on disk", s["bytes_on_disk"]),
         ("bytes of the blocks", s["block_bytes"]),
         ("models", len(s["models"])),
-        *((f"  {m['root'][:12]}", f"{m.get('name') or '(unnamed)'}, fingerprint {str(m['fingerprint'])[:16]}")
-          for m in s["models"]),  # fmt: skip
         # Per fetch (a query): did it restore a prefix? `ppc inspect` counts per block.
         ("query hits", s["hits"]),
         ("query misses", s["misses"]),
+        ("hit rate", "-" if s["hit_rate"] is None else f"{100 * s['hit_rate']:.1f} %"),
         ("tokens saved", s["tokens_saved"]),
         ("corrupt blocks met", s["corrupt"]),
     ]
@@ -46,7 +47,20 @@ def _render(s: dict) -> str:
                     continue
                 figures = f"used {n['used_memory']:,} B of {n['maxmemory'] or 'unbounded'}, {n['maxmemory_policy']}, {n['evicted_keys']:,} evicted"
                 rows.append((f"  {n['node']}", figures))
-    return table(rows)
+    out = table(rows)
+    if s["models"]:
+        models = [
+            (m["root"][:12], m.get("name") or "(unnamed)", str(m["fingerprint"])[:16], m["blocks"], m["bytes"],
+             _when(m["last_used"]))
+            for m in sorted(s["models"], key=lambda m: -m["last_used"])
+        ]  # fmt: skip
+        out += "\n\n" + table(models, header=("model", "name", "fingerprint", "blocks", "bytes", "last used"))
+    return out
+
+
+def _when(ns: int) -> str:
+    """A last-use time in UTC, to the minute ("-" if never)."""
+    return time.strftime("%Y-%m-%d %H:%M", time.gmtime(ns / 1e9)) if ns else "-"
 
 
 def main(argv: list[str]) -> int:

@@ -44,7 +44,8 @@ class CheckReport:
     """What `StoreAdmin.check` found (and, with ``fix``, repaired)."""
 
     nodes: int = 0
-    files_verified: int = 0
+    files_verified: int = 0  # blocks whose bytes were read and verified
+    segments_verified: int = 0  # the segment files those blocks live in
     problems: list[tuple[str, str]] = field(default_factory=list)
     removed_nodes: int = 0
     removed_files: int = 0
@@ -61,6 +62,8 @@ class CheckReport:
             "clean": self.clean,
             "nodes": self.nodes,
             "files_verified": self.files_verified,
+            "blocks_verified": self.files_verified,
+            "segments_verified": self.segments_verified,
             "problems": [{"kind": k, "detail": d} for k, d in self.problems],
             "fixed": self.fixed,
             "removed_nodes": self.removed_nodes,
@@ -164,6 +167,8 @@ class StoreAdmin:
                         "bytes": sum(n.size for n in nodes),
                         # Fetches that restored each block, summed (not queries: see counters).
                         "block_hits": sum(reader.hits(n.key) for n in nodes),
+                        # When any of its blocks was last stored or restored (ns since the epoch).
+                        "last_used": max((n.last_access for n in nodes), default=0),
                     }
                 )
                 if longest:
@@ -190,6 +195,10 @@ class StoreAdmin:
             "bytes_on_disk": file_bytes,
             "block_bytes": size,
             **counters,
+            # Of the queries that asked (every process since the store was made).
+            "hit_rate": round(counters["hits"] / (counters["hits"] + counters["misses"]), 4)
+            if counters.get("hits", 0) + counters.get("misses", 0)
+            else None,
             "models": models,
         }
         if longest:
@@ -229,7 +238,7 @@ class StoreAdmin:
             segments = reader.segments()
             file_bytes = reader.file_bytes()
         report.nodes = len(nodes)
-        broken = set()
+        broken, verified_in = set(), set()
         for key, node in nodes.items():
             problem = self._node_problem(node, nodes, roots)
             if problem is None and node.segment not in segments:
@@ -237,9 +246,13 @@ class StoreAdmin:
             if problem is None:
                 problem = self.files.verify(node)
                 report.files_verified += problem is None
+                if problem is None:
+                    verified_in.add(node.segment)
             if problem:
-                report.problems.append((problem, key.hex()))
+                where = os.path.relpath(self.files.path_of(node.segment), self.path)
+                report.problems.append((problem, f"block {key.hex()} in {where}"))
                 broken.add(key)
+        report.segments_verified = len(verified_in)
         # Everything below a broken node goes with it.
         doomed = self._descendants(broken, nodes)
         alive = {k: n for k, n in nodes.items() if k not in doomed}

@@ -72,6 +72,7 @@ def check_store(path: str, *, fix: bool = False, grace: float = 60.0) -> CheckRe
     with StoreAdmin(path, readonly=not fix) as admin:
         after = admin.check(fix=fix, grace=grace)
     report.nodes, report.files_verified = after.nodes, after.files_verified
+    report.segments_verified = after.segments_verified
     report.problems += after.problems
     report.removed_nodes, report.removed_files = after.removed_nodes, after.removed_files
     report.fixed = after.fixed or report.rebuild is not None
