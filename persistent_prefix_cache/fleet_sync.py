@@ -148,9 +148,12 @@ def pull_model(store: Any, progress: Progress | None = None) -> dict[str, int]:
     its model, namespace and layout.
 
     Returns:
-        found (on the server), pulled (written locally), present (there already),
-        rejected (failed a check, counted as the store's remote_corrupt or
-        remote_unauthenticated), orphans (their parent is neither here nor there).
+        found (on the server), pulled (committed locally by this pull), present (there
+        already), rejected (failed a check, counted as the store's remote_corrupt or
+        remote_unauthenticated), orphans (their parent is neither here nor there),
+        replaced (pulled blocks that took the place of others or were replaced: a
+        prompt's partial last block gives way to a longer one, eviction under a disk
+        budget), so that the store grew by pulled - replaced blocks.
 
     Raises:
         InvalidArgumentError: If the store has no remote, or is read-only.
@@ -161,7 +164,8 @@ def pull_model(store: Any, progress: Progress | None = None) -> dict[str, int]:
     if tier is None or writeback is None:
         raise InvalidArgumentError("pull needs a writable store opened with remote=URL")
     keys = sorted(set(tier.bulk.scan(wire.key_pattern(store.root))))
-    out = dict.fromkeys(("found", "pulled", "present", "rejected", "orphans"), 0)
+    out = dict.fromkeys(("found", "pulled", "present", "rejected", "orphans", "replaced"), 0)
+    before = store.stats()
     out["found"] = len(keys)
     blocks: list[wire.Block] = []
     for lo in range(0, len(keys), BATCH):
@@ -196,8 +200,11 @@ def pull_model(store: Any, progress: Progress | None = None) -> dict[str, int]:
         runs[node.key] = run
     for run in order:  # parents first: the writer thread commits in submission order
         writeback.submit(writeback.write_blocks, run)
-        out["pulled"] += len(run)
     store.flush()
+    after = store.stats()
+    # What was committed, not what was handed over (another process may store a block first).
+    out["pulled"] = after["blocks_written"] - before["blocks_written"]
+    out["replaced"] = max(0, out["pulled"] - (after["blocks"] - before["blocks"]))
     return out
 
 

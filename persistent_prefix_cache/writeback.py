@@ -270,6 +270,9 @@ class WriteBack:
             new: ``(node, tensors by leaf)`` per block, consecutive, tensors evaluated.
         """
         written = [node for node, _ in new]
+        now = time.time_ns()
+        for node in written:  # a block that comes without a time of use (the remote's) is used now
+            node.last_access = node.last_access or now
         description = self.describe()  # kept in the segment too: the index can be rebuilt
         try:
             segment, size, digest = self.files.write(

@@ -82,3 +82,34 @@ def test_precompute_push_pull_between_hosts(tmp_path, tiny_model_dir, redis_serv
     gen_a = ppc("generate", "--model", tiny_model_dir, "--store", a, "--prompt", "document 1 " * 40, "--max-tokens", 3)
     # The text between mlx-lm's ========== lines (its summary lines after them hold timings).
     assert gen.returncode == 0 and gen.stdout.split("=" * 10)[1] == gen_a.stdout.split("=" * 10)[1]
+
+
+def test_pull_counts_add_up_and_pulled_blocks_are_used_now(tmp_path, tiny_model_dir, redis_server, ppc):
+    """Precompute with --remote publishes a prompt's partial last block and then its
+    longer replacement (the server keeps both); a pull of the model brings both, and the
+    counts say so: the store grows by pulled - replaced. Every pulled block carries the
+    pull's time as its last use (never 1970)."""
+    import time
+
+    from persistent_prefix_cache.disk.maintenance import StoreAdmin
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a prompt with a partial last block " * 2 + "and a few more words")
+    a = tmp_path / "a"
+    out = ppc("precompute", "--model", tiny_model_dir, "--store", a, "--block-size", 16, "--remote", redis_server.url,
+              "--ignore-chat-template", prompts, "--json")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    stored = json.loads(out.stdout)
+    assert stored["blocks_written"] > stored["blocks_in_store"]  # a partial block was replaced here too
+    started = time.time_ns()
+    out = ppc("pull", "--model", tiny_model_dir, "--store", tmp_path / "b", "--block-size", 16,
+              "--remote", redis_server.url, "--json")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    pulled = json.loads(out.stdout)
+    assert pulled["found"] == pulled["pulled"] + pulled["present"] + pulled["rejected"] + pulled["orphans"]
+    assert pulled["replaced"] >= 1  # the shorter partial block gave way to the longer one
+    assert pulled["pulled"] - pulled["replaced"] == pulled["blocks_in_store"]
+    with StoreAdmin(str(tmp_path / "b"), readonly=True) as admin:
+        (model,) = admin.summary()["models"]
+        prefixes = admin.summary(longest=10)["longest_prefixes"]
+    assert model["last_used"] >= started and all(p["last_access"] >= started for p in prefixes)
