@@ -31,6 +31,7 @@ from .errors import (
     LayoutMismatchError,
     ReadOnlyStoreError,
     StoreCorruptError,
+    StoreNotWritableError,
 )
 from .fingerprint import cached_fingerprint, forget_fingerprints
 from .keys import as_token_array, chain_keys, root_key
@@ -86,7 +87,8 @@ class PersistentPrefixCache:
         memory_bytes: Budget of the RAM tier (0 disables it).
         disk_bytes: Budget of the block files; least recently used leaves are
             evicted past it. None means unbounded.
-        readonly: Serve hits only; `store()` warns once and writes nothing.
+        readonly: Serve hits only; `store()` writes nothing (silently: it was asked
+            for). A store this process cannot write opens read-only with one warning.
         kv_bits: Quantize KV like mlx-lm's ``kv_bits`` (the store then holds and
             returns ``QuantizedKVCache`` layers).
         kv_group_size: Group size for `kv_bits`.
@@ -157,15 +159,21 @@ class PersistentPrefixCache:
         )  # fmt: skip
         self.path = os.path.abspath(path)
         self.sync_writes = sync_writes
-        self._warned_readonly = False
         self._warned_index = False
         # A file, a folder of other files, a place this process cannot write: a typed
         # error before anything is created.
         exists = check_location(self.path, readonly=readonly)
         if not readonly and existing_but_not_writable(self.path):
             # Serve what is there (a store shipped on a read-only volume, say).
-            warnings.warn(str(ReadOnlyStoreError(f"store {self.path} is not writable: serving hits only")))
-            readonly = self._warned_readonly = True
+            warnings.warn(
+                str(
+                    StoreNotWritableError(
+                        f"store {self.path} is not writable by this process: serving its hits only",
+                        hint="to say so and silence this, open it read-only; to store, give write permission",
+                    )
+                )
+            )
+            readonly = True
         self.readonly = readonly
         self._pid = os.getpid()
         # Open anyway if a layer cannot be stored (fetch misses), so that a server can
@@ -416,10 +424,7 @@ class PersistentPrefixCache:
         covered = cache_length(cache)
         if covered is not None and covered != len(toks):
             raise InvalidArgumentError(f"cache covers {covered} positions but {len(toks)} tokens were given")
-        if self.readonly:
-            if not self._warned_readonly:
-                self._warned_readonly = True
-                warnings.warn(str(ReadOnlyStoreError(f"store {self.path} is read-only: store() writes nothing")))
+        if self.readonly:  # what was asked for (or said once at open): nothing to warn about
             return 0
         if len(toks) == 0:
             return 0

@@ -570,3 +570,22 @@ def test_serve_store_optional_degrades_with_a_warning(serve_model_dir, serve_mod
     assert f"uses {2 * BLOCK}-token blocks" in log
     segments = store / "segments"
     assert not segments.exists() or os.listdir(segments) == []  # the store was not used
+
+
+def test_a_read_only_server_says_what_it_did_and_warns_about_nothing(serve_model_dir, tmp_path):
+    """`--store-readonly` as asked: hits restored, nothing written, and neither a Python
+    warning nor a count of writes that never happened."""
+    store = tmp_path / "store"
+    with Server(serve_model_dir, store, tmp_path / "fill.log") as server:
+        server.chat(FIRST)
+        assert server.stop() == 0, server.log()
+    before = sorted(p.name for p in (store / "segments").rglob("*.seg"))
+    with Server(serve_model_dir, store, tmp_path / "ro.log", "--store-readonly") as server:
+        server.chat(FIRST + [{"role": "assistant", "content": "Yes."}, {"role": "user", "content": "More?"}])
+        assert server.stop() == 0, server.log()
+    log = server.log()
+    assert len(server.restored()) == 1, log
+    assert re.search(r"closed \(read-only\): 1 prompts restored from the store \(\d+ tokens\), 0 written", log), log
+    # (mlx_lm.server's own "not recommended for production" warning is not ours.)
+    assert not re.search(r"Warning: .*(store|read-only)", log) and "readonly=False" not in log, log
+    assert sorted(p.name for p in (store / "segments").rglob("*.seg")) == before

@@ -175,14 +175,22 @@ def _serve(args: argparse.Namespace, server_argv: list[str]) -> int:
                 if cache is not None:
                     stats = cache.persistent_stats()
                     cache.close()  # waits for pending block writes
-                    log.info(
-                        "persistent prompt cache closed: %d prompts restored from the store "
-                        "(%d tokens), %d written, %d kept in memory only",
-                        stats["store_hits"],
-                        stats["restored_tokens"],
-                        stats["stored_sequences"],
-                        stats["store_skipped"],
-                    )
+                    if args.store_readonly:
+                        log.info(
+                            "persistent prompt cache closed (read-only): %d prompts restored from the "
+                            "store (%d tokens), 0 written",
+                            stats["store_hits"],
+                            stats["restored_tokens"],
+                        )
+                    else:
+                        log.info(
+                            "persistent prompt cache closed: %d prompts restored from the store "
+                            "(%d tokens), %d written, %d kept in memory only",
+                            stats["store_hits"],
+                            stats["restored_tokens"],
+                            stats["stored_sequences"],
+                            stats["store_skipped"],
+                        )
     except SystemExit as exc:  # mlx_lm.server's argparse: usage already printed
         return exc.code if isinstance(exc.code, int) else 2
     finally:

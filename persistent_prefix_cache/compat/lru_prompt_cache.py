@@ -163,7 +163,7 @@ class PersistentLRUPromptCache(LRUPromptCache):
         """
         super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
         store = self.store_for(model) if len(tokens) else None
-        if store is None:
+        if store is None or store.readonly:  # read-only serves hits: nothing written, nothing skipped
             return
         if not _storable(tokens):
             self._skip(

@@ -102,7 +102,7 @@ class StoreLink:
 
     def write(self, tokens: Any, cache: Sequence[Any]) -> bool:
         """Store `cache` for `tokens`; False (after one warning per cause) if it failed."""
-        if self.store is None:
+        if self.store is None or self.store.readonly:  # read-only: nothing written, nothing to warn
             return False
         try:
             self.store.store(tokens, cache)
