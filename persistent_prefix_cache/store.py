@@ -18,27 +18,18 @@ import json
 import logging
 import os
 import time
-import warnings
 import weakref
 from typing import Any, Sequence
 
-from .disk.segment import SegmentFiles
-from .disk.index import Index
-from .disk.store_dir import check_location, create_root, undo_creation
 from .disk.node import Node
-from .errors import (
-    InvalidArgumentError,
-    LayoutMismatchError,
-    ReadOnlyStoreError,
-    StoreCorruptError,
-    StoreNotWritableError,
-)
+from .errors import InvalidArgumentError, LayoutMismatchError, StoreCorruptError
 from .fingerprint import cached_fingerprint, forget_fingerprints
 from .keys import as_token_array, chain_keys, root_key
 from .layers import Layout, cache_length, signature_of, template_cache
 from .lookup import Trie, back_off
 from .costs import Costs
-from .options import check_options, check_remote, existing_but_not_writable
+from .opening import give_back, open_directory
+from .options import check_options, check_remote
 from .paths import expand_path
 from .restore import restore
 from .fleet import RemoteFill, remote_counters
@@ -48,7 +39,6 @@ from .writeback import Counters, WriteBack, sweep_orphans
 
 log = logging.getLogger("persistent_prefix_cache")
 
-DEFAULT_BLOCK_SIZE = 64
 DEFAULT_MEMORY_BYTES = 512 * 1024 * 1024
 COUNTERS = (
     "queries", "hits", "misses", "not_longer", "tokens_saved", "skipped_slower", "tokens_skipped",
@@ -160,49 +150,22 @@ class PersistentPrefixCache:
         self.path = os.path.abspath(path)
         self.sync_writes = sync_writes
         self._warned_index = False
-        # A file, a folder of other files, a place this process cannot write: a typed
-        # error before anything is created.
-        exists = check_location(self.path, readonly=readonly)
-        if not readonly and existing_but_not_writable(self.path):
-            # Serve what is there (a store shipped on a read-only volume, say).
-            warnings.warn(
-                str(
-                    StoreNotWritableError(
-                        f"store {self.path} is not writable by this process: serving its hits only",
-                        hint="to say so and silence this, open it read-only; to store, give write permission",
-                    )
-                )
-            )
-            readonly = True
-        self.readonly = readonly
         self._pid = os.getpid()
         # Open anyway if a layer cannot be stored (fetch misses), so that a server can
         # run uncached; store() raises.
         self.layout = Layout(template_cache(model, kv_bits=kv_bits, kv_group_size=kv_group_size))
-        made_folder = None if exists else create_root(self.path, shared=shared)  # 0700 (2770 if shared)
+        opened = open_directory(self.path, readonly=readonly, shared=shared, block_size=block_size)
+        self.readonly, self.files, self.index = opened.readonly, opened.files, opened.index
+        self._closed = False
         try:
-            self.files = SegmentFiles(self.path, readonly=readonly)
-            self.index = Index(
-                os.path.join(self.path, "index"), readonly=readonly, block_size=block_size or DEFAULT_BLOCK_SIZE
+            self.block_size = self.index.block_size
+            self.namespace = namespace
+            self.fingerprint = fingerprint or cached_fingerprint(
+                model,
+                None if model_path is None else os.fspath(model_path),
+                self.index.remembered_fingerprint,
+                self.index.remember_fingerprint,
             )
-            self._closed = False
-            try:
-                if block_size is not None and block_size != self.index.block_size:
-                    raise InvalidArgumentError(
-                        f"store {self.path} uses block_size={self.index.block_size}, not {block_size}",
-                        hint="omit block_size, or use another store directory",
-                    )
-                self.block_size = self.index.block_size
-                self.namespace = namespace
-                self.fingerprint = fingerprint or cached_fingerprint(
-                    model,
-                    None if model_path is None else os.fspath(model_path),
-                    self.index.remembered_fingerprint,
-                    self.index.remember_fingerprint,
-                )
-            except BaseException:
-                self.index.close()
-                raise
             self.root = root_key(self.fingerprint, namespace, self.layout.signature)
             self.layout.fields = self._recorded_fields()
             self.memory = MemoryTier(memory_bytes)
@@ -210,7 +173,7 @@ class PersistentPrefixCache:
             self.counters = Counters(*COUNTERS, *REMOTE_COUNTERS)
             self.costs = Costs(enabled=cost_model)
             self.writeback = None
-            if not readonly:
+            if not self.readonly:
                 self.writeback = WriteBack(
                     self.index, self.files, self.memory, self.counters,
                     root=self.root, describe=self._describe, disk_bytes=disk_bytes,
@@ -223,20 +186,16 @@ class PersistentPrefixCache:
                         queue_bytes=DEFAULT_QUEUE_BYTES, counters=self.counters,
                     )  # fmt: skip
                 except BaseException:
-                    self.close()
+                    self.close()  # the writer thread stops; the index is given back below
                     raise
                 self.remote_fill = RemoteFill(
                     self.remote, trie=self.trie, memory=self.memory, layout=self.layout, writeback=self.writeback,
                     costs=self.costs, root=self.root, block_size=self.block_size,
                 )  # fmt: skip
-            _OPEN_STORES.add(self)
         except BaseException:
-            if made_folder is not None:  # a store made by this call, for nothing: take it back
-                index = getattr(self, "index", None)
-                if index is not None and not getattr(self, "_closed", True):
-                    index.close()
-                undo_creation(self.path, made_folder=made_folder)
+            give_back(self.path, opened)
             raise
+        _OPEN_STORES.add(self)
 
     # -- reading ------------------------------------------------------------------------
 

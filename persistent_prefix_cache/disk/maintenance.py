@@ -8,10 +8,8 @@ thin layers over it.
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import struct
 import tarfile
 import time
 from dataclasses import dataclass, field
@@ -25,13 +23,13 @@ from .compaction import compact_sparse
 from .segment import SegmentFiles
 from .index import SCHEMA_VERSION, Index, Reader, Writer
 from .node import Node
+from .pack_members import RECORD_HEAD, add_bytes, read_json, read_member, unpack_records
 from .portable import durable_fsync
 from .store_dir import check_location, check_readable, create_file, create_root, make_dirs, require_writable
 
 EXPORT_FORMAT = "ppc-export/3"  # segment files of format v4
 V3_EXPORT_FORMAT = "ppc-export/2"  # segment files of format v3 (rewritten on import)
 LEGACY_EXPORT_FORMAT = "ppc-export/1"  # schema v1-v2: one file per block
-_RECORD_HEAD = struct.Struct("<16sI")
 WRITE_HINT = (
     "this writes the store: run it as the store's owner, make the store writable (its permissions, a "
     "read-write mount), or copy it to a directory you can write; stats, inspect, export and check "
@@ -195,10 +193,7 @@ class StoreAdmin:
             "bytes_on_disk": file_bytes,
             "block_bytes": size,
             **counters,
-            # Of the queries that asked (every process since the store was made).
-            "hit_rate": round(counters["hits"] / (counters["hits"] + counters["misses"]), 4)
-            if counters.get("hits", 0) + counters.get("misses", 0)
-            else None,
+            "hit_rate": _rate(counters.get("hits", 0), counters.get("misses", 0)),  # all processes
             "models": models,
         }
         if longest:
@@ -383,9 +378,9 @@ class StoreAdmin:
                     "models": {r.hex(): d for r, d in models.items()},
                     "blocks": len(nodes),
                 }
-                _add_bytes(tar, "manifest.json", json.dumps(manifest, indent=1).encode())
-                records = b"".join(_RECORD_HEAD.pack(n.key, len(n.pack())) + n.pack() for n in nodes)
-                _add_bytes(tar, "nodes.bin", records)
+                add_bytes(tar, "manifest.json", json.dumps(manifest, indent=1).encode())
+                records = b"".join(RECORD_HEAD.pack(n.key, len(n.pack())) + n.pack() for n in nodes)
+                add_bytes(tar, "nodes.bin", records)
                 for seg in dict.fromkeys(n.segment for n in nodes):
                     tar.add(self.files.path_of(seg), arcname=f"segments/{seg.hex()}.seg")
             with open(tmp, "rb") as f:
@@ -417,7 +412,7 @@ class StoreAdmin:
         except (tarfile.TarError, OSError) as exc:
             raise InvalidArgumentError(f"{in_path} is not a ppc export: {exc}") from None
         with tar:
-            manifest = _read_json(tar, "manifest.json", in_path)
+            manifest = read_json(tar, "manifest.json", in_path)
             if manifest.get("format") not in (EXPORT_FORMAT, V3_EXPORT_FORMAT, LEGACY_EXPORT_FORMAT):
                 raise InvalidArgumentError(f"{in_path}: unknown export format {manifest.get('format')!r}")
             if manifest["block_size"] != self.index.block_size:
@@ -425,7 +420,7 @@ class StoreAdmin:
                     f"{in_path} has block_size {manifest['block_size']}, the store {self.index.block_size}",
                     hint="import into a new store directory",
                 )
-            nodes = list(_unpack_records(_read_member(tar, "nodes.bin", in_path), in_path))
+            nodes = list(unpack_records(read_member(tar, "nodes.bin", in_path), in_path))
             with self.index.reader() as reader:
                 present = {n.key for n in nodes if reader.get(n.key) is not None}
                 known = set(reader.segments())
@@ -465,7 +460,7 @@ class StoreAdmin:
         for seg in dict.fromkeys(n.segment for n in todo):
             if seg in known:
                 continue  # imported before: the file is there
-            data = _read_member(tar, f"segments/{seg.hex()}.seg", in_path)
+            data = read_member(tar, f"segments/{seg.hex()}.seg", in_path)
             tmp = os.path.join(self.files.tmp, f"{seg.hex()}.{os.getpid()}.0.tmp")
             with os.fdopen(create_file(tmp, self.path), "wb") as f:
                 f.write(data)
@@ -485,7 +480,7 @@ class StoreAdmin:
     def _import_legacy(self, tar, in_path: str, todo: list[Node], written: dict, models: dict) -> None:
         # An export of schema v1-v2: one block file each, rewritten as one segment each.
         for n in todo:
-            data = _read_member(tar, f"blocks/{n.legacy_file_name}", in_path)
+            data = read_member(tar, f"blocks/{n.legacy_file_name}", in_path)
             try:
                 tensors = legacy.decode_block(data, n)
             except ValueError:
@@ -498,7 +493,7 @@ class StoreAdmin:
         # An export of segment format v3: each segment read (frozen v3 reader) and its
         # blocks rewritten as v4, run by run of one chain.
         for old in dict.fromkeys(n.segment for n in todo):
-            data = _read_member(tar, f"segments/{old.hex()}.seg", in_path)
+            data = read_member(tar, f"segments/{old.hex()}.seg", in_path)
             tmp = os.path.join(self.files.tmp, f"{old.hex()}.{os.getpid()}.0.tmp")
             with open(tmp, "wb") as f:
                 f.write(data)
@@ -566,37 +561,5 @@ def _models_of(index: Index, nodes: list[Node], manifest: dict, path: str) -> di
     return out
 
 
-def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size = len(data)
-    info.mtime = int(time.time())
-    tar.addfile(info, io.BytesIO(data))
-
-
-def _read_member(tar: tarfile.TarFile, name: str, path: str) -> bytes:
-    try:
-        f = tar.extractfile(name)
-    except KeyError:
-        f = None
-    if f is None:
-        raise InvalidArgumentError(f"{path} is not a complete ppc export: {name} is missing")
-    return f.read()
-
-
-def _read_json(tar: tarfile.TarFile, name: str, path: str) -> dict:
-    try:
-        return json.loads(_read_member(tar, name, path))
-    except ValueError:
-        raise InvalidArgumentError(f"{path}: {name} is not valid JSON") from None
-
-
-def _unpack_records(data: bytes, path: str) -> Iterator[Node]:
-    pos = 0
-    while pos < len(data):
-        try:
-            key, n = _RECORD_HEAD.unpack_from(data, pos)
-            pos += _RECORD_HEAD.size
-            yield Node.unpack(key, data[pos : pos + n])
-        except (struct.error, ValueError):
-            raise InvalidArgumentError(f"{path}: damaged node records") from None
-        pos += n
+def _rate(hits: int, misses: int) -> float | None:
+    return round(hits / (hits + misses), 4) if hits + misses else None

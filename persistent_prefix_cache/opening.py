@@ -1,0 +1,83 @@
+"""Opening a store directory for a handle: where a store may be, its files and index,
+and taking back a store that a failed open made for nothing."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+
+from .disk.index import Index
+from .disk.segment import SegmentFiles
+from .disk.store_dir import check_location, create_root, undo_creation
+from .errors import InvalidArgumentError, StoreNotWritableError
+from .options import existing_but_not_writable
+
+DEFAULT_BLOCK_SIZE = 64
+
+
+@dataclass
+class OpenedDirectory:
+    """A store directory opened for a handle.
+
+    Attributes:
+        readonly: Whether the handle serves hits only (asked for, or not writable).
+        files: The segment files.
+        index: The index (the caller closes it).
+        made_folder: None if the store existed; else whether its folder was made here.
+    """
+
+    readonly: bool
+    files: SegmentFiles
+    index: Index
+    made_folder: bool | None
+
+
+def open_directory(path: str, *, readonly: bool, shared: bool, block_size: int | None) -> OpenedDirectory:
+    """Open (or create) the store at `path`; nothing is left behind if this raises.
+
+    Args:
+        path: The store directory (absolute, expanded).
+        readonly: Serve hits only; a store this process cannot write is opened so too,
+            with one warning.
+        shared: Make a new store group-shared.
+        block_size: The block size asked for (None: the store's, or the default).
+
+    Raises:
+        InvalidArgumentError: If the store uses another `block_size`, or `path` is no
+            place for a store (`StorePathError`).
+        StoreNotWritableError, StoreCorruptError, StoreBusyError: As the store's state says.
+    """
+    # A file, a folder of other files, a place this process cannot write: a typed
+    # error before anything is created.
+    exists = check_location(path, readonly=readonly)
+    if not readonly and existing_but_not_writable(path):
+        # Serve what is there (a store shipped on a read-only volume, say).
+        message = f"store {path} is not writable by this process: serving its hits only"
+        hint = "to say so and silence this, open it read-only; to store, give write permission"
+        warnings.warn(str(StoreNotWritableError(message, hint=hint)))
+        readonly = True
+    made_folder = None if exists else create_root(path, shared=shared)  # 0700 (2770 if shared)
+    try:
+        files = SegmentFiles(path, readonly=readonly)
+        index = Index(os.path.join(path, "index"), readonly=readonly, block_size=block_size or DEFAULT_BLOCK_SIZE)
+        if block_size is not None and block_size != index.block_size:
+            index.close()
+            raise InvalidArgumentError(
+                f"store {path} uses block_size={index.block_size}, not {block_size}",
+                hint="omit block_size, or use another store directory",
+            )
+    except BaseException:
+        if made_folder is not None:
+            undo_creation(path, made_folder=made_folder)
+        raise
+    return OpenedDirectory(readonly, files, index, made_folder)
+
+
+def give_back(path: str, opened: OpenedDirectory) -> None:
+    """After a later step of a handle's open failed: close the index, and take back a
+    store this open made (a wrong model, a refused remote URL: the caller's mistake
+    leaves nothing behind)."""
+    opened.index.close()
+    if opened.made_folder is not None:
+        undo_creation(path, made_folder=opened.made_folder)
