@@ -20,6 +20,7 @@ from helpers import BLOCK, assert_same_logits, cold_logits, random_tokens, read_
 
 from persistent_prefix_cache import PersistentPrefixCache, StoreVersionError
 from persistent_prefix_cache.disk.index import Index
+from persistent_prefix_cache.disk.maintenance import StoreAdmin
 from persistent_prefix_cache.prefill import prefill
 
 
@@ -133,6 +134,45 @@ def test_gc_evicts_to_budget(filled):
     assert ppc_json("check", "--store", store_dir)["clean"]
     assert "expected a size" in ppc("gc", "--store", store_dir, "--max-bytes", "lots", expect=2).stderr
     assert ppc_json("gc", "--store", store_dir, "--max-bytes", "1G")["removed_blocks"] == 0
+
+
+def test_gc_by_model_and_by_age(store_dir, model, other_model, tiny_model_dir, other_model_dir):
+    """`ppc gc --model` takes a folder (or hub id, or hash prefix) and removes that model's
+    blocks only; `--unused-for` removes what was not used for that long, leaves first."""
+    old = random_tokens(40, seed=21, first=3)
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK, model_path=tiny_model_dir) as store:
+        prefill(model, old, store)
+    time.sleep(1.0)  # a gap between the two chains' last use, far wider than the gc's own delay
+    fresh = random_tokens(40, seed=22, first=4)
+    with PersistentPrefixCache(store_dir, other_model, block_size=BLOCK, model_path=other_model_dir) as store:
+        prefill(other_model, fresh, store)
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        prefill(model, fresh, store)  # a second, newer chain of the first model
+    per_model = {m["name"]: m["blocks"] for m in ppc_json("stats", "--store", store_dir)["models"]}
+    first, second = str(tiny_model_dir), str(other_model_dir)
+    # Export, like every --model, takes the folder (a hash prefix works too).
+    exported = ppc_json("export", "--store", store_dir, str(store_dir.parent / "p.tar"), "--model", second)
+    assert (exported["models"], exported["blocks"]) == (1, per_model[second])
+    # By folder: only the other model's blocks go, and its record with them.
+    gone = ppc_json("gc", "--store", store_dir, "--model", second)
+    assert gone["removed_blocks"] == per_model[second]
+    names = {m["name"]: m["blocks"] for m in ppc_json("stats", "--store", store_dir)["models"]}
+    assert names == {first: per_model[first]}
+    assert ppc_json("gc", "--store", store_dir, "--unused-for", "30d")["removed_blocks"] == 0
+    # By age: the first chain (last used before the gap) goes, the newer one stays.
+    with StoreAdmin(str(store_dir)) as admin:
+        with admin.index.reader() as reader:
+            times = sorted(n.last_access for n in reader.iter_nodes())
+        gap = max(range(1, len(times)), key=lambda i: times[i] - times[i - 1])
+        middle = (times[gap - 1] + times[gap]) // 2
+        aged = admin.gc(unused_for=(time.time_ns() - middle) / 1e9)
+    assert 0 < len(aged) < per_model[first]
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        assert store.peek(old) == 0 and store.peek(fresh) == len(fresh) - 1
+    assert ppc_json("check", "--store", store_dir)["clean"]
+    assert "matches 0 models" in ppc("gc", "--store", store_dir, "--model", "nope", expect=2).stderr
+    assert "say what to remove" in ppc("gc", "--store", store_dir, expect=2).stderr
+    assert "not a duration" in ppc("gc", "--store", store_dir, "--unused-for", "soon", expect=2).stderr
 
 
 def test_export_import_roundtrip(filled, model, other_model, tmp_path):

@@ -11,7 +11,7 @@ def main(argv: list[str]) -> int:
     parser = make_parser("export", "Pack a store, or the part for one model, into one file.")
     add_store_option(parser)
     parser.add_argument("output", type=path_arg, help="the file to write (e.g. prompts.ppc.tar)")
-    parser.add_argument("--model", help="a model's root key or fingerprint prefix (see `ppc inspect`)")
+    parser.add_argument("--model", help="one model: its folder or hub id, or a prefix of its hash (see `ppc inspect`)")
     add_json_option(parser)
     args = parser.parse_args(argv)
 

@@ -1,30 +1,70 @@
-"""``ppc gc --max-bytes N``: evict least recently used blocks down to a budget (of the
-blocks' bytes; segment files that became mostly dead are compacted)."""
+"""``ppc gc``: remove blocks by model (``--model``), by age (``--unused-for``) and down to
+a budget (``--max-bytes``: least recently used leaves first); segment files that became
+mostly dead are compacted."""
 
 from __future__ import annotations
 
+import argparse
+import re
+
 from .common import add_json_option, add_store_option, emit, make_parser, parse_size, run, store_path
 
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(text: str) -> float:
+    """``30d``, ``12h``, ``90m``, ``3600s``, ``2w`` or plain seconds, as seconds.
+
+    Raises:
+        argparse.ArgumentTypeError: If `text` is not such a duration.
+    """
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", text.lower())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (expected e.g. 30d, 12h, 90m or 3600)")
+    return float(m.group(1)) * _UNITS[m.group(2) or "s"]
+
+
+def _render(r: dict) -> str:
+    return (
+        f"removed {r['removed_blocks']:,} block(s), {r['removed_bytes']:,} bytes; "
+        f"{r['block_bytes_after']:,} bytes in {r['blocks_after']:,} block(s) remain"
+        + (f" (budget {r['max_bytes']:,})" if r["max_bytes"] is not None else "")
+        + f", {r['bytes_after']:,} bytes of segment files"
+    )
+
+
 def main(argv: list[str]) -> int:
-    """Evict least recently used leaves until the block files fit the budget."""
-    parser = make_parser("gc", "Evict least recently used blocks (leaves first) down to a byte budget.")
+    """Remove blocks by model, by age and down to a budget."""
+    parser = make_parser(
+        "gc",
+        "Remove blocks: every block of one model (--model), blocks unused for a while "
+        "(--unused-for), then least recently used leaves down to a budget (--max-bytes).",
+    )
     add_store_option(parser)
     parser.add_argument(
-        "--max-bytes", required=True, type=parse_size, help="budget for block files, e.g. 500M or 2G (binary units)"
+        "--max-bytes", type=parse_size, default=None, help="budget for block files, e.g. 500M or 2G (binary units)"
     )
+    parser.add_argument("--model", default=None, help="remove every block of this model: folder, hub id or hash prefix")
+    parser.add_argument(
+        "--unused-for", type=parse_duration, default=None, metavar="DURATION",
+        help="remove blocks not stored or restored for this long, e.g. 30d, 12h",
+    )  # fmt: skip
     add_json_option(parser)
     args = parser.parse_args(argv)
+    if args.max_bytes is None and args.model is None and args.unused_for is None:
+        parser.error("say what to remove: --max-bytes, --model and/or --unused-for")
 
     def work() -> int:
         from ..disk.maintenance import StoreAdmin
 
-        budget = args.max_bytes
         with StoreAdmin(store_path(args, must_exist=True)) as admin:
             before = admin.summary()
-            removed = admin.gc(budget)
+            removed = admin.gc(args.max_bytes, model=args.model, unused_for=args.unused_for)
             after = admin.summary()
         result = {
-            "max_bytes": budget,
+            "max_bytes": args.max_bytes,
+            "model": args.model,
+            "unused_for_s": args.unused_for,
             "removed_blocks": len(removed),
             "removed_bytes": sum(n.size for n in removed),
             "block_bytes_before": before["block_bytes"],
@@ -33,11 +73,7 @@ def main(argv: list[str]) -> int:
             "bytes_after": after["bytes_on_disk"],
             "blocks_after": after["blocks"],
         }
-        emit(result, args.json, lambda r: (
-            f"removed {r['removed_blocks']:,} block(s), {r['removed_bytes']:,} bytes; "
-            f"{r['block_bytes_after']:,} bytes in {r['blocks_after']:,} block(s) remain (budget {r['max_bytes']:,}), "
-            f"{r['bytes_after']:,} bytes of segment files"
-        ))  # fmt: skip
+        emit(result, args.json, _render)
         return 0
 
     return run(work)

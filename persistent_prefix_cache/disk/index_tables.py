@@ -225,6 +225,17 @@ class Writer(Reader):
                 pass  # an unreadable record: replace it
         self.txn.put(MODELS + root, description)
 
+    def forget_model(self, root: bytes) -> list[Node]:
+        """Remove every block of a model and its record (a handle still open on it
+        records it again with its next block).
+
+        Returns:
+            The removed nodes.
+        """
+        removed = [n for child in self.children(root) for n in self.remove_subtree(child.key)]
+        self.txn.delete(MODELS + root)
+        return removed
+
     def remember_fingerprint(self, signature: bytes, entry: dict) -> None:
         """Remember a fingerprint entry (JSON) under its weight files' signature."""
         self.txn.put(FINGERPRINTS + signature, json.dumps(entry, sort_keys=True).encode())
@@ -364,12 +375,37 @@ class Writer(Reader):
         """
         removed: list[Node] = []
         excess = self.totals()[0] - max_bytes
-        if excess <= 0:
-            return removed
+        for node in self._leaves_oldest_first() if excess > 0 else ():
+            self.remove_leaf(node)
+            removed.append(node)
+            excess -= node.size
+            if excess <= 0:
+                break
+        return removed
+
+    def evict_unused(self, before: int) -> list[Node]:
+        """Remove every block not used since `before` (ns since the epoch), leaves first:
+        a block used later keeps the blocks before it in its chain.
+
+        Returns:
+            The removed nodes.
+        """
+        removed: list[Node] = []
+        for node in self._leaves_oldest_first():
+            if node.last_access >= before:
+                break  # oldest first: every leaf after this one is newer too
+            self.remove_leaf(node)
+            removed.append(node)
+        return removed
+
+    def _leaves_oldest_first(self) -> Iterator[Node]:
+        """Leaves in least-recently-used order, for a caller that removes each one it is
+        given (or stops). Removing a leaf can turn its parent into a leaf older than
+        leaves not yet given, so such parents join a heap merged with the LRU order."""
         orphaned: list[tuple[int, bytes]] = []  # (last access, key): parents turned leaves
         lru = self._lru_from(b"")
         pending = next(lru, None)
-        while excess > 0 and (pending is not None or orphaned):
+        while pending is not None or orphaned:
             if orphaned and (pending is None or orphaned[0] < pending):
                 _, key = heapq.heappop(orphaned)
             else:
@@ -378,13 +414,10 @@ class Writer(Reader):
             node = self.get(key)
             if node is None or node.child_count != 0:
                 continue  # gone already, or an inner node: its leaves go first
-            self.remove_leaf(node)
-            removed.append(node)
-            excess -= node.size
+            yield node  # removed by the caller before the walk goes on
             parent = self.get(node.parent)
             if parent is not None and parent.child_count == 0:
                 heapq.heappush(orphaned, (parent.last_access, parent.key))
-        return removed
 
     def _lru_from(self, start: bytes) -> Iterator[tuple[int, bytes]]:
         """(last access, key) in LRU order from `start`, re-seeking after every step so

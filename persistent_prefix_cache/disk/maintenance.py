@@ -333,12 +333,58 @@ class StoreAdmin:
 
     # -- eviction -------------------------------------------------------------------------
 
-    def gc(self, max_bytes: int) -> list[Node]:
-        """Evict least recently used leaves until the blocks total `max_bytes`."""
-        removed, freed = self.index.write(lambda w: (w.evict(max_bytes), w.freed))
+    def gc(self, max_bytes: int | None = None, *, model: str | None = None, unused_for: float | None = None) -> list[Node]:
+        """Remove blocks: every block of one model, then those unused for a while, then
+        least recently used leaves until the blocks total `max_bytes` (each if given).
+
+        Args:
+            max_bytes: The budget of the blocks' bytes.
+            model: A model (see `find_model`) whose blocks all go.
+            unused_for: Seconds: blocks not stored or restored for this long go.
+
+        Returns:
+            The removed nodes.
+
+        Raises:
+            InvalidArgumentError: If `model` matches no stored model, or several.
+        """
+        with self.index.reader() as reader:
+            root = None if model is None else self.find_model(reader, model)
+
+        def work(w: Writer):
+            removed = w.forget_model(root) if root is not None else []
+            if unused_for is not None:
+                removed += w.evict_unused(time.time_ns() - int(unused_for * 1e9))
+            if max_bytes is not None:
+                removed += w.evict(max_bytes)
+            return removed, w.freed
+
+        removed, freed = self.index.write(work)
         self.files.unlink(freed)
         compact_sparse(self.index, self.files, (n.segment for n in removed))
         return removed
+
+    def find_model(self, reader: Reader, spec: str) -> bytes:
+        """The root key of the one stored model `spec` names: its folder or hub id (as
+        recorded with its blocks), or a prefix of its root key or fingerprint.
+
+        Raises:
+            InvalidArgumentError: If `spec` matches no model, or several.
+        """
+        local = expand_path(spec, what="--model")
+        folder = os.path.realpath(local) if os.path.isdir(local) else None
+        chosen = [
+            root
+            for root, d in self.models(reader).items()
+            if spec in (d.get("name"), root.hex()[: len(spec)], str(d.get("fingerprint", ""))[: len(spec)])
+            or (folder is not None and d.get("name") and os.path.realpath(str(d["name"])) == folder)
+        ]
+        if len(chosen) != 1:
+            raise InvalidArgumentError(
+                f"--model {spec!r} matches {len(chosen)} models in {self.path}",
+                hint="name a model by its folder, hub id, or a prefix of its hash (see `ppc inspect`)",
+            )
+        return chosen[0]
 
     # -- packing ----------------------------------------------------------------------------
 
@@ -349,8 +395,8 @@ class StoreAdmin:
 
         Args:
             out_path: The file to write (replaced atomically).
-            model: A prefix of a model's root key or fingerprint (see ``ppc inspect``);
-                None exports every model.
+            model: A model's folder or hub id, or a prefix of its root key or
+                fingerprint (see ``ppc inspect``); None exports every model.
 
         Returns:
             Counts of models, blocks and bytes exported.
@@ -361,10 +407,8 @@ class StoreAdmin:
         with self.index.reader() as reader:
             models = self.models(reader)
             if model is not None:
-                chosen = [r for r, d in models.items() if r.hex().startswith(model) or str(d.get("fingerprint", "")).startswith(model)]
-                if len(chosen) != 1:
-                    raise InvalidArgumentError(f"--model {model!r} matches {len(chosen)} models in {self.path} (see `ppc inspect`)")
-                models = {chosen[0]: models[chosen[0]]}
+                chosen = self.find_model(reader, model)
+                models = {chosen: models[chosen]}
             nodes = [n for root in models for n in self.walk(reader, root)]
         nodes.sort(key=lambda n: n.position)  # parents before children
         out_path = expand_path(out_path, what="out_path")
