@@ -15,7 +15,7 @@ COMMANDS = {
     "stats": ("stats", "counters and totals of a store"),
     "inspect": ("inspect", "models, fingerprints and the longest stored prefixes"),
     "check": ("check", "verify every block file and the index (--fix repairs)"),
-    "gc": ("gc", "evict least recently used blocks down to a byte budget"),
+    "gc": ("gc", "remove blocks by model, by age, or down to a byte budget"),
     "forget": ("forget", "forget the model fingerprints remembered by folder (--model-path DIR | --all)"),
     "migrate": ("migrate", "apply pending schema migrations"),
     "export": ("export", "pack a store (or one model's part) into one file"),
