@@ -74,6 +74,22 @@ def open_directory(path: str, *, readonly: bool, shared: bool, block_size: int |
     return OpenedDirectory(readonly, files, index, made_folder)
 
 
+def disk_budget(path: str, disk_bytes: int | str | None, held: int) -> int | None:
+    """The byte budget of a store's blocks: `disk_bytes` as given, or for ``"auto"`` what
+    the store holds plus half the space free on its file system now (a store never takes
+    more than half of what was free when it was opened; each open looks again).
+
+    Args:
+        path: The store directory.
+        disk_bytes: An int, None (unbounded) or ``"auto"``.
+        held: The bytes of the blocks the store holds.
+    """
+    if disk_bytes != "auto":
+        return disk_bytes
+    st = os.statvfs(path)
+    return held + st.f_bavail * st.f_frsize // 2
+
+
 def give_back(path: str, opened: OpenedDirectory) -> None:
     """After a later step of a handle's open failed: close the index, and take back a
     store this open made (a wrong model, a refused remote URL: the caller's mistake

@@ -23,7 +23,7 @@ def check_options(
     for name, value, minimum, optional in (
         ("block_size", block_size, 1, True),
         ("memory_bytes", memory_bytes, 0, False),
-        ("disk_bytes", disk_bytes, 0, True),
+        ("disk_bytes", None if disk_bytes == "auto" else disk_bytes, 0, True),
     ):
         if value is None and optional:
             continue

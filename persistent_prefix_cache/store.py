@@ -28,7 +28,7 @@ from .keys import as_token_array, chain_keys, root_key
 from .layers import Layout, cache_length, signature_of, template_cache
 from .lookup import Trie, back_off
 from .costs import Costs
-from .opening import give_back, open_directory
+from .opening import disk_budget, give_back, open_directory
 from .options import check_options, check_remote
 from .paths import expand_path
 from .restore import restore
@@ -75,8 +75,10 @@ class PersistentPrefixCache:
         block_size: Tokens per block for a new store (64 if None); an existing store
             keeps its own, and a different explicit value is an error.
         memory_bytes: Budget of the RAM tier (0 disables it).
-        disk_bytes: Budget of the block files; least recently used leaves are
-            evicted past it. None means unbounded.
+        disk_bytes: Budget of the blocks' bytes; least recently used leaves are
+            evicted past it. ``"auto"`` (the default): what the store holds plus half
+            the space free on its file system at open (`opening.disk_budget`). None
+            means unbounded.
         readonly: Serve hits only; `store()` writes nothing (silently: it was asked
             for). A store this process cannot write opens read-only with one warning.
         kv_bits: Quantize KV like mlx-lm's ``kv_bits`` (the store then holds and
@@ -123,7 +125,7 @@ class PersistentPrefixCache:
         namespace: str = "",
         block_size: int | None = None,
         memory_bytes: int = DEFAULT_MEMORY_BYTES,
-        disk_bytes: int | None = None,
+        disk_bytes: int | str | None = "auto",
         readonly: bool = False,
         kv_bits: int | None = None,
         kv_group_size: int = 64,
@@ -176,7 +178,8 @@ class PersistentPrefixCache:
             if not self.readonly:
                 self.writeback = WriteBack(
                     self.index, self.files, self.memory, self.counters,
-                    root=self.root, describe=self._describe, disk_bytes=disk_bytes,
+                    root=self.root, describe=self._describe,
+                    disk_bytes=disk_budget(self.path, disk_bytes, self.index.totals()[0]),
                 )  # fmt: skip
             self.remote = self.remote_fill = None
             if remote is not None:
@@ -473,7 +476,8 @@ class PersistentPrefixCache:
             measured);
             blocks, block_bytes (their tensors' bytes: what ``disk_bytes`` bounds) and
             bytes_on_disk (of the segment files: headers and space not yet reclaimed
-            included) for the store, all processes; bytes_in_memory,
+            included) for the store, all processes; disk_budget (the blocks' byte budget this
+            handle evicts to: `disk_bytes` resolved, None if unbounded); bytes_in_memory,
             blocks_in_memory, memory_evictions (the RAM tier); pending_writes;
             store_hits, store_misses, store_tokens_saved, store_corrupt (all processes
             since the store was made, as far as committed); remote (the URL, password
@@ -490,6 +494,7 @@ class PersistentPrefixCache:
         self._check_open()
         out = self.counters.snapshot()
         out["pending_writes"] = self.writeback.pending if self.writeback is not None else 0
+        out["disk_budget"] = self.writeback.disk_bytes if self.writeback is not None else None
         with self.index.reader() as reader:
             out["block_bytes"], out["blocks"] = reader.totals()
             out["bytes_on_disk"] = reader.file_bytes()

@@ -778,3 +778,32 @@ def test_unclosed_store_exits_cleanly(unclosed_exit):
     # pool down, so close() -> flush() -> submit() raised RuntimeError at exit.
     proc, _ = unclosed_exit
     assert "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_store_does_not_grow_forever_by_default(store_dir, model, tmp_path):
+    """The default budget: what the store holds plus half the space free at open; None
+    is unbounded; ppc's --store-disk-bytes 0 too."""
+    tokens = random_tokens(2 * BLOCK + 3, seed=120)
+    with open_store(store_dir, model) as store:
+        put(store, model, tokens)
+        store.flush()
+    with open_store(store_dir, model) as store:
+        held = store.stats()["block_bytes"]
+        st = os.statvfs(store_dir)
+        budget = store.stats()["disk_budget"]
+    free_half = st.f_bavail * st.f_frsize // 2
+    assert held > 0 and abs(budget - (held + free_half)) <= max(free_half // 100, 1 << 20)
+    with open_store(store_dir, model, disk_bytes=None) as store:
+        assert store.stats()["disk_budget"] is None
+    with open_store(store_dir, model, disk_bytes=held // 2) as store:
+        assert store.stats()["disk_budget"] == held // 2
+        put(store, model, random_tokens(BLOCK + 1, seed=121, first=7))
+        store.flush()
+        assert store.stats()["block_bytes"] <= held // 2  # evicted down to it
+    from persistent_prefix_cache.cli.common import disk_budget_option
+    from types import SimpleNamespace
+
+    assert disk_budget_option(SimpleNamespace(store_disk_bytes=0)) == {"disk_bytes": None}
+    assert disk_budget_option(SimpleNamespace(store_disk_bytes=None)) == {}
+    with pytest.raises(InvalidArgumentError):
+        open_store(tmp_path / "x", model, disk_bytes="lots")

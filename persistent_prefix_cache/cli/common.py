@@ -65,6 +65,23 @@ def add_store_shared_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+DISK_BUDGET_HELP = (
+    "budget of the store's blocks; least recently used blocks go first past it "
+    "(default: what the store holds plus half the disk space free at start; 0: unbounded)"
+)
+
+
+def add_disk_budget_option(parser: argparse.ArgumentParser) -> None:
+    """``--store-disk-bytes SIZE`` (0: unbounded; default: the library's ``"auto"``)."""
+    parser.add_argument("--store-disk-bytes", type=parse_size, metavar="SIZE", default=None, help=DISK_BUDGET_HELP)
+
+
+def disk_budget_option(args: argparse.Namespace) -> dict[str, Any]:
+    """``disk_bytes`` for the store from ``--store-disk-bytes`` (none given: the default)."""
+    value = getattr(args, "store_disk_bytes", None)
+    return {} if value is None else {"disk_bytes": value or None}
+
+
 def add_model_option(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
     """``--model PATH_OR_ID`` and the options that shape the store's layout."""
     parser.add_argument("--model", type=path_arg, required=required, help="local model folder or hub id")
@@ -247,7 +264,7 @@ def open_store(args: argparse.Namespace, model: Any, local_path: str | None, **k
         kv_bits=getattr(args, "kv_bits", None),
         kv_group_size=getattr(args, "kv_group_size", 64),
         shared=getattr(args, "store_shared", False),
-        **{**remote_options(args), **kwargs},
+        **{**remote_options(args), **disk_budget_option(args), **kwargs},
     )
 
 

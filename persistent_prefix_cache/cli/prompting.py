@@ -19,7 +19,7 @@ import warnings
 from typing import Any, Iterator, Sequence
 
 from ..disk.store_dir import check_location, require_writable
-from .common import UserError, add_store_shared_option, open_store, store_path
+from .common import UserError, add_disk_budget_option, add_store_shared_option, open_store, store_path
 
 # Tokens per forward pass for models whose every layer is sliceable (mlx-lm's default).
 DEFAULT_PREFILL_STEP_SIZE = 2048
@@ -39,6 +39,7 @@ def add_block_size_option(parser: argparse.ArgumentParser) -> None:
         "an existing store must be given its own value or none",
     )
     add_store_shared_option(parser)
+    add_disk_budget_option(parser)
 
 
 def add_template_options(parser: argparse.ArgumentParser) -> None:

@@ -32,8 +32,8 @@ from typing import Any
 
 from ..errors import PrefixCacheError
 from .common import (
-    UserError, add_remote_option, add_store_option, add_store_shared_option, parse_size, path_arg, remote_options, run,
-    store_path,
+    UserError, add_disk_budget_option, add_remote_option, add_store_option, add_store_shared_option, disk_budget_option,
+    parse_size, path_arg, remote_options, run, store_path,
 )  # fmt: skip
 
 log = logging.getLogger("persistent_prefix_cache.serve")
@@ -68,14 +68,7 @@ def _parser() -> argparse.ArgumentParser:
         help="RAM for the store's block tier, besides the server's own prompt cache "
         "(default: the library's, 512MiB; 0 turns it off)",
     )
-    parser.add_argument(
-        "--store-disk-bytes",
-        type=parse_size,
-        metavar="SIZE",
-        default=None,
-        help="disk budget of the store; least recently used blocks go first "
-        "(default: unbounded)",
-    )
+    add_disk_budget_option(parser)
     parser.add_argument(
         "--store-block-size",
         type=int,
@@ -103,8 +96,7 @@ def _store_options(args: argparse.Namespace) -> dict[str, Any]:
     options["shared"] = args.store_shared
     if args.store_memory_bytes is not None:
         options["memory_bytes"] = args.store_memory_bytes
-    if args.store_disk_bytes is not None:
-        options["disk_bytes"] = args.store_disk_bytes
+    options.update(disk_budget_option(args))
     if args.store_block_size is not None:
         options["block_size"] = args.store_block_size
     return options
