@@ -30,7 +30,7 @@ def test_choice_saves_the_most_time():
     costs.restore_bytes_per_s = {"ram": 1e9, "disk": 1e3}  # disk: 1 s per block
     choice = costs.choose(ends, sizes, ram, cuts)
     assert (choice.blocks, choice.tokens) == (2, 32)  # the RAM part only
-    costs.restore_bytes_per_s["disk"] = 1e9
+    costs.restore_bytes_per_s = {"ram": 1e9, "disk": 1e9}
     assert costs.choose(ends, sizes, ram, cuts).tokens == 60
     costs.observe_prefill(10**9, 1.0)  # prefill far faster than any restore
     costs.prefill_tokens_per_s = 1e9
