@@ -33,6 +33,7 @@ from ..errors import UnsupportedServerError
 from ..fingerprint import fingerprint_model
 from ..layers import model_cache
 from ..store import PersistentPrefixCache
+from .through import CALIBRATION_TOKENS
 
 log = logging.getLogger("persistent_prefix_cache.serve")
 
@@ -175,6 +176,13 @@ class ProviderStores:
                 name += f" + adapter {adapter_path}"
             options.setdefault("model_name", name if draft is None else f"{name} + draft model")
         store = PersistentPrefixCache(self.path, model, **options)
+        if draft is None:
+            # The server's generation thread opens the store (it owns MLX's stream here):
+            # measure the prefill once per model and device kind, for the cost model.
+            try:
+                store.calibrate(model, tokens=CALIBRATION_TOKENS, only_if_unknown=True)
+            except Exception as exc:  # the store then restores every hit, as without costs
+                log.warning("could not measure the model's prefill for the cost model: %s", exc)
         log.info(
             "persistent prompt cache for %s: store %s, fingerprint %s",
             model_path,
