@@ -63,9 +63,10 @@ class Fit:
     """``y ≈ Σ coef_i · x_i`` (two features, coefficients >= 0), least squares over
     observations whose weight decays by ``1 − ALPHA`` per newer one."""
 
-    def __init__(self, sums: list[float] | None = None):
+    def __init__(self, sums: list[float] | None = None, *, alone: int = 0):
         # s11, s12, s22, s1y, s2y
         self.sums = list(sums) if sums and len(sums) == 5 else [0.0] * 5
+        self.alone = alone  # the feature that explains the observations alone, if both cannot
 
     def add(self, x1: float, x2: float, y: float) -> None:
         """Add one observation."""
@@ -88,10 +89,10 @@ class Fit:
             if c1 >= 0 and c2 >= 0:
                 return c1, c2
         # One feature alone (the observations cannot tell both apart, or one came out
-        # negative, i.e. noise): the first if it explains them, else the second.
-        if s11 > 0 and s1y > 0:
-            return s1y / s11, 0.0
-        return (0.0, s2y / s22) if s22 > 0 else None
+        # negative, i.e. noise): the preferred one (`alone`) if it can, else the other.
+        first = (s1y / s11, 0.0) if s11 > 0 and s1y > 0 else None
+        second = (0.0, s2y / s22) if s22 > 0 and s2y > 0 else None
+        return (second or first) if self.alone else (first or second)
 
 
 @dataclass
@@ -135,6 +136,7 @@ class Costs:
             self.prefill = Fit()
             if rate:
                 self.prefill.set(1 / rate, 0.0)
+            self.changed = True
 
     @property
     def restore_bytes_per_s(self) -> dict[str, float]:
@@ -151,13 +153,22 @@ class Costs:
     def restore_bytes_per_s(self, rates: dict[str, float]) -> None:
         self.set_restore(rates)
 
+    def set_prefill(self, tokens_per_s: float, growth: float = 0.0) -> None:
+        """Set the prefill: `tokens_per_s` at position 0, each later position costing
+        `growth` seconds more per token and position (attention)."""
+        with self._lock:
+            self.prefill = Fit()
+            self.prefill.set(1 / tokens_per_s, growth)
+            self.changed = True
+
     def set_restore(self, rates: dict[str, float], fixed: dict[str, float] | None = None) -> None:
         """Set the restore rates (bytes/s) and fixed costs (seconds) per tier."""
         with self._lock:
             self.restore = {}
             for tier, rate in rates.items():
-                self.restore[tier] = Fit()
+                self.restore[tier] = Fit(alone=1)
                 self.restore[tier].set((fixed or {}).get(tier, 0.0), 1 / rate)
+            self.changed = True
 
     def restore_fixed_seconds(self, tier: str) -> float | None:
         """The fixed cost of a restore from `tier` (None until measured)."""
@@ -195,7 +206,7 @@ class Costs:
         if seconds <= 0 or nbytes < 0:
             return
         with self._lock:
-            fit = self.restore.setdefault(tier, Fit())
+            fit = self.restore.setdefault(tier, Fit(alone=1))
             if nbytes >= MIN_TIMED_BYTES:
                 fit.add(1.0, nbytes, seconds)
             else:
@@ -324,7 +335,7 @@ class Costs:
             return False
         with self._lock:
             self.prefill = Fit(prefill)
-            self.restore = {tier: Fit(sums) for tier, sums in restore.items()}
+            self.restore = {tier: Fit(sums, alone=1) for tier, sums in restore.items()}
             self.first_forward_seconds = first
         return True
 

@@ -180,7 +180,9 @@ class ProviderStores:
             # The server's generation thread opens the store (it owns MLX's stream here):
             # measure the prefill once per model and device kind, for the cost model.
             try:
-                store.calibrate(model, tokens=CALIBRATION_TOKENS, only_if_unknown=True)
+                if store.costs.prefill_tokens_per_s is None:
+                    rate = store.calibrate(model, tokens=CALIBRATION_TOKENS)
+                    log.info("cost model: measured the prefill on %s: %.0f tokens/s", store.costs.device, rate)
             except Exception as exc:  # the store then restores every hit, as without costs
                 log.warning("could not measure the model's prefill for the cost model: %s", exc)
         log.info(
