@@ -26,6 +26,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import time
 from contextlib import contextmanager
 from typing import Any, Callable, Hashable, Iterator
 
@@ -181,8 +182,12 @@ class ProviderStores:
             # measure the prefill once per model and device kind, for the cost model.
             try:
                 if store.costs.prefill_tokens_per_s is None:
+                    started = time.perf_counter()
                     rate = store.calibrate(model, tokens=CALIBRATION_TOKENS)
-                    log.info("cost model: measured the prefill on %s: %.0f tokens/s", store.costs.device, rate)
+                    log.info(
+                        "cost model: measured the prefill on %s: %.0f tokens/s (%.3f s, once per model and device kind)",
+                        store.costs.device, rate, time.perf_counter() - started,
+                    )  # fmt: skip
             except Exception as exc:  # the store then restores every hit, as without costs
                 log.warning("could not measure the model's prefill for the cost model: %s", exc)
         log.info(
