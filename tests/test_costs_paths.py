@@ -14,7 +14,7 @@ import time
 
 import pytest
 from helpers import BLOCK, prefill, random_tokens, run_python_json
-from test_serve import FIRST, SHAPE, Server
+from test_serve import FIRST, OTHER, SHAPE, Server
 
 from persistent_prefix_cache import PersistentPrefixCache
 from persistent_prefix_cache.compat.prefix_cache import PrefixCacheManager
@@ -150,7 +150,12 @@ def test_serve_measures_once_per_model_and_device_and_remembers(costs_serve_mode
         assert "cost model: measured the prefill" in server.log()
     (per_device,) = _records(store).values()
     assert per_device[device_kind()]["prefill"][0] > 0
+    assert per_device[device_kind()]["first_forward"] is None
     with Server(costs_serve_model_dir, store, tmp_path / "two.log") as server:
-        server.chat(FIRST)
+        server.chat(OTHER)  # the same system prompt: restored from the store
         assert server.stop() == 0
-        assert "cost model: measured the prefill" not in server.log()  # remembered by the store
+        assert server.restored() and "cost model: measured the prefill" not in server.log()  # remembered
+    # The server saved the cache at the end of the prompt's segments: the prefill after
+    # the restore was timed (the first forward on a restored cache).
+    (per_device,) = _records(store).values()
+    assert per_device[device_kind()]["first_forward"] is not None
