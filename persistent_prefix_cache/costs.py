@@ -6,10 +6,12 @@ can lose (docs/h200-measurements.md). The store learns on this machine, from rea
 work, what each side costs, and a fetch restores the prefix that saves the most time:
 all of it, only the part held in RAM, a shorter prefix, or nothing.
 
-- Prefill: seconds for tokens ``[start, end)`` = ``a·n + b·(end² − start²)/2`` (a per
-  token, plus attention's growth with the position), fitted by least squares over
-  decayed observations (`Fit`): every timed forward pass (`prefill()`, ``ppc generate``,
-  ``ppc serve``'s prompt segments, `calibrate`).
+- Prefill: seconds for tokens ``[start, end)`` = ``a·n + b·(end² − start²)/2 + c·f``
+  (a per token, attention's growth with the position, and a cost per forward call: `f`
+  calls of up to `PREFILL_STEP` tokens), fitted by least squares over decayed
+  observations (`Fit`): every timed forward pass (`prefill()`, ``ppc generate``, ``ppc
+  serve``'s prompt segments, `calibrate`). The per-call cost matters on a GPU, where a
+  forward of 64 tokens is bound by its launch, not its tokens.
 - Restore, per tier: a fixed cost (lookup of segment digests, plan, allocation) plus
   bytes over a rate, fitted the same way from every timed restore.
 - The first forward on a restored cache: what it costs beyond a forward of the same
@@ -40,6 +42,8 @@ from typing import Any, Callable
 ALPHA = 0.3  # weight of the newest observation in every fit
 # Restores smaller than this teach the fixed cost only (the rate would be noise).
 MIN_TIMED_BYTES = 1 << 20
+# Tokens per forward call of a caller's prefill (mlx-lm's prefill_step_size default).
+PREFILL_STEP = 2048
 FILE_NAME = "costs.json"
 SAVE_EVERY = 30.0
 MAX_AGE = 30 * 24 * 3600.0
@@ -60,39 +64,91 @@ def device_kind() -> str:
 
 
 class Fit:
-    """``y ≈ Σ coef_i · x_i`` (two features, coefficients >= 0), least squares over
-    observations whose weight decays by ``1 − ALPHA`` per newer one."""
+    """``y ≈ Σ coef_i · x_i`` with every coefficient >= 0: least squares over observations
+    whose weight decays by ``1 − ALPHA`` per newer one.
 
-    def __init__(self, sums: list[float] | None = None, *, alone: int = 0):
-        # s11, s12, s22, s1y, s2y
-        self.sums = list(sums) if sums and len(sums) == 5 else [0.0] * 5
-        self.alone = alone  # the feature that explains the observations alone, if both cannot
+    Where the observations cannot tell the features apart (too few, all alike), the
+    least important feature whose going makes the rest solvable is left out
+    (coefficient 0); where a coefficient comes out negative (noise), that feature is;
+    and the rest are fitted again.
 
-    def add(self, x1: float, x2: float, y: float) -> None:
-        """Add one observation."""
-        keep = 1 - ALPHA
-        new = (x1 * x1, x1 * x2, x2 * x2, x1 * y, x2 * y)
+    Args:
+        order: The features' indexes, most important first (their count is the fit's).
+        sums: Saved normal equations (`sums` of an earlier fit), if any.
+    """
+
+    def __init__(self, order: tuple[int, ...], sums: list[float] | None = None):
+        self.order = order
+        k = len(order)
+        self.sums = [float(v) for v in sums] if sums and len(sums) == k * k + k else [0.0] * (k * k + k)
+
+    def add(self, x: tuple[float, ...], y: float) -> None:
+        """Add one observation: features `x`, value `y`."""
+        k, keep = len(self.order), 1 - ALPHA
+        new = [x[i] * x[j] for i in range(k) for j in range(k)] + [x[i] * y for i in range(k)]
         self.sums = [keep * s + n for s, n in zip(self.sums, new)]
 
-    def set(self, c1: float, c2: float) -> None:
+    def set(self, coefficients: tuple[float, ...]) -> None:
         """Forget the observations: the coefficients are now these."""
-        self.sums = [1.0, 0.0, 1.0, c1, c2]
+        k = len(self.order)
+        self.sums = [float(i == j) for i in range(k) for j in range(k)] + [float(c) for c in coefficients]
 
-    def coefficients(self) -> tuple[float, float] | None:
-        """``(c1, c2)``, None before any observation."""
-        s11, s12, s22, s1y, s2y = self.sums
-        if s11 <= 0 and s22 <= 0:
+    def coefficients(self) -> list[float] | None:
+        """The coefficients, None before any observation."""
+        k = len(self.order)
+        m, v = self.sums[: k * k], self.sums[k * k :]
+        active = [i for i in self.order if m[i * k + i] > 0]
+
+        def solve(features: list[int]) -> list[float] | None:
+            return _solve([[m[i * k + j] for j in features] for i in features], [v[i] for i in features])
+
+        while active:
+            z = solve(active)
+            if z is None:
+                # Features the observations cannot tell apart: leave out the least
+                # important one whose going makes the rest solvable.
+                fewer = [active[:j] + active[j + 1 :] for j in range(len(active) - 1, 0, -1)]
+                active = next((f for f in fewer if solve(f) is not None), active[:-1])
+                continue
+            if min(z) < 0:
+                active.pop(z.index(min(z)))  # noise: the most negative goes
+                continue
+            out = [0.0] * k
+            for i, c in zip(active, z):
+                out[i] = c
+            return out
+        return None
+
+
+def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """``m z = v`` for a small symmetric positive matrix (scaled to a unit diagonal
+    first: the features differ by many orders of magnitude); None if singular."""
+    n = len(v)
+    d = [m[i][i] ** 0.5 for i in range(n)]
+    a = [[m[i][j] / (d[i] * d[j]) for j in range(n)] + [v[i] / d[i]] for i in range(n)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) < 1e-9:
             return None
-        det = s11 * s22 - s12 * s12
-        if det > 1e-9 * s11 * s22:
-            c1, c2 = (s22 * s1y - s12 * s2y) / det, (s11 * s2y - s12 * s1y) / det
-            if c1 >= 0 and c2 >= 0:
-                return c1, c2
-        # One feature alone (the observations cannot tell both apart, or one came out
-        # negative, i.e. noise): the preferred one (`alone`) if it can, else the other.
-        first = (s1y / s11, 0.0) if s11 > 0 and s1y > 0 else None
-        second = (0.0, s2y / s22) if s22 > 0 and s2y > 0 else None
-        return (second or first) if self.alone else (first or second)
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(n):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                a[r] = [x - f * y for x, y in zip(a[r], a[col])]
+    return [a[i][n] / a[i][i] / d[i] for i in range(n)]
+
+
+def _prefill_features(start: int, end: int, forwards: int) -> tuple[float, float, float]:
+    """Per token, attention's growth (Σ of the positions), per forward call."""
+    return (end - start, (end * end - start * start) / 2, forwards)
+
+
+def _new_prefill() -> Fit:
+    return Fit((0, 2, 1))  # per token first, then per forward, then the growth
+
+
+def _new_restore() -> Fit:
+    return Fit((1, 0))  # features (1, bytes): the rate first, then the fixed cost
 
 
 @dataclass
@@ -114,7 +170,7 @@ class Costs:
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
-        self.prefill = Fit()  # seconds ~ a·tokens + b·(end² − start²)/2
+        self.prefill = _new_prefill()  # seconds ~ a·tokens + b·(end² − start²)/2 + c·forwards
         self.restore: dict[str, Fit] = {}  # tier -> seconds ~ fixed·1 + (1/rate)·bytes
         self.first_forward_seconds: float | None = None
         self.changed = False  # anything learned since the last save
@@ -133,9 +189,9 @@ class Costs:
     @prefill_tokens_per_s.setter
     def prefill_tokens_per_s(self, rate: float | None) -> None:
         with self._lock:
-            self.prefill = Fit()
+            self.prefill = _new_prefill()
             if rate:
-                self.prefill.set(1 / rate, 0.0)
+                self.prefill.set((1 / rate, 0.0, 0.0))
             self.changed = True
 
     @property
@@ -153,12 +209,13 @@ class Costs:
     def restore_bytes_per_s(self, rates: dict[str, float]) -> None:
         self.set_restore(rates)
 
-    def set_prefill(self, tokens_per_s: float, growth: float = 0.0) -> None:
+    def set_prefill(self, tokens_per_s: float, growth: float = 0.0, per_forward: float = 0.0) -> None:
         """Set the prefill: `tokens_per_s` at position 0, each later position costing
-        `growth` seconds more per token and position (attention)."""
+        `growth` seconds more per token and position (attention), and `per_forward`
+        seconds per forward call of up to `PREFILL_STEP` tokens."""
         with self._lock:
-            self.prefill = Fit()
-            self.prefill.set(1 / tokens_per_s, growth)
+            self.prefill = _new_prefill()
+            self.prefill.set((1 / tokens_per_s, growth, per_forward))
             self.changed = True
 
     def set_restore(self, rates: dict[str, float], fixed: dict[str, float] | None = None) -> None:
@@ -166,8 +223,8 @@ class Costs:
         with self._lock:
             self.restore = {}
             for tier, rate in rates.items():
-                self.restore[tier] = Fit(alone=1)
-                self.restore[tier].set((fixed or {}).get(tier, 0.0), 1 / rate)
+                self.restore[tier] = _new_restore()
+                self.restore[tier].set(((fixed or {}).get(tier, 0.0), 1 / rate))
             self.changed = True
 
     def restore_fixed_seconds(self, tier: str) -> float | None:
@@ -181,7 +238,8 @@ class Costs:
         coef = self.prefill.coefficients()
         if coef is None:
             return None
-        return coef[0] * (end - start) + coef[1] * (end * end - start * start) / 2
+        x = _prefill_features(start, end, -(-(end - start) // PREFILL_STEP))
+        return sum(c * f for c, f in zip(coef, x))
 
     def _restore_seconds(self, tier: str, nbytes: int) -> float | None:
         fit = self.restore.get(tier)
@@ -192,12 +250,12 @@ class Costs:
 
     # -- learning ----------------------------------------------------------------------
 
-    def observe_prefill(self, tokens: int, seconds: float, *, start: int = 0) -> None:
-        """Record that positions ``[start, start + tokens)`` were prefilled in `seconds`."""
-        if tokens > 0 and seconds > 0 and start >= 0:
-            end = start + tokens
+    def observe_prefill(self, tokens: int, seconds: float, *, start: int = 0, forwards: int = 1) -> None:
+        """Record that positions ``[start, start + tokens)`` were prefilled in `seconds`,
+        by `forwards` forward calls."""
+        if tokens > 0 and seconds > 0 and start >= 0 and forwards >= 1:
             with self._lock:
-                self.prefill.add(tokens, (end * end - start * start) / 2, seconds)
+                self.prefill.add(_prefill_features(start, start + tokens, forwards), seconds)
                 self.changed = True
 
     def observe_restore(self, tier: str, nbytes: int, seconds: float) -> None:
@@ -206,13 +264,13 @@ class Costs:
         if seconds <= 0 or nbytes < 0:
             return
         with self._lock:
-            fit = self.restore.setdefault(tier, Fit(alone=1))
+            fit = self.restore.setdefault(tier, _new_restore())
             if nbytes >= MIN_TIMED_BYTES:
-                fit.add(1.0, nbytes, seconds)
+                fit.add((1.0, nbytes), seconds)
             else:
                 coef = fit.coefficients()
                 if coef is not None and coef[1] > 0:  # the time beyond the bytes' share
-                    fit.add(1.0, 0.0, max(0.0, seconds - coef[1] * nbytes))
+                    fit.add((1.0, 0.0), max(0.0, seconds - coef[1] * nbytes))
             self.changed = True
 
     def observe_first_forward(self, tokens: int, seconds: float, *, start: int) -> None:
@@ -298,6 +356,7 @@ class Costs:
         coef = self.prefill.coefficients()
         out: dict[str, Any] = {"prefill_tokens_per_s": self.prefill_tokens_per_s}
         out["prefill_growth"] = None if coef is None else coef[1]
+        out["prefill_per_forward_s"] = None if coef is None else coef[2]
         rates = self.restore_bytes_per_s
         for tier in TIERS:
             out[f"restore_bytes_per_s_{tier}"] = rates.get(tier)
@@ -334,8 +393,8 @@ class Costs:
         except (KeyError, TypeError, ValueError, AttributeError):
             return False
         with self._lock:
-            self.prefill = Fit(prefill)
-            self.restore = {tier: Fit(sums, alone=1) for tier, sums in restore.items()}
+            self.prefill = Fit(_new_prefill().order, prefill)
+            self.restore = {tier: Fit(_new_restore().order, sums) for tier, sums in restore.items()}
             self.first_forward_seconds = first
         return True
 
@@ -399,8 +458,9 @@ class SavedCosts:
 
 def calibrate(costs: Costs, model: Any, make_cache: Callable[[], list], tokens: int) -> None:
     """Time `model`'s prefill into `costs`: a warm-up forward, a forward of `tokens`
-    tokens on a fresh cache, then ``tokens // 2`` more on the same cache (attention's
-    growth with the position). Runs on the calling thread (it owns MLX's stream).
+    tokens on a fresh cache, then ``tokens // 2`` more and the rest up to ``2 ·
+    tokens`` on the same cache (per token, per call, and attention's growth with the
+    position). Runs on the calling thread (it owns MLX's stream).
 
     Raises:
         InvalidArgumentError: If `tokens` is not an int >= 2.
@@ -411,10 +471,11 @@ def calibrate(costs: Costs, model: Any, make_cache: Callable[[], list], tokens: 
 
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 2:
         raise InvalidArgumentError(f"tokens must be an int >= 2, got {tokens!r}")
-    ids = [(7 * i + 1) % 251 for i in range(tokens + tokens // 2)]
+    ids = [(7 * i + 1) % 251 for i in range(tokens * 2)]
     mx.eval(model(mx.array([ids[: max(1, tokens // 4)]]), cache=make_cache()))  # warm-up: kernels, allocator
     cache, start = make_cache(), 0
-    for end in (tokens, tokens + tokens // 2):
+    # Three lengths at three positions: per token, per call and the growth apart.
+    for end in (tokens, tokens + tokens // 2, tokens * 2):
         started = time.perf_counter()
         mx.eval(model(mx.array([ids[start:end]]), cache=cache))
         costs.observe_prefill(end - start, time.perf_counter() - started, start=start)
@@ -425,7 +486,9 @@ class CostsMixin:
     """The cost model's part of `PersistentPrefixCache` (its `costs`, `saved_costs`,
     `memory` and `counters`): what callers tell it, and what a fetch asks it."""
 
-    def observe_prefill(self, tokens: int, seconds: float, *, start: int = 0, restored: bool = False) -> None:
+    def observe_prefill(
+        self, tokens: int, seconds: float, *, start: int = 0, restored: bool = False, forwards: int = 1
+    ) -> None:
         """Tell the cost model that the model computed positions ``[start, start +
         tokens)`` in `seconds` (`prefill()`, ``ppc generate`` and ``ppc serve`` do; so can
         a caller that prefills on its own).
@@ -436,11 +499,12 @@ class CostsMixin:
             start: Positions the cache held before.
             restored: This was the first forward on a cache `fetch` had just restored
                 (it teaches the first forward's extra cost, not the prefill rate).
+            forwards: How many forward calls it took.
         """
         if restored and start > 0:
             self.costs.observe_first_forward(tokens, seconds, start=start)
         else:
-            self.costs.observe_prefill(tokens, seconds, start=start)
+            self.costs.observe_prefill(tokens, seconds, start=start, forwards=forwards)
         self.saved_costs.maybe_save()
 
     def calibrate(self, model: Any, *, tokens: int = 512, only_if_unknown: bool = False) -> float | None:

@@ -487,7 +487,7 @@ class PersistentPrefixCache(CostsMixin):
             blocks_written and bytes_written (blocks this handle committed and the
             bytes of the segment files it wrote for them: another process's blocks
             are not counted) (this handle); prefill_tokens_per_s (of a 1,024-token
-            prompt), prefill_growth (seconds per token per position: attention's share),
+            prompt), prefill_growth (seconds per token per position: attention's share), prefill_per_forward_s,
             restore_bytes_per_s_ram and _disk, restore_fixed_s_ram and _disk, first_forward_s,
             cost_device (the costs measured for this model on this device kind, None
             until measured, remembered in the store);

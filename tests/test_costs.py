@@ -142,8 +142,8 @@ def test_prefill_growth_with_length_is_fitted_and_decides():
     for start in range(0, 8192, 512):
         end = start + 512
         costs.observe_prefill(512, 1e-4 * 512 + 1e-8 * (end * end - start * start) / 2, start=start)
-    a, b = costs.prefill.coefficients()
-    assert a == pytest.approx(1e-4, rel=1e-3) and b == pytest.approx(1e-8, rel=1e-3)
+    a, b, c = costs.prefill.coefficients()
+    assert a == pytest.approx(1e-4, rel=1e-3) and b == pytest.approx(1e-8, rel=1e-3) and c == pytest.approx(0, abs=1e-9)
     assert costs.prefill_seconds(0, 8192) == pytest.approx(1e-4 * 8192 + 1e-8 * 8192**2 / 2, rel=1e-3)
     # A restore of 1 s wins against this prefill of 8,192 tokens (1.15 s) but loses to a
     # linear one at the same rate at position 0 (0.82 s).
@@ -185,3 +185,19 @@ def test_a_store_counts_each_decision(store_dir, model):
         assert decided == {"restored_all": 1, "restored_ram_only": 1, "restored_shorter": 0, "skipped_slower": 1}
         assert stats["hits"] == 2 and stats["prefill_tokens_per_s"] == pytest.approx(100.0)
         assert stats["cost_device"].startswith(("cpu:", "gpu:"))
+
+
+def test_a_cost_per_forward_call_is_told_apart_from_the_tokens():
+    # A GPU: 64-token chunks are launch-bound (2 ms a call), tokens cost 25 us each.
+    costs = Costs()
+    for n, start in ((64, 0), (64, 64), (512, 128), (2048, 640), (128, 2688)):
+        costs.observe_prefill(n, 0.002 + 25e-6 * n, start=start)
+    a, b, c = costs.prefill.coefficients()
+    assert a == pytest.approx(25e-6, rel=1e-3) and c == pytest.approx(0.002, rel=1e-3) and b == pytest.approx(0, abs=1e-12)
+    # So a prompt of 8,192 tokens prefills (in 2,048-token calls) at ~ 8,192 * 25 us + 4 calls.
+    assert costs.prefill_seconds(0, 8192) == pytest.approx(8192 * 25e-6 + 4 * 0.002, rel=1e-3)
+    # Chunks all alike cannot tell a call from its tokens: the tokens explain them.
+    alike = Costs()
+    for _ in range(3):
+        alike.observe_prefill(64, 0.004)
+    assert alike.prefill.coefficients() == pytest.approx([0.004 / 64, 0.0, 0.0])

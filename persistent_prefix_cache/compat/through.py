@@ -25,6 +25,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
+from ..costs import PREFILL_STEP
 from ..errors import InvalidArgumentError, PrefixCacheError
 from ..layers import cache_length
 from ..store import PersistentPrefixCache
@@ -163,7 +164,8 @@ class StoreLink:
         except (TypeError, ValueError):
             same = False
         if same:
-            self.store.observe_prefill(written - held, now - when, start=held, restored=restored)
+            calls = -(-(written - held) // PREFILL_STEP)  # the server's forward calls (its default step)
+            self.store.observe_prefill(written - held, now - when, start=held, restored=restored, forwards=calls)
             self._last_read = (now, prompt, written, False)  # the next segment starts here
 
     def close(self) -> None:
