@@ -483,14 +483,15 @@ class PersistentPrefixCache(CostsMixin):
             the cost model's decision of each fetch that found blocks: restored_all,
             restored_ram_only (only the leading part held in RAM), restored_shorter
             (another shorter prefix), skipped_slower (nothing: computing was faster),
-            and tokens_skipped (the tokens the cuts left to compute), corrupt, evictions, write_errors,
-            blocks_written and bytes_written (blocks this handle committed and the
-            bytes of the segment files it wrote for them: another process's blocks
-            are not counted) (this handle); prefill_tokens_per_s (of a 1,024-token
-            prompt), prefill_growth (seconds per token per position: attention's share), prefill_per_forward_s,
-            restore_bytes_per_s_ram and _disk, restore_fixed_s_ram and _disk, first_forward_s,
-            cost_device (the costs measured for this model on this device kind, None
-            until measured, remembered in the store);
+            and tokens_skipped (the tokens the cuts left to compute), corrupt,
+            evictions, write_errors, blocks_written and bytes_written (blocks this
+            handle committed and the bytes of the segment files it wrote for them:
+            another process's blocks are not counted) (this handle);
+            prefill_tokens_per_s (of a 1,024-token prompt), prefill_growth (seconds
+            per token per position: attention's share), prefill_per_forward_s,
+            restore_bytes_per_s_ram and _disk, restore_fixed_s_ram and _disk,
+            first_forward_s, cost_device (the costs measured for this model on this
+            device kind, None until measured, remembered in the store);
             blocks, block_bytes (their tensors' bytes: what ``disk_bytes`` bounds) and
             bytes_on_disk (of the segment files: headers and space not yet reclaimed
             included) for the store, all processes; bytes_in_memory,

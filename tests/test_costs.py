@@ -193,7 +193,8 @@ def test_a_cost_per_forward_call_is_told_apart_from_the_tokens():
     for n, start in ((64, 0), (64, 64), (512, 128), (2048, 640), (128, 2688)):
         costs.observe_prefill(n, 0.002 + 25e-6 * n, start=start)
     a, b, c = costs.prefill.coefficients()
-    assert a == pytest.approx(25e-6, rel=1e-3) and c == pytest.approx(0.002, rel=1e-3) and b == pytest.approx(0, abs=1e-12)
+    assert a == pytest.approx(25e-6, rel=1e-3) and c == pytest.approx(0.002, rel=1e-3)
+    assert b == pytest.approx(0, abs=1e-12)
     # So a prompt of 8,192 tokens prefills (in 2,048-token calls) at ~ 8,192 * 25 us + 4 calls.
     assert costs.prefill_seconds(0, 8192) == pytest.approx(8192 * 25e-6 + 4 * 0.002, rel=1e-3)
     # Chunks all alike cannot tell a call from its tokens: the tokens explain them.

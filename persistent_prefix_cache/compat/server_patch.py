@@ -185,7 +185,7 @@ class ProviderStores:
                     started = time.perf_counter()
                     rate = store.calibrate(model, tokens=CALIBRATION_TOKENS)
                     log.info(
-                        "cost model: measured the prefill on %s: %.0f tokens/s (%.3f s, once per model and device kind)",
+                        "cost model: measured the prefill on %s: %.0f tokens/s (%.3f s, once per model and device)",
                         store.costs.device, rate, time.perf_counter() - started,
                     )  # fmt: skip
             except Exception as exc:  # the store then restores every hit, as without costs
