@@ -173,6 +173,9 @@ class Costs:
         self.prefill = _new_prefill()  # seconds ~ a·tokens + b·(end² − start²)/2 + c·forwards
         self.restore: dict[str, Fit] = {}  # tier -> seconds ~ fixed·1 + (1/rate)·bytes
         self.first_forward_seconds: float | None = None
+        # The fastest single forward call seen: no call's fixed cost can exceed it (a
+        # bound on the per-call coefficient, which noise can otherwise inflate).
+        self.fastest_forward: float | None = None
         self.changed = False  # anything learned since the last save
         self.device: str | None = None  # the device kind the costs are of (`SavedCosts`)
         self._lock = threading.Lock()
@@ -189,7 +192,7 @@ class Costs:
     @prefill_tokens_per_s.setter
     def prefill_tokens_per_s(self, rate: float | None) -> None:
         with self._lock:
-            self.prefill = _new_prefill()
+            self.prefill, self.fastest_forward = _new_prefill(), None
             if rate:
                 self.prefill.set((1 / rate, 0.0, 0.0))
             self.changed = True
@@ -214,7 +217,7 @@ class Costs:
         `growth` seconds more per token and position (attention), and `per_forward`
         seconds per forward call of up to `PREFILL_STEP` tokens."""
         with self._lock:
-            self.prefill = _new_prefill()
+            self.prefill, self.fastest_forward = _new_prefill(), None
             self.prefill.set((1 / tokens_per_s, growth, per_forward))
             self.changed = True
 
@@ -235,11 +238,17 @@ class Costs:
 
     def prefill_seconds(self, start: int, end: int) -> float | None:
         """Predicted seconds to prefill positions ``[start, end)`` (None: unknown)."""
-        coef = self.prefill.coefficients()
+        coef = self._prefill_coefficients()
         if coef is None:
             return None
         x = _prefill_features(start, end, -(-(end - start) // PREFILL_STEP))
         return sum(c * f for c, f in zip(coef, x))
+
+    def _prefill_coefficients(self) -> list[float] | None:
+        coef = self.prefill.coefficients()
+        if coef is not None and self.fastest_forward is not None:
+            coef[2] = min(coef[2], self.fastest_forward)
+        return coef
 
     def _restore_seconds(self, tier: str, nbytes: int) -> float | None:
         fit = self.restore.get(tier)
@@ -256,6 +265,8 @@ class Costs:
         if tokens > 0 and seconds > 0 and start >= 0 and forwards >= 1:
             with self._lock:
                 self.prefill.add(_prefill_features(start, start + tokens, forwards), seconds)
+                if forwards == 1:
+                    self.fastest_forward = min(seconds, self.fastest_forward or seconds)
                 self.changed = True
 
     def observe_restore(self, tier: str, nbytes: int, seconds: float) -> None:
@@ -353,7 +364,7 @@ class Costs:
 
     def figures(self) -> dict[str, Any]:
         """The costs as `PersistentPrefixCache.stats` shows them (None: not measured)."""
-        coef = self.prefill.coefficients()
+        coef = self._prefill_coefficients()
         out: dict[str, Any] = {"prefill_tokens_per_s": self.prefill_tokens_per_s}
         out["prefill_growth"] = None if coef is None else coef[1]
         out["prefill_per_forward_s"] = None if coef is None else coef[2]
@@ -375,6 +386,7 @@ class Costs:
                 "prefill": list(self.prefill.sums),
                 "restore": {tier: list(fit.sums) for tier, fit in self.restore.items()},
                 "first_forward": self.first_forward_seconds,
+                "fastest_forward": self.fastest_forward,
             }
 
     def load(self, record: dict) -> bool:
@@ -396,6 +408,8 @@ class Costs:
             self.prefill = Fit(_new_prefill().order, prefill)
             self.restore = {tier: Fit(_new_restore().order, sums) for tier, sums in restore.items()}
             self.first_forward_seconds = first
+            fastest = record.get("fastest_forward")
+            self.fastest_forward = None if fastest is None else max(0.0, float(fastest))
         return True
 
 
@@ -458,9 +472,9 @@ class SavedCosts:
 
 def calibrate(costs: Costs, model: Any, make_cache: Callable[[], list], tokens: int) -> None:
     """Time `model`'s prefill into `costs`: a warm-up forward, a forward of `tokens`
-    tokens on a fresh cache, then ``tokens // 2`` more and the rest up to ``2 ·
-    tokens`` on the same cache (per token, per call, and attention's growth with the
-    position). Runs on the calling thread (it owns MLX's stream).
+    tokens on a fresh cache, then ``tokens // 4``, ``tokens // 2`` and ``tokens // 4``
+    more on the same cache (per token, per call, and attention's growth with the
+    position apart). Runs on the calling thread (it owns MLX's stream).
 
     Raises:
         InvalidArgumentError: If `tokens` is not an int >= 2.
@@ -474,8 +488,8 @@ def calibrate(costs: Costs, model: Any, make_cache: Callable[[], list], tokens: 
     ids = [(7 * i + 1) % 251 for i in range(tokens * 2)]
     mx.eval(model(mx.array([ids[: max(1, tokens // 4)]]), cache=make_cache()))  # warm-up: kernels, allocator
     cache, start = make_cache(), 0
-    # Three lengths at three positions: per token, per call and the growth apart.
-    for end in (tokens, tokens + tokens // 2, tokens * 2):
+    # Four calls of three lengths at four positions: per token, per call and the growth apart.
+    for end in (tokens, tokens + tokens // 4, tokens + 3 * tokens // 4, tokens * 2):
         started = time.perf_counter()
         mx.eval(model(mx.array([ids[start:end]]), cache=cache))
         costs.observe_prefill(end - start, time.perf_counter() - started, start=start)

@@ -202,3 +202,13 @@ def test_a_cost_per_forward_call_is_told_apart_from_the_tokens():
     for _ in range(3):
         alike.observe_prefill(64, 0.004)
     assert alike.prefill.coefficients() == pytest.approx([0.004 / 64, 0.0, 0.0])
+
+
+def test_noise_cannot_make_a_call_cost_more_than_the_fastest_call():
+    costs = Costs()
+    # Three calls, the third slowed down by a neighbour: the exact fit would put
+    # seconds on every call; no call's fixed cost can exceed the fastest call (0.1 s).
+    for n, start, seconds in ((256, 0, 0.1), (64, 256, 0.12), (128, 320, 5.0)):
+        costs.observe_prefill(n, seconds, start=start)
+    assert costs.figures()["prefill_per_forward_s"] <= 0.1
+    assert costs.prefill_seconds(0, 16) <= 0.1 + 16 * costs.prefill.coefficients()[0] + 1e-9
