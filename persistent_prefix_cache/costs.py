@@ -3,24 +3,152 @@
 On Apple Silicon a prefill runs at 60-1,000 tokens/s and any restore wins by far; on a
 datacenter GPU a prefill runs at tens of thousands of tokens/s and a restore from disk
 can lose (docs/h200-measurements.md). The store learns on this machine, from real
-work, how fast each tier restores (bytes/s: timed fetches) and how fast the model
-prefills (tokens/s: `prefill()`, or `PersistentPrefixCache.calibrate`), and a fetch
-restores the prefix that saves the most time: all of it, only the part held in RAM,
-or nothing. A continuation the remote tier holds is read only if reading it and then
-restoring it is faster than prefilling its tokens (`worth_reading`). Until the rates
-are known every fetch restores (and is timed).
+work, what each side costs, and a fetch restores the prefix that saves the most time:
+all of it, only the part held in RAM, a shorter prefix, or nothing.
 
-Rates are moving averages (weight `ALPHA` for the newest figure), kept per handle.
+- Prefill: seconds for tokens ``[start, end)`` = ``a·n + b·(end² − start²)/2 + c·f``
+  (a per token, attention's growth with the position, and a cost per forward call: `f`
+  calls of up to `PREFILL_STEP` tokens), fitted by least squares over decayed
+  observations (`Fit`): every timed forward pass (`prefill()`, ``ppc generate``, ``ppc
+  serve``'s prompt segments, `calibrate`). The per-call cost matters on a GPU, where a
+  forward of 64 tokens is bound by its launch, not its tokens.
+- Restore, per tier: a fixed cost (lookup of segment digests, plan, allocation) plus
+  bytes over a rate, fitted the same way from every timed restore.
+- The first forward on a restored cache: what it costs beyond a forward of the same
+  tokens on a cache the model grew itself (mlx-lm grows a restored cache by a copy).
+
+A continuation the remote tier holds is read only if reading it and then restoring it
+is faster than prefilling its tokens (`worth_reading`). Until the prefill is known
+every fetch restores (and is timed).
+
+Rates persist in the store folder, in ``costs.json``, per model root and device kind
+(`device_kind`: MLX's default device and its name): a restarted process starts
+informed, and a rate measured on another device is never used. A small file, not the
+index: these are hints, not data (a lost or damaged file costs one calibration, never a
+block), writing them never takes the index's write lock, and they are saved at most
+every `SAVE_EVERY` seconds (and at flush and close), never once per fetch. Records
+older than `MAX_AGE` seconds are ignored (a driver or MLX upgrade changes the rates).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import threading
+import time
 from dataclasses import dataclass
+from typing import Any, Callable
 
-ALPHA = 0.3
-# Restores smaller than this are not timed: fixed costs would swamp their rate.
+ALPHA = 0.3  # weight of the newest observation in every fit
+# Restores smaller than this teach the fixed cost only (the rate would be noise).
 MIN_TIMED_BYTES = 1 << 20
+# Tokens per forward call of a caller's prefill (mlx-lm's prefill_step_size default).
+PREFILL_STEP = 2048
+FILE_NAME = "costs.json"
+SAVE_EVERY = 30.0
+MAX_AGE = 30 * 24 * 3600.0
+TIERS = ("ram", "disk", "remote")
+
+
+def device_kind() -> str:
+    """What MLX computes on here: the default device and its name (e.g.
+    ``gpu:NVIDIA H200``, ``cpu:Intel(R) Xeon(R) Processor``)."""
+    import mlx.core as mx
+
+    device = mx.default_device()
+    try:
+        name = mx.device_info().get("device_name") or ""
+    except Exception:  # an MLX without device_info, or a backend that cannot say
+        name = ""
+    return f"{'gpu' if device.type == mx.DeviceType.gpu else 'cpu'}:{name}"
+
+
+class Fit:
+    """``y ≈ Σ coef_i · x_i`` with every coefficient >= 0: least squares over observations
+    whose weight decays by ``1 − ALPHA`` per newer one.
+
+    Where the observations cannot tell the features apart (too few, all alike), the
+    least important feature whose going makes the rest solvable is left out
+    (coefficient 0); where a coefficient comes out negative (noise), that feature is;
+    and the rest are fitted again.
+
+    Args:
+        order: The features' indexes, most important first (their count is the fit's).
+        sums: Saved normal equations (`sums` of an earlier fit), if any.
+    """
+
+    def __init__(self, order: tuple[int, ...], sums: list[float] | None = None):
+        self.order = order
+        k = len(order)
+        self.sums = [float(v) for v in sums] if sums and len(sums) == k * k + k else [0.0] * (k * k + k)
+
+    def add(self, x: tuple[float, ...], y: float) -> None:
+        """Add one observation: features `x`, value `y`."""
+        k, keep = len(self.order), 1 - ALPHA
+        new = [x[i] * x[j] for i in range(k) for j in range(k)] + [x[i] * y for i in range(k)]
+        self.sums = [keep * s + n for s, n in zip(self.sums, new)]
+
+    def set(self, coefficients: tuple[float, ...]) -> None:
+        """Forget the observations: the coefficients are now these."""
+        k = len(self.order)
+        self.sums = [float(i == j) for i in range(k) for j in range(k)] + [float(c) for c in coefficients]
+
+    def coefficients(self) -> list[float] | None:
+        """The coefficients, None before any observation."""
+        k = len(self.order)
+        m, v = self.sums[: k * k], self.sums[k * k :]
+        active = [i for i in self.order if m[i * k + i] > 0]
+
+        def solve(features: list[int]) -> list[float] | None:
+            return _solve([[m[i * k + j] for j in features] for i in features], [v[i] for i in features])
+
+        while active:
+            z = solve(active)
+            if z is None:
+                # Features the observations cannot tell apart: leave out the least
+                # important one whose going makes the rest solvable.
+                fewer = [active[:j] + active[j + 1 :] for j in range(len(active) - 1, 0, -1)]
+                active = next((f for f in fewer if solve(f) is not None), active[:-1])
+                continue
+            if min(z) < 0:
+                active.pop(z.index(min(z)))  # noise: the most negative goes
+                continue
+            out = [0.0] * k
+            for i, c in zip(active, z):
+                out[i] = c
+            return out
+        return None
+
+
+def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """``m z = v`` for a small symmetric positive matrix (scaled to a unit diagonal
+    first: the features differ by many orders of magnitude); None if singular."""
+    n = len(v)
+    d = [m[i][i] ** 0.5 for i in range(n)]
+    a = [[m[i][j] / (d[i] * d[j]) for j in range(n)] + [v[i] / d[i]] for i in range(n)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) < 1e-9:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(n):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                a[r] = [x - f * y for x, y in zip(a[r], a[col])]
+    return [a[i][n] / a[i][i] / d[i] for i in range(n)]
+
+
+def _prefill_features(start: int, end: int, forwards: int) -> tuple[float, float, float]:
+    """Per token, attention's growth (Σ of the positions), per forward call."""
+    return (end - start, (end * end - start * start) / 2, forwards)
+
+
+def _new_prefill() -> Fit:
+    return Fit((0, 2, 1))  # per token first, then per forward, then the growth
+
+
+def _new_restore() -> Fit:
+    return Fit((1, 0))  # features (1, bytes): the rate first, then the fixed cost
 
 
 @dataclass
@@ -30,10 +158,11 @@ class Choice:
     blocks: int
     tokens: int
     saved_seconds: float | None  # estimated time saved against a prefill (None: unknown)
+    decision: str = "restored_all"  # restored_all / restored_ram_only / restored_shorter / skipped_slower
 
 
 class Costs:
-    """Learned rates of one store handle and the choice they drive.
+    """Learned costs of one model on one device kind, and the choice they drive.
 
     Args:
         enabled: False restores whatever is stored (``cost_model=False``).
@@ -41,39 +170,155 @@ class Costs:
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
-        self.prefill_tokens_per_s: float | None = None
-        self.restore_bytes_per_s: dict[str, float] = {}  # "ram" / "disk" -> bytes/s
+        self.prefill = _new_prefill()  # seconds ~ a·tokens + b·(end² − start²)/2 + c·forwards
+        self.restore: dict[str, Fit] = {}  # tier -> seconds ~ fixed·1 + (1/rate)·bytes
+        self.first_forward_seconds: float | None = None
+        # The fastest single forward call seen: no call's fixed cost can exceed it (a
+        # bound on the per-call coefficient, which noise can otherwise inflate).
+        self.fastest_forward: float | None = None
+        self.changed = False  # anything learned since the last save
+        self.device: str | None = None  # the device kind the costs are of (`SavedCosts`)
         self._lock = threading.Lock()
 
-    @staticmethod
-    def _blend(old: float | None, new: float) -> float:
-        return new if old is None else (1 - ALPHA) * old + ALPHA * new
+    # -- the rates, as numbers ----------------------------------------------------------
 
-    def observe_prefill(self, tokens: int, seconds: float) -> None:
-        """Record that `tokens` tokens were prefilled in `seconds`."""
-        if tokens > 0 and seconds > 0:
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        """Tokens/s of a prefill of a 1,024-token prompt (None until measured); setting
+        it makes the prefill linear at that rate."""
+        seconds = self.prefill_seconds(0, 1024)
+        return None if not seconds else 1024 / seconds
+
+    @prefill_tokens_per_s.setter
+    def prefill_tokens_per_s(self, rate: float | None) -> None:
+        with self._lock:
+            self.prefill, self.fastest_forward = _new_prefill(), None
+            if rate:
+                self.prefill.set((1 / rate, 0.0, 0.0))
+            self.changed = True
+
+    @property
+    def restore_bytes_per_s(self) -> dict[str, float]:
+        """Bytes/s per tier (fixed costs apart); assigning a dict sets the rates and
+        clears the fixed costs."""
+        out = {}
+        for tier, fit in list(self.restore.items()):
+            coef = fit.coefficients()
+            if coef and coef[1] > 0:
+                out[tier] = 1 / coef[1]
+        return out
+
+    @restore_bytes_per_s.setter
+    def restore_bytes_per_s(self, rates: dict[str, float]) -> None:
+        self.set_restore(rates)
+
+    def set_prefill(self, tokens_per_s: float, growth: float = 0.0, per_forward: float = 0.0) -> None:
+        """Set the prefill: `tokens_per_s` at position 0, each later position costing
+        `growth` seconds more per token and position (attention), and `per_forward`
+        seconds per forward call of up to `PREFILL_STEP` tokens."""
+        with self._lock:
+            self.prefill, self.fastest_forward = _new_prefill(), None
+            self.prefill.set((1 / tokens_per_s, growth, per_forward))
+            self.changed = True
+
+    def set_restore(self, rates: dict[str, float], fixed: dict[str, float] | None = None) -> None:
+        """Set the restore rates (bytes/s) and fixed costs (seconds) per tier."""
+        with self._lock:
+            self.restore = {}
+            for tier, rate in rates.items():
+                self.restore[tier] = _new_restore()
+                self.restore[tier].set(((fixed or {}).get(tier, 0.0), 1 / rate))
+            self.changed = True
+
+    def restore_fixed_seconds(self, tier: str) -> float | None:
+        """The fixed cost of a restore from `tier` (None until measured)."""
+        fit = self.restore.get(tier)
+        coef = fit.coefficients() if fit is not None else None
+        return None if coef is None else coef[0]
+
+    def prefill_seconds(self, start: int, end: int) -> float | None:
+        """Predicted seconds to prefill positions ``[start, end)`` (None: unknown)."""
+        coef = self._prefill_coefficients()
+        if coef is None:
+            return None
+        x = _prefill_features(start, end, -(-(end - start) // PREFILL_STEP))
+        return sum(c * f for c, f in zip(coef, x))
+
+    def _prefill_coefficients(self) -> list[float] | None:
+        coef = self.prefill.coefficients()
+        if coef is not None and self.fastest_forward is not None:
+            coef[2] = min(coef[2], self.fastest_forward)
+        return coef
+
+    def _restore_seconds(self, tier: str, nbytes: int) -> float | None:
+        fit = self.restore.get(tier)
+        coef = fit.coefficients() if fit is not None else None
+        if coef is None or (coef[1] <= 0 and nbytes > 0):
+            return None
+        return coef[0] + coef[1] * nbytes
+
+    # -- learning ----------------------------------------------------------------------
+
+    def observe_prefill(self, tokens: int, seconds: float, *, start: int = 0, forwards: int = 1) -> None:
+        """Record that positions ``[start, start + tokens)`` were prefilled in `seconds`,
+        by `forwards` forward calls."""
+        if tokens > 0 and seconds > 0 and start >= 0 and forwards >= 1:
             with self._lock:
-                self.prefill_tokens_per_s = self._blend(self.prefill_tokens_per_s, tokens / seconds)
+                self.prefill.add(_prefill_features(start, start + tokens, forwards), seconds)
+                if forwards == 1:
+                    self.fastest_forward = min(seconds, self.fastest_forward or seconds)
+                self.changed = True
 
     def observe_restore(self, tier: str, nbytes: int, seconds: float) -> None:
-        """Record that `nbytes` of KV were restored from `tier` in `seconds`."""
-        if nbytes >= MIN_TIMED_BYTES and seconds > 0:
-            with self._lock:
-                self.restore_bytes_per_s[tier] = self._blend(self.restore_bytes_per_s.get(tier), nbytes / seconds)
+        """Record that `nbytes` of KV were restored from `tier` in `seconds` (a restore
+        under `MIN_TIMED_BYTES` teaches only the fixed cost)."""
+        if seconds <= 0 or nbytes < 0:
+            return
+        with self._lock:
+            fit = self.restore.setdefault(tier, _new_restore())
+            if nbytes >= MIN_TIMED_BYTES:
+                fit.add((1.0, nbytes), seconds)
+            else:
+                coef = fit.coefficients()
+                if coef is not None and coef[1] > 0:  # the time beyond the bytes' share
+                    fit.add((1.0, 0.0), max(0.0, seconds - coef[1] * nbytes))
+            self.changed = True
+
+    def observe_first_forward(self, tokens: int, seconds: float, *, start: int) -> None:
+        """Record a forward of `tokens` tokens right after a restore of `start`
+        tokens: what it took beyond a forward on a grown cache is the first forward's
+        cost (ignored until the prefill is known)."""
+        expected = self.prefill_seconds(start, start + tokens) if tokens > 0 else None
+        if expected is None or seconds <= 0:
+            return
+        extra = max(0.0, seconds - expected)
+        with self._lock:
+            old = self.first_forward_seconds
+            self.first_forward_seconds = extra if old is None else (1 - ALPHA) * old + ALPHA * extra
+            self.changed = True
+
+    # -- deciding ------------------------------------------------------------------------
 
     def worth_reading(self, tier: str, tokens: int, nbytes: int) -> bool:
         """Whether reading `nbytes` of KV covering `tokens` tokens from `tier` (the
         remote) and then restoring them from the RAM tier is faster than a prefill of
         those tokens; True until the rates are known (and always when disabled)."""
-        with self._lock:
-            prefill, rates = self.prefill_tokens_per_s, dict(self.restore_bytes_per_s)
-        if not self.enabled or prefill is None or not rates.get(tier) or nbytes <= 0:
+        if not self.enabled or nbytes <= 0:
             return True
-        cost = nbytes / rates[tier] + (nbytes / rates["ram"] if rates.get("ram") else 0.0)
-        return cost < tokens / prefill
+        with self._lock:
+            prefill = self.prefill_seconds(0, tokens)
+            read = self._restore_seconds(tier, nbytes)
+            ram = self._restore_seconds("ram", nbytes)
+        if prefill is None or read is None:
+            return True
+        return read + (ram or 0.0) < prefill
 
     def choose(self, ends: list[int], sizes: list[int], in_ram: list[bool], resumable: list[int]) -> Choice:
         """The prefix of a lookup's path that saves the most time.
+
+        Restoring the first ``i + 1`` blocks costs the fixed cost of the slowest tier
+        they come from, the first forward on a restored cache, and each block's bytes
+        over its tier's rate; it saves the prefill of positions ``[0, ends[i])``.
 
         Args:
             ends: Tokens covered once each block of the path is restored (the last
@@ -84,22 +329,231 @@ class Costs:
                 can be rebuilt: the candidate cut points (the last is the whole path).
 
         Returns:
-            The choice; ``blocks == 0`` means restore nothing.
+            The choice; ``blocks == 0`` means restore nothing (``skipped_slower``).
         """
         whole = Choice(len(ends), ends[-1] if ends else 0, None)
-        with self._lock:
-            prefill, rates = self.prefill_tokens_per_s, dict(self.restore_bytes_per_s)
-        if not self.enabled or not ends or prefill is None:
+        if not self.enabled or not ends:
             return whole
-        if not all(rates.get("ram" if r else "disk") for r in in_ram):
-            return whole  # a tier not timed yet: restore, and learn its rate
-        best = Choice(0, 0, 0.0)
-        cost = 0.0
-        cuts = set(resumable)
-        for i, (size, ram) in enumerate(zip(sizes, in_ram)):
-            cost += size / rates["ram" if ram else "disk"]
-            if i in cuts:
-                saved = ends[i] / prefill - cost
-                if saved > best.saved_seconds:
-                    best = Choice(i + 1, ends[i], saved)
+        with self._lock:
+            if self.prefill.coefficients() is None:
+                return whole  # the prefill is not known: restore (and time the restore)
+            slopes, fixed = {}, {}
+            for tier in ("ram", "disk"):
+                fit = self.restore.get(tier)
+                coef = fit.coefficients() if fit is not None else None
+                if coef is not None and coef[1] > 0:
+                    fixed[tier], slopes[tier] = coef
+            first = self.first_forward_seconds or 0.0
+            if not all(("ram" if r else "disk") in slopes for r in in_ram):
+                return whole  # a tier not timed yet: restore, and learn its rate
+            best, cost, disk = Choice(0, 0, 0.0, "skipped_slower"), 0.0, False
+            cuts = set(resumable)
+            for i, (size, ram) in enumerate(zip(sizes, in_ram)):
+                cost += size * slopes["ram" if ram else "disk"]
+                disk = disk or not ram
+                if i in cuts:
+                    saved = self.prefill_seconds(0, ends[i]) - (cost + fixed["disk" if disk else "ram"] + first)
+                    if saved > best.saved_seconds:
+                        best = Choice(i + 1, ends[i], saved)
+        if best.blocks == len(ends):
+            best.decision = "restored_all"
+        elif best.blocks:
+            ram_part = next((i for i, r in enumerate(in_ram) if not r), len(in_ram))
+            best.decision = "restored_ram_only" if best.blocks == ram_part else "restored_shorter"
         return best
+
+    def figures(self) -> dict[str, Any]:
+        """The costs as `PersistentPrefixCache.stats` shows them (None: not measured)."""
+        coef = self._prefill_coefficients()
+        out: dict[str, Any] = {"prefill_tokens_per_s": self.prefill_tokens_per_s}
+        out["prefill_growth"] = None if coef is None else coef[1]
+        out["prefill_per_forward_s"] = None if coef is None else coef[2]
+        rates = self.restore_bytes_per_s
+        for tier in TIERS:
+            out[f"restore_bytes_per_s_{tier}"] = rates.get(tier)
+            out[f"restore_fixed_s_{tier}"] = self.restore_fixed_seconds(tier)
+        out["first_forward_s"] = self.first_forward_seconds
+        out["cost_device"] = self.device
+        return out
+
+    # -- persistence ---------------------------------------------------------------------
+
+    def record(self) -> dict:
+        """What `load` takes back: the fits' sums and the first forward's cost."""
+        with self._lock:
+            return {
+                "saved": time.time(),
+                "prefill": list(self.prefill.sums),
+                "restore": {tier: list(fit.sums) for tier, fit in self.restore.items()},
+                "first_forward": self.first_forward_seconds,
+                "fastest_forward": self.fastest_forward,
+            }
+
+    def load(self, record: dict) -> bool:
+        """Start from a saved `record` (ignored if malformed or older than `MAX_AGE`).
+
+        Returns:
+            Whether anything was taken.
+        """
+        try:
+            if time.time() - float(record["saved"]) > MAX_AGE:
+                return False
+            prefill = [float(v) for v in record["prefill"]]
+            restore = {str(t): [float(v) for v in s] for t, s in record.get("restore", {}).items() if t in TIERS}
+            first = record.get("first_forward")
+            first = None if first is None else max(0.0, float(first))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return False
+        with self._lock:
+            self.prefill = Fit(_new_prefill().order, prefill)
+            self.restore = {tier: Fit(_new_restore().order, sums) for tier, sums in restore.items()}
+            self.first_forward_seconds = first
+            fastest = record.get("fastest_forward")
+            self.fastest_forward = None if fastest is None else max(0.0, float(fastest))
+        return True
+
+
+class SavedCosts:
+    """The costs of one model root on this device kind, kept in the store's
+    ``costs.json`` (see the module's docstring).
+
+    Args:
+        root: The store directory.
+        key: The model's root key (hex).
+        costs: The handle's `Costs`, loaded from the file here.
+        readonly: Never write the file.
+    """
+
+    def __init__(self, root: str, key: str, costs: Costs, *, readonly: bool):
+        self.path = os.path.join(root, FILE_NAME)
+        self.root, self.key, self.costs, self.readonly = root, key, costs, readonly
+        self.device = costs.device = device_kind()
+        self._saved_at = 0.0
+        record = self._read().get(self.key, {}).get(self.device)
+        self.loaded = isinstance(record, dict) and costs.load(record)
+
+    def _read(self) -> dict:
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            return {}  # none yet, or damaged: rates are hints, measured again
+        models = data.get("models") if isinstance(data, dict) else None
+        return models if isinstance(models, dict) else {}
+
+    def maybe_save(self, *, force: bool = False) -> None:
+        """Save what was learned, if anything was and (unless `force`) the last save is
+        `SAVE_EVERY` seconds old. Never raises: a rate not saved is measured again."""
+        if self.readonly or not self.costs.changed:
+            return
+        now = time.monotonic()
+        if not force and now - self._saved_at < SAVE_EVERY:
+            return
+        self._saved_at = now
+        self.costs.changed = False
+        from .disk.store_dir import create_file
+
+        tmp = f"{self.path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            models = self._read()  # another process's models and devices are kept
+            entry = models.get(self.key)
+            models[self.key] = entry = entry if isinstance(entry, dict) else {}
+            entry[self.device] = self.costs.record()
+            fd = create_file(tmp, self.root)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump({"version": 1, "models": models}, f)
+            os.replace(tmp, self.path)
+        except OSError:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
+def calibrate(costs: Costs, model: Any, make_cache: Callable[[], list], tokens: int) -> None:
+    """Time `model`'s prefill into `costs`: a warm-up forward, a forward of `tokens`
+    tokens on a fresh cache, then ``tokens // 4``, ``tokens // 2`` and ``tokens // 4``
+    more on the same cache (per token, per call, and attention's growth with the
+    position apart). Runs on the calling thread (it owns MLX's stream).
+
+    Raises:
+        InvalidArgumentError: If `tokens` is not an int >= 2.
+    """
+    import mlx.core as mx
+
+    from .errors import InvalidArgumentError
+
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 2:
+        raise InvalidArgumentError(f"tokens must be an int >= 2, got {tokens!r}")
+    ids = [(7 * i + 1) % 251 for i in range(tokens * 2)]
+    mx.eval(model(mx.array([ids[: max(1, tokens // 4)]]), cache=make_cache()))  # warm-up: kernels, allocator
+    cache, start = make_cache(), 0
+    # Four calls of three lengths at four positions: per token, per call and the growth apart.
+    for end in (tokens, tokens + tokens // 4, tokens + 3 * tokens // 4, tokens * 2):
+        started = time.perf_counter()
+        mx.eval(model(mx.array([ids[start:end]]), cache=cache))
+        costs.observe_prefill(end - start, time.perf_counter() - started, start=start)
+        start = end
+
+
+class CostsMixin:
+    """The cost model's part of `PersistentPrefixCache` (its `costs`, `saved_costs`,
+    `memory` and `counters`): what callers tell it, and what a fetch asks it."""
+
+    def observe_prefill(
+        self, tokens: int, seconds: float, *, start: int = 0, restored: bool = False, forwards: int = 1
+    ) -> None:
+        """Tell the cost model that the model computed positions ``[start, start +
+        tokens)`` in `seconds` (`prefill()`, ``ppc generate`` and ``ppc serve`` do; so can
+        a caller that prefills on its own).
+
+        Args:
+            tokens: Tokens fed in one forward (or a run of them).
+            seconds: The time, the evaluation of the cache included.
+            start: Positions the cache held before.
+            restored: This was the first forward on a cache `fetch` had just restored
+                (it teaches the first forward's extra cost, not the prefill rate).
+            forwards: How many forward calls it took.
+        """
+        if restored and start > 0:
+            self.costs.observe_first_forward(tokens, seconds, start=start)
+        else:
+            self.costs.observe_prefill(tokens, seconds, start=start, forwards=forwards)
+        self.saved_costs.maybe_save()
+
+    def calibrate(self, model: Any, *, tokens: int = 512, only_if_unknown: bool = False) -> float | None:
+        """Measure how fast `model` prefills on this machine, for the cost model (see
+        `costs.calibrate`); remembered in the store for this model and device kind.
+        Call it on the thread that runs the model (MLX's streams belong to a thread).
+
+        Args:
+            model: The model the store was opened with.
+            tokens: Tokens of the first timed forward.
+            only_if_unknown: Measure nothing if the prefill of this model on this
+                device kind is already known (measured here or remembered by the store).
+
+        Returns:
+            Tokens/s of a 1,024-token prefill as now known (None: skipped, unknown).
+
+        Raises:
+            InvalidArgumentError: If the store is closed or `tokens` < 2.
+        """
+        self._check_open()
+        if not (only_if_unknown and self.costs.prefill_tokens_per_s is not None):
+            calibrate(self.costs, model, self.make_cache, tokens)
+            self.saved_costs.maybe_save(force=True)
+        return self.costs.prefill_tokens_per_s
+
+    def _cheaper(self, path: list, matched: int) -> tuple[list, int]:
+        """The prefix of `path` the cost model restores (all of it until it knows),
+        its decision counted."""
+        ends = [n.end for n in path[:-1]] + [matched]
+        cuts = [i for i, n in enumerate(path[:-1]) if n.resumable] + [len(path) - 1]
+        in_ram = [self.memory.node(n.key) is not None for n in path]
+        choice = self.costs.choose(ends, [n.size for n in path], in_ram, cuts)
+        self.counters.add(**{choice.decision: 1}, tokens_skipped=matched - choice.tokens)
+        return path[: choice.blocks], choice.tokens
+
+    def _timed(self, nodes: list, seconds: float) -> None:
+        in_ram = all(self.memory.node(n.key) is not None for n in nodes)
+        self.costs.observe_restore("ram" if in_ram else "disk", sum(n.size for n in nodes), seconds)

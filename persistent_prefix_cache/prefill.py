@@ -56,6 +56,7 @@ def prefill(
     if cache is None:
         cache = store.make_cache()
     pos = len(ids) - len(remaining)
+    restored = pos > 0  # the first forward on a restored cache costs more (mlx-lm grows it by a copy)
     chunk = store.block_size * blocks_per_chunk
     stop = len(ids) - 1  # the last token is fed below, for the logits
     while pos < stop:
@@ -63,13 +64,17 @@ def prefill(
         started = time.perf_counter()
         model(mx.array(ids[pos:end])[None], cache=cache)
         mx.eval([c.state for c in cache])
-        store.observe_prefill(end - pos, time.perf_counter() - started)  # for the cost model
+        # For the cost model (kept in the store per model and device kind).
+        store.observe_prefill(end - pos, time.perf_counter() - started, start=pos, restored=restored)
+        restored = False
         store.store(ids[:end], cache)
         pos = end
         if progress is not None:
             progress(pos, len(ids))
+    started = time.perf_counter()
     logits = model(mx.array(ids[pos:])[None], cache=cache)[:, -1, :]
     mx.eval(logits)
+    store.observe_prefill(len(ids) - pos, time.perf_counter() - started, start=pos, restored=restored)
     if progress is not None:
         progress(len(ids), len(ids))
     return cache, logits

@@ -27,7 +27,7 @@ from .fingerprint import cached_fingerprint, forget_fingerprints
 from .keys import as_token_array, chain_keys, root_key
 from .layers import Layout, cache_length, signature_of, template_cache
 from .lookup import Trie, back_off
-from .costs import Costs
+from .costs import Costs, CostsMixin, SavedCosts
 from .opening import disk_budget, give_back, open_directory
 from .options import check_options, check_remote
 from .paths import expand_path
@@ -42,6 +42,7 @@ log = logging.getLogger("persistent_prefix_cache")
 DEFAULT_MEMORY_BYTES = 512 * 1024 * 1024
 COUNTERS = (
     "queries", "hits", "misses", "not_longer", "tokens_saved", "skipped_slower", "tokens_skipped",
+    "restored_all", "restored_ram_only", "restored_shorter",
     "corrupt", "evictions", "write_errors", "blocks_written", "bytes_written",
 )  # fmt: skip
 
@@ -55,7 +56,7 @@ def _close_open_stores() -> None:
         store.close()
 
 
-class PersistentPrefixCache:
+class PersistentPrefixCache(CostsMixin):
     """A prefix (KV) cache for one mlx-lm model, kept in a store directory.
 
     Args:
@@ -86,8 +87,8 @@ class PersistentPrefixCache:
         kv_group_size: Group size for `kv_bits`.
         sync_writes: Make `store()` return only once its blocks are on disk.
         cost_model: Restore only the prefix that is faster to restore than to compute,
-            by the rates this handle measured (see `costs`); False restores whatever
-            is stored.
+            by the costs measured for this model on this device kind, kept in the
+            store (see `costs`); False restores whatever is stored.
         remote: A Redis / Valkey URL (``redis://``, ``rediss://``, ``unix://``,
             ``redis+cluster://h:p,h:p``): the fleet's shared block tier, read after
             the local store and published to in the background (see `tiers.remote`).
@@ -174,6 +175,7 @@ class PersistentPrefixCache:
             self.trie = Trie(self.index, self.memory, self.root, self.block_size)
             self.counters = Counters(*COUNTERS, *REMOTE_COUNTERS)
             self.costs = Costs(enabled=cost_model)
+            self.saved_costs = SavedCosts(self.path, self.root.hex(), self.costs, readonly=self.readonly)
             self.writeback = None
             if not self.readonly:
                 self.writeback = WriteBack(
@@ -241,6 +243,7 @@ class PersistentPrefixCache:
         result = self._restore(tokens, path, matched, longer_than)
         if pending:
             self.remote_fill.write(pending)  # into the local store, once the caller's restore is done
+        self.saved_costs.maybe_save()
         return result
 
     def _restore(self, tokens: Any, path: list[Node], matched: int, longer_than: int | None) -> tuple[list | None, Any]:
@@ -298,31 +301,6 @@ class PersistentPrefixCache:
     def make_cache(self) -> list:
         """A fresh, empty cache of this store's layout (what `fetch` returns on a hit)."""
         return self.layout.make_cache()
-
-    def observe_prefill(self, tokens: int, seconds: float) -> None:
-        """Tell the cost model that the model prefilled `tokens` tokens in `seconds`
-        (`prefill()` does; so can a caller that prefills on its own)."""
-        self.costs.observe_prefill(tokens, seconds)
-
-    def calibrate(self, model: Any, *, tokens: int = 512) -> float:
-        """Measure how fast `model` prefills on this machine, for the cost model.
-
-        Runs two forward passes of `tokens` tokens on a fresh cache (the first warms
-        up); a fetch that follows knows what a restore must beat.
-
-        Returns:
-            Tokens per second.
-        """
-        import mlx.core as mx
-
-        ids = mx.array([[(7 * i + 1) % 251 for i in range(tokens)]])
-        for _ in range(2):
-            cache = self.make_cache()
-            started = time.perf_counter()
-            mx.eval(model(ids, cache=cache))
-            seconds = time.perf_counter() - started
-        self.observe_prefill(tokens, seconds)
-        return tokens / seconds
 
     def stored_models(self) -> list[dict]:
         """Every model (with namespace and layout) that has blocks in this store.
@@ -417,6 +395,7 @@ class PersistentPrefixCache:
         """Wait until every pending write and access update is committed, and every
         block stored so far is published to the remote (or has failed, counted)."""
         self._check_open()
+        self.saved_costs.maybe_save(force=True)
         if self.writeback is not None:
             self.writeback.flush()
         if self.remote is not None:
@@ -449,6 +428,7 @@ class PersistentPrefixCache:
             # belong to the parent, and the child has already dropped the latter.
             self._closed = True
             return
+        self.saved_costs.maybe_save(force=True)
         finished = self.writeback.stop() if self.writeback is not None else True
         if self.remote is not None:
             self.remote.close()
@@ -467,13 +447,18 @@ class PersistentPrefixCache:
         Returns:
             queries, hits, misses (queries = hits + misses), not_longer (fetches
             stopped by ``longer_than``, loading nothing), tokens_saved,
-            skipped_slower and tokens_skipped (fetches the cost model cut short, and
-            the tokens it left to compute), corrupt, evictions, write_errors,
-            blocks_written and bytes_written (blocks this handle committed and the
-            bytes of the segment files it wrote for them: another process's blocks
-            are not counted) (this handle); prefill_tokens_per_s, restore_bytes_per_s_ram and
-            restore_bytes_per_s_disk (the rates the cost model learned, None until
-            measured);
+            the cost model's decision of each fetch that found blocks: restored_all,
+            restored_ram_only (only the leading part held in RAM), restored_shorter
+            (another shorter prefix), skipped_slower (nothing: computing was faster),
+            and tokens_skipped (the tokens the cuts left to compute), corrupt,
+            evictions, write_errors, blocks_written and bytes_written (blocks this
+            handle committed and the bytes of the segment files it wrote for them:
+            another process's blocks are not counted) (this handle);
+            prefill_tokens_per_s (of a 1,024-token prompt), prefill_growth (seconds
+            per token per position: attention's share), prefill_per_forward_s,
+            restore_bytes_per_s_ram and _disk, restore_fixed_s_ram and _disk,
+            first_forward_s, cost_device (the costs measured for this model on this
+            device kind, None until measured, remembered in the store);
             blocks, block_bytes (their tensors' bytes: what ``disk_bytes`` bounds) and
             bytes_on_disk (of the segment files: headers and space not yet reclaimed
             included) for the store, all processes; disk_budget (the blocks' byte budget this
@@ -502,9 +487,7 @@ class PersistentPrefixCache:
         out["bytes_in_memory"] = self.memory.nbytes
         out["blocks_in_memory"] = len(self.memory)
         out["memory_evictions"] = self.memory.evictions
-        out["prefill_tokens_per_s"] = self.costs.prefill_tokens_per_s
-        for tier in ("ram", "disk", "remote"):
-            out[f"restore_bytes_per_s_{tier}"] = self.costs.restore_bytes_per_s.get(tier)
+        out.update(self.costs.figures())
         out.update(remote_counters(self.counters, self.remote))
         return out
 
@@ -563,26 +546,10 @@ class PersistentPrefixCache:
         except (ValueError, AttributeError):
             return None
 
-    def _cheaper(self, path: list[Node], matched: int) -> tuple[list[Node], int]:
-        """The prefix of `path` the cost model restores (all of it until it knows)."""
-        if not self.costs.enabled:
-            return path, matched
-        ends = [n.end for n in path[:-1]] + [matched]
-        cuts = [i for i, n in enumerate(path[:-1]) if n.resumable] + [len(path) - 1]
-        in_ram = [self.memory.node(n.key) is not None for n in path]
-        choice = self.costs.choose(ends, [n.size for n in path], in_ram, cuts)
-        if choice.tokens < matched:
-            self.counters.add(skipped_slower=1, tokens_skipped=matched - choice.tokens)
-        return path[: choice.blocks], choice.tokens
-
     def _digests(self, nodes: list[Node]) -> dict[bytes, int]:
         with self.index.reader() as reader:
             found = {seg: reader.segment_digest(seg) for seg in {n.segment for n in nodes}}
         return {seg: d for seg, d in found.items() if d is not None}
-
-    def _timed(self, nodes: list[Node], seconds: float) -> None:
-        in_ram = all(self.memory.node(n.key) is not None for n in nodes)
-        self.costs.observe_restore("ram" if in_ram else "disk", sum(n.size for n in nodes), seconds)
 
     def _note(self, **kwargs: Any) -> None:
         if self.writeback is not None:

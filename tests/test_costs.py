@@ -30,7 +30,7 @@ def test_choice_saves_the_most_time():
     costs.restore_bytes_per_s = {"ram": 1e9, "disk": 1e3}  # disk: 1 s per block
     choice = costs.choose(ends, sizes, ram, cuts)
     assert (choice.blocks, choice.tokens) == (2, 32)  # the RAM part only
-    costs.restore_bytes_per_s["disk"] = 1e9
+    costs.restore_bytes_per_s = {"ram": 1e9, "disk": 1e9}
     assert costs.choose(ends, sizes, ram, cuts).tokens == 60
     costs.observe_prefill(10**9, 1.0)  # prefill far faster than any restore
     costs.prefill_tokens_per_s = 1e9
@@ -102,3 +102,113 @@ def test_ram_tier_join_on_the_device_restores_exactly(store_dir, model, monkeypa
         # The RAM tier's arrays are not the cache's: a second fetch is unaffected.
         cache2, remaining2 = store.fetch(query)
         assert_same_logits(warm_logits(model, cache2, remaining2), cold_logits(model, query))
+
+
+def test_every_decision_by_the_rates_set():
+    # Four blocks of 1,000 bytes ending at 16/32/48/60 tokens; the first two in RAM.
+    ends, sizes, ram, cuts = [16, 32, 48, 60], [1000] * 4, [True, True, False, False], [0, 1, 2, 3]
+    costs = Costs()
+    costs.set_prefill(1000.0)  # 1 ms a token
+    costs.set_restore({"ram": 1e9, "disk": 1e9})
+    assert costs.choose(ends, sizes, ram, cuts).decision == "restored_all"
+    costs.set_restore({"ram": 1e9, "disk": 1e3})  # a disk block: 1 s, 16 tokens save 16 ms
+    assert (costs.choose(ends, sizes, ram, cuts).decision, costs.choose(ends, sizes, ram, cuts).tokens) == (
+        "restored_ram_only", 32,
+    )  # fmt: skip
+    # Only block 0 may be cut after (block 1 is not resumable): a shorter prefix.
+    choice = costs.choose(ends, sizes, ram, [0, 3])
+    assert (choice.decision, choice.blocks, choice.tokens) == ("restored_shorter", 1, 16)
+    costs.set_prefill(1e9)
+    assert costs.choose(ends, sizes, ram, cuts).decision == "skipped_slower"
+    assert Costs(enabled=False).choose(ends, sizes, ram, cuts).decision == "restored_all"
+
+
+def test_fixed_costs_and_the_first_forward_decide_short_prefixes():
+    ends, sizes, cuts = [64, 128, 4096], [10, 10, 10], [0, 1, 2]
+    ram = [False] * 3
+    costs = Costs()
+    costs.set_prefill(10_000.0)  # 0.1 ms a token: 64 tokens 6.4 ms, 4,096 tokens 0.41 s
+    costs.set_restore({"disk": 1e12}, {"disk": 0.05})  # bytes are free; 50 ms a restore
+    assert costs.choose(ends[:2], sizes[:2], ram[:2], cuts[:2]).decision == "skipped_slower"
+    assert costs.choose(ends, sizes, ram, cuts).decision == "restored_all"
+    costs.first_forward_seconds = 0.5  # the first forward on a restored cache: 0.5 s more
+    assert costs.choose(ends, sizes, ram, cuts).decision == "skipped_slower"
+
+
+def test_prefill_growth_with_length_is_fitted_and_decides():
+    costs = Costs()
+    # Observed chunks of 512 tokens at growing positions, each position costing more:
+    # seconds = 1e-4 * n + 1e-8 * (end^2 - start^2) / 2.
+    for start in range(0, 8192, 512):
+        end = start + 512
+        costs.observe_prefill(512, 1e-4 * 512 + 1e-8 * (end * end - start * start) / 2, start=start)
+    a, b, c = costs.prefill.coefficients()
+    assert a == pytest.approx(1e-4, rel=1e-3) and b == pytest.approx(1e-8, rel=1e-3) and c == pytest.approx(0, abs=1e-9)
+    assert costs.prefill_seconds(0, 8192) == pytest.approx(1e-4 * 8192 + 1e-8 * 8192**2 / 2, rel=1e-3)
+    # A restore of 1 s wins against this prefill of 8,192 tokens (1.15 s) but loses to a
+    # linear one at the same rate at position 0 (0.82 s).
+    costs.set_restore({"disk": 1.0})  # 1 byte/s
+    ends, sizes = [8192], [1]
+    assert costs.choose(ends, sizes, [False], [0]).decision == "restored_all"
+    costs.prefill_tokens_per_s = 1e4  # linear, no growth
+    assert costs.choose(ends, sizes, [False], [0]).decision == "skipped_slower"
+
+
+def test_restore_fit_learns_a_fixed_cost_and_a_rate():
+    costs = Costs()
+    for nbytes in (1 << 20, 4 << 20, 16 << 20, 2 << 20):
+        costs.observe_restore("disk", nbytes, 0.003 + nbytes / 2e9)
+    assert costs.restore_bytes_per_s["disk"] == pytest.approx(2e9, rel=1e-3)
+    assert costs.restore_fixed_seconds("disk") == pytest.approx(0.003, rel=1e-3)
+    costs.observe_restore("disk", 1000, 0.003 + 1000 / 2e9)  # small: teaches the fixed cost only
+    assert costs.restore_fixed_seconds("disk") == pytest.approx(0.003, rel=1e-2)
+
+
+def test_a_store_counts_each_decision(store_dir, model):
+    tokens = random_tokens(3 * BLOCK + 5, seed=904)
+    with _store(store_dir, model, tokens) as store:
+        query = tokens + [1, 2]
+        store.costs.set_prefill(1e12)
+        store.costs.set_restore({"ram": 1.0, "disk": 1.0})
+        assert store.fetch(query)[0] is None
+        store.costs.set_prefill(100.0)
+        store.costs.set_restore({"ram": 1e12, "disk": 1e12})
+        assert store.fetch(query)[0] is not None
+        later = [n for n in store.trie.longest(as_token_array(query))[0] if n.position >= BLOCK]
+        for node in later:
+            store.memory.discard(node.key)
+        store.costs.set_restore({"ram": 1e12, "disk": 1.0})
+        cache, remaining = store.fetch(query)
+        assert len(query) - len(remaining) == BLOCK
+        stats = store.stats()
+        decided = {k: stats[k] for k in ("restored_all", "restored_ram_only", "restored_shorter", "skipped_slower")}
+        assert decided == {"restored_all": 1, "restored_ram_only": 1, "restored_shorter": 0, "skipped_slower": 1}
+        assert stats["hits"] == 2 and stats["prefill_tokens_per_s"] == pytest.approx(100.0)
+        assert stats["cost_device"].startswith(("cpu:", "gpu:"))
+
+
+def test_a_cost_per_forward_call_is_told_apart_from_the_tokens():
+    # A GPU: 64-token chunks are launch-bound (2 ms a call), tokens cost 25 us each.
+    costs = Costs()
+    for n, start in ((64, 0), (64, 64), (512, 128), (2048, 640), (128, 2688)):
+        costs.observe_prefill(n, 0.002 + 25e-6 * n, start=start)
+    a, b, c = costs.prefill.coefficients()
+    assert a == pytest.approx(25e-6, rel=1e-3) and c == pytest.approx(0.002, rel=1e-3)
+    assert b == pytest.approx(0, abs=1e-12)
+    # So a prompt of 8,192 tokens prefills (in 2,048-token calls) at ~ 8,192 * 25 us + 4 calls.
+    assert costs.prefill_seconds(0, 8192) == pytest.approx(8192 * 25e-6 + 4 * 0.002, rel=1e-3)
+    # Chunks all alike cannot tell a call from its tokens: the tokens explain them.
+    alike = Costs()
+    for _ in range(3):
+        alike.observe_prefill(64, 0.004)
+    assert alike.prefill.coefficients() == pytest.approx([0.004 / 64, 0.0, 0.0])
+
+
+def test_noise_cannot_make_a_call_cost_more_than_the_fastest_call():
+    costs = Costs()
+    # Three calls, the third slowed down by a neighbour: the exact fit would put
+    # seconds on every call; no call's fixed cost can exceed the fastest call (0.1 s).
+    for n, start, seconds in ((256, 0, 0.1), (64, 256, 0.12), (128, 320, 5.0)):
+        costs.observe_prefill(n, seconds, start=start)
+    assert costs.figures()["prefill_per_forward_s"] <= 0.1
+    assert costs.prefill_seconds(0, 16) <= 0.1 + 16 * costs.prefill.coefficients()[0] + 1e-9

@@ -342,9 +342,9 @@ class CountingStore:
         """`PersistentPrefixCache.make_cache`."""
         return self._store.make_cache()
 
-    def observe_prefill(self, tokens: int, seconds: float) -> None:
+    def observe_prefill(self, tokens: int, seconds: float, **where: Any) -> None:
         """`PersistentPrefixCache.observe_prefill`."""
-        self._store.observe_prefill(tokens, seconds)
+        self._store.observe_prefill(tokens, seconds, **where)
 
 
 def blocks_of(tokens: int, block_size: int) -> int:

@@ -89,6 +89,8 @@ class PersistentLRUPromptCache(LRUPromptCache):
             )
         self._stores: dict[Hashable, PersistentPrefixCache] = {}
         self._failed: set[Hashable] = set()
+        # One link per model: it remembers the last read, to time the prefill after it.
+        self._links: dict[Hashable, StoreLink] = {}
         self._warn_once = WarnOnce(lambda message: log.warning("persistent prompt cache: %s", message))
         self._lock = threading.Lock()
         self._counters = dict.fromkeys(
@@ -268,7 +270,11 @@ class PersistentLRUPromptCache(LRUPromptCache):
         def warn(cause, message):
             self._warn_once((model, *cause), message)
 
-        return StoreLink(store, warn=warn, errors=(Exception,))
+        with self._lock:
+            link = self._links.get(model)
+            if link is None or link.store is not store:
+                link = self._links[model] = StoreLink(store, warn=warn, errors=(Exception,))
+            return link
 
     def _skip(self, model: Hashable, reason: Any, message: str) -> None:
         with self._lock:

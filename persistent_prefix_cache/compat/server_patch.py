@@ -26,6 +26,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import time
 from contextlib import contextmanager
 from typing import Any, Callable, Hashable, Iterator
 
@@ -33,6 +34,7 @@ from ..errors import UnsupportedServerError
 from ..fingerprint import fingerprint_model
 from ..layers import model_cache
 from ..store import PersistentPrefixCache
+from .through import CALIBRATION_TOKENS
 
 log = logging.getLogger("persistent_prefix_cache.serve")
 
@@ -175,6 +177,19 @@ class ProviderStores:
                 name += f" + adapter {adapter_path}"
             options.setdefault("model_name", name if draft is None else f"{name} + draft model")
         store = PersistentPrefixCache(self.path, model, **options)
+        if draft is None:
+            # The server's generation thread opens the store (it owns MLX's stream here):
+            # measure the prefill once per model and device kind, for the cost model.
+            try:
+                if store.costs.prefill_tokens_per_s is None:
+                    started = time.perf_counter()
+                    rate = store.calibrate(model, tokens=CALIBRATION_TOKENS)
+                    log.info(
+                        "cost model: measured the prefill on %s: %.0f tokens/s (%.3f s, once per model and device)",
+                        store.costs.device, rate, time.perf_counter() - started,
+                    )  # fmt: skip
+            except Exception as exc:  # the store then restores every hit, as without costs
+                log.warning("could not measure the model's prefill for the cost model: %s", exc)
         log.info(
             "persistent prompt cache for %s: store %s, fingerprint %s",
             model_path,

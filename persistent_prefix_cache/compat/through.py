@@ -4,6 +4,14 @@ A compat layer keeps caches in memory the way the API it imitates does, and asks
 store only for what memory does not cover (``fetch(tokens, longer_than=...)``: nothing
 is loaded unless the store holds more). A store is an optimisation there: its errors
 become one warning per cause, never a failed request.
+
+The link also feeds the store's cost model what it can observe: a write of a prefix of
+the prompt last read (a server saving the cache at the end of a prompt segment, before
+any token is generated) took the prefill of the tokens since that read. A write that
+holds generated tokens also holds their decoding, and teaches nothing. Where the model
+is known, the first read of a model whose prefill the store has never measured on this
+device kind calibrates it (once, remembered in the store), on the reading thread: the
+one that runs the model, as MLX wants.
 """
 
 from __future__ import annotations
@@ -11,14 +19,22 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import warnings
 from typing import Any, Callable, Hashable, Sequence
 
+import numpy as np
+
+from ..costs import PREFILL_STEP
 from ..errors import InvalidArgumentError, PrefixCacheError
 from ..layers import cache_length
 from ..store import PersistentPrefixCache
 
 log = logging.getLogger("persistent_prefix_cache")
+
+# Tokens of the first-use calibration: long enough for a rate, short enough that the
+# one request that pays it (once per model and device kind) barely notices.
+CALIBRATION_TOKENS = 256
 
 
 def covered(cache: Any) -> int | None:
@@ -82,8 +98,24 @@ class StoreLink:
                 f"store must be a PersistentPrefixCache or a path, got {type(store).__name__}"
             )
         self.store: PersistentPrefixCache | None = store
+        self.model = model
         self._warn = warn
         self._errors = errors
+        # (when, prompt length, positions the cache held, whether the store restored them)
+        self._last_read: tuple[float, Any, int, bool] | None = None
+        self._calibrated = model is None
+
+    def calibrate(self, model: Any = None) -> None:
+        """Measure the model's prefill for the cost model if the store does not know it
+        on this device kind (`PersistentPrefixCache.calibrate`); a failure is a warning."""
+        model = model if model is not None else self.model
+        self._calibrated = True
+        if self.store is None or model is None:
+            return
+        try:
+            self.store.calibrate(model, tokens=CALIBRATION_TOKENS, only_if_unknown=True)
+        except Exception as exc:  # a model the calibration cannot drive: the store restores blind
+            self._warn(("calibrate", type(exc)), f"could not measure the model's prefill: {exc}")
 
     def read(self, tokens: Any, have: int = 0) -> tuple[list | None, Any]:
         """The store's hit for `tokens` if it restores more than `have` tokens.
@@ -94,22 +126,47 @@ class StoreLink:
         """
         if self.store is None:
             return None, tokens
+        if not self._calibrated:
+            self.calibrate()
         try:
-            return self.store.fetch(tokens, longer_than=have)
+            cache, rest = self.store.fetch(tokens, longer_than=have)
         except self._errors as exc:
             self._warn(("read", type(exc)), f"could not read the store: {exc}")
             return None, tokens
+        held = len(tokens) - len(rest) if cache is not None else have
+        self._last_read = (time.perf_counter(), tokens, held, cache is not None)
+        return cache, rest
 
     def write(self, tokens: Any, cache: Sequence[Any]) -> bool:
         """Store `cache` for `tokens`; False (after one warning per cause) if it failed."""
         if self.store is None or self.store.readonly:  # read-only: nothing written, nothing to warn
             return False
+        self._observe(tokens)
         try:
             self.store.store(tokens, cache)
         except self._errors as exc:
             self._warn(("write", type(exc)), f"cache kept in memory only, not written to the store: {exc}")
             return False
         return True
+
+    def _observe(self, tokens: Any) -> None:
+        """Teach the cost model the prefill since the last read, if `tokens` are a
+        longer prefix of that read's prompt (see the module's docstring)."""
+        last, self._last_read = self._last_read, None
+        if last is None or self.store is None:
+            return
+        when, prompt, held, restored = last
+        now, written = time.perf_counter(), len(tokens)
+        try:  # another request's prompt (a server interleaves them) teaches nothing
+            same = held < written <= len(prompt) and np.array_equal(
+                np.asarray(tokens[held:written]), np.asarray(prompt[held:written])
+            )
+        except (TypeError, ValueError):
+            same = False
+        if same:
+            calls = -(-(written - held) // PREFILL_STEP)  # the server's forward calls (its default step)
+            self.store.observe_prefill(written - held, now - when, start=held, restored=restored, forwards=calls)
+            self._last_read = (now, prompt, written, False)  # the next segment starts here
 
     def close(self) -> None:
         """Close the store if this link opened it (from a path); idempotent."""

@@ -1,0 +1,161 @@
+"""The cost model's memory and its sources: costs persist in the store per model and
+device kind across a real process restart, and every user path feeds them (`prefill`,
+``ppc generate``, ``ppc serve`` through a real server process and HTTP request, the
+vllm-mlx and mlx-lm compat layers). Nothing here decides by timing: the tests check
+that a measurement arrived and was kept, never its value."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import BLOCK, prefill, random_tokens, run_python_json
+from test_serve import FIRST, OTHER, SHAPE, Server
+
+from persistent_prefix_cache import PersistentPrefixCache
+from persistent_prefix_cache.compat.prefix_cache import PrefixCacheManager
+from persistent_prefix_cache.costs import FILE_NAME, device_kind
+from persistent_prefix_cache.lru_prompt_cache import PersistentLRUPromptCache
+from persistent_prefix_cache.tiny_model import write_tiny_model
+
+FIGURES = ("prefill_tokens_per_s", "prefill_growth", "restore_bytes_per_s_disk", "restore_fixed_s_disk")
+
+SHOW = """
+import json, sys
+from persistent_prefix_cache import PersistentPrefixCache
+from persistent_prefix_cache.tiny_model import load_tiny_model
+store = PersistentPrefixCache(sys.argv[1], load_tiny_model(sys.argv[2]))
+if len(sys.argv) > 3:  # teach: set the rates as a benchmark would
+    store.costs.set_prefill(1234.0, 1e-7)
+    store.costs.set_restore({"disk": 5e8}, {"disk": 0.002})
+stats = store.stats()
+store.close()
+print(json.dumps({k: stats[k] for k in %r + ("cost_device",)}))
+""" % (FIGURES,)
+
+
+def _records(store_dir) -> dict:
+    with open(os.path.join(store_dir, FILE_NAME)) as f:
+        return json.load(f)["models"]
+
+
+def test_costs_persist_across_a_restart_per_device_kind(store_dir, model, tiny_model_dir):
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK):
+        pass  # make the store
+    taught = run_python_json(SHOW, str(store_dir), str(tiny_model_dir), "teach")
+    assert taught["prefill_tokens_per_s"] is not None and taught["cost_device"] == device_kind()
+    again = run_python_json(SHOW, str(store_dir), str(tiny_model_dir))  # a fresh process
+    for key in FIGURES:
+        assert again[key] == pytest.approx(taught[key]), key
+    # Measured on another device kind: never used here (and kept for that device).
+    models = _records(store_dir)
+    (root,) = models
+    models[root] = {"gpu:Some Other GPU": models[root][device_kind()]}
+    with open(os.path.join(store_dir, FILE_NAME), "w") as f:
+        json.dump({"version": 1, "models": models}, f)
+    other = run_python_json(SHOW, str(store_dir), str(tiny_model_dir))
+    assert all(other[key] is None for key in FIGURES)
+    assert "gpu:Some Other GPU" in _records(store_dir)[root]
+    # Too old: measured again rather than trusted.
+    record = dict(models[root]["gpu:Some Other GPU"], saved=time.time() - 400 * 24 * 3600)
+    with open(os.path.join(store_dir, FILE_NAME), "w") as f:
+        json.dump({"version": 1, "models": {root: {device_kind(): record}}}, f)
+    assert run_python_json(SHOW, str(store_dir), str(tiny_model_dir))["prefill_tokens_per_s"] is None
+    # Damaged: ignored, never an error.
+    with open(os.path.join(store_dir, FILE_NAME), "w") as f:
+        f.write("{not json")
+    assert run_python_json(SHOW, str(store_dir), str(tiny_model_dir))["prefill_tokens_per_s"] is None
+
+
+def test_a_readonly_store_never_writes_its_costs(store_dir, model):
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK):
+        pass
+    with PersistentPrefixCache(store_dir, model, readonly=True) as store:
+        store.costs.set_prefill(99.0)
+    assert not os.path.exists(os.path.join(store_dir, FILE_NAME))
+
+
+def test_prefill_and_calibrate_feed_and_keep_the_model(store_dir, model):
+    from persistent_prefix_cache.prefill import prefill as block_prefill
+
+    tokens = random_tokens(4 * BLOCK + 3, seed=910)
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        block_prefill(model, tokens, store)
+        assert store.stats()["prefill_tokens_per_s"] is not None
+        # A second prefill restores, then times the first forward on the restored cache.
+        block_prefill(model, tokens + random_tokens(BLOCK, seed=911), store)
+        assert store.stats()["first_forward_s"] is not None
+    with PersistentPrefixCache(store_dir, model) as store:
+        assert store.stats()["prefill_tokens_per_s"] is not None  # remembered
+        assert store.calibrate(model, tokens=32, only_if_unknown=True) == store.costs.prefill_tokens_per_s
+    with PersistentPrefixCache(os.path.join(store_dir, "..", "fresh"), model, block_size=BLOCK) as store:
+        assert store.calibrate(model, tokens=32, only_if_unknown=True) > 0
+
+
+def test_ppc_generate_feeds_the_model(tmp_path, tiny_model_dir):
+    store = tmp_path / "store"
+    env = {k: v for k, v in os.environ.items() if k != "PPC_STORE"}
+    env["HF_HUB_OFFLINE"] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-m", "persistent_prefix_cache", "generate", "--model", str(tiny_model_dir),
+         "--store", str(store), "--block-size", str(BLOCK), "--prompt", "hello " * 40,
+         "--max-tokens", "2", "--temp", "0", "--json"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    (per_device,) = _records(store).values()
+    assert per_device[device_kind()]["prefill"][0] > 0  # a prefill was observed and kept
+
+
+def test_the_vllm_mlx_layer_calibrates_once_and_keeps_it(store_dir, model):
+    manager = PrefixCacheManager(model, store=str(store_dir))
+    tokens = random_tokens(3 * BLOCK, seed=912)
+    manager.fetch_cache(tokens)  # the first read of this model on this device: calibrated
+    assert manager.store.stats()["prefill_tokens_per_s"] is not None
+    manager.close()
+    (per_device,) = _records(store_dir).values()
+    assert device_kind() in per_device
+
+
+def test_the_lru_layer_times_the_prefill_between_a_read_and_a_prompt_write(store_dir, model):
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        lru = PersistentLRUPromptCache(store)
+        prompt = random_tokens(3 * BLOCK, seed=913)
+        cache, rest = lru.fetch_nearest_cache("m", prompt)
+        assert cache is None and store.stats()["prefill_tokens_per_s"] is None
+        lru.insert_cache("m", prompt[: 2 * BLOCK], prefill(model, prompt[: 2 * BLOCK])[1])  # a prompt segment
+        assert store.stats()["prefill_tokens_per_s"] is not None
+        # A write holding generated tokens also holds their decoding: it teaches nothing.
+        store.costs.prefill_tokens_per_s = None
+        longer = prompt + [5, 6]
+        lru.fetch_nearest_cache("m", prompt + [9] * BLOCK)
+        lru.insert_cache("m", longer, prefill(model, longer)[1])
+        assert store.stats()["prefill_tokens_per_s"] is None
+
+
+@pytest.fixture(scope="module")
+def costs_serve_model_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("costs_serve_model"), seed=0, **SHAPE)
+
+
+def test_serve_measures_once_per_model_and_device_and_remembers(costs_serve_model_dir, tmp_path):
+    store = tmp_path / "store"
+    with Server(costs_serve_model_dir, store, tmp_path / "one.log") as server:
+        server.chat(FIRST)
+        assert server.stop() == 0
+        assert "cost model: measured the prefill" in server.log()
+    (per_device,) = _records(store).values()
+    assert per_device[device_kind()]["prefill"][0] > 0
+    assert per_device[device_kind()]["first_forward"] is None
+    with Server(costs_serve_model_dir, store, tmp_path / "two.log") as server:
+        server.chat(OTHER)  # the same system prompt: restored from the store
+        assert server.stop() == 0
+        assert server.restored() and "cost model: measured the prefill" not in server.log()  # remembered
+    # The server saved the cache at the end of the prompt's segments: the prefill after
+    # the restore was timed (the first forward on a restored cache).
+    (per_device,) = _records(store).values()
+    assert per_device[device_kind()]["first_forward"] is not None
