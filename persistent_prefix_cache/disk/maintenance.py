@@ -12,7 +12,6 @@ import json
 import os
 import tarfile
 import time
-from dataclasses import dataclass, field
 from typing import Iterator
 
 from ..errors import InvalidArgumentError, StoreVersionError
@@ -22,6 +21,7 @@ from . import legacy, store_guard, segment_v3
 from .compaction import compact_sparse
 from .segment import SegmentFiles
 from .index import SCHEMA_VERSION, Index, Reader, Writer
+from .check_report import CheckReport
 from .node import Node
 from .pack_members import RECORD_HEAD, add_bytes, read_json, read_member, unpack_records
 from .portable import durable_fsync
@@ -35,40 +35,6 @@ WRITE_HINT = (
     "read-write mount), or copy it to a directory you can write; stats, inspect, export and check "
     "without --fix only read it"
 )
-
-
-@dataclass
-class CheckReport:
-    """What `StoreAdmin.check` found (and, with ``fix``, repaired)."""
-
-    nodes: int = 0
-    files_verified: int = 0  # blocks whose bytes were read and verified
-    segments_verified: int = 0  # the segment files those blocks live in
-    problems: list[tuple[str, str]] = field(default_factory=list)
-    removed_nodes: int = 0
-    removed_files: int = 0
-    fixed: bool = False
-    notes: list[str] = field(default_factory=list)  # what was not checked, and why
-    rebuild: dict | None = None  # what a rebuild of the index did (`rebuild.RebuildReport`)
-
-    @property
-    def clean(self) -> bool:
-        return not self.problems
-
-    def to_dict(self) -> dict:
-        return {
-            "clean": self.clean,
-            "nodes": self.nodes,
-            "files_verified": self.files_verified,
-            "blocks_verified": self.files_verified,
-            "segments_verified": self.segments_verified,
-            "problems": [{"kind": k, "detail": d} for k, d in self.problems],
-            "fixed": self.fixed,
-            "removed_nodes": self.removed_nodes,
-            "removed_files": self.removed_files,
-            "notes": self.notes,
-            "rebuild": self.rebuild,
-        }
 
 
 class StoreAdmin:

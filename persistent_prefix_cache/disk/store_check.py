@@ -14,7 +14,8 @@ from ..errors import InvalidArgumentError
 from ..paths import expand_path
 from . import store_guard
 from .index_probe import probe_index
-from .maintenance import CheckReport, StoreAdmin
+from .check_report import CheckReport
+from .maintenance import StoreAdmin
 from .rebuild import rebuild_index
 
 INDEX_DAMAGED = "index damaged"
