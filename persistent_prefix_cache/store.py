@@ -289,10 +289,11 @@ class PersistentPrefixCache:
         layers = None
         while path and layers is None:
             first = self.layout.first_needed(path, matched)
+            in_ram = all(self.memory.node(n.key) is not None for n in path[first:])  # before admission
             started = time.perf_counter()
             layers, intact = restore(self.layout, self.memory, self.files, path[first:], matched, self._digests(path[first:]))
             if layers is not None:
-                self._timed(path[first:], time.perf_counter() - started)
+                self._timed(path[first:], time.perf_counter() - started, in_ram)
             if intact < len(path) - first:
                 self._damaged(path[first + intact])
             elif layers is None:
@@ -510,7 +511,11 @@ class PersistentPrefixCache:
             blocks, block_bytes (their tensors' bytes: what ``disk_bytes`` bounds) and
             bytes_on_disk (of the segment files: headers and space not yet reclaimed
             included) for the store, all processes; bytes_in_memory,
-            blocks_in_memory, memory_evictions (the RAM tier); pending_writes;
+            blocks_in_memory, memory_evictions (the RAM tier), memory_admitted and
+            memory_admitted_bytes (blocks read from disk or the remote that joined it),
+            memory_hits_store, memory_hits_disk, memory_hits_remote (blocks restores
+            took from it, by how they entered it: stored by this handle, admitted from
+            a disk read, read from the remote); pending_writes;
             store_hits, store_misses, store_tokens_saved, store_corrupt (all processes
             since the store was made, as far as committed); remote (the URL, password
             hidden, or None), remote_hits and remote_misses (fetches the remote
@@ -533,6 +538,8 @@ class PersistentPrefixCache:
         out["bytes_in_memory"] = self.memory.nbytes
         out["blocks_in_memory"] = len(self.memory)
         out["memory_evictions"] = self.memory.evictions
+        out["memory_admitted"], out["memory_admitted_bytes"] = self.memory.admitted, self.memory.admitted_bytes
+        out.update({f"memory_hits_{source}": n for source, n in self.memory.served.items()})
         out["prefill_tokens_per_s"] = self.costs.prefill_tokens_per_s
         for tier in ("ram", "disk", "remote"):
             out[f"restore_bytes_per_s_{tier}"] = self.costs.restore_bytes_per_s.get(tier)
@@ -611,8 +618,7 @@ class PersistentPrefixCache:
             found = {seg: reader.segment_digest(seg) for seg in {n.segment for n in nodes}}
         return {seg: d for seg, d in found.items() if d is not None}
 
-    def _timed(self, nodes: list[Node], seconds: float) -> None:
-        in_ram = all(self.memory.node(n.key) is not None for n in nodes)
+    def _timed(self, nodes: list[Node], seconds: float, in_ram: bool) -> None:
         self.costs.observe_restore("ram" if in_ram else "disk", sum(n.size for n in nodes), seconds)
 
     def _note(self, **kwargs: Any) -> None:
