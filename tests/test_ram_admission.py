@@ -80,8 +80,16 @@ def test_fresh_handle_serves_the_third_fetch_from_the_tier(tmp_path, model):
         assert third["memory_hits_store"] == third["memory_hits_remote"] == 0
 
 
+@pytest.fixture(params=["numpy", "mlx"])
+def join(request, monkeypatch):
+    """Both ways the read path joins RAM-tier blocks: host copies (CPU, unified memory)
+    and MLX operations (a GPU's; there the tier also admits on a first hit with room)."""
+    monkeypatch.setenv("PPC_RAM_JOIN", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_extending_a_restored_cache_never_changes_the_tier(tmp_path, family):
+def test_extending_a_restored_cache_never_changes_the_tier(tmp_path, family, join):
     model = build(family)
     prompt = family_prompt()
     with PersistentPrefixCache(tmp_path / "s", model, block_size=BLOCK) as writer:
@@ -182,3 +190,23 @@ def test_remote_hits_are_served_from_the_tier_next_time(tmp_path, model, redis_s
         assert_same_logits(warm_logits(model, restored, rest), want)
         assert memory_counts(b)["memory_hits_remote"] == 10
         assert b.stats()["remote_hits"] == 1  # the second fetch asked the server nothing
+
+
+def test_a_device_copy_admits_on_the_first_hit_where_there_is_room(tmp_path, model, monkeypatch):
+    """Where blocks are joined with MLX operations (a GPU), admitting is a device copy:
+    the first hit is admitted when it evicts nothing; a full tier waits for a second."""
+    monkeypatch.setenv("PPC_RAM_JOIN", "mlx")
+    prompts = [random_tokens(64, 50 + i, first=50 + i) for i in range(2)]
+    with PersistentPrefixCache(tmp_path / "s", model, block_size=BS, memory_bytes=0) as writer:
+        for toks in prompts:
+            writer.store(toks, one_shot(model, toks)[1])
+        writer.flush()
+        per_prompt = writer.stats()["block_bytes"] // 2
+    with PersistentPrefixCache(tmp_path / "s", model, memory_bytes=per_prompt, cost_model=False) as store:
+        query = prompts[0] + [1]
+        for hits in (0, 4):
+            restored, rest = store.fetch(query)
+            assert_same_logits(warm_logits(model, restored, rest), cold_logits(model, query))
+            assert memory_counts(store)["memory_admitted"] == 4 and memory_counts(store)["memory_hits_disk"] == hits
+        store.fetch(prompts[1] + [1])  # no room left: a first hit only
+        assert memory_counts(store)["memory_admitted"] == 4
