@@ -511,11 +511,8 @@ class PersistentPrefixCache:
             blocks, block_bytes (their tensors' bytes: what ``disk_bytes`` bounds) and
             bytes_on_disk (of the segment files: headers and space not yet reclaimed
             included) for the store, all processes; bytes_in_memory,
-            blocks_in_memory, memory_evictions (the RAM tier), memory_admitted and
-            memory_admitted_bytes (blocks read from disk or the remote that joined it),
-            memory_hits_store, memory_hits_disk, memory_hits_remote (blocks restores
-            took from it, by how they entered it: stored by this handle, admitted from
-            a disk read, read from the remote); pending_writes;
+            blocks_in_memory, memory_evictions, memory_admitted[_bytes] and
+            memory_hits_store/_disk/_remote (the RAM tier: `MemoryTier.stats`); pending_writes;
             store_hits, store_misses, store_tokens_saved, store_corrupt (all processes
             since the store was made, as far as committed); remote (the URL, password
             hidden, or None), remote_hits and remote_misses (fetches the remote
@@ -535,11 +532,7 @@ class PersistentPrefixCache:
             out["block_bytes"], out["blocks"] = reader.totals()
             out["bytes_on_disk"] = reader.file_bytes()
             out.update({f"store_{k}": v for k, v in reader.counters().items()})
-        out["bytes_in_memory"] = self.memory.nbytes
-        out["blocks_in_memory"] = len(self.memory)
-        out["memory_evictions"] = self.memory.evictions
-        out["memory_admitted"], out["memory_admitted_bytes"] = self.memory.admitted, self.memory.admitted_bytes
-        out.update({f"memory_hits_{source}": n for source, n in self.memory.served.items()})
+        out.update(self.memory.stats())
         out["prefill_tokens_per_s"] = self.costs.prefill_tokens_per_s
         for tier in ("ram", "disk", "remote"):
             out[f"restore_bytes_per_s_{tier}"] = self.costs.restore_bytes_per_s.get(tier)

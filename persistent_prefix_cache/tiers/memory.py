@@ -149,6 +149,23 @@ class MemoryTier:
                 if entry is not None:
                     self.served[entry[4]] += 1
 
+    def stats(self) -> dict[str, int]:
+        """The tier's part of the store's `stats()`.
+
+        Returns:
+            bytes_in_memory, blocks_in_memory, memory_evictions; memory_admitted and
+            memory_admitted_bytes (blocks read from disk or the remote that joined the
+            tier); memory_hits_store, memory_hits_disk, memory_hits_remote (blocks
+            restores took from the tier, by how they entered it: stored by this handle,
+            admitted from a disk read, read from the remote).
+        """
+        with self._lock:
+            out = {"bytes_in_memory": self.nbytes, "blocks_in_memory": len(self._entries)}
+            out.update(memory_evictions=self.evictions, memory_admitted=self.admitted)
+            out["memory_admitted_bytes"] = self.admitted_bytes
+            out.update({f"memory_hits_{source}": n for source, n in self.served.items()})
+            return out
+
     def discard(self, key: bytes) -> None:
         """Forget a block (it was evicted from disk or found damaged)."""
         with self._lock:
