@@ -100,15 +100,22 @@ def admit(
     chosen = [k for k, yes in zip(candidates, flags) if yes]
     if not chosen:
         return 0
-    lo, hi = min(nodes[k].position for k in chosen), max(nodes[k].end for k in chosen)
-    # One copy per joined buffer, of the rows the admitted blocks cover.
+    # One copy per joined buffer and stretch of consecutive admitted blocks, of the rows
+    # they cover (not of blocks between them that the tier holds already: uncounted).
+    stretches = []
+    for k in chosen:
+        if stretches and stretches[-1][2] == k - 1:
+            stretches[-1][1:] = [nodes[k].end, k]
+        else:
+            stretches.append([nodes[k].position, nodes[k].end, k])
     spans = []  # (leaf, field, first row copied, one past the last, the rows)
     for lid, part in runs.items():
         for fld, pieces in part.items():
             for start, stop, array in pieces:
-                a, z = max(lo, start), min(hi, stop)
-                if a < z:
-                    spans.append((lid, fld, a, z, array[..., a - start : z - start, :]))
+                for lo, hi, _ in stretches:
+                    a, z = max(lo, start), min(hi, stop)
+                    if a < z:
+                        spans.append((lid, fld, a, z, array[..., a - start : z - start, :]))
     copies = _copies([rows for *_, rows in spans], on_device)
     bases: dict[str, dict[str, list]] = {}
     for (lid, fld, a, z, _), copy in zip(spans, copies):

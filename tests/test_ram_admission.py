@@ -210,3 +210,23 @@ def test_a_device_copy_admits_on_the_first_hit_where_there_is_room(tmp_path, mod
             assert memory_counts(store)["memory_admitted"] == 4 and memory_counts(store)["memory_hits_disk"] == hits
         store.fetch(prompts[1] + [1])  # no room left: a first hit only
         assert memory_counts(store)["memory_admitted"] == 4
+
+
+def test_a_path_partly_in_the_tier_admits_the_rest(tmp_path, model):
+    """A longer query over a prefix the tier holds: its first blocks come from the tier,
+    the rest from disk, and those join the tier on their second hit, counted exactly."""
+    toks = random_tokens(112, 60, first=60)
+    with PersistentPrefixCache(tmp_path / "s", model, block_size=BS, memory_bytes=0) as writer:
+        writer.store(toks, one_shot(model, toks)[1])
+        writer.flush()
+        total = writer.stats()["block_bytes"]
+    with PersistentPrefixCache(tmp_path / "s", model, memory_bytes=64 * MiB, cost_model=False) as store:
+        for _ in range(2):
+            store.fetch(toks[:48] + [1])  # 3 blocks admitted
+        assert memory_counts(store)["memory_admitted"] == 3
+        for served in (3, 3 + 3, 3 + 3 + 7):
+            restored, rest = store.fetch(toks + [1])
+            assert_same_logits(warm_logits(model, restored, rest), cold_logits(model, toks + [1]))
+            assert memory_counts(store)["memory_hits_disk"] == served
+        counts = memory_counts(store)
+        assert counts["memory_admitted"] == 7 and counts["bytes_in_memory"] == counts["memory_admitted_bytes"] == total
