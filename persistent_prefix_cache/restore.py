@@ -154,18 +154,22 @@ def admit(
 def _copies(arrays: list[mx.array], on_device: bool) -> list[mx.array]:
     """Evaluated copies of `arrays` in memory of their own (never a buffer they share).
 
-    On a GPU a device-side copy (into fresh zeros: a copy kernel, no CPU touch); on the
+    On a GPU a device-side copy (a copy kernel, no CPU touch); on the
     CPU (and unified memory) into buffers allocated without a zero-fill, with numpy
     copies on the reader threads (they drop the GIL).
     """
     if not arrays:
         return []
     if on_device:
+        # A concatenation always writes a new buffer (a slice assignment of a whole
+        # array, or a contiguous copy of a contiguous one, takes the source's buffer).
         out = []
         for x in arrays:
-            fresh = mx.zeros(x.shape, dtype=x.dtype)
-            fresh[...] = x
-            out.append(fresh)
+            axis = max(range(x.ndim), key=lambda a: x.shape[a]) if x.ndim else None
+            if axis is not None and x.shape[axis] > 1:
+                out.append(mx.concatenate(mx.split(x, [1], axis=axis), axis=axis))
+            else:  # one element at most: through the host
+                out.append(mx.array(np.array(x.view(_UINT[x.itemsize]))).view(x.dtype))
         mx.eval(out)
         return out
     fresh = allocate([(f"c{i}", x.shape, dtype_info(x.dtype)[0]) for i, x in enumerate(arrays)])

@@ -114,7 +114,7 @@ def test_extending_a_restored_cache_never_changes_the_tier(tmp_path, family, joi
                 assert_same_logits(g, w)
 
 
-def test_admission_keeps_mlx_lm_growing_in_place(tmp_path, model):
+def test_admission_keeps_mlx_lm_growing_in_place(tmp_path, model, join):
     """The buffer a fetch hands over is the caller's alone: mlx-lm's first decode step
     writes into it in place (MLX copies a buffer something else holds)."""
     toks = random_tokens(90, 3, first=3)
