@@ -230,3 +230,29 @@ def test_a_path_partly_in_the_tier_admits_the_rest(tmp_path, model):
             assert memory_counts(store)["memory_hits_disk"] == served
         counts = memory_counts(store)
         assert counts["memory_admitted"] == 7 and counts["bytes_in_memory"] == counts["memory_admitted_bytes"] == total
+
+
+def test_a_restarted_process_learns_the_hot_prefix(tmp_path, tiny_model_dir):
+    """Real processes: one stores and exits; a new one (empty RAM tier) fetches the same
+    prompt three times and serves the third from the tier, every answer exact."""
+    from store_worker import Worker
+
+    toks = random_tokens(80, 70, first=70)
+    query = toks + [3, 2]
+    common = {"model": str(tiny_model_dir), "store": str(tmp_path / "s"), "block_size": BS}
+    first = Worker({**common, "steps": [["store", toks], ["flush"]]}, str(tmp_path), name="first")
+    try:
+        first.result(timeout=300)
+    finally:
+        first.reap()
+    steps = [["fetch", query], ["fetch", query], ["stats"], ["fetch", query], ["stats"]]
+    spec = {**common, "memory_bytes": 64 * MiB, "cost_model": False, "steps": steps}  # restores decided by no timing
+    second = Worker(spec, str(tmp_path), name="second")
+    try:
+        out = second.result(timeout=300)["steps"]
+    finally:
+        second.reap()
+    fetches = [out[0], out[1], out[3]]
+    assert all(f == {"matched": len(toks), "exact": True} for f in fetches)
+    assert out[2]["memory_admitted"] == 5 and out[2]["memory_hits_disk"] == 0
+    assert out[4]["memory_hits_disk"] == 5 and out[4]["bytes_in_memory"] == out[4]["block_bytes"]
