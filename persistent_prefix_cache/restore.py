@@ -67,7 +67,7 @@ def restore(
     cache = layout.rebuild(sources, position)
     if cache is not None:
         memory.count_served([n.key for n, have in zip(nodes, cached) if have is not None])
-        admit(memory, nodes, cached, runs, snaps)
+        admit(memory, nodes, cached, runs, snaps, files)
     return cache, len(nodes)
 
 
@@ -77,27 +77,35 @@ def admit(
     cached: list,
     runs: dict[str, dict[str, list]],
     snaps: dict[str, dict[str, mx.array]],
+    files: SegmentFiles,
 ) -> int:
     """Put the blocks of a restore that came from disk into the RAM tier, where
     `MemoryTier.admit` says they pay, as views of fresh copies of the joined buffers.
 
-    A block holding snapshot tensors is admitted only as the path's last block (the
-    read path reads no other block's snapshots).
+    The read path reads the snapshot tensors of the path's last block only: those of
+    another admitted block are read here (small: a window or a recurrent state), and a
+    block whose snapshot cannot be read intact is left out.
 
     Args:
         memory: The RAM tier.
         nodes: The restored path; `cached` its RAM-tier tensors (None: read from disk).
         runs: The joined buffers by leaf, then field, as ``(start, end, array)``.
         snaps: The last block's snapshot tensors by leaf.
+        files: The segment files (for the other blocks' snapshots).
 
     Returns:
         How many blocks were admitted.
     """
     end = len(nodes) - 1
-    candidates = [k for k, have in enumerate(cached) if have is None and (k == end or not nodes[k].extra.get("snap"))]
+    candidates = [k for k, have in enumerate(cached) if have is None]
     on_device = join_on_device()
     flags = memory.admit([nodes[k] for k in candidates], cheap_copy=on_device)
     chosen = [k for k, yes in zip(candidates, flags) if yes]
+    own_snaps = {end: snaps}
+    for k in chosen:
+        if k != end and nodes[k].extra.get("snap"):
+            own_snaps[k] = read_snapshots(files, nodes[k])
+    chosen = [k for k in chosen if own_snaps.get(k, {}) is not None]
     if not chosen:
         return 0
     # One copy per joined buffer and stretch of consecutive admitted blocks, of the rows
@@ -120,12 +128,16 @@ def admit(
     bases: dict[str, dict[str, list]] = {}
     for (lid, fld, a, z, _), copy in zip(spans, copies):
         bases.setdefault(lid, {}).setdefault(fld, []).append((a, z, copy))
+    # The last block's snapshots went to the caller: copied. The others were read here.
     flat = [(lid, f, x) for lid, part in snaps.items() for f, x in part.items()] if end in chosen else []
-    snap_copies = list(zip(flat, _copies([x for *_, x in flat], on_device)))
+    snap_copies = {end: [(lid, f, copy) for (lid, f, _), copy in zip(flat, _copies([x for *_, x in flat], on_device))]}
+    for k, part in own_snaps.items():
+        if k != end:
+            snap_copies[k] = [(lid, f, x) for lid, fields in part.items() for f, x in fields.items()]
     views, entries = [], []
     for k in chosen:
         node = nodes[k]
-        tensors: dict[str, dict] = {lid: {} for lid in (*runs, *snaps)}
+        tensors: dict[str, dict] = {lid: {} for lid in (*runs, *own_snaps.get(k, {}))}
         origin: dict[str, tuple] = {}
         for lid, part in bases.items():
             fields, starts = {}, set()
@@ -141,14 +153,36 @@ def admit(
                         starts.add(a)
             if len(starts) == 1:  # every field's copy starts at one row: restores join the blocks as one slice
                 origin[lid] = (fields, starts.pop())
-        if k == end:
-            for (lid, f, _), copy in snap_copies:
-                tensors[lid][f] = copy
+        for lid, f, copy in snap_copies.get(k, ()):
+            tensors[lid][f] = copy
         entries.append((node, tensors, origin))
     mx.eval(views)  # the tier holds evaluated arrays (other threads read them)
     for node, tensors, origin in entries:
         memory.put(node, tensors, origin, source="disk")
     return len(chosen)
+
+
+def read_snapshots(files: SegmentFiles, node: Node) -> dict[str, dict[str, mx.array]] | None:
+    """The snapshot tensors of one stored block by leaf, each checked against its digest
+    (which the block's checksum covers); None if the block or one of them is not intact."""
+    seg = files.open(node.segment)
+    if seg is None:
+        return None
+    try:
+        i = seg.block_index(node)
+        if i is None:
+            return None
+        wanted = seg.snaps_of(i)
+        arrays = allocate([(f"s{j}", s.shape, s.dtype) for j, s in enumerate(wanted)])
+        out: dict[str, dict[str, mx.array]] = {}
+        for j, s in enumerate(wanted):
+            if seg.read_snap(s, memoryview(arrays[f"s{j}"]).cast("B")) is None:
+                return None
+            lid, _, fld = s.name.rpartition(".")
+            out.setdefault(lid, {})[fld] = arrays[f"s{j}"]
+        return out
+    finally:
+        seg.close()
 
 
 def _copies(arrays: list[mx.array], on_device: bool) -> list[mx.array]:

@@ -8,6 +8,9 @@ and the store was written and closed by another handle first.
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -93,6 +96,7 @@ def test_extending_a_restored_cache_never_changes_the_tier(tmp_path, family, joi
     model = build(family)
     prompt = family_prompt()
     with PersistentPrefixCache(tmp_path / "s", model, block_size=BLOCK) as writer:
+        prefill(model, prompt[:96], writer)  # its last block keeps snapshots: mid-path below
         prefill(model, prompt, writer)
     query = prompt + [3, 1, 4, 1, 5]
     more = [9, 8, 7, 6, 5, 4, 3, 2, 1] * 3  # past a block boundary and, for the windows, their size
@@ -101,14 +105,19 @@ def test_extending_a_restored_cache_never_changes_the_tier(tmp_path, family, joi
         assert restored is not None
         reference = [feed(model, restored, rest), feed(model, restored, more)]
         restored, rest = store.fetch(query)  # the second hit: admitted
-        assert memory_counts(store)["memory_admitted"] > 0
+        second_counts = memory_counts(store)
+        assert second_counts["memory_admitted"] > 0
         held = tier_bits(store)
         second = [feed(model, restored, rest), feed(model, restored, more)]
         assert_same_bits(tier_bits(store), held)
-        restored, rest = store.fetch(query)  # served from the tier
-        assert memory_counts(store)["memory_hits_disk"] > 0
+        for name in os.listdir(tmp_path / "s" / "segments"):  # nothing can be read from disk now
+            shutil.rmtree(tmp_path / "s" / "segments" / name)
+        restored, rest = store.fetch(query)  # served from the tier, every block of the path
+        served = memory_counts(store)["memory_hits_disk"] - second_counts["memory_hits_disk"]
+        assert served == second_counts["memory_admitted"] > 0
         third = [feed(model, restored, rest), feed(model, restored, more)]
         assert_same_bits(tier_bits(store), held)
+        assert memory_counts(store)["blocks_in_memory"] > 0 and store.stats()["corrupt"] == 0
         for got in (second, third):
             for g, w in zip(got, reference):
                 assert_same_logits(g, w)
