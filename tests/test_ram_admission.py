@@ -156,7 +156,8 @@ def test_admission_respects_the_budget(tmp_path, model):
                 counts = memory_counts(store)
                 assert counts["bytes_in_memory"] <= budget
         assert counts["memory_admitted"] > 0 and counts["memory_evictions"] > 0
-        held = sum(x.nbytes for _, tensors, *_ in store.memory._entries.values() for p in tensors.values() for x in p.values())
+        entries = store.memory._entries.values()
+        held = sum(x.nbytes for _, tensors, *_ in entries for part in tensors.values() for x in part.values())
         assert held == counts["bytes_in_memory"]
     # A prompt larger than the whole tier is never admitted (it would flush it).
     with PersistentPrefixCache(tmp_path / "s", model, memory_bytes=per_prompt // 2, cost_model=False) as store:
