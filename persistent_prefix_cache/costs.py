@@ -554,6 +554,6 @@ class CostsMixin:
         self.counters.add(**{choice.decision: 1}, tokens_skipped=matched - choice.tokens)
         return path[: choice.blocks], choice.tokens
 
-    def _timed(self, nodes: list, seconds: float) -> None:
-        in_ram = all(self.memory.node(n.key) is not None for n in nodes)
+    def _timed(self, nodes: list, seconds: float, in_ram: bool) -> None:
+        # `in_ram` as it was before the restore: a disk restore admits what it read
         self.costs.observe_restore("ram" if in_ram else "disk", sum(n.size for n in nodes), seconds)

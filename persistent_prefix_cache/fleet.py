@@ -89,7 +89,7 @@ class RemoteFill:
             for lid, part in block.bits.items():
                 for fld, (bits, dtype) in part.items():
                     tensors[lid][fld] = HostBits(bits, dtype).to_mx() if as_mx else HostBits(bits, dtype)
-            self.memory.put(block.node, tensors)
+            self.memory.put(block.node, tensors, source="remote")
         self.costs.observe_restore("remote", total, time.perf_counter() - started)
         if self.writeback is not None and total > self.memory.max_bytes:
             self.write(blocks).result()  # the RAM tier cannot hold them all: the fetch reads them from disk

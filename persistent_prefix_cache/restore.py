@@ -3,15 +3,27 @@
 Blocks in the RAM tier are used as they are; the rest are read from their segments
 into joined buffers (`disk.assemble`), checked against the dtypes and shapes the
 model's layout holds, and every leaf is rebuilt from those (`layers.Layout`).
+
+Blocks read from disk may then join the RAM tier (`MemoryTier.admit` says which):
+the tier gets its own copy of their rows, one per joined buffer, with the blocks as
+views of it. Never views of the buffers handed to the caller: mlx-lm's ``KVCache``
+writes its next tokens into that buffer in place, which MLX only does while nothing
+else holds it (else the first decode step copies the whole cache).
 """
 
 from __future__ import annotations
 
-from .disk.assemble import read_path
-from .disk.segment import SegmentFiles
+import numpy as np
+import mlx.core as mx
+
+from .disk.assemble import _bits, _reader_pool, allocate, join_on_device, read_path
+from .disk.codec import dtype_info
 from .disk.node import Node
+from .disk.segment import SegmentFiles, is_sliced
 from .layers import JoinedSource, Layout
 from .tiers.memory import MemoryTier
+
+_PARALLEL_BYTES = 4 << 20  # below this, handing copies to threads costs more than it saves
 
 
 def restore(
@@ -47,11 +59,168 @@ def restore(
     )
     if intact < len(nodes):
         return None, intact
-    # Blocks read from disk do not join the RAM tier: views of the returned buffers
-    # would stop mlx-lm from growing them in place (it copies shared buffers).
     last = nodes[-1]
     sources = {
         lid: JoinedSource(layout.view(last, lid, snaps.get(lid, {})), runs.get(lid, {}))
         for lid, _, _ in layout.leaves
     }
-    return layout.rebuild(sources, position), len(nodes)
+    cache = layout.rebuild(sources, position)
+    if cache is not None:
+        memory.count_served([n.key for n, have in zip(nodes, cached) if have is not None])
+        admit(memory, nodes, cached, runs, snaps, files)
+    return cache, len(nodes)
+
+
+def admit(
+    memory: MemoryTier,
+    nodes: list[Node],
+    cached: list,
+    runs: dict[str, dict[str, list]],
+    snaps: dict[str, dict[str, mx.array]],
+    files: SegmentFiles,
+) -> int:
+    """Put the blocks of a restore that came from disk into the RAM tier, where
+    `MemoryTier.admit` says they pay, as views of fresh copies of the joined buffers.
+
+    The read path reads the snapshot tensors of the path's last block only: those of
+    another admitted block are read here (small: a window or a recurrent state), and a
+    block whose snapshot cannot be read intact is left out.
+
+    Args:
+        memory: The RAM tier.
+        nodes: The restored path; `cached` its RAM-tier tensors (None: read from disk).
+        runs: The joined buffers by leaf, then field, as ``(start, end, array)``.
+        snaps: The last block's snapshot tensors by leaf.
+        files: The segment files (for the other blocks' snapshots).
+
+    Returns:
+        How many blocks were admitted.
+    """
+    end = len(nodes) - 1
+    candidates = [k for k, have in enumerate(cached) if have is None]
+    on_device = join_on_device()
+    flags = memory.admit([nodes[k] for k in candidates], cheap_copy=on_device)
+    chosen = [k for k, yes in zip(candidates, flags) if yes]
+    own_snaps = {end: snaps}
+    for k in chosen:
+        if k != end and nodes[k].extra.get("snap"):
+            own_snaps[k] = read_snapshots(files, nodes[k])
+    chosen = [k for k in chosen if own_snaps.get(k, {}) is not None]
+    if not chosen:
+        return 0
+    # One copy per joined buffer and stretch of consecutive admitted blocks, of the rows
+    # they cover (not of blocks between them that the tier holds already: uncounted).
+    stretches = []
+    for k in chosen:
+        if stretches and stretches[-1][2] == k - 1:
+            stretches[-1][1:] = [nodes[k].end, k]
+        else:
+            stretches.append([nodes[k].position, nodes[k].end, k])
+    spans = []  # (leaf, field, first row copied, one past the last, the rows)
+    for lid, part in runs.items():
+        for fld, pieces in part.items():
+            for start, stop, array in pieces:
+                for lo, hi, _ in stretches:
+                    a, z = max(lo, start), min(hi, stop)
+                    if a < z:
+                        spans.append((lid, fld, a, z, array[..., a - start : z - start, :]))
+    copies = _copies([rows for *_, rows in spans], on_device)
+    bases: dict[str, dict[str, list]] = {}
+    for (lid, fld, a, z, _), copy in zip(spans, copies):
+        bases.setdefault(lid, {}).setdefault(fld, []).append((a, z, copy))
+    # The last block's snapshots went to the caller: copied. The others were read here.
+    flat = [(lid, f, x) for lid, part in snaps.items() for f, x in part.items()] if end in chosen else []
+    snap_copies = {end: [(lid, f, copy) for (lid, f, _), copy in zip(flat, _copies([x for *_, x in flat], on_device))]}
+    for k, part in own_snaps.items():
+        if k != end:
+            snap_copies[k] = [(lid, f, x) for lid, fields in part.items() for f, x in fields.items()]
+    views, entries = [], []
+    for k in chosen:
+        node = nodes[k]
+        tensors: dict[str, dict] = {lid: {} for lid in (*runs, *own_snaps.get(k, {}))}
+        origin: dict[str, tuple] = {}
+        for lid, part in bases.items():
+            fields, starts = {}, set()
+            for fld, pieces in part.items():
+                for a, z, copy in pieces:
+                    if not (a <= node.position and node.end <= z):
+                        continue
+                    x = copy[..., node.position - a : node.end - a, :]
+                    if is_sliced(f"{lid}.{fld}", x.shape, node.n_tokens):
+                        tensors[lid][fld] = x
+                        views.append(x)
+                        fields[fld] = copy
+                        starts.add(a)
+            if len(starts) == 1:  # every field's copy starts at one row: restores join the blocks as one slice
+                origin[lid] = (fields, starts.pop())
+        for lid, f, copy in snap_copies.get(k, ()):
+            tensors[lid][f] = copy
+        entries.append((node, tensors, origin))
+    mx.eval(views)  # the tier holds evaluated arrays (other threads read them)
+    for node, tensors, origin in entries:
+        memory.put(node, tensors, origin, source="disk")
+    return len(chosen)
+
+
+def read_snapshots(files: SegmentFiles, node: Node) -> dict[str, dict[str, mx.array]] | None:
+    """The snapshot tensors of one stored block by leaf, each checked against its digest
+    (which the block's checksum covers); None if the block or one of them is not intact."""
+    seg = files.open(node.segment)
+    if seg is None:
+        return None
+    try:
+        i = seg.block_index(node)
+        if i is None:
+            return None
+        wanted = seg.snaps_of(i)
+        arrays = allocate([(f"s{j}", s.shape, s.dtype) for j, s in enumerate(wanted)])
+        out: dict[str, dict[str, mx.array]] = {}
+        for j, s in enumerate(wanted):
+            if seg.read_snap(s, memoryview(arrays[f"s{j}"]).cast("B")) is None:
+                return None
+            lid, _, fld = s.name.rpartition(".")
+            out.setdefault(lid, {})[fld] = arrays[f"s{j}"]
+        return out
+    finally:
+        seg.close()
+
+
+def _copies(arrays: list[mx.array], on_device: bool) -> list[mx.array]:
+    """Evaluated copies of `arrays` in memory of their own (never a buffer they share).
+
+    On a GPU a device-side copy (a copy kernel, no CPU touch); on the
+    CPU (and unified memory) into buffers allocated without a zero-fill, with numpy
+    copies on the reader threads (they drop the GIL).
+    """
+    if not arrays:
+        return []
+    if on_device:
+        # A concatenation always writes a new buffer (a slice assignment of a whole
+        # array, or a contiguous copy of a contiguous one, takes the source's buffer).
+        out = []
+        for x in arrays:
+            axis = max(range(x.ndim), key=lambda a: x.shape[a]) if x.ndim else None
+            if axis is not None and x.shape[axis] > 1:
+                out.append(mx.concatenate(mx.split(x, [1], axis=axis), axis=axis))
+            else:  # one element at most: through the host
+                out.append(mx.array(np.array(x.view(_UINT[x.itemsize]))).view(x.dtype))
+        mx.eval(out)
+        return out
+    fresh = allocate([(f"c{i}", x.shape, dtype_info(x.dtype)[0]) for i, x in enumerate(arrays)])
+    out = [fresh[f"c{i}"] for i in range(len(arrays))]
+    sources = [x.view(_UINT[x.itemsize]) for x in arrays]
+    mx.eval(sources)
+
+    def copy(i: int) -> None:
+        target = _bits(memoryview(out[i]), out[i])
+        np.copyto(target, np.asarray(memoryview(sources[i])), casting="no")
+
+    if len(arrays) > 1 and sum(x.nbytes for x in arrays) >= _PARALLEL_BYTES:
+        list(_reader_pool().map(copy, range(len(arrays))))
+    else:
+        for i in range(len(arrays)):
+            copy(i)
+    return out
+
+
+_UINT = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}

@@ -262,10 +262,11 @@ class PersistentPrefixCache(CostsMixin):
         layers = None
         while path and layers is None:
             first = self.layout.first_needed(path, matched)
+            in_ram = all(self.memory.node(n.key) is not None for n in path[first:])  # before admission
             started = time.perf_counter()
             layers, intact = restore(self.layout, self.memory, self.files, path[first:], matched, self._digests(path[first:]))
             if layers is not None:
-                self._timed(path[first:], time.perf_counter() - started)
+                self._timed(path[first:], time.perf_counter() - started, in_ram)
             if intact < len(path) - first:
                 self._damaged(path[first + intact])
             elif layers is None:
@@ -463,7 +464,8 @@ class PersistentPrefixCache(CostsMixin):
             bytes_on_disk (of the segment files: headers and space not yet reclaimed
             included) for the store, all processes; disk_budget (the blocks' byte budget this
             handle evicts to: `disk_bytes` resolved, None if unbounded); bytes_in_memory,
-            blocks_in_memory, memory_evictions (the RAM tier); pending_writes;
+            blocks_in_memory, memory_evictions, memory_admitted[_bytes] and
+            memory_hits_store/_disk/_remote (the RAM tier: `MemoryTier.stats`); pending_writes;
             store_hits, store_misses, store_tokens_saved, store_corrupt (all processes
             since the store was made, as far as committed); remote (the URL, password
             hidden, or None), remote_hits and remote_misses (fetches the remote
@@ -484,9 +486,7 @@ class PersistentPrefixCache(CostsMixin):
             out["block_bytes"], out["blocks"] = reader.totals()
             out["bytes_on_disk"] = reader.file_bytes()
             out.update({f"store_{k}": v for k, v in reader.counters().items()})
-        out["bytes_in_memory"] = self.memory.nbytes
-        out["blocks_in_memory"] = len(self.memory)
-        out["memory_evictions"] = self.memory.evictions
+        out.update(self.memory.stats())
         out.update(self.costs.figures())
         out.update(remote_counters(self.counters, self.remote))
         return out

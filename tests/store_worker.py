@@ -14,7 +14,7 @@ line ``RESULT <json>`` with what each step returned. Steps:
   ignored, so writes past it fail with EFBIG instead of killing the process.
 
 Options besides the steps: ``block_size``, ``readonly``, ``memory_bytes`` (0 unless
-given), ``sync_writes``, ``remote``, ``remote_secret``, ``remote_timeout``, and ``uid``: drop to that user before opening the store.
+given), ``sync_writes``, ``cost_model``, ``remote``, ``remote_secret``, ``remote_timeout``, and ``uid``: drop to that user before opening the store.
 
 Crash tests add ``PPC_PAUSE_AT`` / ``PPC_PAUSE_FILE`` to the environment and SIGKILL
 the worker where it pauses. The module also holds the test-side helpers that start,
@@ -66,6 +66,7 @@ def _run(spec: dict) -> dict:
             readonly=spec.get("readonly", False),
             memory_bytes=spec.get("memory_bytes", 0),
             sync_writes=spec.get("sync_writes", False),
+            cost_model=spec.get("cost_model", True),
             **{k: spec[k] for k in ("remote", "remote_secret", "remote_timeout") if k in spec},
         )
         for step in spec["steps"]:

@@ -27,6 +27,8 @@ CASE_FIGURES = [
     "ours_store_async_total",
     "ours_fetch_disk_warm",
     "ours_fetch_ram",
+    "ours_fetch_fresh_2nd",
+    "ours_fetch_fresh_3rd",
     "peer_mlx_load_warm_step",
     "ours_fetch_disk_warm_step",
 ]
@@ -34,6 +36,8 @@ COLD_FIGURES = ["limit_read_cold", "peer_mlx_load_cold", "ours_fetch_disk_cold"]
 CASE_RATIOS = [
     "disk_warm_vs_raw_read",
     "ram_vs_memcpy",
+    "fresh_3rd_vs_raw_read",
+    "fresh_2nd_vs_disk_warm",
     "store_sync_vs_raw_write_fsync",
     "store_async_caller_vs_sync",
     "disk_warm_vs_mlx_load_warm",
@@ -119,3 +123,22 @@ def test_bench_smoke_reports_every_figure(tmp_path):
         assert plot.stat().st_size > 0
     # The scratch folder is removed.
     assert not list(tmp_path.glob("ppc-bench-*"))
+
+
+def test_gpu_case_reports_the_restarted_rows():
+    """`tools/gpu_bench.py --small` (the GPU case's script, on whatever device is here)
+    reports the fresh handle's 1st/2nd/3rd fetch against the cold prefill, the 3rd
+    served from the RAM tier."""
+    script = BENCH.parent / "gpu_bench.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--small", "--tokens", "256", "--repeat", "1", "--json"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (case,) = json.loads(proc.stdout)["cases"]
+    for which in ("1st", "2nd", "3rd"):
+        value = case[f"ours_fresh_{which}_forward_vs_cold"]
+        assert math.isfinite(value) and value > 0
+    assert case["fresh_3rd_restored_tokens"] == 256
+    assert case["fresh_blocks_served_from_ram"] == 4  # 256 tokens in blocks of 64
+    assert "3rd / cold prefill" in proc.stderr

@@ -79,6 +79,8 @@ CASE_RATIOS = [
     ("ram_vs_memcpy", "ours_fetch_ram", "limit_memcpy", "speed", ">= 0.5"),
     ("store_sync_vs_raw_write_fsync", "ours_store_sync", "limit_write_fsync", "speed", ">= 0.9"),
     ("store_async_caller_vs_sync", "ours_store_async_caller", "ours_store_sync", "time", "<= 0.05"),
+    ("fresh_3rd_vs_raw_read", "ours_fetch_fresh_3rd", "limit_read_warm", "speed", ">= 0.9"),
+    ("fresh_2nd_vs_disk_warm", "ours_fetch_fresh_2nd", "ours_fetch_disk_warm", "time", None),
     ("disk_warm_vs_mlx_load_warm", "ours_fetch_disk_warm", "peer_mlx_load_warm", "speed", None),
     ("disk_cold_vs_mlx_load_cold", "ours_fetch_disk_cold", "peer_mlx_load_cold", "speed", None),
     ("store_sync_vs_mlx_save_fsync", "ours_store_sync", "peer_mlx_save_fsync", "speed", None),
@@ -101,6 +103,8 @@ LABELS = {
     "ours_fetch_disk_warm": "ours   fetch() from disk, warm",
     "ours_fetch_disk_cold": "ours   fetch() from disk, cold",
     "ours_fetch_ram": "ours   fetch() from the RAM tier",
+    "ours_fetch_fresh_2nd": "ours   fresh handle, 2nd fetch (admits)",
+    "ours_fetch_fresh_3rd": "ours   fresh handle, 3rd fetch (RAM tier)",
     "peer_mlx_load_warm_step": "info   mlx-lm load, warm + 1st decode step",
     "ours_fetch_disk_warm_step": "info   ours fetch() warm + 1st decode step",
 }
@@ -460,6 +464,18 @@ class Bench:
 
             return make
 
+        def fresh_handle(fetches: int) -> Callable[[], PersistentPrefixCache]:
+            # After a restart: a fresh handle whose RAM tier holds the prompt, after
+            # `fetches` fetches of it (the tier admits a prefix on its second hit).
+            def make() -> PersistentPrefixCache:
+                s = self.open_store(store_dir, shape, memory_bytes=2 * nbytes + 64 * MiB, cost_model=False)
+                for _ in range(fetches):
+                    fetch(s)
+                settle()
+                return s
+
+            return make
+
         threads = max(2, min(4, os.cpu_count() or 1))
         pool = ThreadPoolExecutor(threads)
 
@@ -481,6 +497,8 @@ class Bench:
             Contender("peer_mlx_load_warm", load_mlx),
             Contender("ours_fetch_disk_warm", fetch, disk_store(False), close),
             Contender("ours_fetch_ram", fetch, lambda: ram),
+            Contender("ours_fetch_fresh_2nd", fetch, fresh_handle(1), close),
+            Contender("ours_fetch_fresh_3rd", fetch, fresh_handle(2), close),
         ]
         if cold:  # the main cases only: the sweep keeps to restores
             warm += [

@@ -2,6 +2,22 @@
 
 It holds each block's index record beside its tensors, so a block stored a moment ago
 is found (and its children listed) before the writer thread has put it on disk.
+
+Blocks enter it three ways (each entry remembers which, for `stats()`): stored by this
+process (``"store"``), read from the remote tier (``"remote"``, by `fleet.RemoteFill`),
+or read from disk by a fetch (``"disk"``), admitted by `MemoryTier.admit`:
+
+- on the **second** disk hit of a block within a window (the keys of the last blocks
+  read from disk, as many bytes as twice the budget): admitting costs a copy of the
+  block's bytes (the caller's cache must own the buffers the read filled: mlx-lm grows
+  them in place), which a prefix read once never pays back; a prefix read twice is the
+  hot one (a system prompt), and from its third fetch on it is served from RAM
+  (measured on a 2-core VM, 128 MiB: the copy costs about one disk fetch, 110–126 ms
+  for the 2nd fetch against 54–63 ms for the 1st, and the 3rd takes 36–38 ms: paid
+  back by the 4th or 5th fetch, never by a prefix read once; README);
+- on the **first** hit where the blocks fit in the tier's free room and the copy is a
+  device-side one (GPU: ~3 ms per GiB, docs/h200-measurements.md), evicting nothing;
+- never a path larger than the whole budget (it would flush the tier and itself).
 """
 
 from __future__ import annotations
@@ -12,6 +28,8 @@ from typing import Any
 
 from ..disk.node import Node
 
+# How a block entered the tier: stored by this process, read from disk, from the remote.
+SOURCES = ("store", "disk", "remote")
 # One block's tensors for one leaf, by field (evaluated mlx arrays).
 Tensors = dict[str, Any]
 
@@ -32,7 +50,12 @@ class MemoryTier:
         self.max_bytes = max_bytes
         self.nbytes = 0
         self.evictions = 0
-        self._entries: OrderedDict[bytes, tuple[Node, dict[str, Tensors], int, dict]] = OrderedDict()
+        self.admitted = 0  # blocks admitted from disk reads (`admit`) and the remote
+        self.admitted_bytes = 0
+        self.served = dict.fromkeys(SOURCES, 0)  # blocks a restore took from here, by source
+        self._entries: OrderedDict[bytes, tuple[Node, dict[str, Tensors], int, dict, str]] = OrderedDict()
+        self._seen: OrderedDict[bytes, int] = OrderedDict()  # recent disk hits: key -> bytes
+        self._seen_bytes = 0
         self._children: dict[bytes, set[bytes]] = {}
         self._lock = threading.Lock()
 
@@ -59,7 +82,12 @@ class MemoryTier:
         with self._lock:
             return [self._entries[k][0] for k in self._children.get(parent, ())]
 
-    def put(self, node: Node, tensors: dict[str, Tensors], origin: dict | None = None) -> None:
+    def source(self, key: bytes) -> str | None:
+        """How the block `key` entered the tier (see `SOURCES`), or None if it is not here."""
+        entry = self._entries.get(key)
+        return entry[4] if entry else None
+
+    def put(self, node: Node, tensors: dict[str, Tensors], origin: dict | None = None, source: str = "store") -> None:
         """Insert or refresh a block, evicting least recently used ones over budget.
 
         Args:
@@ -68,19 +96,78 @@ class MemoryTier:
             origin: Leaf -> ``(fields, position)`` where the leaf's tensors are views
                 of those arrays starting at that position (blocks cut from one copy):
                 a restore joins consecutive such blocks as one slice of it.
+            source: How it came: ``"store"``, ``"disk"`` or ``"remote"`` (counted).
         """
         size = tensors_nbytes(tensors)
         if size > self.max_bytes:
             return
         with self._lock:
             self._drop(node.key)
-            self._entries[node.key] = (node, tensors, size, origin or {})
+            self._entries[node.key] = (node, tensors, size, origin or {}, source)
+            if source != "store":
+                self.admitted += 1
+                self.admitted_bytes += size
             self._children.setdefault(node.parent, set()).add(node.key)
             self.nbytes += size
             while self.nbytes > self.max_bytes:
                 oldest = next(iter(self._entries))
                 self._drop(oldest)
                 self.evictions += 1
+
+    def admit(self, nodes: list[Node], *, cheap_copy: bool) -> list[bool]:
+        """Which of `nodes` (blocks a restore just read from disk) to admit (see the
+        module's docstring); the others are remembered as hit once.
+
+        Args:
+            nodes: The blocks read from disk by one restore.
+            cheap_copy: Whether copying them costs next to nothing (a device copy).
+
+        Returns:
+            One flag per node.
+        """
+        if self.max_bytes <= 0 or not nodes:
+            return [False] * len(nodes)
+        total = sum(n.size for n in nodes)
+        with self._lock:
+            if total > self.max_bytes:
+                return [False] * len(nodes)  # a scan larger than the tier: keep what is hot
+            room = cheap_copy and self.nbytes + total <= self.max_bytes
+            out = [room or n.key in self._seen for n in nodes]
+            for node, yes in zip(nodes, out):
+                old = self._seen.pop(node.key, None)
+                if old is not None:
+                    self._seen_bytes -= old
+                if not yes:
+                    self._seen[node.key] = node.size
+                    self._seen_bytes += node.size
+            while self._seen and self._seen_bytes > 2 * self.max_bytes:
+                self._seen_bytes -= self._seen.popitem(last=False)[1]
+            return out
+
+    def count_served(self, keys: list[bytes]) -> None:
+        """Count blocks a restore took from the tier, by how they entered it."""
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is not None:
+                    self.served[entry[4]] += 1
+
+    def stats(self) -> dict[str, int]:
+        """The tier's part of the store's `stats()`.
+
+        Returns:
+            bytes_in_memory, blocks_in_memory, memory_evictions; memory_admitted and
+            memory_admitted_bytes (blocks read from disk or the remote that joined the
+            tier); memory_hits_store, memory_hits_disk, memory_hits_remote (blocks
+            restores took from the tier, by how they entered it: stored by this handle,
+            admitted from a disk read, read from the remote).
+        """
+        with self._lock:
+            out = {"bytes_in_memory": self.nbytes, "blocks_in_memory": len(self._entries)}
+            out.update(memory_evictions=self.evictions, memory_admitted=self.admitted)
+            out["memory_admitted_bytes"] = self.admitted_bytes
+            out.update({f"memory_hits_{source}": n for source, n in self.served.items()})
+            return out
 
     def discard(self, key: bytes) -> None:
         """Forget a block (it was evicted from disk or found damaged)."""
@@ -92,13 +179,15 @@ class MemoryTier:
         with self._lock:
             self._entries.clear()
             self._children.clear()
+            self._seen.clear()
+            self._seen_bytes = 0
             self.nbytes = 0
 
     def _drop(self, key: bytes) -> None:
         entry = self._entries.pop(key, None)
         if entry is None:
             return
-        node, _, size, _ = entry
+        node, _, size, _, _ = entry
         self.nbytes -= size
         siblings = self._children.get(node.parent)
         if siblings is not None:

@@ -1,0 +1,268 @@
+"""The RAM tier learns from hits: blocks a fresh handle reads from disk (or the remote)
+join it, under its admission rule and its budget, and never share a buffer with a
+cache handed to the caller.
+
+A fresh handle stands for a restarted process here: the RAM tier belongs to the handle,
+and the store was written and closed by another handle first.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from families import FAMILIES, build
+from helpers import assert_same_logits, cold_logits, feed, prefill as one_shot, random_tokens, warm_logits
+from test_remote import BS, open_host, publish
+
+from persistent_prefix_cache import PersistentPrefixCache
+from persistent_prefix_cache.prefill import prefill
+
+BLOCK = 16
+MiB = 1 << 20
+
+
+def family_prompt() -> list[int]:
+    return np.random.default_rng(7).integers(0, 256, 150).tolist()
+
+
+def tier_bits(store: PersistentPrefixCache) -> dict:
+    """A bitwise copy of everything the RAM tier holds, by block key, leaf and field."""
+    out = {}
+    for key, (_, tensors, *_) in list(store.memory._entries.items()):
+        for lid, part in tensors.items():
+            for fld, x in part.items():
+                bits = x.view({1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}[x.itemsize])
+                out[key, lid, fld] = np.array(bits)
+    return out
+
+
+def assert_same_bits(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        assert np.array_equal(got[k], want[k]), f"the RAM tier's {k[1]}.{k[2]} changed"
+
+
+def data_pointer(x: mx.array) -> int:
+    view = np.asarray(memoryview(x))
+    return view.__array_interface__["data"][0]
+
+
+def memory_counts(store: PersistentPrefixCache) -> dict:
+    stats = store.stats()
+    return {k: v for k, v in stats.items() if k.startswith("memory_") or k.endswith("_in_memory")}
+
+
+def test_fresh_handle_serves_the_third_fetch_from_the_tier(tmp_path, model):
+    toks = random_tokens(100, 1, first=1)
+    _, cache = one_shot(model, toks)
+    with PersistentPrefixCache(tmp_path / "s", model, block_size=BS, memory_bytes=0) as writer:
+        writer.store(toks, cache)
+    query = toks + random_tokens(4, 2)
+    want = cold_logits(model, query)
+    with PersistentPrefixCache(tmp_path / "s", model, memory_bytes=64 * MiB, cost_model=False) as store:
+        blocks = store.stats()["blocks"]
+        got = []
+        for _ in range(3):
+            restored, rest = store.fetch(query)
+            assert len(query) - len(rest) == len(toks)
+            got.append(memory_counts(store))
+            assert_same_logits(warm_logits(model, restored, rest), want)
+        first, second, third = got
+        # The first hit pays no copy (a prefix read once never pays one back) ...
+        assert first["memory_admitted"] == 0 and first["bytes_in_memory"] == 0
+        # ... the second admits every block, counted by bytes ...
+        assert second["memory_admitted"] == blocks == second["blocks_in_memory"]
+        assert second["memory_admitted_bytes"] == second["bytes_in_memory"] == store.stats()["block_bytes"]
+        assert second["memory_hits_disk"] == 0
+        # ... and the third is served from the tier, every block counted by its origin.
+        assert third["memory_hits_disk"] == blocks
+        assert third["memory_hits_store"] == third["memory_hits_remote"] == 0
+
+
+@pytest.fixture(params=["numpy", "mlx"])
+def join(request, monkeypatch):
+    """Both ways the read path joins RAM-tier blocks: host copies (CPU, unified memory)
+    and MLX operations (a GPU's; there the tier also admits on a first hit with room)."""
+    monkeypatch.setenv("PPC_RAM_JOIN", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_extending_a_restored_cache_never_changes_the_tier(tmp_path, family, join):
+    model = build(family)
+    prompt = family_prompt()
+    with PersistentPrefixCache(tmp_path / "s", model, block_size=BLOCK) as writer:
+        prefill(model, prompt[:96], writer)  # its last block keeps snapshots: mid-path below
+        prefill(model, prompt, writer)
+    query = prompt + [3, 1, 4, 1, 5]
+    more = [9, 8, 7, 6, 5, 4, 3, 2, 1] * 3  # past a block boundary and, for the windows, their size
+    with PersistentPrefixCache(tmp_path / "s", model, memory_bytes=64 * MiB, cost_model=False) as store:
+        restored, rest = store.fetch(query)
+        assert restored is not None
+        reference = [feed(model, restored, rest), feed(model, restored, more)]
+        restored, rest = store.fetch(query)  # the second hit: admitted
+        second_counts = memory_counts(store)
+        assert second_counts["memory_admitted"] > 0
+        held = tier_bits(store)
+        second = [feed(model, restored, rest), feed(model, restored, more)]
+        assert_same_bits(tier_bits(store), held)
+        for name in os.listdir(tmp_path / "s" / "segments"):  # nothing can be read from disk now
+            shutil.rmtree(tmp_path / "s" / "segments" / name)
+        restored, rest = store.fetch(query)  # served from the tier, every block of the path
+        served = memory_counts(store)["memory_hits_disk"] - second_counts["memory_hits_disk"]
+        assert served == second_counts["memory_admitted"] > 0
+        third = [feed(model, restored, rest), feed(model, restored, more)]
+        assert_same_bits(tier_bits(store), held)
+        assert memory_counts(store)["blocks_in_memory"] > 0 and store.stats()["corrupt"] == 0
+        for got in (second, third):
+            for g, w in zip(got, reference):
+                assert_same_logits(g, w)
+
+
+def test_admission_keeps_mlx_lm_growing_in_place(tmp_path, model, join):
+    """The buffer a fetch hands over is the caller's alone: mlx-lm's first decode step
+    writes into it in place (MLX copies a buffer something else holds)."""
+    toks = random_tokens(90, 3, first=3)
+    _, cache = one_shot(model, toks)
+    with PersistentPrefixCache(tmp_path / "s", model, block_size=BS, memory_bytes=0) as writer:
+        writer.store(toks, cache)
+    with PersistentPrefixCache(tmp_path / "s", model, memory_bytes=64 * MiB, cost_model=False) as store:
+        for _ in range(3):  # disk; disk + admission; the tier
+            restored, rest = store.fetch(toks + [5])
+            assert restored[0].keys.shape[2] > restored[0].offset  # room to grow
+            before = [data_pointer(c.keys) for c in restored]
+            feed(model, restored, rest)
+            assert [data_pointer(c.keys) for c in restored] == before
+        assert memory_counts(store)["memory_hits_disk"] > 0
+
+
+def test_admission_respects_the_budget(tmp_path, model):
+    prompts = [random_tokens(96, 10 + i, first=10 + i) for i in range(3)]
+    with PersistentPrefixCache(tmp_path / "s", model, block_size=BS, memory_bytes=0) as writer:
+        for toks in prompts:
+            writer.store(toks, one_shot(model, toks)[1])
+        writer.flush()
+        per_prompt = writer.stats()["block_bytes"] // 3
+    budget = per_prompt * 2 + per_prompt // 2  # two prompts fit, not three
+    with PersistentPrefixCache(tmp_path / "s", model, memory_bytes=budget, cost_model=False) as store:
+        for _ in range(3):
+            for toks in prompts:
+                restored, rest = store.fetch(toks + [1])
+                assert_same_logits(warm_logits(model, restored, rest), cold_logits(model, toks + [1]))
+                counts = memory_counts(store)
+                assert counts["bytes_in_memory"] <= budget
+        assert counts["memory_admitted"] > 0 and counts["memory_evictions"] > 0
+        entries = store.memory._entries.values()
+        held = sum(x.nbytes for _, tensors, *_ in entries for part in tensors.values() for x in part.values())
+        assert held == counts["bytes_in_memory"]
+    # A prompt larger than the whole tier is never admitted (it would flush it).
+    with PersistentPrefixCache(tmp_path / "s", model, memory_bytes=per_prompt // 2, cost_model=False) as store:
+        for _ in range(3):
+            store.fetch(prompts[0] + [1])
+        assert memory_counts(store)["memory_admitted"] == 0
+
+
+def test_a_prefix_read_once_is_not_admitted_past_the_window(tmp_path, model):
+    """Second hit *within a window*: a prefix read again only after more than twice the
+    budget of other disk reads counts as new."""
+    prompts = [random_tokens(64, 20 + i, first=20 + i) for i in range(8)]
+    with PersistentPrefixCache(tmp_path / "s", model, block_size=BS, memory_bytes=0) as writer:
+        for toks in prompts:
+            writer.store(toks, one_shot(model, toks)[1])
+        writer.flush()
+        per_prompt = writer.stats()["block_bytes"] // len(prompts)
+    with PersistentPrefixCache(tmp_path / "s", model, memory_bytes=per_prompt * 2, cost_model=False) as store:
+        for toks in prompts:  # 8 prompts read once: 4 x the budget
+            store.fetch(toks + [1])
+        store.fetch(prompts[0] + [1])  # out of the window: a first hit again
+        assert memory_counts(store)["memory_admitted"] == 0
+        store.fetch(prompts[-1] + [1])  # still in it: a second hit
+        assert memory_counts(store)["memory_admitted"] == 4  # its 4 blocks
+
+
+def test_remote_hits_are_served_from_the_tier_next_time(tmp_path, model, redis_server):
+    toks = random_tokens(80, 5, first=5)
+    with open_host(tmp_path / "a", model, redis_server.url) as a:
+        assert publish(a, model, toks) == 5
+    query = toks + random_tokens(3, 6)
+    want = cold_logits(model, query)
+    with open_host(tmp_path / "b", model, redis_server.url, cost_model=False) as b:
+        restored, rest = b.fetch(query)
+        assert_same_logits(warm_logits(model, restored, rest), want)
+        first = memory_counts(b)
+        assert first["memory_admitted"] == 5 and first["memory_hits_remote"] == 5  # read into the tier, then restored
+        b.flush()  # written into b's own store too
+        restored, rest = b.fetch(query)
+        assert_same_logits(warm_logits(model, restored, rest), want)
+        assert memory_counts(b)["memory_hits_remote"] == 10
+        assert b.stats()["remote_hits"] == 1  # the second fetch asked the server nothing
+
+
+def test_a_device_copy_admits_on_the_first_hit_where_there_is_room(tmp_path, model, monkeypatch):
+    """Where blocks are joined with MLX operations (a GPU), admitting is a device copy:
+    the first hit is admitted when it evicts nothing; a full tier waits for a second."""
+    monkeypatch.setenv("PPC_RAM_JOIN", "mlx")
+    prompts = [random_tokens(64, 50 + i, first=50 + i) for i in range(2)]
+    with PersistentPrefixCache(tmp_path / "s", model, block_size=BS, memory_bytes=0) as writer:
+        for toks in prompts:
+            writer.store(toks, one_shot(model, toks)[1])
+        writer.flush()
+        per_prompt = writer.stats()["block_bytes"] // 2
+    with PersistentPrefixCache(tmp_path / "s", model, memory_bytes=per_prompt, cost_model=False) as store:
+        query = prompts[0] + [1]
+        for hits in (0, 4):
+            restored, rest = store.fetch(query)
+            assert_same_logits(warm_logits(model, restored, rest), cold_logits(model, query))
+            assert memory_counts(store)["memory_admitted"] == 4 and memory_counts(store)["memory_hits_disk"] == hits
+        store.fetch(prompts[1] + [1])  # no room left: a first hit only
+        assert memory_counts(store)["memory_admitted"] == 4
+
+
+def test_a_path_partly_in_the_tier_admits_the_rest(tmp_path, model):
+    """A longer query over a prefix the tier holds: its first blocks come from the tier,
+    the rest from disk, and those join the tier on their second hit, counted exactly."""
+    toks = random_tokens(112, 60, first=60)
+    with PersistentPrefixCache(tmp_path / "s", model, block_size=BS, memory_bytes=0) as writer:
+        writer.store(toks, one_shot(model, toks)[1])
+        writer.flush()
+        total = writer.stats()["block_bytes"]
+    with PersistentPrefixCache(tmp_path / "s", model, memory_bytes=64 * MiB, cost_model=False) as store:
+        for _ in range(2):
+            store.fetch(toks[:48] + [1])  # 3 blocks admitted
+        assert memory_counts(store)["memory_admitted"] == 3
+        for served in (3, 3 + 3, 3 + 3 + 7):
+            restored, rest = store.fetch(toks + [1])
+            assert_same_logits(warm_logits(model, restored, rest), cold_logits(model, toks + [1]))
+            assert memory_counts(store)["memory_hits_disk"] == served
+        counts = memory_counts(store)
+        assert counts["memory_admitted"] == 7 and counts["bytes_in_memory"] == counts["memory_admitted_bytes"] == total
+
+
+def test_a_restarted_process_learns_the_hot_prefix(tmp_path, tiny_model_dir):
+    """Real processes: one stores and exits; a new one (empty RAM tier) fetches the same
+    prompt three times and serves the third from the tier, every answer exact."""
+    from store_worker import Worker
+
+    toks = random_tokens(80, 70, first=70)
+    query = toks + [3, 2]
+    common = {"model": str(tiny_model_dir), "store": str(tmp_path / "s"), "block_size": BS}
+    first = Worker({**common, "steps": [["store", toks], ["flush"]]}, str(tmp_path), name="first")
+    try:
+        first.result(timeout=300)
+    finally:
+        first.reap()
+    steps = [["fetch", query], ["fetch", query], ["stats"], ["fetch", query], ["stats"]]
+    spec = {**common, "memory_bytes": 64 * MiB, "cost_model": False, "steps": steps}  # restores decided by no timing
+    second = Worker(spec, str(tmp_path), name="second")
+    try:
+        out = second.result(timeout=300)["steps"]
+    finally:
+        second.reap()
+    fetches = [out[0], out[1], out[3]]
+    assert all(f == {"matched": len(toks), "exact": True} for f in fetches)
+    assert out[2]["memory_admitted"] == 5 and out[2]["memory_hits_disk"] == 0
+    assert out[4]["memory_hits_disk"] == 5 and out[4]["bytes_in_memory"] == out[4]["block_bytes"]
