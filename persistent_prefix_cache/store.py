@@ -43,7 +43,7 @@ DEFAULT_MEMORY_BYTES = 512 * 1024 * 1024
 COUNTERS = (
     "queries", "hits", "misses", "not_longer", "tokens_saved", "skipped_slower", "tokens_skipped",
     "restored_all", "restored_ram_only", "restored_shorter",
-    "corrupt", "evictions", "write_errors", "blocks_written", "bytes_written",
+    "corrupt", "evictions", "write_errors", "blocks_written", "bytes_written", "restored_blocks_disk",
 )  # fmt: skip
 
 _OPEN_STORES: "weakref.WeakSet[PersistentPrefixCache]" = weakref.WeakSet()
@@ -54,6 +54,27 @@ def _close_open_stores() -> None:
     # Pending writes are durable work the caller already paid for: finish them.
     for store in list(_OPEN_STORES):
         store.close()
+
+
+def blocks_by_tier(before: dict, after: dict) -> dict[str, int]:
+    """The blocks restores took from each tier between two `stats()` of one handle:
+    ``ram`` (stored by the handle, or admitted from a disk read), ``disk`` (read from
+    segment files) and ``remote`` (read from the fleet's server)."""
+    def grew(key: str) -> int:
+        return after.get(key, 0) - before.get(key, 0)
+
+    return {
+        "ram": grew("memory_hits_store") + grew("memory_hits_disk"),
+        "disk": grew("restored_blocks_disk"),
+        "remote": grew("memory_hits_remote"),
+    }
+
+
+def describe_tiers(tiers: dict[str, int]) -> str:
+    """``blocks_by_tier`` in words: ``"RAM 3, disk 2 blocks"`` (tiers that served none left out)."""
+    names = {"ram": "RAM", "disk": "disk", "remote": "remote"}
+    served = [f"{names[t]} {n}" for t, n in tiers.items() if n]
+    return (", ".join(served) + " blocks") if served else "-"
 
 
 class PersistentPrefixCache(CostsMixin):
@@ -262,7 +283,8 @@ class PersistentPrefixCache(CostsMixin):
         layers = None
         while path and layers is None:
             first = self.layout.first_needed(path, matched)
-            in_ram = all(self.memory.node(n.key) is not None for n in path[first:])  # before admission
+            from_disk = sum(self.memory.node(n.key) is None for n in path[first:])  # before admission
+            in_ram = not from_disk
             started = time.perf_counter()
             layers, intact = restore(self.layout, self.memory, self.files, path[first:], matched, self._digests(path[first:]))
             if layers is not None:
@@ -278,7 +300,7 @@ class PersistentPrefixCache(CostsMixin):
             self.counters.add(queries=1, misses=1)
             self._note(misses=1)
             return None, tokens
-        self.counters.add(queries=1, hits=1, tokens_saved=matched)
+        self.counters.add(queries=1, hits=1, tokens_saved=matched, restored_blocks_disk=from_disk)
         keys = [node.key for node in path]
         self._note(touch=keys, hit=keys, hits=1, tokens_saved=matched)
         return layers, tokens[matched:]
@@ -452,7 +474,9 @@ class PersistentPrefixCache(CostsMixin):
             restored_ram_only (only the leading part held in RAM), restored_shorter
             (another shorter prefix), skipped_slower (nothing: computing was faster),
             and tokens_skipped (the tokens the cuts left to compute), corrupt,
-            evictions, write_errors, blocks_written and bytes_written (blocks this
+            evictions, write_errors, restored_blocks_disk (blocks restores read from
+            segment files; the RAM tier's are its memory_hits_*), blocks_written and
+            bytes_written (blocks this
             handle committed and the bytes of the segment files it wrote for them:
             another process's blocks are not counted) (this handle);
             prefill_tokens_per_s (of a 1,024-token prompt), prefill_growth (seconds

@@ -182,6 +182,9 @@ def test_generate_warm_matches_cold_and_stores_the_new_prefix(filled, model_dir,
     assert warm["restored_tokens"] >= 200  # the precomputed system prompt
     assert warm["prompt_tokens"] == cold["prompt_tokens"]
     assert warm["tokens"] == cold["tokens"] and len(warm["tokens"]) > 0
+    # A new process: its RAM tier is empty, so the segment files served every block.
+    assert warm["restored_blocks"]["disk"] > 0 and warm["restored_blocks"]["ram"] == 0
+    assert cold["restored_blocks"] == {"ram": 0, "disk": 0, "remote": 0}
     assert warm["text"] == cold["text"]
     assert warm["logprobs"] == cold["logprobs"]  # float32, bit for bit
     assert warm["ttft_s"] > 0 and warm["new_blocks"] > 0

@@ -466,6 +466,7 @@ def test_server_restores_from_the_store_after_a_restart(serve_model_dir, tmp_pat
         warm_second = server.chat(second)
         assert server.stop() == 0, server.log()
     restored = server.restored()
+    assert re.findall(r"served by disk \d+ blocks", server.log()), server.log()  # a restarted server: disk
     assert restored == [_cached(warm_other), _cached(warm_second)], server.log()
     assert 0 < restored[0] < warm_other["usage"]["prompt_tokens"]
     # The whole first conversation came back (its prompt and what was generated).

@@ -212,9 +212,12 @@ def _summary(result: dict) -> str:
 
 
 def _render(result: dict) -> str:
+    from ..store import describe_tiers
+
     rows = [
         ("prompt tokens", result["prompt_tokens"]),
         ("restored from the store", result["restored_tokens"]),
+        ("served by", describe_tiers(result["restored_blocks"])),
         ("prompt tokens computed", result["prompt_tokens"] - result["restored_tokens"]),
         (
             "time to first token",
@@ -363,6 +366,7 @@ def _generate(args) -> int:
         "finish_reason": last.finish_reason if last is not None else None,
         "prompt_tokens": len(ids),
         "restored_tokens": counting.restored,
+        "restored_blocks": counting.tiers,  # by the tier that served them: ram, disk, remote
         "ttft_s": round(ttft, 4) if ttft is not None else None,
         "generation_tokens": len(generated),
         "generation_tps": round(last.generation_tps, 1) if last is not None else 0.0,

@@ -320,16 +320,23 @@ class CountingStore:
         self.block_size = store.block_size
         self.restored = 0
         self.new_blocks = 0
+        self.tiers = {"ram": 0, "disk": 0, "remote": 0}
 
     def reset(self) -> None:
         """Zero the counters (before the next prompt)."""
         self.restored = 0
         self.new_blocks = 0
+        self.tiers = {"ram": 0, "disk": 0, "remote": 0}
 
     def fetch(self, tokens: Any):
-        """`PersistentPrefixCache.fetch`, remembering how many tokens it restored."""
+        """`PersistentPrefixCache.fetch`, remembering how many tokens it restored and
+        which tier served its blocks (`tiers`: see `store.blocks_by_tier`)."""
+        from ..store import blocks_by_tier
+
+        before = self._store.stats()
         cache, remaining = self._store.fetch(tokens)
         self.restored = len(tokens) - len(remaining) if cache is not None else 0
+        self.tiers = blocks_by_tier(before, self._store.stats())
         return cache, remaining
 
     def store(self, tokens: Any, cache: Sequence[Any]) -> int:

@@ -38,7 +38,7 @@ from mlx_lm.models.cache import LRUPromptCache
 from ..errors import InvalidArgumentError
 from ..keys import TOKEN_MAX, TOKEN_MIN
 from ..layers import cache_length, can_trim, offset_trimmable, trim
-from ..store import PersistentPrefixCache
+from ..store import PersistentPrefixCache, blocks_by_tier, describe_tiers
 from .through import StoreLink, WarnOnce
 
 log = logging.getLogger(__name__)
@@ -125,6 +125,7 @@ class PersistentLRUPromptCache(LRUPromptCache):
         in_memory = len(tokens) - len(rest)
         # Usually memory covers as much as the store (every insert went to both): then
         # the store loads nothing.
+        before = store.stats()
         restored, remaining = self._link(model, store).read(tokens, in_memory)
         from_store = len(tokens) - len(remaining)
         if restored is None or from_store <= in_memory:
@@ -134,11 +135,12 @@ class PersistentLRUPromptCache(LRUPromptCache):
             self._counters["restored_tokens"] += from_store
         # Tests and operators read this line: keep its wording stable.
         log.info(
-            "Restored %d of %d prompt tokens from the persistent store %s (memory had %d)",
+            "Restored %d of %d prompt tokens from the persistent store %s (memory had %d; served by %s)",
             from_store,
             len(tokens),
             store.path,
             in_memory,
+            describe_tiers(blocks_by_tier(before, store.stats())),
         )
         return restored, tokens[from_store:]
 
