@@ -50,7 +50,7 @@ from .faults import pause_point
 from .node import Node
 from .portable import durable_fsync
 # SLICE_FIELDS and is_sliced: re-exported (the layout and the read path name them from here).
-from .segment_layout import SLICE_FIELDS, THREADED_BYTES, Sink, is_sliced, layout, pwritev_all  # noqa: F401
+from .segment_layout import SLICE_FIELDS, Sink, is_sliced, layout, pwritev_all  # noqa: F401
 from .segment_reader import OpenSegment
 from .store_dir import create_file, make_dirs
 
@@ -135,7 +135,7 @@ class SegmentFiles:
             # The data first (hashed as it goes, written from a second thread), then the
             # header that records its digests, at offset 0: until the fsync and the
             # rename below, the file is a temporary one no reader ever opens.
-            sink = Sink(fd, skeleton, threaded=plan.nbytes >= THREADED_BYTES)
+            sink = Sink(fd, skeleton, nbytes=plan.nbytes)
             try:
                 checksums, digests, digest = plan.stream(sink.put)
             finally:

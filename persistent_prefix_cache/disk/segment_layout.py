@@ -130,17 +130,18 @@ class Sink:
     Args:
         fd: The temporary file.
         offset: Where the data starts (after the header, which is written last).
-        threaded: Write from a second thread.
+        nbytes: Bytes of data to come: from `THREADED_BYTES` on, written from a second
+            thread.
     """
 
-    def __init__(self, fd: int, offset: int, *, threaded: bool):
+    def __init__(self, fd: int, offset: int, *, nbytes: int):
         self.fd, self.at = fd, offset
         self.batch: list = []
         self.pending = 0
         self.error: BaseException | None = None
         self.jobs: queue.SimpleQueue | None = None
         self.thread: threading.Thread | None = None
-        if threaded:
+        if nbytes >= THREADED_BYTES:
             self.jobs = queue.SimpleQueue()
             thread = threading.Thread(target=self._run, name="ppc-segment-io", daemon=True)
             try:
