@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -128,3 +129,26 @@ def test_a_failed_write_in_the_second_thread_fails_the_store_and_leaves_nothing(
     assert os.listdir(tmp_path / "s" / "tmp") == []
     nodes, _, digests = _index(tmp_path / "s")
     assert nodes == {} and digests == {}
+
+
+def test_block_writes_queued_behind_a_busy_writer_share_one_commit(tmp_path, model):
+    """Stores queued while the writer is busy are committed together, in order: a
+    prompt extending the one before it (its first new block's parent is in the
+    segment written just before) is stored whole, and everything restores."""
+    base = random_tokens(2 * BLOCK, seed=831, first=3)
+    prompts = [base, base + random_tokens(2 * BLOCK, seed=832), random_tokens(3 * BLOCK + 4, seed=833, first=4)]
+    caches = [prefill(model, p)[1] for p in prompts]
+    with PersistentPrefixCache(tmp_path / "s", model, block_size=BLOCK, memory_bytes=0) as store:
+        store.flush()
+        gate = threading.Event()
+        store.writeback.submit(gate.wait, data=False)  # the writer is busy until the gate opens
+        before = store.index.env.info()["last_txnid"]
+        for tokens, cache in zip(prompts, caches):
+            store.store(tokens, cache)
+        gate.set()
+        store.flush()
+        commits = store.index.env.info()["last_txnid"] - before
+        assert store.stats()["write_errors"] == 0
+    assert commits == 1  # three segments, one index transaction
+    assert len(_segments(tmp_path / "s")) == 3
+    _check_store(tmp_path / "s", model, prompts, caches)

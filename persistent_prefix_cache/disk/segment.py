@@ -98,7 +98,13 @@ class SegmentFiles:
     # -- writing --------------------------------------------------------------------
 
     def write(
-        self, blocks: Sequence[tuple[Node, dict[str, dict[str, Any]]]], *, root: bytes, model: bytes, block_size: int
+        self,
+        blocks: Sequence[tuple[Node, dict[str, dict[str, Any]]]],
+        *,
+        root: bytes,
+        model: bytes,
+        block_size: int,
+        sync_folder: bool = True,
     ) -> tuple[bytes, int, int]:
         """Write consecutive blocks of one chain into a new segment, durably.
 
@@ -115,6 +121,9 @@ class SegmentFiles:
                 stores it), kept in the header so the index can be rebuilt.
             block_size: The store's block size (kept in the header for the same reason:
                 a rebuild must cut new prompts as the lost index did).
+            sync_folder: Fsync the folder the segment was renamed into; False: the
+                caller does, with `sync_folders`, before it commits (a group commit
+                fsyncs each folder once).
 
         Returns:
             (segment id, file size, digest of the whole segment: xxh3-64 over the
@@ -158,11 +167,22 @@ class SegmentFiles:
                 make_dirs(folder, self.root)
                 _fsync_dir(self.segments)
             os.replace(tmp, final)
-            _fsync_dir(folder)
+            if sync_folder:
+                _fsync_dir(folder)
         except BaseException:
             self._remove(tmp)
             raise
         return segment, size, digest
+
+    def sync_folders(self, segments: Sequence[bytes]) -> None:
+        """Fsync, once each, the folders these segments were renamed into (what
+        `write` skips with ``sync_folder=False``): their names are then durable.
+
+        Raises:
+            OSError: If a folder cannot be synced.
+        """
+        for folder in sorted({os.path.dirname(self.path_of(s)) for s in segments}):
+            _fsync_dir(folder)
 
     # -- reading --------------------------------------------------------------------
 
