@@ -44,10 +44,13 @@ def _prompts(vocab: int, prompts: int, tokens: int) -> list[list[int]]:
 
 
 def _plain_prefill(model: Any, ids: list[int], step: int) -> list:
+    """mlx-lm's way: chunks evaluate only the cache; the last token gives the logits
+    (as the library's ``prefill()`` does, so both run the same forward passes)."""
     cache = make_prompt_cache(model)
-    for at in range(0, len(ids), step):
-        out = model(mx.array(ids[at : at + step])[None], cache=cache)
-        mx.eval(out, [c.state for c in cache])
+    for at in range(0, len(ids) - 1, step):
+        model(mx.array(ids[at : min(at + step, len(ids) - 1)])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+    mx.eval(model(mx.array(ids[-1:])[None], cache=cache)[:, -1, :])
     return cache
 
 
