@@ -13,6 +13,7 @@ overlap and the final fsync finds little left to do.
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import queue
 import threading
@@ -106,6 +107,8 @@ def pwritev_all(fd: int, chunks: list, offset: int) -> int:
             group = views[j : j + IOV_MAX]
             want = sum(v.nbytes for v in group)
             n = pwritev(fd, group, offset + done)
+            if n <= 0 < want:  # no progress: never loop for ever
+                raise OSError(errno.EIO, "a write made no progress")
             done += n
             if n < want:  # a short write: go on from the first byte not written
                 rest, skip = [], n
