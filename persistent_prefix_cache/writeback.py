@@ -199,14 +199,13 @@ class WriteBack:
             data: False for bookkeeping only (recency, hit counts), which `stop` may
                 leave behind.
         """
-        if data:
-            with self._lock:
-                if fn == self.write_blocks and len(args) == 1:
-                    self._staged.append((self._generation, args[0]))
-                    fn, args = self._write_staged, ()
-                else:
-                    self._generation += 1
-        future = self._worker.submit(self._guarded, fn, *args)
+        with self._lock:  # staged and queued under one lock: the queue keeps their order
+            if data and fn == self.write_blocks and len(args) == 1:
+                self._staged.append((self._generation, args[0]))
+                fn, args = self._write_staged, (self._generation,)
+            elif data:
+                self._generation += 1
+            future = self._worker.submit(self._guarded, fn, *args)
         with self._lock:
             self._futures.add(future)
             if data:
@@ -285,16 +284,17 @@ class WriteBack:
 
     # -- blocks -----------------------------------------------------------------------
 
-    def _write_staged(self) -> None:
-        """Write the staged block writes of the oldest generation (a writer-thread job);
-        nothing if an earlier job took them."""
+    def _write_staged(self, generation: int) -> None:
+        """Write the staged block writes of `generation` (a writer-thread job): those of
+        a later one wait for the data jobs queued between (nothing if an earlier job of
+        this generation took them all)."""
         with self._lock:
-            if not self._staged:
-                return
-            generation = self._staged[0][0]
-            n = next((i for i, (g, _) in enumerate(self._staged) if g != generation), len(self._staged))
+            n = 0
+            while n < len(self._staged) and self._staged[n][0] == generation:
+                n += 1
             taken, self._staged = self._staged[:n], self._staged[n:]
-        self._write_many([new for _, new in taken])
+        if taken:
+            self._write_many([new for _, new in taken])
 
     def write_blocks(self, new: list[tuple[Node, dict]]) -> None:
         """Write new blocks into one segment, then commit their records (a writer-thread job).

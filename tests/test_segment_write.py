@@ -152,3 +152,27 @@ def test_block_writes_queued_behind_a_busy_writer_share_one_commit(tmp_path, mod
     assert commits == 1  # three segments, one index transaction
     assert len(_segments(tmp_path / "s")) == 3
     _check_store(tmp_path / "s", model, prompts, caches)
+
+
+def test_a_data_job_between_queued_stores_splits_the_group_commit(tmp_path, model):
+    """No block write is committed ahead of a data job queued before it: stores queued
+    on either side of one commit in two groups, in order."""
+    base = random_tokens(2 * BLOCK, seed=841, first=3)
+    prompts = [base, base + random_tokens(2 * BLOCK, seed=842), base + random_tokens(3 * BLOCK, seed=843)]
+    caches = [prefill(model, p)[1] for p in prompts]
+    ran = []
+    with PersistentPrefixCache(tmp_path / "s", model, block_size=BLOCK, memory_bytes=0) as store:
+        store.flush()
+        gate = threading.Event()
+        store.writeback.submit(gate.wait, data=False)
+        before = store.index.env.info()["last_txnid"]
+        store.store(prompts[0], caches[0])
+        store.writeback.submit(lambda: ran.append(store.index.env.info()["last_txnid"] - before))
+        store.store(prompts[1], caches[1])
+        store.store(prompts[2], caches[2])
+        gate.set()
+        store.flush()
+        commits = store.index.env.info()["last_txnid"] - before
+    assert ran == [1]  # the first store was committed before the job, the others after
+    assert commits == 2
+    _check_store(tmp_path / "s", model, prompts, caches)
