@@ -6,6 +6,14 @@ segment (see `disk.segment`), then commit their records in one index transaction
 together with the queued bookkeeping (LRU touches, hit counts, counters), superseded
 partial leaves and, under a disk budget, evictions; only after the commit are the
 segments whose last block went unlinked.
+
+Group commit: the block writes queued while the writer was busy (a precompute whose
+prefill outruns the disk) are taken together, in order: each into its own segment
+(written, fsynced and renamed as one alone), then each folder they went to fsynced
+once, then one index transaction for all. What a commit guarantees is unchanged:
+every block it names is in a segment already fsynced, renamed and its folder fsynced
+(durable); a crash before it leaves at most unreferenced files, swept later. A
+``store()`` with ``sync_writes=True`` returns after the commit that holds its blocks.
 """
 
 from __future__ import annotations
@@ -166,6 +174,10 @@ class WriteBack:
         self._futures: set[Future] = set()
         self._data: set[Future] = set()  # jobs that write blocks (never abandoned)
         self._lock = threading.Lock()
+        # Block writes waiting for the writer: [generation, blocks]; a generation ends at
+        # every other data job, so no write is committed ahead of one queued before it.
+        self._staged: list[tuple[int, list]] = []
+        self._generation = 0
         self._worker = Worker("ppc-writer")
         self.submit(self.sweep)
 
@@ -180,11 +192,20 @@ class WriteBack:
     def submit(self, fn: Callable[..., Any], *args: Any, data: bool = True) -> Future:
         """Run ``fn(*args)`` on the writer thread; failures are logged and counted.
 
+        ``submit(self.write_blocks, new)`` joins the group commit (see the module): the
+        future is done once a commit holding those blocks is (or they failed, counted).
+
         Args:
             data: False for bookkeeping only (recency, hit counts), which `stop` may
                 leave behind.
         """
-        future = self._worker.submit(self._guarded, fn, *args)
+        with self._lock:  # staged and queued under one lock: the queue keeps their order
+            if data and fn == self.write_blocks and len(args) == 1:
+                self._staged.append((self._generation, args[0]))
+                fn, args = self._write_staged, (self._generation,)
+            elif data:
+                self._generation += 1
+            future = self._worker.submit(self._guarded, fn, *args)
         with self._lock:
             self._futures.add(future)
             if data:
@@ -263,23 +284,52 @@ class WriteBack:
 
     # -- blocks -----------------------------------------------------------------------
 
+    def _write_staged(self, generation: int) -> None:
+        """Write the staged block writes of `generation` (a writer-thread job): those of
+        a later one wait for the data jobs queued between (nothing if an earlier job of
+        this generation took them all)."""
+        with self._lock:
+            n = 0
+            while n < len(self._staged) and self._staged[n][0] == generation:
+                n += 1
+            taken, self._staged = self._staged[:n], self._staged[n:]
+        if taken:
+            self._write_many([new for _, new in taken])
+
     def write_blocks(self, new: list[tuple[Node, dict]]) -> None:
         """Write new blocks into one segment, then commit their records (a writer-thread job).
 
         Args:
             new: ``(node, tensors by leaf)`` per block, consecutive, tensors evaluated.
         """
-        written = [node for node, _ in new]
-        now = time.time_ns()
-        for node in written:  # a block that comes without a time of use (the remote's) is used now
-            node.last_access = node.last_access or now
+        self._write_many([new])
+
+    def _write_many(self, groups: list[list[tuple[Node, dict]]]) -> None:
+        """Write each group into its own segment, fsync their folders once, then commit
+        every record in one index transaction."""
         description = self.describe()  # kept in the segment too: the index can be rebuilt
+        done = []  # (segment, size, digest, nodes)
+        now = time.time_ns()
+        for new in groups:
+            written = [node for node, _ in new]
+            for node in written:  # a block that comes without a time of use (the remote's) is used now
+                node.last_access = node.last_access or now
+            try:
+                segment, size, digest = self.files.write(
+                    new, root=self.root, model=description, block_size=self.index.block_size, sync_folder=False
+                )
+            except (OSError, ValueError) as exc:
+                self._failed("write", written, exc)  # nothing was renamed into place
+                continue
+            done.append((segment, size, digest, written))
+        if not done:
+            return
         try:
-            segment, size, digest = self.files.write(
-                new, root=self.root, model=description, block_size=self.index.block_size
-            )
-        except (OSError, ValueError) as exc:
-            self._failed("write", written, exc)  # nothing was renamed into place
+            self.files.sync_folders([segment for segment, _, _, _ in done])
+        except OSError as exc:
+            for segment, _, _, written in done:
+                self._failed("write", written, exc)
+            self.files.unlink([segment for segment, _, _, _ in done])
             return
         book = self._book.take(self._lock)
 
@@ -287,32 +337,38 @@ class WriteBack:
             # The model is recorded with its first block, not at open: a run that
             # stores nothing leaves no trace in the store.
             w.register_model(self.root, description)
-            w.add_segment(segment, size, digest)
-            removed, taken = [], 0
-            for node in written:
-                if w.insert(node):  # else someone stored this block first: theirs stays
-                    taken += 1
-                    removed.extend(_superseded(w, node))
+            removed, taken, nbytes = [], 0, 0
+            for segment, size, digest, written in done:
+                w.add_segment(segment, size, digest)
+                took = 0
+                for node in written:
+                    if w.insert(node):  # else someone stored this block first: theirs stays
+                        took += 1
+                        removed.extend(_superseded(w, node))
+                taken += took
+                nbytes += size if took else 0
             book.apply(w)
             if self.disk_bytes is not None:
                 removed.extend(w.evict(self.disk_bytes))
-            held = w.segment(segment)
-            if held is not None and held[0] == 0:
-                w.free_segment(segment)  # none of its blocks was taken
-            return removed, w.freed, taken
+            for segment, _, _, _ in done:
+                held = w.segment(segment)
+                if held is not None and held[0] == 0:
+                    w.free_segment(segment)  # none of its blocks was taken
+            return removed, w.freed, taken, nbytes
 
         pause_point("before_commit")
         try:
-            removed, freed, taken = self.index.write(commit)
+            removed, freed, taken, nbytes = self.index.write(commit)
         except WRITE_ERRORS as exc:
             # The index could not take the records (disk full, say) and is as it was.
-            # The segment's id is this writer's alone: nobody else can reference it.
-            self._failed("commit", written, exc)
-            self.files.unlink([segment])
+            # The segments' ids are this writer's alone: nobody else can reference them.
+            for _, _, _, written in done:
+                self._failed("commit", written, exc)
+            self.files.unlink([segment for segment, _, _, _ in done])
             return
         pause_point("after_commit")
         # What this handle added to the store (another writer's blocks are theirs).
-        self.counters.add(blocks_written=taken, bytes_written=size if taken else 0)
+        self.counters.add(blocks_written=taken, bytes_written=nbytes)
         self.files.unlink(freed)
         self._forget(removed)
         compact_sparse(self.index, self.files, (n.segment for n in removed))

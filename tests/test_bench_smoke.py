@@ -96,6 +96,13 @@ def test_bench_smoke_reports_every_figure(tmp_path):
     for name in ("lookup_ms", "shared_prefix_vs_distinct_kv", "mlx_lm_files_vs_ours"):
         assert positive(result["ratios"][name]["value"]), name
 
+    precompute = result["precompute"]  # prefill + store against the disk's limit
+    for name in ("prefill", "ours", "mlx_save", "disk_limit"):
+        assert positive(precompute[f"{name}_s"]) and positive(precompute[f"{name}_tokens_per_s"]), name
+    for name in ("precompute_vs_disk_limit", "precompute_vs_attainable", "precompute_vs_mlx_save_fsync",
+                 "model_store_sync_vs_raw_write_fsync"):  # fmt: skip
+        assert positive(result["ratios"][name]["value"]), name
+
     sweep = result["sweep"]
     assert sweep["tokens"] == result["config"]["sweep"]
     for key in ("ours_fetch_disk_warm_gbps", "ours_fetch_ram_gbps", "peer_mlx_load_warm_gbps"):

@@ -452,7 +452,9 @@ def test_full_map_grows_and_other_processes_follow(tmp_path, store_dir, model, t
     writer = None
     try:
         reader.wait_ready("open")
-        writer_steps = [["store", t] for t in prompts] + [["flush"], ["stats"]]
+        # A flush after each store: one commit each (stores queued together share one,
+        # which would leave the map too little to outgrow).
+        writer_steps = [step for t in prompts for step in (["store", t], ["flush"])] + [["stats"]]
         writer = Worker(
             spec(tiny_model_dir, store_dir, writer_steps), str(tmp_path), env=env, name="wr"
         )

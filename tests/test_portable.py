@@ -53,6 +53,22 @@ def test_writev_fallback_writes_every_buffer(tmp_path, monkeypatch):
     assert path.read_bytes() == b"abcdefgh"
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_pwritev_writes_every_buffer_at_its_offset(tmp_path, monkeypatch, native):
+    if native and not portable.HAS_PWRITEV:
+        pytest.skip("no os.pwritev here")
+    monkeypatch.setattr(portable, "HAS_PWRITEV", native)
+    path = tmp_path / "out"
+    path.write_bytes(b"0123456789")
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        assert portable.pwritev(fd, [b"ab", memoryview(b"cde"), bytearray(b"")], 3) == 5
+        assert os.lseek(fd, 0, os.SEEK_CUR) == 0  # positional: the file offset is left alone
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"012abcde89"
+
+
 def test_durable_fsync_uses_full_fsync_where_there_is_one(monkeypatch, data_file):
     calls = []
 

@@ -65,6 +65,7 @@ except ImportError:  # run from a checkout without installing the package
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_remote  # noqa: E402  (tools/bench_remote.py: the remote tier's figures)
+import bench_precompute  # noqa: E402  (tools/bench_precompute.py: prefill + store vs the disk)
 
 MiB = 1024 * 1024
 CHUNK = 16 * MiB  # raw I/O chunk size
@@ -587,6 +588,20 @@ class Bench:
             "ratios": ratios,
         }
 
+    # precompute: prefill + store against the disk's limit (tools/bench_precompute.py)
+
+    def precompute(self) -> dict:
+        """Prefill + store of a small llama (random weights) against prefill alone, mlx-lm's
+        save and the disk's limit; on a CPU prefill is what limits it."""
+        import gpu_bench
+
+        a = self.args
+        progress(f"precompute: {a.precompute_prompts} prompts x {a.precompute_tokens} tokens, small llama")
+        return bench_precompute.precompute_figures(
+            gpu_bench.build(gpu_bench.SMALL), prompts=a.precompute_prompts, tokens=a.precompute_tokens,
+            work=self.scratch("precompute"), repeat=max(1, min(3, self.repeat)), block_size=a.block_size,
+        )  # fmt: skip
+
     # lookup
 
     def lookup(self) -> dict:
@@ -837,6 +852,7 @@ def format_report(result: dict) -> str:
         lines.append(f"  {'tokens':>7}" + "".join(f" {title:>15}" for title, _ in columns))
         for i, n in enumerate(sw["tokens"]):
             lines.append(f"  {n:>7}" + "".join(f" {sw[key][i]:>15.2f}" for _, key in columns))
+    lines += bench_precompute.format_precompute(result.get("precompute"))
     lines += bench_remote.format_remote(result.get("remote"))
     lines += [f"note: {text}" for text in result["notes"]]
     return "\n".join(lines)
@@ -889,6 +905,8 @@ SMOKE = dict(
     shared_prefix=256,
     shared_suffix=100,
     sweep="64,256",
+    precompute_prompts=2,
+    precompute_tokens=128,
 )
 DEFAULTS = dict(
     layers=16,
@@ -902,6 +920,8 @@ DEFAULTS = dict(
     shared_prefix=3072,
     shared_suffix=300,
     sweep="512,1024,2048,4096,8192",
+    precompute_prompts=4,
+    precompute_tokens=1024,
 )
 
 
@@ -933,6 +953,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shared-prompts", type=int, help="prompts sharing one prefix (0 skips)")
     p.add_argument("--shared-prefix", type=int, help="tokens of the shared prefix")
     p.add_argument("--shared-suffix", type=int, help="tokens of each prompt after the prefix")
+    p.add_argument("--precompute-prompts", type=int, help="prompts of the precompute figures (0 skips)")
+    p.add_argument("--precompute-tokens", type=int, help="tokens per prompt of the precompute figures")
     p.add_argument("--sweep", help="comma-separated prompt lengths of the plot ('' skips)")
     p.add_argument(
         "--plot", default="bench_restore.png", help="PNG of restore throughput by length"
@@ -1022,6 +1044,11 @@ def main(argv: list[str] | None = None) -> int:
             result["ratios"]["mlx_lm_files_vs_ours"] = ratio(
                 sp["mlx_lm_files_bytes"] / sp["ours_bytes"], None
             )
+        if args.precompute_prompts > 0:
+            release_memory()
+            result["precompute"] = bench.precompute()
+            for rname, value in result["precompute"]["ratios"].items():
+                result["ratios"][rname] = ratio(value, bench_precompute.TARGETS[rname])
         if not args.no_remote:
             release_memory()
             helpers = dict(

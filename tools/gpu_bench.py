@@ -11,6 +11,9 @@ a restart, a fresh handle's 1st, 2nd and 3rd fetch + forward of the same prefix
 Every figure is the median of ``--repeat`` runs after a warm-up; ratios are against
 the cold prefill of the same run.
 
+The precompute figures (``tools/bench_precompute.py``): 16 prompts x 4k tokens,
+prefill + our store against prefill alone, mlx-lm's save and the disk's limit.
+
     python tools/gpu_bench.py --tokens 1024,8192,16384 --json
 """
 
@@ -35,6 +38,9 @@ except ImportError:  # run from a checkout without installing
     from persistent_prefix_cache import PersistentPrefixCache
 
 from mlx_lm.models import llama
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_precompute  # noqa: E402  (tools/bench_precompute.py)
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
 SHAPE_8B = dict(
@@ -219,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small", action="store_true", help="a tiny model (to check the script on a CPU)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--dir", default=None, help="scratch folder")
+    p.add_argument("--precompute", default="16x4096", help="PROMPTSxTOKENS of the precompute figures ('' skips)")
     p.add_argument("--fingerprint", action="store_true", help="also time the weight hash of a first open")
     args = p.parse_args(argv)
     model = build(SMALL if args.small else SHAPE_8B)
@@ -228,6 +235,12 @@ def main(argv: list[str] | None = None) -> int:
         "mlx": mx.__version__,
         "cases": [case(model, int(n), args.repeat, work) for n in args.tokens.split(",")],
     }
+    if args.precompute:
+        prompts, _, tokens = args.precompute.partition("x")
+        results["precompute"] = bench_precompute.precompute_figures(
+            model, prompts=int(prompts), tokens=int(tokens), work=work, repeat=args.repeat
+        )
+        print("\n".join(bench_precompute.format_precompute(results["precompute"])), file=sys.stderr)
     if args.fingerprint:
         results["fingerprint"] = fp = fingerprint_case(model, args.repeat, min(8192, max(int(n) for n in args.tokens.split(","))))
         print(

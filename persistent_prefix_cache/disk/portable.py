@@ -6,12 +6,14 @@ that keeps the same guarantees (macOS is where most users run).
   sharing a file descriptor never race on its offset.
 - `writev`: gather write. Fallback: ``os.write`` of each buffer; the caller loops on
   short writes either way.
+- `pwritev`: positional gather write (a segment's data is written before its header,
+  from a second thread). Fallback: one ``os.pwrite`` per buffer; positional too.
 - `durable_fsync`: what the write order (file, rename, folder, index) relies on:
   the bytes on stable storage before the next step. Linux's ``fsync`` does that; macOS's
   only hands them to the drive, whose cache may still lose them on power loss, so
   there ``fcntl(F_FULLFSYNC)`` is used, and ``fsync`` where a file system refuses it.
-- `start_writeback`: Linux's ``sync_file_range`` starts the writeback early, only for
-  speed: elsewhere it is skipped (the ``durable_fsync`` that follows is what counts).
+- `start_writeback`: Linux's ``sync_file_range`` starts the writeback early (of a
+  whole file, or of the range just written), only for speed: elsewhere it is skipped (the ``durable_fsync`` that follows is what counts).
 
 Each is chosen when this module is imported, by looking for the call itself, not at
 the platform's name; the tests hide the Linux ones to run the store on the fallbacks.
@@ -38,6 +40,7 @@ def _iov_max() -> int:
 IOV_MAX = _iov_max()
 HAS_PREADV = hasattr(os, "preadv")
 HAS_WRITEV = hasattr(os, "writev")
+HAS_PWRITEV = hasattr(os, "pwritev")
 # F_FULLFSYNC: macOS (and iOS) only.
 _FULLFSYNC = getattr(fcntl, "F_FULLFSYNC", None) if fcntl is not None else None
 
@@ -75,6 +78,21 @@ def writev(fd: int, buffers: list) -> int:
     return total
 
 
+def pwritev(fd: int, buffers: list, offset: int) -> int:
+    """Write `buffers` in order at `offset` of `fd` (its file offset is left alone);
+    the bytes written (may be short)."""
+    if HAS_PWRITEV:
+        return os.pwritev(fd, buffers, offset)
+    total = 0
+    for buf in buffers:
+        view = memoryview(buf).cast("B")
+        n = os.pwrite(fd, view, offset + total)
+        total += n
+        if n < len(view):
+            break  # a short write: the caller finishes it, as after a short pwritev
+    return total
+
+
 def durable_fsync(fd: int) -> None:
     """Flush `fd`'s data to stable storage (see the module docstring)."""
     if _FULLFSYNC is not None:
@@ -101,8 +119,14 @@ _SYNC_FILE_RANGE = _load_sync_file_range()
 HAS_SYNC_FILE_RANGE = _SYNC_FILE_RANGE is not None
 
 
-def start_writeback(fd: int) -> None:
+def start_writeback(fd: int, offset: int = 0, nbytes: int = 0) -> None:
     """Start writing `fd`'s dirty pages to disk without waiting (Linux); a no-op
-    elsewhere. Only for speed: a failure is ignored."""
+    elsewhere. Only for speed: a failure is ignored.
+
+    Args:
+        fd: The file.
+        offset: First byte of the range.
+        nbytes: Bytes of the range; 0: to the end of the file.
+    """
     if _SYNC_FILE_RANGE is not None:
-        _SYNC_FILE_RANGE(fd, 0, 0, 2)  # SYNC_FILE_RANGE_WRITE
+        _SYNC_FILE_RANGE(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE

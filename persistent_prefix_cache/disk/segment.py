@@ -31,8 +31,9 @@ is xxh3-64 over its piece of every sliced field (data order, row by row), then t
 digests of its snapshots: a damaged byte, a damaged header or a file of another block
 is a miss.
 
-Write order: write under ``tmp/``, fsync, rename into ``segments/``, fsync the folder;
-only then does the caller commit the index records. Segment ids are random, so no two
+Write order: write under ``tmp/`` (the data first, hashed as it goes, then the header
+that records its digests; see `disk.segment_layout`), fsync, rename into ``segments/``,
+fsync the folder; only then does the caller commit the index records. Segment ids are random, so no two
 writers ever share a file; a file is unlinked only after the commit that removed its
 last block (see `index_tables.Writer.freed`). A crash leaves at most a temporary file
 or an unreferenced segment, both swept later.
@@ -40,25 +41,18 @@ or an unreferenced segment, both swept later.
 
 from __future__ import annotations
 
-import base64
-import json
 import os
 import threading
 import time
 from typing import Any, Callable, Sequence
 
-import numpy as np
-import xxhash
-
-from .codec import MAX_HEADER, dtype_info
 from .faults import pause_point
 from .node import Node
-from .portable import IOV_MAX, durable_fsync, start_writeback, writev
-from .segment_reader import DIGEST_MARK, SEGMENT_FORMAT, OpenSegment, header_digest
+from .portable import durable_fsync
+# SLICE_FIELDS and is_sliced: re-exported (the layout and the read path name them from here).
+from .segment_layout import SLICE_FIELDS, Sink, is_sliced, layout, pwritev_all  # noqa: F401
+from .segment_reader import OpenSegment
 from .store_dir import create_file, make_dirs
-
-# Fields stored sliced along the sequence (what `layers.adapters` names them).
-SLICE_FIELDS = frozenset({"k", "v", "k0", "k1", "k2", "v0", "v1", "v2"})
 
 
 def _fsync_dir(path: str) -> None:
@@ -77,58 +71,6 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _dtype(x: Any) -> str:
-    # A tensor is an mlx or numpy array, or (numpy array of its bits, dtype name).
-    return x[1] if isinstance(x, tuple) else dtype_info(x.dtype)[0]
-
-
-def _shape(x: Any) -> tuple[int, ...]:
-    return tuple((x[0] if isinstance(x, tuple) else x).shape)
-
-
-def is_sliced(name: str, shape: Sequence[int], n_tokens: int) -> bool:
-    """Whether tensor ``<leaf>.<field>`` of a block is stored sliced (else a snapshot)."""
-    return name.rpartition(".")[2] in SLICE_FIELDS and len(shape) == 4 and shape[2] == n_tokens
-
-
-def _bytes(x: Any) -> memoryview:
-    view = memoryview(x[0] if isinstance(x, tuple) else x)
-    if not view.c_contiguous:
-        raise ValueError("snapshot tensors must be row-contiguous")
-    return view.cast("B")
-
-
-def _rows(x: Any, rows: int) -> np.ndarray:
-    """The bytes of a sliced tensor ``[batch, heads, n, width]`` as a ``[rows, bytes]``
-    uint8 array, one (batch, head) row each: rows are contiguous, the array need not
-    be (a strided view of unsigned ints: numpy reads it without MLX)."""
-    view = memoryview(x[0] if isinstance(x, tuple) else x)
-    if view.c_contiguous:
-        return np.frombuffer(view.cast("B"), dtype=np.uint8).reshape(rows, -1)
-    a = np.asarray(view)
-    return a.reshape(rows, a.shape[-2] * a.shape[-1]).view(np.uint8)
-
-
-def _joined_rows(arrays: list[np.ndarray]) -> list[np.ndarray]:
-    """The rows of consecutive blocks' `_rows`, joined where they follow each other
-    in memory (the blocks of one `store()` are views of one copy per field): a row of
-    a segment is then one I/O vector and one hash update, not one per block."""
-    runs: list[list] = []  # [first array, address of its row 0, of the run's end, bytes per row]
-    for a in arrays:
-        at = a.__array_interface__["data"][0]
-        if runs and at == runs[-1][2] and a.strides[0] == runs[-1][0].strides[0]:
-            runs[-1][2] += a.shape[1]
-            runs[-1][3] += a.shape[1]
-        else:
-            runs.append([a, at, at + a.shape[1], a.shape[1]])
-    out = []
-    for a, _, _, width in runs:
-        if width != a.shape[1]:
-            a = np.lib.stride_tricks.as_strided(a, shape=(a.shape[0], width), strides=(a.strides[0], 1))
-        out.append(a)
-    return out
 
 
 class SegmentFiles:
@@ -156,7 +98,13 @@ class SegmentFiles:
     # -- writing --------------------------------------------------------------------
 
     def write(
-        self, blocks: Sequence[tuple[Node, dict[str, dict[str, Any]]]], *, root: bytes, model: bytes, block_size: int
+        self,
+        blocks: Sequence[tuple[Node, dict[str, dict[str, Any]]]],
+        *,
+        root: bytes,
+        model: bytes,
+        block_size: int,
+        sync_folder: bool = True,
     ) -> tuple[bytes, int, int]:
         """Write consecutive blocks of one chain into a new segment, durably.
 
@@ -173,6 +121,9 @@ class SegmentFiles:
                 stores it), kept in the header so the index can be rebuilt.
             block_size: The store's block size (kept in the header for the same reason:
                 a rebuild must cut new prompts as the lost index did).
+            sync_folder: Fsync the folder the segment was renamed into; False: the
+                caller does, with `sync_folders`, before it commits (a group commit
+                fsyncs each folder once).
 
         Returns:
             (segment id, file size, digest of the whole segment: xxh3-64 over the
@@ -185,12 +136,23 @@ class SegmentFiles:
                 tensors disagree.
         """
         segment = os.urandom(16)
-        header, chunks, digest = _layout(segment, blocks, root, model, block_size)
+        plan = layout(segment, blocks, root, model, block_size)
+        skeleton = len(plan.header(None, None, None))  # the data starts after it
         tmp = os.path.join(self.tmp, f"{segment.hex()}.{os.getpid()}.{threading.get_ident()}.tmp")
         fd = create_file(tmp, self.root)  # the store's file mode (0600 unless shared), not the umask's
         try:
-            size = _writev_all(fd, [memoryview(header)] + chunks)
-            start_writeback(fd)  # Linux only, for speed: the fsync is what counts
+            # The data first (hashed as it goes, written from a second thread), then the
+            # header that records its digests, at offset 0: until the fsync and the
+            # rename below, the file is a temporary one no reader ever opens.
+            sink = Sink(fd, skeleton, nbytes=plan.nbytes)
+            try:
+                checksums, digests, digest = plan.stream(sink.put)
+            finally:
+                size = sink.close()
+            head = plan.header(checksums, digests, digest)
+            if len(head) != skeleton:
+                raise ValueError("a segment header changed length once its digests were known")
+            pwritev_all(fd, [head], 0)
             durable_fsync(fd)
         except BaseException:
             os.close(fd)
@@ -205,11 +167,22 @@ class SegmentFiles:
                 make_dirs(folder, self.root)
                 _fsync_dir(self.segments)
             os.replace(tmp, final)
-            _fsync_dir(folder)
+            if sync_folder:
+                _fsync_dir(folder)
         except BaseException:
             self._remove(tmp)
             raise
         return segment, size, digest
+
+    def sync_folders(self, segments: Sequence[bytes]) -> None:
+        """Fsync, once each, the folders these segments were renamed into (what
+        `write` skips with ``sync_folder=False``): their names are then durable.
+
+        Raises:
+            OSError: If a folder cannot be synced.
+        """
+        for folder in sorted({os.path.dirname(self.path_of(s)) for s in segments}):
+            _fsync_dir(folder)
 
     # -- reading --------------------------------------------------------------------
 
@@ -349,131 +322,3 @@ class SegmentFiles:
         for rel in found:
             self._remove(os.path.join(self.root, rel))
         return len(found)
-
-
-def _writev_all(fd: int, chunks: list) -> int:
-    size = 0
-    for j in range(0, len(chunks), IOV_MAX):
-        group = chunks[j : j + IOV_MAX]
-        want = sum(c.nbytes for c in group)
-        done = writev(fd, group)
-        while done < want:  # a short write: finish it piece by piece
-            rest = b"".join(bytes(c) for c in group)[done:]
-            done += os.write(fd, rest)
-        size += want
-    return size
-
-
-def _layout(
-    segment: bytes, blocks: Sequence[tuple[Node, dict]], root: bytes, model: bytes, block_size: int
-) -> tuple[bytes, list[memoryview], int]:
-    """The header, the data chunks and the digest of a segment; sets each node's size
-    and checksum."""
-    if not blocks:
-        raise ValueError("a segment needs at least one block")
-    for (a, _), (b, _) in zip(blocks, blocks[1:]):
-        if b.position != a.end or b.parent != a.key:
-            raise ValueError("a segment's blocks must be consecutive blocks of one chain")
-    # One segment, one model: a chain that starts at position 0 hangs from the root.
-    if blocks[0][0].position == 0 and blocks[0][0].parent != root:
-        raise ValueError("a segment's first block is not under its model's root")
-    if len(root) != 16:
-        raise ValueError("a model root key has 16 bytes")
-    flat = [
-        {f"{lid}.{f}": x for lid, part in tensors.items() for f, x in part.items()}
-        for _, tensors in blocks
-    ]
-    sliced: dict[str, list] = {}  # name -> [dtype, batch, heads, width, first block]
-    for i, ((node, _), tensors) in enumerate(zip(blocks, flat)):
-        for name in sorted(tensors):
-            shape = _shape(tensors[name])
-            if not is_sliced(name, shape, node.n_tokens):
-                continue
-            spec = [_dtype(tensors[name]), shape[0], shape[1], shape[3]]
-            if name not in sliced:
-                sliced[name] = spec + [i]
-            elif sliced[name][:4] != spec:
-                raise ValueError(f"{name}: blocks of one segment disagree on dtype or shape")
-    for name, (*_, first) in sliced.items():
-        if any(name not in t for t in flat[first:]):
-            raise ValueError(f"{name}: a block after the first holding it lacks it")
-    chunks: list[memoryview] = []
-    whole = xxhash.xxh3_64()
-    row_pieces: dict[str, list[np.ndarray]] = {}  # name -> per block (from first), its rows
-    tensors_of: dict[str, dict] = {}  # safetensors entries, in data order
-    firsts: dict[str, int] = {}
-    at = 0
-    for name in sorted(sliced):
-        dtype, batch, heads, width, first = sliced[name]
-        rows = batch * heads
-        pieces = [_rows(flat[i][name], rows) for i in range(first, len(blocks))]
-        row_pieces[name] = pieces
-        joined = _joined_rows(pieces)
-        h = xxhash.xxh3_64()
-        begin = at
-        for r in range(rows):
-            for run in joined:
-                chunks.append(run[r])
-                h.update(run[r])
-                at += run.shape[1]
-        whole.update(h.intdigest().to_bytes(8, "little"))
-        tokens = sum(node.n_tokens for node, _ in blocks[first:])
-        tensors_of[name] = {"dtype": dtype, "shape": [batch, heads, tokens, width], "data_offsets": [begin, at]}
-        firsts[name] = first
-    snaps: list[tuple[int, str, int]] = []  # (block, "<leaf>.<field>", digest)
-    for i, tensors in enumerate(flat):
-        for name in sorted(tensors):
-            if name in sliced and i >= sliced[name][4]:
-                continue
-            view = _bytes(tensors[name])
-            digest = xxhash.xxh3_64_intdigest(view)
-            snaps.append((i, name, digest))
-            whole.update(digest.to_bytes(8, "little"))
-            chunks.append(view)
-            tensors_of[f"b{i}.{name}"] = {
-                "dtype": _dtype(tensors[name]),
-                "shape": list(_shape(tensors[name])),
-                "data_offsets": [at, at + len(view)],
-            }
-            at += len(view)
-    if len(tensors_of) != len(sliced) + len(snaps):
-        raise ValueError("a snapshot's tensor name clashes with a field's")
-    records = []
-    for i, ((node, _), tensors) in enumerate(zip(blocks, flat)):
-        h = xxhash.xxh3_64()
-        size = 0
-        for name in sorted(sliced):
-            if i >= firsts[name]:
-                for row in row_pieces[name][i - firsts[name]]:  # rows in order, as a read sees them
-                    h.update(row)
-                    size += row.nbytes
-        for j, name, digest in snaps:
-            if j == i:
-                h.update(digest.to_bytes(8, "little"))
-                size += _bytes(tensors[name]).nbytes
-        node.segment, node.size, node.checksum = segment, size, h.intdigest()
-        checksum = f"{node.checksum:016x}"
-        records.append(
-            [node.key.hex(), node.parent.hex(), node.position, node.n_tokens, node.flags, size, checksum, node.extra or {}]
-        )
-    metadata = {
-        "format": SEGMENT_FORMAT,
-        "segment": segment.hex(),
-        "root": root.hex(),
-        "model": model.decode("utf-8"),  # a JSON record: the index's bytes, exactly
-        "block_size": str(int(block_size)),
-        "blocks": json.dumps(records, separators=(",", ":")),
-        "tokens": base64.b64encode(b"".join(node.tokens for node, _ in blocks)).decode(),
-        "fields": json.dumps(firsts, separators=(",", ":")),
-        "snaps": json.dumps({f"b{i}.{name}": f"{d:016x}" for i, name, d in snaps}, separators=(",", ":")),
-        "digest": f"{whole.intdigest():016x}",
-        "header_digest": "0" * 16,
-    }
-    text = json.dumps({"__metadata__": metadata, **tensors_of}, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # safetensors allows space padding; aligns the data
-    if len(text) > MAX_HEADER:  # ~1M tokens in one segment: a file no reader would open
-        raise ValueError(f"a segment header of {len(text):,} bytes is over the limit of {MAX_HEADER:,}")
-    head = len(text).to_bytes(8, "little") + text
-    at = head.index(DIGEST_MARK) + len(DIGEST_MARK)
-    head = head[:at] + f"{header_digest(head):016x}".encode() + head[at + 16 :]
-    return head, chunks, whole.intdigest()

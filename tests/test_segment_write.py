@@ -1,0 +1,178 @@
+"""The segment writer (`disk.segment_layout`): data first, hashed once as it goes,
+written in batches (from a second thread for large segments), the header last at offset
+0. Whatever the batching, threading or short writes, the file is the same v4 segment:
+safetensors opens it, every block checksum and the whole-segment digest verify, a fresh
+handle restores the exact KV. A write that fails in the second thread fails the store
+(counted), leaving no file behind.
+
+Real stores of the tiny model, real files; the batch size and the threshold of the
+second thread are set small so tiny segments take every path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import BLOCK, prefill, random_tokens
+from test_segment_format import _check_opens_everywhere, _fill, _index, _segments
+
+from persistent_prefix_cache import PersistentPrefixCache
+from persistent_prefix_cache.disk import segment_layout
+from persistent_prefix_cache.disk.segment import SegmentFiles
+
+
+def _prompts() -> list[list[int]]:
+    base = random_tokens(3 * BLOCK, seed=811, first=3)
+    return [base + random_tokens(2 * BLOCK + 7, seed=812, first=4), base + random_tokens(5, seed=813, first=5)]
+
+
+def _check_store(path, model, prompts, caches) -> None:
+    """Every segment opens everywhere and its digest verifies; a fresh handle restores
+    each prompt's KV exactly."""
+    assert _check_opens_everywhere(path) >= 4
+    files = SegmentFiles(str(path), readonly=True)
+    nodes, _, digests = _index(path)
+    assert digests and all(files.digest_of(s) == d for s, d in digests.items())
+    assert all(files.verify(n) is None for n in nodes.values())
+    with PersistentPrefixCache(path, model, block_size=BLOCK, memory_bytes=0, cost_model=False) as store:
+        for tokens, cache in zip(prompts, caches):
+            restored, rest = store.fetch(tokens)
+            assert restored is not None
+            n = len(tokens) - len(rest)
+            assert n >= len(tokens) - BLOCK
+            for got, want in zip(restored, cache):
+                assert mx.array_equal(got.keys[..., :n, :], want.keys[..., :n, :])
+                assert mx.array_equal(got.values[..., :n, :], want.values[..., :n, :])
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_segments_written_in_small_batches_are_valid_and_restore(tmp_path, model, monkeypatch, threaded):
+    monkeypatch.setattr(segment_layout, "BATCH_BYTES", 3000)  # many batches, ends mid-row
+    monkeypatch.setattr(segment_layout, "THREADED_BYTES", 0 if threaded else 1 << 60)
+    prompts = _prompts()
+    caches = _fill(tmp_path / "s", model, prompts, sync_writes=True)
+    _check_store(tmp_path / "s", model, prompts, caches)
+
+
+def test_short_writes_are_finished(tmp_path, model, monkeypatch):
+    real = segment_layout.pwritev
+    calls = []
+
+    def at_most_1000_bytes(fd, buffers, offset):  # the kernel may write less than asked
+        calls.append(offset)
+        views, left = [], 1000
+        for b in buffers:
+            v = memoryview(b).cast("B")[:left]
+            views.append(v)
+            left -= v.nbytes
+            if not left:
+                break
+        return real(fd, views, offset)
+
+    monkeypatch.setattr(segment_layout, "pwritev", at_most_1000_bytes)
+    monkeypatch.setattr(segment_layout, "THREADED_BYTES", 0)
+    prompts = _prompts()
+    caches = _fill(tmp_path / "s", model, prompts, sync_writes=True)
+    assert len(calls) > 10
+    _check_store(tmp_path / "s", model, prompts, caches)
+
+
+def test_segment_header_comes_first_and_data_follows(tmp_path, model):
+    prompts = _prompts()
+    _fill(tmp_path / "s", model, prompts, sync_writes=True)
+    for path in _segments(tmp_path / "s"):
+        raw = open(path, "rb").read()
+        n = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8 : 8 + n])
+        ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+        assert 8 + n + max(ends) == len(raw)  # nothing after the data, no gap before it
+        assert n % 8 == 0
+
+
+_FAILING_WRITER = r"""
+import resource, signal, sys
+sys.path.insert(0, sys.argv[2])
+from helpers import BLOCK, prefill, random_tokens
+from persistent_prefix_cache import PersistentPrefixCache
+from persistent_prefix_cache.disk import segment_layout
+from persistent_prefix_cache.tiny_model import load_tiny_model
+
+model = load_tiny_model(sys.argv[3])
+segment_layout.THREADED_BYTES = 0  # the data goes out from the second thread
+tokens = random_tokens(6 * BLOCK, seed=821, first=3)
+_, cache = prefill(model, tokens)
+with PersistentPrefixCache(sys.argv[1], model, block_size=BLOCK, sync_writes=True) as store:
+    store.flush()
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails: EFBIG
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))
+    store.store(tokens, cache)
+    print(store.stats()["write_errors"])
+"""
+
+
+def test_a_failed_write_in_the_second_thread_fails_the_store_and_leaves_nothing(tmp_path, tiny_model_dir):
+    tests = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run(
+        [sys.executable, "-c", _FAILING_WRITER, str(tmp_path / "s"), tests, str(tiny_model_dir)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "1"  # counted as one write error
+    assert _segments(tmp_path / "s") == []
+    assert os.listdir(tmp_path / "s" / "tmp") == []
+    nodes, _, digests = _index(tmp_path / "s")
+    assert nodes == {} and digests == {}
+
+
+def test_block_writes_queued_behind_a_busy_writer_share_one_commit(tmp_path, model):
+    """Stores queued while the writer is busy are committed together, in order: a
+    prompt extending the one before it (its first new block's parent is in the
+    segment written just before) is stored whole, and everything restores."""
+    base = random_tokens(2 * BLOCK, seed=831, first=3)
+    prompts = [base, base + random_tokens(2 * BLOCK, seed=832), random_tokens(3 * BLOCK + 4, seed=833, first=4)]
+    caches = [prefill(model, p)[1] for p in prompts]
+    with PersistentPrefixCache(tmp_path / "s", model, block_size=BLOCK, memory_bytes=0) as store:
+        store.flush()
+        gate = threading.Event()
+        store.writeback.submit(gate.wait, data=False)  # the writer is busy until the gate opens
+        before = store.index.env.info()["last_txnid"]
+        for tokens, cache in zip(prompts, caches):
+            store.store(tokens, cache)
+        gate.set()
+        store.flush()
+        commits = store.index.env.info()["last_txnid"] - before
+        assert store.stats()["write_errors"] == 0
+    assert commits == 1  # three segments, one index transaction
+    assert len(_segments(tmp_path / "s")) == 3
+    _check_store(tmp_path / "s", model, prompts, caches)
+
+
+def test_a_data_job_between_queued_stores_splits_the_group_commit(tmp_path, model):
+    """No block write is committed ahead of a data job queued before it: stores queued
+    on either side of one commit in two groups, in order."""
+    base = random_tokens(2 * BLOCK, seed=841, first=3)
+    prompts = [base, base + random_tokens(2 * BLOCK, seed=842), base + random_tokens(3 * BLOCK, seed=843)]
+    caches = [prefill(model, p)[1] for p in prompts]
+    ran = []
+    with PersistentPrefixCache(tmp_path / "s", model, block_size=BLOCK, memory_bytes=0) as store:
+        store.flush()
+        gate = threading.Event()
+        store.writeback.submit(gate.wait, data=False)
+        before = store.index.env.info()["last_txnid"]
+        store.store(prompts[0], caches[0])
+        store.writeback.submit(lambda: ran.append(store.index.env.info()["last_txnid"] - before))
+        store.store(prompts[1], caches[1])
+        store.store(prompts[2], caches[2])
+        gate.set()
+        store.flush()
+        commits = store.index.env.info()["last_txnid"] - before
+    assert ran == [1]  # the first store was committed before the job, the others after
+    assert commits == 2
+    _check_store(tmp_path / "s", model, prompts, caches)
