@@ -225,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small", action="store_true", help="a tiny model (to check the script on a CPU)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--dir", default=None, help="scratch folder")
-    p.add_argument("--precompute", default="16x4096", help="PROMPTSxTOKENS of the precompute figures ('' skips)")
+    p.add_argument("--precompute", default=None,
+                   help="PROMPTSxTOKENS of the precompute figures ('' skips; default 16x4096, 2x256 with --small)")  # fmt: skip
     p.add_argument("--fingerprint", action="store_true", help="also time the weight hash of a first open")
     args = p.parse_args(argv)
     model = build(SMALL if args.small else SHAPE_8B)
@@ -235,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         "mlx": mx.__version__,
         "cases": [case(model, int(n), args.repeat, work) for n in args.tokens.split(",")],
     }
+    if args.precompute is None:
+        args.precompute = "2x256" if args.small else "16x4096"
     if args.precompute:
         prompts, _, tokens = args.precompute.partition("x")
         results["precompute"] = bench_precompute.precompute_figures(
