@@ -130,3 +130,13 @@ def start_writeback(fd: int, offset: int = 0, nbytes: int = 0) -> None:
     """
     if _SYNC_FILE_RANGE is not None:
         _SYNC_FILE_RANGE(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE
+
+
+def fsync_dir(path: str) -> None:
+    """Make a folder's entries durable (a rename or a new file in it): `durable_fsync`
+    of the folder itself."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        durable_fsync(fd)
+    finally:
+        os.close(fd)

@@ -37,7 +37,7 @@ from .index import Index
 from .manifest import Manifest, read_manifest
 from .node import Node
 from .segment import SegmentFiles
-from .portable import durable_fsync
+from .portable import fsync_dir
 
 DEFAULT_BLOCK_SIZE = 64
 
@@ -78,14 +78,6 @@ class RebuildReport:
             "aside": self.aside,
             "resumed": self.resumed,
         }
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        durable_fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _segment_paths(store: str) -> list[str]:
@@ -163,10 +155,10 @@ def _finish_swap(store: str, stamp: str) -> str | None:
         aside = os.path.join(store, store_guard.ASIDE_PREFIX + stamp)
         os.makedirs(aside, exist_ok=True)
         os.rename(index, os.path.join(aside, "index"))
-        _fsync_dir(store)
+        fsync_dir(store)
         pause_point("rebuild_swap")
     os.rename(new, index)
-    _fsync_dir(store)
+    fsync_dir(store)
     return aside
 
 
@@ -247,7 +239,7 @@ def rebuild_index(store: str, *, block_size: int | None = None) -> RebuildReport
             index.close()
         pause_point("rebuild_built")
         os.rename(os.path.join(building, "index"), os.path.join(store, store_guard.COMPLETE))
-        _fsync_dir(store)
+        fsync_dir(store)
         shutil.rmtree(building, ignore_errors=True)
         report.aside = _finish_swap(store, stamp) or (aside if unusable else None)
     return report

@@ -48,19 +48,11 @@ from typing import Any, Callable, Sequence
 
 from .faults import pause_point
 from .node import Node
-from .portable import durable_fsync
+from .portable import durable_fsync, fsync_dir
 # SLICE_FIELDS and is_sliced: re-exported (the layout and the read path name them from here).
 from .segment_layout import SLICE_FIELDS, Sink, is_sliced, layout, pwritev_all  # noqa: F401
 from .segment_reader import OpenSegment
 from .store_dir import create_file, make_dirs
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        durable_fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -165,10 +157,10 @@ class SegmentFiles:
             folder = os.path.dirname(final)
             if not os.path.isdir(folder):
                 make_dirs(folder, self.root)
-                _fsync_dir(self.segments)
+                fsync_dir(self.segments)
             os.replace(tmp, final)
             if sync_folder:
-                _fsync_dir(folder)
+                fsync_dir(folder)
         except BaseException:
             self._remove(tmp)
             raise
@@ -182,7 +174,7 @@ class SegmentFiles:
             OSError: If a folder cannot be synced.
         """
         for folder in sorted({os.path.dirname(self.path_of(s)) for s in segments}):
-            _fsync_dir(folder)
+            fsync_dir(folder)
 
     # -- reading --------------------------------------------------------------------
 
