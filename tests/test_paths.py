@@ -24,6 +24,7 @@ from persistent_prefix_cache import (
 from persistent_prefix_cache.cli import main as ppc_main
 from persistent_prefix_cache.compat.lru_prompt_cache import PersistentLRUPromptCache
 from persistent_prefix_cache.disk.maintenance import StoreAdmin
+from persistent_prefix_cache.disk.store_dir import check_location
 from persistent_prefix_cache.paths import expand_path
 from persistent_prefix_cache.prefill import prefill
 
@@ -75,6 +76,15 @@ def test_store_and_model_path(home, model, tiny_model_dir):
     with pytest.raises(InvalidArgumentError, match="NOT_SET_ANYWHERE"):
         PersistentPrefixCache("$NOT_SET_ANYWHERE/kv", model)
     _nothing_literal(home)
+
+
+def test_a_bare_relative_store_name(home, model):
+    """`--store kv` / `PersistentPrefixCache("kv")`: a new store in the working directory (its parent is "")."""
+    with PersistentPrefixCache("kv", model, block_size=BLOCK) as store:
+        prefill(model, random_tokens(40, seed=1), store)
+    assert _is_store(home["work"] / "kv")
+    # ppc checks the place before it loads the model: that check once took "" for the parent folder.
+    assert check_location("kv2", what="--store") is False  # a store may be created there
 
 
 def test_compat_layers_take_expanded_paths(home, model):

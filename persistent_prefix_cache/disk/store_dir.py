@@ -235,7 +235,7 @@ def check_location(path: str, *, readonly: bool = False, what: str = "store") ->
             )
         place = path
     else:
-        place = os.path.dirname(path)
+        place = os.path.dirname(path) or os.curdir  # a bare name (`--store kv`) lives in the cwd
         while not os.path.lexists(place) and place != os.path.dirname(place):
             place = os.path.dirname(place)
         if not os.path.isdir(place):
