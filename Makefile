@@ -1,4 +1,5 @@
-# Quick start: `make demo` runs the warm-start demo, `make test` runs the tests.
+# Quick start: `make demo` runs the warm-start demo, `make test` runs the tests
+# (`make test-fast` leaves out the slow ones).
 # Both create .venv and install the package (with its test extra) on first use.
 PYTHON ?= python3
 # MLX's build on Linux: cpu (default) or cuda / cuda12 (`make install MLX=cuda`).
@@ -8,7 +9,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean servers
+.PHONY: demo test test-fast install clean servers
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +45,10 @@ servers:
 
 test: $(STAMP) servers
 	$(PY) -m pytest -q
+
+# The edit-and-check loop: every test but those marked slow (see pyproject.toml). Not what CI runs.
+test-fast: $(STAMP) servers
+	$(PY) -m pytest -q -m "not slow"
 
 clean:
 	rm -rf $(VENV) .demo .pytest_cache build *.egg-info
