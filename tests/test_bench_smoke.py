@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "tools" / "bench.py"
 
 CASE_FIGURES = [
@@ -51,6 +53,7 @@ def positive(value) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
+@pytest.mark.slow
 def test_bench_smoke_reports_every_figure(tmp_path):
     plot = tmp_path / "restore.png"
     proc = subprocess.run(
@@ -132,6 +135,7 @@ def test_bench_smoke_reports_every_figure(tmp_path):
     assert not list(tmp_path.glob("ppc-bench-*"))
 
 
+@pytest.mark.slow
 def test_gpu_case_reports_the_restarted_rows():
     """`tools/gpu_bench.py --small` (the GPU case's script, on whatever device is here)
     reports the fresh handle's 1st/2nd/3rd fetch against the cold prefill, the 3rd

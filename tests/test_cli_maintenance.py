@@ -94,6 +94,7 @@ def test_store_from_environment_and_missing_store(filled, tmp_path):
     assert "no store at" in err
 
 
+@pytest.mark.slow
 def test_check_finds_and_fixes_damage(filled, model):
     store_dir, prompts = filled
     assert ppc_json("check", "--store", store_dir)["clean"]
@@ -124,6 +125,7 @@ def test_check_finds_and_fixes_damage(filled, model):
         assert store.stats()["corrupt"] == 0
 
 
+@pytest.mark.slow
 def test_gc_evicts_to_budget(filled):
     store_dir, _ = filled
     before = ppc_json("stats", "--store", store_dir)
@@ -136,6 +138,7 @@ def test_gc_evicts_to_budget(filled):
     assert ppc_json("gc", "--store", store_dir, "--max-bytes", "1G")["removed_blocks"] == 0
 
 
+@pytest.mark.slow
 def test_gc_by_model_and_by_age(store_dir, model, other_model, tiny_model_dir, other_model_dir):
     """`ppc gc --model` takes a folder (or hub id, or hash prefix) and removes that model's
     blocks only; `--unused-for` removes what was not used for that long, leaves first."""
@@ -175,6 +178,7 @@ def test_gc_by_model_and_by_age(store_dir, model, other_model, tiny_model_dir, o
     assert "not a duration" in ppc("gc", "--store", store_dir, "--unused-for", "soon", expect=2).stderr
 
 
+@pytest.mark.slow
 def test_export_import_roundtrip(filled, model, other_model, tmp_path):
     store_dir, prompts = filled
     # A second model in the same store: export must be able to take one model only.
@@ -221,6 +225,7 @@ def test_store_from_a_newer_version_is_refused_untouched(filled, model):
     assert sorted(segment_files(store_dir).items()) == before
 
 
+@pytest.mark.slow
 def test_top_level_usage():
     assert "commands:" in ppc("--help").stdout
     assert "unknown command" in ppc("frobnicate", expect=2).stderr

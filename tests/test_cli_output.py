@@ -63,6 +63,7 @@ def test_check_fix_counts_the_files_it_removed(filled):
     assert report["clean"] and report["removed_files"] == 0
 
 
+@pytest.mark.slow
 def test_stats_says_query_hits_and_inspect_says_block_hits(filled, model):
     with PersistentPrefixCache(filled, model) as store:
         store.fetch(random_tokens(40, seed=1, first=1) + [3])  # 3 blocks restored: one query
@@ -125,6 +126,7 @@ def test_precompute_explains_blocks_written_and_in_store(tmp_path, tiny_model_di
     assert "blocks written (this run)" in text and f"blocks in store (all writers)  {now} -> {now}" in text
 
 
+@pytest.mark.slow
 def test_two_precompute_runs_at_once_count_only_their_own_writes(tmp_path, tiny_model_dir):
     """Two runs on one store at the same time (disjoint prompts): each reports what it
     wrote itself, the same as it writes alone into an empty store."""
@@ -193,6 +195,7 @@ def test_an_unknown_command_suggests_the_nearest():
     assert "did you mean generate?" in done.stderr.splitlines()[0]
 
 
+@pytest.mark.slow
 def test_serve_names_a_misspelt_option_before_anything_else(tmp_path):
     done = _ppc("serve", "--stor", tmp_path / "s")
     assert done.returncode == 2

@@ -134,6 +134,7 @@ def test_precompute_reads_text_jsonl_and_stdin(filled, inputs):
     assert (store / "index").is_dir()
 
 
+@pytest.mark.slow
 def test_shared_system_prompt_is_prefilled_once(model_dir, inputs, tmp_path):
     # One chat alone, read from piped stdin with no inputs (JSONL is recognised).
     alone1 = ok_json(
@@ -174,6 +175,7 @@ def test_shared_system_prompt_is_prefilled_once(model_dir, inputs, tmp_path):
 # -- generate -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_generate_warm_matches_cold_and_stores_the_new_prefix(filled, model_dir, tmp_path):
     store, _ = filled
     warm = ok_json(generate(model_dir, store, "--prompt", QUESTION, "--json"))
@@ -200,6 +202,7 @@ def test_generate_warm_matches_cold_and_stores_the_new_prefix(filled, model_dir,
     assert int(stats["restored from the store"].replace(",", "")) == cold["prompt_tokens"] - 2
 
 
+@pytest.mark.slow
 def test_hybrid_model_resumes_from_precomputed_blocks(inputs, tmp_path):
     hybrid = write_tiny_model(tmp_path / "hybrid", seed=0, **HYBRID)
     store = tmp_path / "store"
@@ -268,6 +271,7 @@ def _error_cases(model, store, inputs, tmp):
 ERROR_CASES = list(_error_cases(Path("m"), Path("s"), Path("i"), Path("t")))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ERROR_CASES)
 def test_user_mistakes_exit_2_with_a_clear_message(case, filled, model_dir, inputs, tmp_path):
     store, _ = filled

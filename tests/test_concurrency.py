@@ -54,6 +54,7 @@ def assert_fetch(store, model, query, matched: int) -> None:
 # -- 8. four processes x four threads ---------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_four_processes_four_threads_on_one_store(tmp_path, tiny_model_dir):
     store_dir = tmp_path / "store"
     proc = subprocess.run(
@@ -201,6 +202,7 @@ def forked(tiny_model_dir, model, tmp_path_factory):
     return prompt, new, report
 
 
+@pytest.mark.slow
 def test_child_of_a_fork_opens_the_store_anew(forked):
     prompt, new, report = forked
     child = report["child"]
@@ -213,6 +215,7 @@ def test_child_of_a_fork_opens_the_store_anew(forked):
     assert parent["fetch_new"] == [len(new), True]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("call", ["fetch", "store"])
 def test_inherited_handle_refuses_use_in_the_child(forked, call):
     outcome = forked[2]["child"]["inherited"][call]
@@ -220,6 +223,7 @@ def test_inherited_handle_refuses_use_in_the_child(forked, call):
     assert "fork" in outcome[1] and "open the store again" in outcome[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("call", ["stats", "sweep_orphans", "flush"])
 def test_inherited_handle_refuses_every_call_in_the_child(forked, call):
     # Regression: stats() and sweep_orphans() raised lmdb.Error, flush() hung forever
@@ -277,6 +281,7 @@ def test_writable_handle_after_a_readonly_one_in_one_process(store_dir, model):
 # -- races -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_map_growth_under_concurrent_fetches(tmp_path, model, monkeypatch):
     # Regression: growing the map (set_mapsize) invalidated the read transactions of the
     # store's other threads: fetch() and store() raised lmdb errors, and a thread could

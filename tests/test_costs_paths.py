@@ -43,6 +43,7 @@ def _records(store_dir) -> dict:
         return json.load(f)["models"]
 
 
+@pytest.mark.slow
 def test_costs_persist_across_a_restart_per_device_kind(store_dir, model, tiny_model_dir):
     with PersistentPrefixCache(store_dir, model, block_size=BLOCK):
         pass  # make the store
@@ -142,6 +143,7 @@ def costs_serve_model_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("costs_serve_model"), seed=0, **SHAPE)
 
 
+@pytest.mark.slow
 def test_serve_measures_once_per_model_and_device_and_remembers(costs_serve_model_dir, tmp_path):
     store = tmp_path / "store"
     with Server(costs_serve_model_dir, store, tmp_path / "one.log") as server:

@@ -88,6 +88,7 @@ def assert_restores(store_dir, model, expected: dict) -> None:
 # -- 1. kill -9 at each step of a block write ---------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", ["before_rename", "before_commit", "after_commit"])
 def test_kill9_during_a_write(tmp_path, store_dir, committed, model, tiny_model_dir, point):
     a, b, p = committed
@@ -169,6 +170,7 @@ def test_kill9_during_a_write(tmp_path, store_dir, committed, model, tiny_model_
 # -- 2. kill -9 inside the LMDB write transaction -------------------------------------------
 
 
+@pytest.mark.slow
 def test_kill9_inside_the_write_transaction(tmp_path, store_dir, committed, model, tiny_model_dir):
     a, b, _ = committed
     # R is new from its first block, so the writer's first write transaction is the
@@ -255,6 +257,7 @@ def test_kill9_inside_the_write_transaction(tmp_path, store_dir, committed, mode
     ],
     ids=["read_only", "writable"],
 )
+@pytest.mark.slow
 def test_open_during_another_process_commit_does_not_wait(
     tmp_path, store_dir, committed, tiny_model_dir, readonly
 ):
@@ -305,6 +308,7 @@ _DIES_READING = """
 """
 
 
+@pytest.mark.slow
 def test_reader_killed_mid_transaction_does_not_bloat_the_index(
     tmp_path, store_dir, committed, model, tiny_model_dir
 ):
@@ -412,6 +416,7 @@ def index_source(tiny_model_dir, tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", INDEX_DAMAGE.values(), ids=INDEX_DAMAGE.keys())
 def test_damaged_index_is_a_typed_error(tmp_path, index_source, damage):
     store = tmp_path / "store"
@@ -435,6 +440,7 @@ def test_damaged_index_is_a_typed_error(tmp_path, index_source, damage):
 SMALL_MAP = 256 * 1024
 
 
+@pytest.mark.slow
 def test_full_map_grows_and_other_processes_follow(tmp_path, store_dir, model, tiny_model_dir):
     env = {"PPC_INITIAL_MAP_SIZE": str(SMALL_MAP)}
     block = 4  # small blocks: many index records per byte of KV
@@ -557,6 +563,7 @@ def test_disk_full_fails_cleanly(small_tmpfs, model):
     [(4096, "could not write blocks"), (24576, "could not commit blocks")],
     ids=["block_file_fails", "index_commit_fails"],
 )
+@pytest.mark.slow
 def test_file_size_quota_fails_cleanly(
     tmp_path, store_dir, committed, model, tiny_model_dir, limit, failure
 ):

@@ -114,24 +114,33 @@ def test_every_page_is_linked_from_the_readme():
     assert not orphans, f"docs pages the README does not link: {orphans}"
 
 
-def _runnable_blocks() -> list[tuple[str, str, str]]:
-    """(id, language, code) of every block whose fence follows a `<!-- runnable -->` line."""
-    blocks = []
+def _runnable_blocks() -> tuple[list[tuple[str, str, str]], list[str]]:
+    """(id, language, code) of every block whose fence follows a `<!-- runnable -->` line outside code,
+    and the markers that do not (a marker before no fence, or before a block of another language)."""
+    blocks, problems = [], []
     for page in PAGES:
         lines = page.read_text().splitlines()
-        for i, line in enumerate(lines):
+        for number, line in _prose_lines(page.read_text()):
             if line.strip() != MARKER:
                 continue
-            fence = _FENCE.match(lines[i + 1].strip()) if i + 1 < len(lines) else None
-            assert fence, f"{page.name}:{i + 1}: {MARKER} must be the line right before a code fence"
-            language = LANGUAGES.get(fence.group(2))
-            assert language, f"{page.name}:{i + 2}: a runnable block must be one of {sorted(LANGUAGES)}"
-            end = next(j for j in range(i + 2, len(lines)) if lines[j].strip().startswith(fence.group(1)))
-            blocks.append((f"{page.relative_to(ROOT)}:{i + 2}", language, "\n".join(lines[i + 2:end]) + "\n"))
-    return blocks
+            where = f"{page.relative_to(ROOT)}:{number + 1}"
+            fence = _FENCE.match(lines[number].strip()) if number < len(lines) else None
+            if not fence:
+                problems.append(f"{where}: {MARKER} must be the line right before a code fence")
+            elif fence.group(2) not in LANGUAGES:
+                problems.append(f"{where}: a runnable block must be one of {sorted(LANGUAGES)}")
+            else:
+                end = next(j for j in range(number + 1, len(lines)) if lines[j].strip().startswith(fence.group(1)))
+                blocks.append((where, LANGUAGES[fence.group(2)], "\n".join(lines[number + 1:end]) + "\n"))
+    return blocks, problems
 
 
-BLOCKS = _runnable_blocks()
+BLOCKS, MARKER_PROBLEMS = _runnable_blocks()
+
+
+def test_every_runnable_marker_marks_a_block_that_runs():
+    """A marker that marks nothing (a typo, a language we cannot run) would let an example go untested."""
+    assert not MARKER_PROBLEMS, "\n".join(MARKER_PROBLEMS)
 
 
 def test_the_readme_has_runnable_examples():

@@ -67,6 +67,7 @@ def qwen2_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("qwen2"), seed=0, **spec)
 
 
+@pytest.mark.slow
 def test_max_kv_size_stores_the_rotating_cache_apart(tmp_path, qwen2_dir):
     store = tmp_path / "store"
     twice(qwen2_dir, store, "--max-kv-size", "40")  # shorter than the prompt: it wraps
@@ -78,6 +79,7 @@ def test_max_kv_size_stores_the_rotating_cache_apart(tmp_path, qwen2_dir):
     assert proc.returncode == 2 and "holds this model's KV made with RotatingKVCache" in proc.stderr
 
 
+@pytest.mark.slow
 def test_max_kv_size_is_noted_where_mlx_lm_ignores_it(tmp_path, tiny_model_dir):
     # llama builds its own cache: mlx_lm.generate drops --max-kv-size there, and so do we.
     proc = ppc("--model", tiny_model_dir, "--store", tmp_path / "store", "--prompt", PROMPT,
@@ -86,6 +88,7 @@ def test_max_kv_size_is_noted_where_mlx_lm_ignores_it(tmp_path, tiny_model_dir):
     assert "Rotating" not in _layouts(tmp_path / "store")[0]
 
 
+@pytest.mark.slow
 def test_draft_model_keeps_both_models_kv(tmp_path, tiny_model_dir, other_model_dir):
     store = tmp_path / "store"
     cold, _ = twice(tiny_model_dir, store, "--draft-model", other_model_dir, "--num-draft-tokens", "2")
@@ -119,6 +122,7 @@ def adapter_dir(tmp_path, tiny_model_dir):
     return path
 
 
+@pytest.mark.slow
 def test_adapter_path_is_a_model_of_its_own(tmp_path, tiny_model_dir, adapter_dir):
     store = tmp_path / "store"
     plain, _ = twice(tiny_model_dir, store)
@@ -131,11 +135,13 @@ def test_adapter_path_is_a_model_of_its_own(tmp_path, tiny_model_dir, adapter_di
     assert missing.returncode == 2 and "--adapter-path" in missing.stderr and "no such folder" in missing.stderr
 
 
+@pytest.mark.slow
 def test_trust_remote_code_is_accepted(tmp_path, tiny_model_dir):
     cold, _ = twice(tiny_model_dir, tmp_path / "store", "--trust-remote-code")
     assert cold["generation_tokens"] == 6
 
 
+@pytest.mark.slow
 def test_summary_lines_and_verbose(tmp_path, tiny_model_dir):
     args = ["--model", tiny_model_dir, "--store", tmp_path / "store", "--prompt", PROMPT, "-m", "4",
             "--ignore-chat-template"]  # fmt: skip
@@ -161,6 +167,7 @@ def test_summary_lines_and_verbose(tmp_path, tiny_model_dir):
         (["--max-kv-size", "0"], "--max-kv-size must be at least 1"),
     ],
 )
+@pytest.mark.slow
 def test_combinations_that_cannot_work_are_refused(tmp_path, tiny_model_dir, extra, says):
     proc = ppc("--model", tiny_model_dir, "--store", tmp_path / "store", "--prompt", "x", *extra)
     assert proc.returncode == 2 and says in proc.stderr
@@ -175,6 +182,7 @@ def _framed_text(stdout: str) -> str:
     return "\n".join(lines[first + 1 : last])
 
 
+@pytest.mark.slow
 def test_seed_samples_what_mlx_lm_samples(tmp_path, tiny_model_dir):
     """Same flags, same text: `ppc generate --seed S --temp T` cold and warm, and
     mlx-lm's own `generate` (which seeds before it loads the model)."""
@@ -215,12 +223,14 @@ def test_every_mlx_lm_generate_flag_is_taken():
         (["--image", "a.png"], "--image is not supported"),
     ],
 )
+@pytest.mark.slow
 def test_flags_we_cannot_honour_are_refused_with_a_reason(tmp_path, tiny_model_dir, extra, says):
     proc = ppc("--model", tiny_model_dir, "--store", tmp_path / "store", "--prompt", "x", *extra)
     assert proc.returncode == 2 and says in proc.stderr
     assert not (tmp_path / "store").exists()
 
 
+@pytest.mark.slow
 def test_xtc_and_activation_flags_sample_what_mlx_lm_samples(tmp_path, tiny_model_dir):
     flags = ["--model", str(tiny_model_dir), "--prompt", PROMPT, "-m", "10", "--ignore-chat-template",
              "--seed", "3", "--temp", "0.8", "--xtc-probability", "0.5", "--xtc-threshold", "0.05",

@@ -92,6 +92,7 @@ def _sweep(source, tiny_model_dir, tmp_path, **extra) -> tuple[int, list[dict]]:
     return pages, lines
 
 
+@pytest.mark.slow
 def test_every_damaged_index_page_is_found_and_rebuilt(source, tiny_model_dir, tmp_path):
     pages, lines = _sweep(source, tiny_model_dir, tmp_path)
     runs = [r for line in lines if "check" in line for r in (line["check"], line["fix"])]
@@ -183,6 +184,7 @@ def _assert_all_restore(store, model, source) -> None:
         assert cache_store.stats()["corrupt"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", ["in_write_txn", "rebuild_built", "rebuild_swap"])
 def test_rebuild_killed_midway_then_finished_by_a_rerun(source, model, tmp_path, point):
     import signal
@@ -225,6 +227,7 @@ def test_rebuild_killed_midway_then_finished_by_a_rerun(source, model, tmp_path,
     _assert_all_restore(store, model, source)
 
 
+@pytest.mark.slow
 def test_a_repair_refuses_while_the_store_is_open_elsewhere(source, model, tmp_path):
     import shutil
 
@@ -291,6 +294,7 @@ def test_a_forked_child_closing_its_copy_keeps_the_parents_lock(source, tmp_path
     assert run_python(code, str(store)).stdout.strip() == "busy"
 
 
+@pytest.mark.slow
 def test_rebuild_sets_a_damaged_segment_aside_and_keeps_everything_else(source, model, tmp_path):
     from persistent_prefix_cache.disk.manifest import read_manifest
     from persistent_prefix_cache.keys import block_key
@@ -331,6 +335,7 @@ def test_rebuild_sets_a_damaged_segment_aside_and_keeps_everything_else(source, 
         assert cache_store.stats()["corrupt"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", [["stats"], ["inspect"], ["gc", "--max-bytes", "0"], ["export"]])
 def test_every_command_on_a_damaged_index_is_one_error_line(source, tmp_path, command):
     from persistent_prefix_cache.disk.index_probe import probe_index
@@ -461,6 +466,7 @@ def test_a_rebuild_keeps_the_block_size_when_no_block_is_full(tmp_path):
             assert len(tokens) - len(handle.fetch(tokens)[1]) == len(tokens) - 1
 
 
+@pytest.mark.slow
 def test_a_serving_process_on_a_damaged_index_gets_hits_or_misses(source, tiny_model_dir, tmp_path):
     """Before anyone runs `ppc check`: a process that opens the damaged store with the
     library and fetches every prompt gets one typed error at open, or exact hits and

@@ -59,6 +59,7 @@ def test_read_only_open_of_an_older_store_says_to_migrate_and_changes_nothing(le
     assert _snapshot(path) == before and _version(path) == int(schema[1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schema, pending", [("v1", [2, 3, 4]), ("v2", [3, 4])])
 def test_ppc_migrate_converts_an_older_store_in_place(legacy, schema, pending):
     path = legacy[schema]
@@ -84,6 +85,7 @@ def test_a_writable_open_migrates(legacy):
     assert ppc_check(legacy["v2"])[1]["clean"]
 
 
+@pytest.mark.slow
 def test_a_damaged_block_file_is_dropped_by_the_migration(legacy):
     # A read would have found the damage: the migration drops the block and what was
     # stored after it, and everything else restores exactly.
@@ -106,6 +108,7 @@ def test_a_damaged_block_file_is_dropped_by_the_migration(legacy):
             assert_same_logits(warm_logits(model, cache, remaining), cold_logits(model, tokens))
 
 
+@pytest.mark.slow
 def test_kill9_during_the_migration_leaves_the_old_store(tmp_path, legacy):
     path = legacy["v2"]
     before = _snapshot(path)
@@ -154,6 +157,7 @@ def _v3_records(path) -> tuple[dict, dict, dict]:
         index.close()
 
 
+@pytest.mark.slow
 def test_ppc_migrate_rewrites_v3_segments_as_v4_and_restores_bitwise(legacy_v3):
     from persistent_prefix_cache.disk.manifest import read_manifest
 
@@ -224,6 +228,7 @@ def test_a_damaged_v3_segment_drops_its_blocks_and_what_follows(legacy_v3):
         assert store.stats()["corrupt"] == 0
 
 
+@pytest.mark.slow
 def test_kill9_during_the_v4_migration_leaves_the_v3_store(tmp_path, legacy_v3):
     path = legacy_v3["v3"]
     before = _snapshot(path)

@@ -246,6 +246,7 @@ def _generate(model, store, *, note: str | None = None):
     return ok_json(proc)
 
 
+@pytest.mark.slow
 def test_ppc_generate_never_restores_another_models_kv(two, tmp_path):
     store = tmp_path / "store"
     as_a = _generate(two.a, store)  # A's KV of the prompt, under A's fingerprint
@@ -262,6 +263,7 @@ def test_ppc_generate_never_restores_another_models_kv(two, tmp_path):
     assert again["restored_tokens"] > 0 and again["logprobs"] == cold["logprobs"]
 
 
+@pytest.mark.slow
 def test_ppc_inspect_and_stats_name_each_model_and_forget_forgets(two, tmp_path):
     store = tmp_path / "store"
     _generate(two.a, store)
@@ -312,6 +314,7 @@ def test_compat_layers_never_restore_another_models_kv(two, tmp_path):
         PrefixCacheManager(two.model_a, store=PersistentPrefixCache(tmp_path / "other", two.model_a, model_path=two.b))
 
 
+@pytest.mark.slow
 def test_ppc_serve_never_restores_another_models_kv(two, tmp_path):
     from test_serve import FIRST, Server, _answer
 

@@ -161,6 +161,7 @@ def test_cli_unset_variable_is_a_clear_error(home, capsys):
     _nothing_literal(home)
 
 
+@pytest.mark.slow
 def test_precompute_and_generate_with_tilde_paths(home, tiny_model_dir):
     """The whole CLI path in real processes: model, inputs and store all under ``~``."""
     os.symlink(tiny_model_dir, home["home"] / "model")

@@ -217,6 +217,7 @@ def test_a_shared_store_gives_its_group_read_write_never_others(tmp_path, model,
     assert not (tmp_path / "never").exists()
 
 
+@pytest.mark.slow
 def test_ppc_check_warns_about_a_store_others_can_read_and_fix_makes_it_private(tmp_path, model, umask):
     umask(0o022)
     store = tmp_path / "old"
@@ -344,6 +345,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_library_entry_points_refuse_an_unwritable_place_and_create_nothing(runner, open_root, tiny_model_dir):
     model_dir = open_root / "model"
     shutil.copytree(tiny_model_dir, model_dir)
@@ -371,6 +373,7 @@ def test_library_entry_points_refuse_an_unwritable_place_and_create_nothing(runn
 # -- 2. commands on a store this user cannot write ------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_commands_on_an_unwritable_store_end_in_one_error_line(runner, open_root, model, legacy, tiny_model_dir):
     store = open_root / "target" / "store"
     fill(store, model)
@@ -417,6 +420,7 @@ def test_commands_on_an_unwritable_store_end_in_one_error_line(runner, open_root
     assert tree(open_root / "target") == before
 
 
+@pytest.mark.slow
 def test_another_users_private_store_is_named_so(runner, open_root, model):
     if runner.how == "read-only mount":
         pytest.skip("a read-only mount of one's own store is readable")

@@ -101,6 +101,7 @@ def test_start_writeback_is_optional(monkeypatch, data_file):
     portable.start_writeback(data_file)  # nothing to do, and no error
 
 
+@pytest.mark.slow
 def test_restart_crash_and_damage_tests_pass_without_the_linux_calls(tmp_path):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(

@@ -387,6 +387,7 @@ RESTART_FETCH = """
 """
 
 
+@pytest.mark.slow
 def test_restart_hit_in_a_fresh_process(model, tiny_model_dir, tmp_path):
     prompt = random_tokens(100, seed=31, first=31)
     queries = {"same": prompt, "longer": prompt + random_tokens(9, seed=32)}

@@ -242,6 +242,7 @@ def test_a_path_partly_in_the_tier_admits_the_rest(tmp_path, model):
         assert counts["memory_admitted"] == 7 and counts["bytes_in_memory"] == counts["memory_admitted_bytes"] == total
 
 
+@pytest.mark.slow
 def test_a_restarted_process_learns_the_hot_prefix(tmp_path, tiny_model_dir):
     """Real processes: one stores and exits; a new one (empty RAM tier) fetches the same
     prompt three times and serves the third from the tier, every answer exact."""

@@ -323,6 +323,7 @@ def _readonly_mount(folder: str) -> list[str] | None:
     return ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", folder]
 
 
+@pytest.mark.slow
 def test_unwritable_store_serves_hits_and_warns_once(tmp_path, model, tiny_model_dir):
     store_dir = str(tmp_path / "store")
     a = random_tokens(2 * BLOCK + 5, seed=310, first=1)

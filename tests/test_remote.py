@@ -72,6 +72,7 @@ def test_secret_and_ttl_need_a_remote(tmp_path, model):
         PersistentPrefixCache(tmp_path / "s", model, remote="redis://h:1", remote_ttl=0)
 
 
+@pytest.mark.slow
 def test_core_install_does_not_import_redis_and_missing_redis_is_a_clear_error(tmp_path, tiny_model_dir):
     code = f"""
 import sys

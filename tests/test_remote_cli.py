@@ -48,6 +48,7 @@ def test_a_bad_remote_url_is_one_line_and_exit_2(tmp_path, tiny_model_dir, ppc, 
     assert len(lines) == 1 and "remote URL" in lines[0] and "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_precompute_push_pull_between_hosts(tmp_path, tiny_model_dir, redis_server, ppc):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"document {i} " * 40}) + "\n" for i in range(3)))

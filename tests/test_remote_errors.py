@@ -90,6 +90,7 @@ def test_a_cluster_has_db_0_only(tmp_path, model):
         PersistentPrefixCache(tmp_path / "s", model, remote="redis+cluster://127.0.0.1:7000/2")
 
 
+@pytest.mark.slow
 def test_a_bad_db_from_ppc_is_one_line_and_exit_2(tmp_path, tiny_model_dir, filled):
     line = one_error(ppc("push", "--store", filled, "--remote", "redis://127.0.0.1:6379/abc"))
     assert "the db must be a number >= 0, not 'abc'" in line
@@ -98,6 +99,7 @@ def test_a_bad_db_from_ppc_is_one_line_and_exit_2(tmp_path, tiny_model_dir, fill
     assert "the db must be a number >= 0, not 'abc'" in line
 
 
+@pytest.mark.slow
 def test_a_db_the_server_lacks_is_said_by_every_command(tmp_path, model, tiny_model_dir, filled, prompts, redis_server):
     url = f"{redis_server.url}/99"
     said = f"{url}: the server has 16 databases (0-15), not db 99"
@@ -129,6 +131,7 @@ def _free_port() -> int:
 # -- a wrong secret ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_pull_with_a_wrong_secret_fails_and_says_so(tmp_path, tiny_model_dir, filled, prompts, redis_server):
     url = redis_server.url
     pushed = ppc("push", "--store", filled, "--remote", url, "--json", env={"PPC_REMOTE_SECRET": "fleet-one"})
@@ -171,6 +174,7 @@ def test_a_wrong_secret_is_a_counted_miss_said_once(tmp_path, model, redis_serve
 # -- a server that cannot be reached -----------------------------------------------------
 
 
+@pytest.mark.slow
 def test_push_and_pull_stop_when_the_server_cannot_be_reached(tmp_path, tiny_model_dir, filled, dead_url):
     line = one_error(ppc("push", "--store", filled, "--remote", dead_url))
     assert line.startswith(f"error: cannot reach {dead_url}: connection refused; nothing was pushed"), line
@@ -179,6 +183,7 @@ def test_push_and_pull_stop_when_the_server_cannot_be_reached(tmp_path, tiny_mod
     assert not (tmp_path / "b").exists()  # stopped before opening (or making) a store
 
 
+@pytest.mark.slow
 def test_generate_and_precompute_go_on_locally_and_say_it_once(tmp_path, tiny_model_dir, filled, prompts, dead_url):
     said = f"cannot reach {dead_url}: connection refused; serving from the local store only"
     gen = ppc("generate", "--model", tiny_model_dir, "--store", filled, "--prompt", "a document about caches " * 8,
@@ -194,6 +199,7 @@ def test_generate_and_precompute_go_on_locally_and_say_it_once(tmp_path, tiny_mo
     assert summary["blocks_in_store"] > 0 and summary["remote_published"] == 0
 
 
+@pytest.mark.slow
 def test_serve_goes_on_locally_and_says_it_once(tmp_path, tiny_model_dir, dead_url):
     from test_serve import FIRST, OTHER, Server
 
@@ -207,6 +213,7 @@ def test_serve_goes_on_locally_and_says_it_once(tmp_path, tiny_model_dir, dead_u
     assert os.listdir(tmp_path / "store" / "segments")  # it stored locally all the same
 
 
+@pytest.mark.slow
 def test_the_library_says_it_once_until_the_server_answers_again(tmp_path, model, redis_server, caplog):
     toks = random_tokens(40, 91, first=91)
     url = redis_server.url
@@ -234,6 +241,7 @@ def test_the_library_says_it_once_until_the_server_answers_again(tmp_path, model
         h.close()
 
 
+@pytest.mark.slow
 def test_passwords_are_never_printed(tmp_path, tiny_model_dir, filled, dead_url, redis_engine):
     from redis_servers import RedisServer
 
@@ -253,6 +261,7 @@ def test_passwords_are_never_printed(tmp_path, tiny_model_dir, filled, dead_url,
         server.stop()
 
 
+@pytest.mark.slow
 def test_a_cluster_nothing_answers_is_said_once(tmp_path, model, caplog):
     socks = [socket.socket() for _ in range(2)]
     for s in socks:
@@ -275,6 +284,7 @@ def test_a_cluster_nothing_answers_is_said_once(tmp_path, model, caplog):
             s.close()
 
 
+@pytest.mark.slow
 def test_push_to_a_full_server_that_evicts_nothing_says_why(tmp_path, filled, redis_engine):
     from redis_servers import RedisServer
 

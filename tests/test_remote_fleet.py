@@ -10,6 +10,7 @@ from __future__ import annotations
 
 
 import numpy as np
+import pytest
 from helpers import random_tokens
 from store_worker import Worker, wait_for_pause
 from test_remote import BS, TIMEOUT, fetch_exact, open_host, publish, server_keys
@@ -25,6 +26,7 @@ def host(tmp_path, store, tiny_model_dir, url, steps, *, name=None, env=None):
     return Worker(spec, str(tmp_path), name=name or store, env=env)
 
 
+@pytest.mark.slow
 def test_host_b_restores_host_a_precompute_bitwise(tmp_path, tiny_model_dir, redis_server):
     prompts = [random_tokens(n, 30 + i, first=30 + i) for i, n in enumerate((40, 64, 100))]
     a = host(tmp_path, "a", tiny_model_dir, redis_server.url, [["store", p] for p in prompts] + [["flush"], ["stats"]])
@@ -51,6 +53,7 @@ def test_host_b_restores_host_a_precompute_bitwise(tmp_path, tiny_model_dir, red
     assert out[-1]["remote_hits"] == 0
 
 
+@pytest.mark.slow
 def test_publisher_killed_mid_batch_leaves_whole_values_only(tmp_path, tiny_model_dir, model, redis_server):
     toks = random_tokens(80, 50, first=50)
     marker = str(tmp_path / "pause")
@@ -75,6 +78,7 @@ def test_publisher_killed_mid_batch_leaves_whole_values_only(tmp_path, tiny_mode
     b.close()
 
 
+@pytest.mark.slow
 def test_two_hosts_store_one_prompt_at_once(tmp_path, tiny_model_dir, model, redis_server):
     toks = random_tokens(96, 60, first=60)
     steps = [["ready", "x"], ["wait"], ["store", toks], ["flush"], ["stats"]]
@@ -96,6 +100,7 @@ def test_two_hosts_store_one_prompt_at_once(tmp_path, tiny_model_dir, model, red
     b.close()
 
 
+@pytest.mark.slow
 def test_cluster_node_down_its_slots_miss_the_rest_serve(tmp_path, model, redis_cluster):
     url = redis_cluster.url
     prompts = [random_tokens(48, 70 + i, first=70 + i) for i in range(6)]

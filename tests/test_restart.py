@@ -28,6 +28,9 @@ from helpers import (
 from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.cache import make_prompt_cache
 
+# Every test here reads what real process restarts (module fixtures) left behind.
+pytestmark = pytest.mark.slow
+
 # -- the plain (float32 KVCache) store --------------------------------------------
 
 STORE_SNIPPET = """

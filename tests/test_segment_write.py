@@ -117,6 +117,7 @@ with PersistentPrefixCache(sys.argv[1], model, block_size=BLOCK, sync_writes=Tru
 """
 
 
+@pytest.mark.slow
 def test_a_failed_write_in_the_second_thread_fails_the_store_and_leaves_nothing(tmp_path, tiny_model_dir):
     tests = os.path.dirname(os.path.abspath(__file__))
     out = subprocess.run(

@@ -291,6 +291,7 @@ FETCH_SNIPPET = """
 """
 
 
+@pytest.mark.slow
 def test_class_restores_across_a_restart(serve_model_dir, serve_model, tmp_path):
     system = random_tokens(37, seed=21, first=3)
     first = system + random_tokens(12, seed=22, first=8)
@@ -446,6 +447,7 @@ def _cached(response) -> int:
     return response["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
+@pytest.mark.slow
 def test_server_restores_from_the_store_after_a_restart(serve_model_dir, tmp_path):
     store, empty = tmp_path / "store", tmp_path / "empty_store"
 
@@ -481,6 +483,7 @@ def test_server_restores_from_the_store_after_a_restart(serve_model_dir, tmp_pat
     assert _answer(warm_second) == _answer(cold_second)
 
 
+@pytest.mark.slow
 def test_server_survives_an_exact_hit(serve_model_dir, tmp_path):
     # A prompt equal to a cached sequence (a prompt plus its generated token) is an
     # exact hit, which stops stock mlx_lm.server 0.32.2's generation thread ("empty
@@ -520,6 +523,7 @@ def _serve_exit(model_dir, store, *extra: str) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["truncated", "overwritten"])
 def test_serve_refuses_a_damaged_index_at_startup(serve_model_dir, serve_model, tmp_path, how):
     store = tmp_path / "store"
@@ -533,6 +537,7 @@ def test_serve_refuses_a_damaged_index_at_startup(serve_model_dir, serve_model, 
     assert "index damaged" in proc.stderr and f"ppc check --fix --store {store}" in proc.stderr
 
 
+@pytest.mark.slow
 def test_serve_refuses_another_block_size_at_startup(serve_model_dir, serve_model, tmp_path):
     store = tmp_path / "store"
     PersistentPrefixCache(store, serve_model, block_size=2 * BLOCK).close()
@@ -541,6 +546,7 @@ def test_serve_refuses_another_block_size_at_startup(serve_model_dir, serve_mode
     assert f"uses {2 * BLOCK}-token blocks" in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["file", "other files", "readonly without a store"])
 def test_serve_refuses_a_path_that_is_no_store(serve_model_dir, tmp_path, kind):
     target = tmp_path / "target"
@@ -560,6 +566,7 @@ def test_serve_refuses_a_path_that_is_no_store(serve_model_dir, tmp_path, kind):
         assert os.listdir(target) == ["notes.txt"]  # nothing was created among them
 
 
+@pytest.mark.slow
 def test_serve_store_optional_degrades_with_a_warning(serve_model_dir, serve_model, tmp_path):
     store = tmp_path / "store"
     PersistentPrefixCache(store, serve_model, block_size=2 * BLOCK).close()
@@ -573,6 +580,7 @@ def test_serve_store_optional_degrades_with_a_warning(serve_model_dir, serve_mod
     assert not segments.exists() or os.listdir(segments) == []  # the store was not used
 
 
+@pytest.mark.slow
 def test_a_read_only_server_says_what_it_did_and_warns_about_nothing(serve_model_dir, tmp_path):
     """`--store-readonly` as asked: hits restored, nothing written, and neither a Python
     warning nor a count of writes that never happened."""

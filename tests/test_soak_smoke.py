@@ -11,9 +11,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 SOAK = os.path.join(os.path.dirname(__file__), os.pardir, "tools", "soak.py")
 
 
+@pytest.mark.slow
 def test_soak_runs_with_kills(tmp_path, tiny_model_dir):
     proc = subprocess.run(
         [sys.executable, SOAK, "--seconds", "8", "--procs", "2", "--threads", "2"]
@@ -34,6 +37,7 @@ def test_soak_runs_with_kills(tmp_path, tiny_model_dir):
     assert summary["verify"]["wrong"] == 0
 
 
+@pytest.mark.slow
 def test_soak_refuses_bad_arguments():
     # Refused by the parser (exit 2) before any work starts.
     proc = subprocess.run(

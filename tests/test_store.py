@@ -763,6 +763,7 @@ def unclosed_exit(tiny_model_dir, tmp_path_factory):
     return proc, path
 
 
+@pytest.mark.slow
 def test_writes_of_an_unclosed_store_finish_at_exit(unclosed_exit, model):
     proc, path = unclosed_exit
     assert proc.stdout.split() == ["3"]
@@ -773,6 +774,7 @@ def test_writes_of_an_unclosed_store_finish_at_exit(unclosed_exit, model):
         check_fetch(store, model, tokens, len(tokens) - 1)
 
 
+@pytest.mark.slow
 def test_unclosed_store_exits_cleanly(unclosed_exit):
     # Regression: the atexit hook ran after concurrent.futures had shut the writer
     # pool down, so close() -> flush() -> submit() raised RuntimeError at exit.
