@@ -210,12 +210,11 @@ def field_of(name: str) -> Field | None:
     undeclared."""
     fld = name.rpartition(".")[2]
     found = FIELDS.get(fld)
-    if found is None:
-        head = fld.rstrip("0123456789")
-        found = FIELDS.get(head)
-        if found is None or not found.indexed or head == fld:
-            return None
-    return found
+    if found is not None and not found.indexed:
+        return found
+    head = fld.rstrip("0123456789")
+    found = FIELDS.get(head)
+    return found if found is not None and found.indexed and head != fld else None
 
 
 def is_sliced(name: str, shape: Sequence[int], n_tokens: int) -> bool:

@@ -14,6 +14,7 @@ import ast
 import hashlib
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -281,19 +282,26 @@ def _package_imports(path: Path) -> list[tuple[str, int]]:
         for module, names in mods:
             if module == NAME or module.startswith(NAME + "."):
                 inner = module[len(NAME) + 1 :]
-                subs = [f"{inner}.{n}" for n in names if (FORMATS / f"{n}.py").exists() and inner == "migrations.formats"]
+                subs = [f"{inner}.{n}" if inner else n for n in names if _is_module(f"{inner}.{n}" if inner else n)]
                 out += [(m, node.lineno) for m in (subs or [inner])]
     return out
+
+
+def _is_module(dotted: str) -> bool:
+    """Whether a dotted name below the package is a module (migrations/ included)."""
+    parts = dotted.split(".")
+    base = ROOT.joinpath(*parts) if parts[0] == "migrations" else PKG.joinpath(*parts)
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
 
 
 def _migrations() -> list[Path]:
     return sorted(p for p in MIGRATIONS.glob("[0-9][0-9][0-9][0-9]_*.py"))
 
 
-def test_migrations_import_only_frozen_formats_or_live_ones_they_declare():
-    current = _current_versions()
+def _migration_findings(paths: list[Path], current: dict[str, int]) -> list[str]:
+    """What breaks the migrations rule in these migration files, given the live formats' versions."""
     found = []
-    for path in _migrations():
+    for path in paths:
         tree = ast.parse(path.read_text(), str(path))
         live = next(
             (ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign) and
@@ -313,7 +321,31 @@ def test_migrations_import_only_frozen_formats_or_live_ones_they_declare():
                     f"{path.name}:{line} was written for {fmt} v{live[fmt]}, now v{current[fmt]}: "
                     f"freeze the code it needs into migrations/formats/ and import that instead"
                 )
-    assert found == []
+    return found
+
+
+def test_migrations_import_only_frozen_formats_or_live_ones_they_declare():
+    assert _migration_findings(_migrations(), _current_versions()) == []
+
+
+def test_the_migrations_rule_finds_an_unfrozen_migration(tmp_path, monkeypatch):
+    # The rule as the next format change meets it: 0004 as shipped, once segments are v5.
+    later = {**_current_versions(), "segment": _current_versions()["segment"] + 1}
+    shipped = MIGRATIONS / "0004_segment_manifests.py"
+    assert any("freeze the code" in f for f in _migration_findings([shipped], later))
+    # A migration importing live code it does not declare, or code that is no format.
+    monkeypatch.setattr(sys.modules[__name__], "MIGRATIONS", tmp_path)
+    (tmp_path / "0009_x.py").write_text(
+        "def upgrade(env, txn, params):\n"
+        "    from persistent_prefix_cache.disk.segment import SegmentFiles\n"
+        "    from persistent_prefix_cache.disk import assemble\n"
+        "    from persistent_prefix_cache.migrations.formats import segment_v3\n"
+    )
+    found = _migration_findings([tmp_path / "0009_x.py"], _current_versions())
+    assert [f.split(" ", 2)[1:] for f in found] == [
+        ["imports", "disk.segment without declaring LIVE['segment']"],
+        ["imports", "disk.assemble: neither frozen nor a declared live format"],
+    ]
 
 
 def test_frozen_formats_import_nothing_live():
