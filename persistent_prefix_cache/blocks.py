@@ -257,6 +257,7 @@ _ITEMSIZE = {name: int(np_str[-1]) if np_str[-1].isdigit() else 1 for name, (_, 
 _BY_NUMPY = {"|u1": "U8", "|i1": "I8", "|b1": "BOOL"}
 _BY_NUMPY.update({np_str: name for name, (_, np_str) in DTYPES.items() if name != "BF16" and np_str[0] == "<"})
 _BY_MX: dict = {}  # mlx dtype -> name, filled on first use (mlx is imported by then)
+_SEEN: dict = {}  # any dtype object asked about -> name (the write and wire paths ask per tensor)
 
 
 def mx_dtype(name: str) -> Any:
@@ -276,9 +277,16 @@ def dtype_info(dtype: Any) -> tuple[str, int]:
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}")
         return dtype, _ITEMSIZE[dtype]
-    name = _BY_MX.get(dtype) if _BY_MX else None
+    try:
+        name = _SEEN.get(dtype)
+    except TypeError:  # unhashable: asked afresh
+        name = None
     if name is None:
         name = _name_of(dtype)
+        try:
+            _SEEN[dtype] = name
+        except TypeError:
+            pass
     return name, _ITEMSIZE[name]
 
 
