@@ -26,6 +26,7 @@ from ..blocks import Node, dtype_info, is_sliced, sliced_spec
 from .portable import IOV_MAX, pwritev, start_writeback
 from .segment_reader import DIGEST_MARK, MAX_HEADER, SEGMENT_FORMAT, header_digest
 
+
 def _dtype(x: Any) -> str:
     # A tensor is an mlx or numpy array, or (numpy array of its bits, dtype name).
     return x[1] if isinstance(x, tuple) else dtype_info(x.dtype)[0]
