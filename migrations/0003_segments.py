@@ -14,7 +14,7 @@ open waited behind any other process's commit). v3:
   `persistent_prefix_cache.disk.index_tables`), with a new ``segments`` table of live
   counts, and the named databases are dropped.
 
-Segment files (format v3, written by the frozen `disk.segment_v3`: migration 0004
+Segment files (format v3, written by the frozen `migrations/formats/segment_v3.py`: migration 0004
 rewrites them as v4) are written and fsynced before the transaction commits; a crash before
 the commit leaves the v2 store as it was (and unreferenced segments, swept later).
 After the commit the old ``blocks/`` folder is removed.
@@ -28,6 +28,10 @@ DESCRIPTION = "segment files; all tables in the main database"
 
 OLD_DATABASES = (b"meta", b"models", b"nodes", b"children", b"lru", b"fingerprints", b"hits")
 GROUP = 64  # blocks per segment written by the migration
+# The live formats this migration reads and writes through (`persistent_prefix_cache.blocks`'
+# records, `disk.index_tables`' tables), at the versions it was written for: before either
+# moves on, the code this migration needs is frozen into migrations/formats/ (tests/test_layout.py).
+LIVE = {"record": 2, "tables": 3}
 
 
 def upgrade(env, txn, params):
@@ -40,10 +44,10 @@ def upgrade(env, txn, params):
     """
     import lmdb
 
-    from persistent_prefix_cache.disk import legacy
+    from persistent_prefix_cache.blocks import Node
     from persistent_prefix_cache.disk.index_tables import Writer, u64
-    from persistent_prefix_cache.disk.node import Node
-    from persistent_prefix_cache.disk import segment_v3  # frozen: v3 as this migration wrote it
+    from persistent_prefix_cache.migrations.formats import block_files_v2  # frozen: the v1-v2 block files
+    from persistent_prefix_cache.migrations.formats import segment_v3  # frozen: v3 as this migration wrote it
 
     old = {}
     for name in OLD_DATABASES:
@@ -89,7 +93,7 @@ def upgrade(env, txn, params):
     for group in _chains(nodes):
         blocks = []
         for node in group:
-            tensors = None if node.parent in dropped else legacy.read_block(params["store"], node)
+            tensors = None if node.parent in dropped else block_files_v2.read_block(params["store"], node)
             if tensors is None:
                 dropped.add(node.key)
                 continue

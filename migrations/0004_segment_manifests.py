@@ -6,7 +6,7 @@ and its header names the model (root key and record) and holds every block's rec
 and token ids, so a damaged index can be rebuilt from the segments.
 
 Every referenced v3 segment is read with the frozen v3 reader
-(`persistent_prefix_cache.disk.segment_v3`), its live blocks verified against their
+(`migrations/formats/segment_v3.py`), its live blocks verified against their
 records, and rewritten, run by run of one chain, into new v4 segments (new ids) with
 the parents, token ids, flags and model record the index holds; the records move to
 the new segments in the shared write transaction. A block that is missing or damaged
@@ -19,9 +19,10 @@ leaves the v3 store as it was (and unreferenced v4 files, swept later). The v3 f
 are unlinked only after the commit (`after_commit`; if the process dies first, they
 are unreferenced and swept later).
 
-This migration writes with the live segment writer (`SegmentFiles.write`, format v4):
-the change that next alters the segment format must freeze the v4 writer for it, as
-this one froze v3 for migration 0003.
+This migration writes with the live segment writer (`SegmentFiles.write`, format v4),
+declared in `LIVE`: the change that next alters the segment format (or the records, or
+the tables) must first freeze the v4 writer into migrations/formats/ for it, as v3 was
+frozen for migration 0003; tests/test_layout.py fails until it does.
 """
 
 import os
@@ -29,6 +30,8 @@ import os
 VERSION = 4
 DESCRIPTION = "segment format v4: safetensors files holding their own index records"
 
+# The live formats this migration reads and writes through, at the versions it was written for.
+LIVE = {"record": 2, "tables": 3, "segment": 4}
 _FREED = "_0004_freed"  # params key: segments to unlink once the transaction committed
 
 
@@ -40,10 +43,10 @@ def upgrade(env, txn, params):
         txn: The write transaction every migration of this run shares.
         params: ``store``: the store directory.
     """
-    from persistent_prefix_cache.disk import segment_v3  # frozen: v3 as it was written
+    from persistent_prefix_cache.blocks import Node
     from persistent_prefix_cache.disk.index_tables import Writer
-    from persistent_prefix_cache.disk.node import Node
     from persistent_prefix_cache.disk.segment import SegmentFiles
+    from persistent_prefix_cache.migrations.formats import segment_v3  # frozen: v3 as it was written
 
     store = params["store"]
     w = Writer(txn)

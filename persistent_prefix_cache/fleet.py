@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from .blocks import is_sliced, sliced_spec
 from .costs import Costs
 from .disk.assemble import HostBits, join_on_device
-from .disk.segment import is_sliced
 from .keys import chain_keys
 from .layers import Layout
 from .lookup import Trie
@@ -134,7 +134,7 @@ class RemoteFill:
                     name = f"{lid}.{fld}"
                     if not is_sliced(name, bits.shape, block.node.n_tokens):
                         continue
-                    spec = [dtype, bits.shape[0], bits.shape[1], bits.shape[3]]
+                    spec = sliced_spec(name, dtype, bits.shape)
                     if expect.setdefault(name, spec) != spec:
                         return self._unfit(blocks, i)
         return blocks

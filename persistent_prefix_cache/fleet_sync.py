@@ -19,7 +19,7 @@ import os
 from typing import Any, Callable
 
 from .disk.index import Index
-from .disk.node import Node
+from .blocks import Node
 from .disk.segment import SegmentFiles
 from .errors import InvalidArgumentError, PrefixCacheError, RemoteUnreachableError
 from .tiers import remote_wire as wire

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .disk.index import Index, Reader
-from .disk.node import HEAD_AT, TOKENS_AT, Node, raw_head
+from .blocks import HEAD_AT, TOKENS_AT, Node, raw_head
 from .keys import best_continuation, block_key
 from .tiers.memory import MemoryTier
 

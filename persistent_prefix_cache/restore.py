@@ -17,9 +17,8 @@ import numpy as np
 import mlx.core as mx
 
 from .disk.assemble import _bits, _reader_pool, allocate, join_on_device, read_path
-from .disk.codec import dtype_info
-from .disk.node import Node
-from .disk.segment import SegmentFiles, is_sliced
+from .blocks import Node, dtype_info, is_sliced
+from .disk.segment import SegmentFiles
 from .layers import JoinedSource, Layout
 from .tiers.memory import MemoryTier
 

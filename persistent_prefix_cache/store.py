@@ -21,7 +21,7 @@ import time
 import weakref
 from typing import Any, Sequence
 
-from .disk.node import Node
+from .blocks import Node
 from .errors import InvalidArgumentError, LayoutMismatchError, StoreCorruptError
 from .fingerprint import cached_fingerprint, forget_fingerprints
 from .keys import as_token_array, chain_keys, root_key

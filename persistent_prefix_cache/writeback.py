@@ -30,7 +30,7 @@ from .disk.segment import SegmentFiles
 from .disk.compaction import compact_sparse
 from .disk.faults import pause_point
 from .disk.index import WRITE_ERRORS, Index, Writer
-from .disk.node import Node
+from .blocks import Node
 from .tiers.memory import MemoryTier
 
 log = logging.getLogger("persistent_prefix_cache")

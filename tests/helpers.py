@@ -18,7 +18,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from persistent_prefix_cache.disk.index import Index
-from persistent_prefix_cache.disk.node import Node
+from persistent_prefix_cache.blocks import Node
 
 BLOCK = 16  # block size of most test stores: small, so prompts stay tiny
 VOCAB = 512

@@ -14,7 +14,7 @@ import pytest
 import xxhash
 
 from persistent_prefix_cache import InvalidArgumentError
-from persistent_prefix_cache.disk.codec import (
+from persistent_prefix_cache.migrations.formats.block_files_v2 import (
     BlockDecodeError,
     checksum,
     decode,

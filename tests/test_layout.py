@@ -3,14 +3,18 @@
 Each rule is a boundary a reader relies on: only the index touches LMDB, only
 ``layers/`` knows mlx-lm's cache classes, nothing imports a wing above its own, the
 compat layers use the store's public names only, no module grows past ~600 lines, and
-the architecture page names every module there is.
+the architecture page names every module there is. A migration imports only frozen
+format code (``migrations/formats/``, itself pinned) or live formats it declares at their
+current versions, so a later format never silently changes what an old migration writes.
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,8 +25,8 @@ NAME = "persistent_prefix_cache"
 
 # Wings from the bottom up: a module imports only from its own wing or those below.
 WINGS = [
-    ("base", ["errors", "keys", "fingerprint", "paths", "tiny_model", "migrations"]),
-    ("disk", ["disk"]),
+    ("base", ["errors", "keys", "fingerprint", "paths", "tiny_model", "blocks"]),
+    ("disk", ["disk", "migrations"]),  # the frozen formats use disk/portable's OS calls
     ("layers", ["layers"]),
     ("tiers", ["tiers"]),
     ("core", ["store", "opening", "lookup", "restore", "writeback", "prefill", "options", "costs", "fleet", "fleet_sync"]),
@@ -132,6 +136,20 @@ def test_no_module_imports_a_wing_above_its_own():
     assert not found
 
 
+def test_layers_import_nothing_from_disk():
+    # The block vocabulary (`blocks`) is below both: layers/ cuts and rebuilds caches in its
+    # terms and never reaches into the disk's formats.
+    found = [
+        f"{name}:{line} imports {target}"
+        for name, (_, tree) in MODULES.items()
+        if name.split(".")[0] == "layers"
+        for module, names, line in _imports(name, tree)
+        for target in _own(module, names)
+        if target.split(".")[0] == "disk"
+    ]
+    assert not found
+
+
 def test_no_import_cycles():
     graph = {
         name: {t for m, ns, _ in _imports(name, tree) for t in _own(m, ns) if t and t != name}
@@ -194,9 +212,9 @@ def test_architecture_page_names_every_module_and_nothing_else():
     page = (ROOT / "docs" / "architecture.md").read_text()
     named = set(re.findall(r"`([a-z0-9_]+(?:/[a-z0-9_]+)*\.py)`", page))
     in_package = {str(p.relative_to(PKG)) for p in PKG.rglob("*.py")}
-    in_repo = {str(p.relative_to(ROOT)) for p in ROOT.glob("*/*.py")}
+    in_repo = {str(p.relative_to(ROOT)) for p in [*ROOT.glob("*/*.py"), *ROOT.glob("migrations/formats/*.py")]}
     modules = {m for m in in_package if not m.endswith("/__init__.py")}
-    modules |= {m for m in in_repo if m.startswith("migrations/0")}
+    modules |= {m for m in in_repo if m.startswith(("migrations/0", "migrations/formats/")) and not m.endswith("__init__.py")}
     assert modules - named == set(), "modules the architecture page does not name"
     assert named - in_package - in_repo == set(), "files it names that do not exist"
 
@@ -216,3 +234,139 @@ def test_nothing_cites_a_document_that_is_not_in_the_repository():
             if not candidates & present:
                 citing.append(f"{rel} cites {doc}")
     assert citing == []
+
+
+# -- migrations/ -------------------------------------------------------------------------
+
+MIGRATIONS = ROOT / "migrations"
+FORMATS = MIGRATIONS / "formats"
+# The live modules a migration may import, each the current code of one format, and that
+# format's version now. A migration that imports one declares ``LIVE = {format: version}``
+# at the version it was written for; when the format moves on, this test fails until the
+# code that migration needs is frozen into migrations/formats/ (as v3 was for 0003).
+LIVE_FORMATS = {
+    "blocks": "record",
+    "disk.index_tables": "tables",
+    "disk.segment": "segment",
+}
+NO_FORMAT = {"errors", "disk.portable"}  # helpers that hold no format: free to import
+
+
+def _current_versions() -> dict[str, int]:
+    from persistent_prefix_cache import blocks
+    from persistent_prefix_cache.disk import index_tables, segment_reader
+
+    return {
+        "record": blocks.RECORD_VERSION,
+        "tables": index_tables.TABLES_VERSION,
+        "segment": int(segment_reader.SEGMENT_FORMAT.rpartition("/")[2]),
+    }
+
+
+def _package_imports(path: Path) -> list[tuple[str, int]]:
+    """The package modules a file under migrations/ imports (absolute or relative)."""
+    tree = ast.parse(path.read_text(), str(path))
+    here = ["migrations"] + list(path.parent.relative_to(MIGRATIONS).parts)
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            mods = [(a.name, []) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ".".join([NAME] + here[: len(here) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            mods = [(base, [a.name for a in node.names])]
+        else:
+            continue
+        for module, names in mods:
+            if module == NAME or module.startswith(NAME + "."):
+                inner = module[len(NAME) + 1 :]
+                subs = [f"{inner}.{n}" if inner else n for n in names if _is_module(f"{inner}.{n}" if inner else n)]
+                out += [(m, node.lineno) for m in (subs or [inner])]
+    return out
+
+
+def _is_module(dotted: str) -> bool:
+    """Whether a dotted name below the package is a module (migrations/ included)."""
+    parts = dotted.split(".")
+    base = ROOT.joinpath(*parts) if parts[0] == "migrations" else PKG.joinpath(*parts)
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+def _migrations() -> list[Path]:
+    return sorted(p for p in MIGRATIONS.glob("[0-9][0-9][0-9][0-9]_*.py"))
+
+
+def _migration_findings(paths: list[Path], current: dict[str, int]) -> list[str]:
+    """What breaks the migrations rule in these migration files, given the live formats' versions."""
+    found = []
+    for path in paths:
+        tree = ast.parse(path.read_text(), str(path))
+        live = next(
+            (ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign) and
+             any(isinstance(t, ast.Name) and t.id == "LIVE" for t in n.targets)),
+            {},
+        )  # fmt: skip
+        for module, line in _package_imports(path):
+            if module.startswith("migrations.formats.") or module in NO_FORMAT:
+                continue
+            fmt = LIVE_FORMATS.get(module)
+            if fmt is None:
+                found.append(f"{path.name}:{line} imports {module}: neither frozen nor a declared live format")
+            elif fmt not in live:
+                found.append(f"{path.name}:{line} imports {module} without declaring LIVE[{fmt!r}]")
+            elif live[fmt] != current[fmt]:
+                found.append(
+                    f"{path.name}:{line} was written for {fmt} v{live[fmt]}, now v{current[fmt]}: "
+                    f"freeze the code it needs into migrations/formats/ and import that instead"
+                )
+    return found
+
+
+def test_migrations_import_only_frozen_formats_or_live_ones_they_declare():
+    assert _migration_findings(_migrations(), _current_versions()) == []
+
+
+def test_the_migrations_rule_finds_an_unfrozen_migration(tmp_path, monkeypatch):
+    # The rule as the next format change meets it: 0004 as shipped, once segments are v5.
+    later = {**_current_versions(), "segment": _current_versions()["segment"] + 1}
+    shipped = MIGRATIONS / "0004_segment_manifests.py"
+    assert any("freeze the code" in f for f in _migration_findings([shipped], later))
+    # A migration importing live code it does not declare, or code that is no format.
+    monkeypatch.setattr(sys.modules[__name__], "MIGRATIONS", tmp_path)
+    (tmp_path / "0009_x.py").write_text(
+        "def upgrade(env, txn, params):\n"
+        "    from persistent_prefix_cache.disk.segment import SegmentFiles\n"
+        "    from persistent_prefix_cache.disk import assemble\n"
+        "    from persistent_prefix_cache.migrations.formats import segment_v3\n"
+    )
+    found = _migration_findings([tmp_path / "0009_x.py"], _current_versions())
+    assert [f.split(" ", 2)[1:] for f in found] == [
+        ["imports", "disk.segment without declaring LIVE['segment']"],
+        ["imports", "disk.assemble: neither frozen nor a declared live format"],
+    ]
+
+
+def test_frozen_formats_import_nothing_live():
+    found = [
+        f"formats/{path.name}:{line} imports {module}"
+        for path in sorted(FORMATS.glob("*.py"))
+        for module, line in _package_imports(path)
+        if not module.startswith("migrations.formats") and module not in NO_FORMAT
+    ]
+    assert found == []
+
+
+# The bytes of every frozen module: frozen code is never edited (a fix to an old format is
+# a new module beside it). A new frozen module adds its line here.
+FROZEN = {
+    "block_files_v2.py": "5561b8797e160bef",
+    "dtypes.py": "fe6097e320b0c772",
+    "segment_v3.py": "f0a7f3493bbb491e",
+}
+
+
+def test_frozen_formats_never_change():
+    got = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in sorted(FORMATS.glob("*.py")) if p.stem != "__init__"}
+    assert got == FROZEN

@@ -19,7 +19,7 @@ from test_reliability import _snapshot
 
 from persistent_prefix_cache import PersistentPrefixCache, StoreVersionError
 from persistent_prefix_cache.disk.index import SCHEMA_VERSION, Index
-from persistent_prefix_cache.disk.node import Node
+from persistent_prefix_cache.blocks import Node
 
 
 def _version(store_dir) -> int:
@@ -263,9 +263,9 @@ def test_a_v3_export_imports_into_a_v4_store(tmp_path, legacy_v3):
 
 def _downgrade_to_v3(path) -> None:
     """Turn a v4 store into the v3 store the v3 code wrote: every segment rewritten by
-    the frozen v3 writer (`disk.segment_v3`, the v3 code as it was), records moved,
+    the frozen v3 writer (`migrations/formats/segment_v3.py`, the v3 code as it was), records moved,
     schema stamped 3 (the v3 test data holds no snapshots: this one does)."""
-    from persistent_prefix_cache.disk import segment_v3
+    from persistent_prefix_cache.migrations.formats import segment_v3
     from persistent_prefix_cache.disk.segment import SegmentFiles
 
     files = SegmentFiles(str(path))

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from persistent_prefix_cache import PersistentPrefixCache
 from persistent_prefix_cache.disk.index import Index
 from persistent_prefix_cache.disk.manifest import read_manifest
-from persistent_prefix_cache.disk.node import Node
+from persistent_prefix_cache.blocks import Node
 from persistent_prefix_cache.disk.segment import SegmentFiles
 from persistent_prefix_cache.disk.segment_reader import parse_header
 

@@ -55,7 +55,7 @@ from persistent_prefix_cache import (
 from persistent_prefix_cache.disk.index import SCHEMA_VERSION, Index
 from persistent_prefix_cache.disk.index_tables import META
 from persistent_prefix_cache.keys import block_key
-from persistent_prefix_cache.disk.node import Node
+from persistent_prefix_cache.blocks import Node
 
 # Tensor bytes of one full block of the tiny model: 2 layers x (k, v) x 1 KV head x
 # BLOCK positions x head_dim 32 x 4 bytes.

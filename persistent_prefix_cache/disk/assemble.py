@@ -24,9 +24,8 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from .codec import dtype_info, mx_dtype
-from .node import Node
-from .segment import OpenSegment, SegmentFiles, is_sliced
+from ..blocks import Node, dtype_info, is_sliced, mx_dtype
+from .segment import OpenSegment, SegmentFiles
 
 Tensors = dict[str, mx.array]
 KV_STEP = 256  # mlx-lm's KVCache grows in steps of 256 tokens

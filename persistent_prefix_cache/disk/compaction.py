@@ -15,7 +15,7 @@ import logging
 from typing import Iterable
 
 from .index import WRITE_ERRORS, Index, Writer
-from .node import Node
+from ..blocks import Node
 from .segment import SegmentFiles
 
 log = logging.getLogger("persistent_prefix_cache")

@@ -23,7 +23,7 @@ from .store_guard import corrupt_index, store_of
 from .index_tables import (  # noqa: F401 (COUNTERS re-exported)
     CHILDREN, COUNTERS, DIGESTS, FINGERPRINTS, HITS, LRU, META, MODELS, NODES, SEGMENTS, Reader, Writer,
 )
-from .node import Node
+from ..blocks import Node
 from .migrations import MIGRATIONS, SCHEMA_VERSION
 
 T = TypeVar("T")

@@ -27,9 +27,12 @@ import json
 import struct
 from typing import Any, Iterable, Iterator
 
-from .node import Node
+from ..blocks import Node
 
 META, MODELS, NODES, CHILDREN, LRU, FINGERPRINTS, HITS, SEGMENTS, DIGESTS = (bytes([i]) for i in range(1, 10))
+# The tables' layout (prefixes, keys, value encodings): schema v3's. Raise it with the
+# migration that changes them, after freezing what older migrations write (tests/test_layout.py).
+TABLES_VERSION = 3
 COUNTERS = ("hits", "misses", "tokens_saved", "corrupt")
 _SEG = struct.Struct("<QQQ")
 

@@ -17,12 +17,13 @@ from typing import Iterator
 from ..errors import InvalidArgumentError, StoreVersionError
 from ..keys import block_key
 from ..paths import expand_path
-from . import legacy, store_guard, segment_v3
+from ..migrations.formats import block_files_v2, segment_v3
+from . import store_guard
 from .compaction import compact_sparse
 from .segment import SegmentFiles
 from .index import SCHEMA_VERSION, Index, Reader, Writer
 from .check_report import CheckReport
-from .node import Node
+from ..blocks import Node
 from .pack_members import RECORD_HEAD, add_bytes, read_json, read_member, unpack_records
 from .portable import durable_fsync
 from .store_dir import check_location, check_readable, create_file, create_root, make_dirs, require_writable
@@ -490,9 +491,9 @@ class StoreAdmin:
     def _import_legacy(self, tar, in_path: str, todo: list[Node], written: dict, models: dict) -> None:
         # An export of schema v1-v2: one block file each, rewritten as one segment each.
         for n in todo:
-            data = read_member(tar, f"blocks/{n.legacy_file_name}", in_path)
+            data = read_member(tar, f"blocks/{block_files_v2.file_name(n)}", in_path)
             try:
-                tensors = legacy.decode_block(data, n)
+                tensors = block_files_v2.decode_block(data, n)
             except ValueError:
                 raise InvalidArgumentError(f"{in_path}: block {n.key.hex()} is damaged") from None
             # v1-v2 checksums were over whole files: the segment's are new.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .node import Node
+from ..blocks import Node
 from .segment_reader import decode_tokens, parse_header, read_head
 
 

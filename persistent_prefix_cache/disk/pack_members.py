@@ -12,7 +12,7 @@ import time
 from typing import Iterator
 
 from ..errors import InvalidArgumentError
-from .node import Node
+from ..blocks import Node
 
 RECORD_HEAD = struct.Struct("<16sI")  # a record's key and length, before the record
 

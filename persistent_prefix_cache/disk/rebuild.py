@@ -35,7 +35,7 @@ from . import store_guard
 from .faults import pause_point
 from .index import Index
 from .manifest import Manifest, read_manifest
-from .node import Node
+from ..blocks import Node
 from .segment import SegmentFiles
 from .portable import fsync_dir
 

@@ -46,11 +46,10 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
+from ..blocks import Node
 from .faults import pause_point
-from .node import Node
 from .portable import durable_fsync, fsync_dir
-# SLICE_FIELDS and is_sliced: re-exported (the layout and the read path name them from here).
-from .segment_layout import SLICE_FIELDS, Sink, is_sliced, layout, pwritev_all  # noqa: F401
+from .segment_layout import Sink, layout, pwritev_all
 from .segment_reader import OpenSegment
 from .store_dir import create_file, make_dirs
 

@@ -22,13 +22,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import xxhash
 
-from .codec import MAX_HEADER, dtype_info
-from .node import Node
+from ..blocks import Node, dtype_info, is_sliced, sliced_spec
 from .portable import IOV_MAX, pwritev, start_writeback
-from .segment_reader import DIGEST_MARK, SEGMENT_FORMAT, header_digest
-
-# Fields stored sliced along the sequence (what `layers.adapters` names them).
-SLICE_FIELDS = frozenset({"k", "v", "k0", "k1", "k2", "v0", "v1", "v2"})
+from .segment_reader import DIGEST_MARK, MAX_HEADER, SEGMENT_FORMAT, header_digest
 
 
 def _dtype(x: Any) -> str:
@@ -38,11 +34,6 @@ def _dtype(x: Any) -> str:
 
 def _shape(x: Any) -> tuple[int, ...]:
     return tuple((x[0] if isinstance(x, tuple) else x).shape)
-
-
-def is_sliced(name: str, shape: Sequence[int], n_tokens: int) -> bool:
-    """Whether tensor ``<leaf>.<field>`` of a block is stored sliced (else a snapshot)."""
-    return name.rpartition(".")[2] in SLICE_FIELDS and len(shape) == 4 and shape[2] == n_tokens
 
 
 def _bytes(x: Any) -> memoryview:
@@ -304,7 +295,7 @@ def layout(segment: bytes, blocks: Sequence[tuple[Node, dict]], root: bytes, mod
             shape = _shape(tensors[name])
             if not is_sliced(name, shape, node.n_tokens):
                 continue
-            spec = [_dtype(tensors[name]), shape[0], shape[1], shape[3]]
+            spec = sliced_spec(name, _dtype(tensors[name]), shape)
             if name not in sliced:
                 sliced[name] = spec + [i]
             elif sliced[name][:4] != spec:

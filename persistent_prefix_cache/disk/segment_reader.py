@@ -19,11 +19,11 @@ from typing import Any, Callable
 import numpy as np
 import xxhash
 
-from .codec import MAX_HEADER, dtype_info
-from .node import Node
+from ..blocks import Node, dtype_info
 from .portable import IOV_MAX, preadv
 
 SEGMENT_FORMAT = "ppc-segment/4"
+MAX_HEADER = 16 * 1024 * 1024  # ~1M tokens in one segment: a header no reader should take
 # The metadata keys of a v4 segment (all values are strings, as safetensors requires).
 META_KEYS = frozenset(
     {"format", "segment", "root", "model", "block_size", "blocks", "tokens", "fields", "snaps", "digest", "header_digest"}

@@ -37,6 +37,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
+from ..blocks import KEYS, KV_FIELDS, QUANTIZED_KV_FIELDS, VALUES, state_index, state_snapshot, window_snapshot
 from ..errors import InvalidArgumentError, UnsupportedCacheError
 
 Tensors = dict[str, mx.array]
@@ -162,7 +163,7 @@ class _SeqAdapter:
     """Shared logic of ``seq`` and ``window`` leaves (both store sequence slices)."""
 
     kind = SEQ
-    fields: tuple[str, ...] = ("k", "v")
+    fields: tuple[str, ...] = KV_FIELDS
 
     def length(self, layer) -> int | None:
         return int(layer.offset)
@@ -174,7 +175,7 @@ class _SeqAdapter:
     def held(self, layer) -> tuple[dict[str, mx.array], int]:
         """The layer's tensors in temporal order and the position of their first row."""
         n = layer.offset
-        return {"k": layer.keys[..., :n, :], "v": layer.values[..., :n, :]}, 0
+        return {KEYS: layer.keys[..., :n, :], VALUES: layer.values[..., :n, :]}, 0
 
     def pieces(self, layer, start: int, end: int, last: bool) -> tuple[Tensors, bool, bool]:
         """Tensors this block keeps for the leaf: (tensors, has_slice, has_snapshot)."""
@@ -202,7 +203,7 @@ class KVAdapter(_SeqAdapter):
         # `buffer` may be longer than `position`: mlx-lm then writes the next tokens in
         # place (KVCache only ever reads [:offset]).
         return KVCache.from_state(
-            (source.buffer("k", position), source.buffer("v", position), position)
+            (source.buffer(KEYS, position), source.buffer(VALUES, position), position)
         )
 
 
@@ -213,22 +214,19 @@ class QuantizedKVAdapter(_SeqAdapter):
     dimension), so a sequence slice of the quantized tensors is exact.
     """
 
-    fields = ("k0", "k1", "k2", "v0", "v1", "v2")
+    fields = QUANTIZED_KV_FIELDS  # (packed, scales, biases) of the keys, then of the values
 
     def signature(self, layer: QuantizedKVCache) -> str:
         return f"QuantizedKVCache(group_size={layer.group_size},bits={layer.bits})"
 
     def held(self, layer):
         n = layer.offset
-        out = {}
-        for prefix, triple in (("k", layer.keys), ("v", layer.values)):
-            for i, x in enumerate(triple):
-                out[f"{prefix}{i}"] = x[..., :n, :]
-        return out, 0
+        pairs = ((self.fields[:3], layer.keys), (self.fields[3:], layer.values))
+        return {f: x[..., :n, :] for names, triple in pairs for f, x in zip(names, triple)}, 0
 
     def rebuild(self, template, source, position):
-        keys = tuple(source.buffer(f"k{i}", position) for i in range(3))
-        values = tuple(source.buffer(f"v{i}", position) for i in range(3))
+        keys = tuple(source.buffer(f, position) for f in self.fields[:3])
+        values = tuple(source.buffer(f, position) for f in self.fields[3:])
         return QuantizedKVCache.from_state(
             (keys, values, position, template.group_size, template.bits)
         )
@@ -257,7 +255,7 @@ class _WindowAdapter(_SeqAdapter):
         if not ranges or ranges[0][0] < first:
             return None
         return {
-            f"snap_{f}": mx.contiguous(
+            window_snapshot(f): mx.contiguous(
                 mx.concatenate([x[..., lo - first : hi - first, :] for lo, hi in ranges], axis=2)
             )
             for f, x in buf.items()
@@ -273,13 +271,13 @@ class _WindowAdapter(_SeqAdapter):
         """Keys and values of the window at `position`, in temporal order."""
         last = source.last
         if last.end == position and last.has_snapshot:
-            return source.snapshot("snap_k"), source.snapshot("snap_v")
+            return source.snapshot(window_snapshot(KEYS)), source.snapshot(window_snapshot(VALUES))
         ranges = [(lo, hi) for lo, hi in self.needed(template, position) if lo < hi]
         return tuple(
             mx.concatenate([source.range(f, lo, hi) for lo, hi in ranges], axis=2)
             if len(ranges) > 1
             else source.range(f, *ranges[0])
-            for f in ("k", "v")
+            for f in KV_FIELDS
         )
 
 
@@ -305,11 +303,11 @@ class RotatingAdapter(_WindowAdapter):
         values = layer._temporal_order(layer.values)
         n = keys.shape[2]
         if n >= layer.offset:
-            return {"k": keys[..., : layer.offset, :], "v": values[..., : layer.offset, :]}, 0
+            return {KEYS: keys[..., : layer.offset, :], VALUES: values[..., : layer.offset, :]}, 0
         # Old tokens were dropped: the kept head sits apart from the tail, so only
         # the tail counts as contiguous positions.
         keep = layer.keep
-        return {"k": keys[..., keep:, :], "v": values[..., keep:, :]}, layer.offset - (n - keep)
+        return {KEYS: keys[..., keep:, :], VALUES: values[..., keep:, :]}, layer.offset - (n - keep)
 
     def snapshot(self, layer):
         if layer.offset <= layer.max_size or layer.keep == 0:
@@ -320,10 +318,10 @@ class RotatingAdapter(_WindowAdapter):
         if keys.shape[2] - layer.keep < tail:
             return None
         return {
-            f"snap_{f}": mx.contiguous(
+            window_snapshot(f): mx.contiguous(
                 mx.concatenate([x[..., : layer.keep, :], x[..., x.shape[2] - tail :, :]], axis=2)
             )
-            for f, x in (("k", keys), ("v", values))
+            for f, x in ((KEYS, keys), (VALUES, values))
         }
 
     def rebuild(self, template, source, position):
@@ -349,7 +347,7 @@ class ChunkedAdapter(_WindowAdapter):
 
     def held(self, layer):
         n = layer.offset - layer.start_position
-        return {"k": layer.keys[..., :n, :], "v": layer.values[..., :n, :]}, layer.start_position
+        return {KEYS: layer.keys[..., :n, :], VALUES: layer.values[..., :n, :]}, layer.start_position
 
     def rebuild(self, template, source, position):
         keys, values = self.window(template, source, position)
@@ -376,7 +374,7 @@ class ArraysAdapter:
             raise UnsupportedCacheError("a batched ArraysCache (left padding or lengths) cannot be stored")
         if not last:
             return {}, False, False
-        snap = {f"s{i}": mx.contiguous(x) for i, x in enumerate(layer.cache) if x is not None}
+        snap = {state_snapshot(i): mx.contiguous(x) for i, x in enumerate(layer.cache) if x is not None}
         return snap, False, True
 
     def can_rebuild(self, template, blocks, position):
@@ -385,7 +383,7 @@ class ArraysAdapter:
     def rebuild(self, template, source, position):
         layer = ArraysCache(len(template.cache))
         for name in source.last.tensors:
-            layer.cache[int(name[1:])] = source.snapshot(name)
+            layer.cache[state_index(name)] = source.snapshot(name)
         return layer
 
 

@@ -9,9 +9,7 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
-from ..disk.codec import dtype_info
-from ..disk.node import RESUMABLE, TRIMMABLE, Node
-from ..disk.segment import SLICE_FIELDS
+from ..blocks import FIELDS, RESUMABLE, TRIMMABLE, Kind, Node, dtype_info, sliced_spec
 from ..errors import UnsupportedCacheError
 from .adapters import (
     SEQ,
@@ -95,8 +93,9 @@ class Layout:
         before = len(fields)
         for lid, part in tensors.items():
             for fld, x in part.items():
-                if x.ndim == 4 and fld in SLICE_FIELDS:
-                    fields.setdefault(f"{lid}.{fld}", [dtype_info(x.dtype)[0], x.shape[0], x.shape[1], x.shape[3]])
+                declared = FIELDS.get(fld)
+                if declared is not None and declared.kind is Kind.SLICED and x.ndim == declared.ndim:
+                    fields.setdefault(f"{lid}.{fld}", sliced_spec(fld, dtype_info(x.dtype)[0], x.shape))
         self.fields = fields or self.fields
         return len(fields) > before
 

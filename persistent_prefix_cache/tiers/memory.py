@@ -26,7 +26,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from ..disk.node import Node
+from ..blocks import Node
 
 # How a block entered the tier: stored by this process, read from disk, from the remote.
 SOURCES = ("store", "disk", "remote")

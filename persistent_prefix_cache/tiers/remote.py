@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 from ..disk.faults import pause_point
-from ..disk.node import Node
+from ..blocks import Node
 from ..errors import RemoteUnreachableError
 from ..keys import block_key
 from . import remote_wire as wire

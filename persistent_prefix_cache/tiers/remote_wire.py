@@ -33,8 +33,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from ..disk.codec import dtype_info
-from ..disk.node import Node
+from ..blocks import Node, dtype_info
 from ..keys import block_key
 
 MAGIC = b"PPCB"

@@ -22,9 +22,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import xxhash
 
-from .codec import MAX_HEADER, dtype_info
-from .node import Node
-from .portable import IOV_MAX, durable_fsync, preadv, writev
+from persistent_prefix_cache.disk.portable import IOV_MAX, durable_fsync, preadv, writev
+
+from .dtypes import MAX_HEADER, dtype_info
+
+Node = Any  # the block records it is given and reads (duck-typed: key, position, tokens, ...)
 
 SEGMENT_FORMAT = "ppc-segment/3"
 SLICE_FIELDS = frozenset({"k", "v", "k0", "k1", "k2", "v0", "v1", "v2"})

@@ -1,15 +1,18 @@
-"""The block file codec: named tensors <-> one safetensors file, with our own checks.
+"""Schema v1-v2 block files (one safetensors file per block under ``blocks/``), frozen:
+read by migration 0003 and by `ppc import` of an export made by those versions.
 
-We write the safetensors layout ourselves (8-byte header length, JSON header, tensor
-bytes) so that the file name, the checksum and fsync are under our control, and we
-parse it strictly: `mx.load` and `safetensors` accept trailing bytes, overlapping
-offsets and flipped tensor bytes, so only the checksum and the checks here catch them.
+The writer (`encode`) and the strict reader (`parse_header`, `decode`) as the last v2
+code had them: we wrote the safetensors layout ourselves (8-byte header length, JSON
+header, tensor bytes) and parse it strictly: `mx.load` and `safetensors` accept trailing
+bytes, overlapping offsets and flipped tensor bytes, so only the checksum and the checks
+here catch them.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,50 +20,13 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-# safetensors dtype name <-> mlx dtype, and the numpy dtype whose bytes match.
-_DTYPES = {
-    "F32": (mx.float32, np.dtype("<f4")),
-    "F16": (mx.float16, np.dtype("<f2")),
-    "BF16": (mx.bfloat16, np.dtype("<u2")),  # numpy has no bfloat16: view the bits
-    "F64": (mx.float64, np.dtype("<f8")),
-    "U32": (mx.uint32, np.dtype("<u4")),
-    "I32": (mx.int32, np.dtype("<i4")),
-    "U8": (mx.uint8, np.dtype("u1")),
-    "I8": (mx.int8, np.dtype("i1")),
-    "U16": (mx.uint16, np.dtype("<u2")),
-    "I16": (mx.int16, np.dtype("<i2")),
-    "I64": (mx.int64, np.dtype("<i8")),
-    "U64": (mx.uint64, np.dtype("<u8")),
-    "BOOL": (mx.bool_, np.dtype("?")),
-}
-_NAME_OF = {mx_dtype: name for name, (mx_dtype, _) in _DTYPES.items()}
-
-MAX_HEADER = 16 * 1024 * 1024
-_BY_NUMPY = {np.dtype(v[1]).str: k for k, v in _DTYPES.items() if k != "BF16"}
+from .dtypes import DTYPES, MAX_HEADER, dtype_info
 
 
-def mx_dtype(name: str) -> Any:
-    """The mlx dtype of a safetensors dtype name."""
-    return _DTYPES[name][0]
-
-
-def dtype_info(dtype: Any) -> tuple[str, int]:
-    """(safetensors name, item size) of an mlx or numpy dtype, or of such a name.
-
-    Raises:
-        ValueError: For a dtype the block formats do not store.
-    """
-    if isinstance(dtype, str):
-        if dtype not in _DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}")
-        return dtype, _DTYPES[dtype][1].itemsize
-    name = _NAME_OF.get(dtype)
-    if name is None:
-        try:
-            name = _BY_NUMPY[np.dtype(dtype).str]
-        except (TypeError, KeyError):
-            raise ValueError(f"dtype {dtype} cannot be stored") from None
-    return name, _DTYPES[name][1].itemsize
+def file_name(node: Any) -> str:
+    """Path (relative to ``blocks/``) of a block's own file: named by its key and checksum."""
+    hex_key = node.key.hex()
+    return f"{hex_key[:2]}/{hex_key}-{node.checksum:016x}.safetensors"
 
 
 class BlockDecodeError(Exception):
@@ -85,7 +51,7 @@ def encode(tensors: dict[str, mx.array], metadata: dict[str, str]) -> tuple[byte
         arr = tensors[name]
         view = memoryview(arr)
         header[name] = {
-            "dtype": _NAME_OF[arr.dtype],
+            "dtype": dtype_info(arr.dtype)[0],
             "shape": list(arr.shape),
             "data_offsets": [offset, offset + view.nbytes],
         }
@@ -148,7 +114,7 @@ def parse_header(head: bytes | memoryview, file_size: int) -> tuple[int, list[En
     entries = []
     for name, info in header.items():
         try:
-            mx_dtype, np_dtype = _DTYPES[info["dtype"]]
+            mx_dtype, np_dtype = DTYPES[info["dtype"]]
             shape = tuple(int(d) for d in info["shape"])
             start, end = (int(o) for o in info["data_offsets"])
         except (KeyError, TypeError, ValueError):
@@ -188,3 +154,38 @@ def decode(data: bytes | memoryview) -> tuple[dict[str, mx.array], dict[str, str
         out = mx.array(arr.reshape(e.shape))
         tensors[e.name] = out.view(e.mx_dtype) if out.dtype != e.mx_dtype else out
     return tensors, metadata
+
+
+BLOCK_FORMAT = "ppc-block/1"
+
+
+def decode_block(data: bytes, node: Any) -> dict[str, dict[str, Any]]:
+    """The tensors (by leaf, then field) of a v1-v2 block file, verified.
+
+    Raises:
+        ValueError: If the file does not have the node's size and checksum, does not
+            parse, or belongs to another block.
+    """
+    if len(data) != node.size or checksum(data) != node.checksum:
+        raise ValueError("size or checksum mismatch")
+    try:
+        flat, metadata = decode(data)
+    except BlockDecodeError as exc:
+        raise ValueError(str(exc)) from None
+    if metadata.get("format") != BLOCK_FORMAT or metadata.get("key") != node.key.hex():
+        raise ValueError("file of another format or block")
+    out: dict[str, dict[str, Any]] = {}
+    for name, x in flat.items():
+        lid, _, fld = name.rpartition(".")
+        out.setdefault(lid, {})[fld] = x
+    return out
+
+
+def read_block(store: str, node: Any) -> dict[str, dict[str, Any]] | None:
+    """`decode_block` of a node's file in a v1-v2 store directory; None if missing or damaged."""
+    try:
+        with open(os.path.join(store, "blocks", file_name(node)), "rb") as f:
+            data = f.read(node.size + 1)
+        return decode_block(data, node)
+    except (OSError, ValueError):
+        return None
