@@ -21,7 +21,7 @@ NAME = "persistent_prefix_cache"
 
 # Wings from the bottom up: a module imports only from its own wing or those below.
 WINGS = [
-    ("base", ["errors", "keys", "fingerprint", "paths", "tiny_model", "migrations"]),
+    ("base", ["errors", "keys", "fingerprint", "weights_hash", "paths", "tiny_model", "migrations"]),
     ("disk", ["disk"]),
     ("layers", ["layers"]),
     ("tiers", ["tiers"]),
