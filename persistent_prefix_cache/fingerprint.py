@@ -5,9 +5,17 @@ fine-tune has the same names and shapes as its base), which also covers dtype an
 weight quantization. The cache layout (and so KV quantization) and the namespace
 are added by the root key (`keys.root_key`).
 
-Hashing weights costs a pass over them (one xxh3 stream, ~4-10 GB/s on one core; on a
-CUDA GPU it hashes copies made on the device, touched by threads ahead of the hash, so
-the weights' own pages stay on the device).
+Hashing the weights (`weights_hash`) costs a pass over them, in one of two schemes the
+value's form names: ``xxh3`` on the host (the CPU's, ~4-11 GB/s on one core; every
+fingerprint before issue 18) or ``lanes1:`` lane sums reduced by MLX ops where the
+weights live (a GPU's: nothing but 16 bytes per 64 MiB reaches the host).
+
+Upgrades (`current_fingerprint`): a store that holds blocks under ``xxh3`` fingerprints,
+opened where the scheme is ``lanes1``, has the weights hashed the older way once; if
+that value is one of its models, it stays the fingerprint (the blocks are found as
+before) and is remembered under the lanes value, so later opens pay only the lanes
+hash. A fingerprint remembered by model folder keeps its value (verified by its
+sample as always). ``docs/fingerprint.md`` has the whole story.
 
 Remembered by model folder, verified (`cached_fingerprint`): when the caller names the
 folder the model was loaded from, the fingerprint is remembered in the store under the

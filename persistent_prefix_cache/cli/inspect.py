@@ -36,8 +36,9 @@ def _render(s: dict) -> str:
     out += ["", "fingerprints remembered by model folder (`ppc forget` forgets them):"]
     out.append(
         table(
-            [(r.get("folder") or "(unknown: remembered before verification)", str(r.get("fingerprint"))[:16],
-              "yes" if r.get("sample") else "no") for r in s.get("remembered", [])],  # fmt: skip
+            [(r.get("folder") or (f"(weights hashed {str(r['alias_of'])[:20]})" if r.get("alias_of") else
+              "(unknown: remembered before verification)"), str(r.get("fingerprint"))[:16],
+              "yes" if r.get("sample") or r.get("alias_of") else "no") for r in s.get("remembered", [])],  # fmt: skip
             header=("folder", "fingerprint", "verified"),
         )
         or "(none)"
