@@ -166,10 +166,10 @@ def _constants() -> dict[str, mx.array]:
     return _CONSTANTS
 
 
-def _terms(words, positions, p, q, m1, m2):
+def _terms(words, positions, offset, p, q, m1, m2):
     # (n, 1) words and positions against (LANES,) constants: (n, LANES) terms, each a
     # bijection of its word for a fixed position and lane (see the module docstring).
-    x = mx.bitwise_xor(words[:, None], positions[:, None] * p + q)
+    x = mx.bitwise_xor(words[:, None], (positions + offset)[:, None] * p + q)
     x = x * m1
     x = mx.bitwise_xor(x, mx.right_shift(x, 15))
     x = x * m2
@@ -209,8 +209,30 @@ def _mix(words: mx.array, positions: mx.array, start: int) -> mx.array:
     if words.size < 2:  # MLX 0.32's shapeless compile crashes on one element: the host's 4 bytes
         return mx.array(_host_terms(np.array(words, dtype=np.uint32), start))
     c = _constants()
-    at = positions[: words.size] + mx.array(start % (1 << 32), dtype=mx.uint32)
-    return _compiled(words, at, c["p"], c["q"], c["m1"], c["m2"])
+    offset = mx.array(start % (1 << 32), dtype=mx.uint32)
+    return _compiled(words, positions[: words.size], offset, c["p"], c["q"], c["m1"], c["m2"])
+
+
+def host_lane_sums(value: mx.array) -> bytes:
+    """`lane_sums` computed by numpy on the host, from the array's bytes: the reference
+    a device's sums are checked against (``tools/gpu_bench.py``, the tests).
+
+    Args:
+        value: An evaluated mlx array of any dtype.
+
+    Returns:
+        The same bytes `lane_sums` gives.
+    """
+    raw = np.frombuffer(bytes_of(value), dtype=np.uint8)
+    words = np.concatenate([raw, np.zeros(-len(raw) % 4, np.uint8)]).view("<u4")
+    out = []
+    for start in range(0, len(words), _CHUNK_WORDS):
+        sums = np.zeros(LANES, dtype=np.uint64)
+        for part in range(start, min(start + _CHUNK_WORDS, len(words)), 1 << 20):  # bounded host memory
+            stop = min(part + (1 << 20), start + _CHUNK_WORDS, len(words))
+            sums = (sums + _host_terms(words[part:stop], part)) % (1 << 32)
+        out.append(sums.astype("<u4").tobytes())
+    return b"".join(out)
 
 
 def lane_sums(value: mx.array) -> bytes:

@@ -85,8 +85,15 @@ def test_lane_sums_follow_their_definition(dtype, shape, monkeypatch):
         value = mx.array(rng.standard_normal(shape).astype(np.float32)).astype(getattr(mx, dtype))
     mx.eval(value)
     got = wh.lane_sums(value)
-    assert got == _reference(bytes(wh.bytes_of(value)), 1000)
+    assert got == _reference(bytes(wh.bytes_of(value)), 1000) == wh.host_lane_sums(value)
     assert len(got) == 16 * -(-((value.nbytes + 3) // 4) // 1000)
+
+
+def test_the_host_reference_agrees_across_its_own_blocks(monkeypatch):
+    monkeypatch.setattr(wh, "_CHUNK_WORDS", 3 << 20)  # chunks the host splits into 1M-word parts
+    value = mx.random.randint(0, 1 << 30, ((3 << 20) + (1 << 20) + 5,)).astype(mx.uint32)
+    mx.eval(value)
+    assert len(wh.lane_sums(value)) == 32 and wh.lane_sums(value) == wh.host_lane_sums(value)
 
 
 def _model(folder, kind: str):
