@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tarfile
 
 import mlx.core as mx
@@ -322,3 +324,33 @@ def test_an_unknown_scheme_is_a_typed_error(folder, tmp_path, monkeypatch):
     assert wh.SCHEME_ENV in str(raised.value) and "lanes1" in str(raised.value)
     with pytest.raises(InvalidArgumentError):
         wh.fingerprint_model(load_tiny_model(folder), scheme="md5")
+
+
+# -- the benchmarks print both schemes ----------------------------------------------------------
+
+TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
+
+
+def test_bench_fingerprint_times_both_schemes():
+    proc = subprocess.run(
+        [sys.executable, os.path.join(TOOLS, "bench_fingerprint.py"), "--hidden", "128", "--layers", "1",
+         "--vocab", "500", "--repeat", "1", "--json"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    for key in ("fingerprint_model_s", "lanes_s", "xxh3_threads_s", "sample_digest_s", "compare_with_folder_s"):
+        assert result[key] > 0, key
+
+
+def test_gpu_bench_fingerprint_row_checks_the_device_sums():
+    proc = subprocess.run(
+        [sys.executable, os.path.join(TOOLS, "gpu_bench.py"), "--small", "--tokens", "64", "--repeat", "1",
+         "--precompute", "", "--fingerprint", "--json"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fp = json.loads(proc.stdout)["fingerprint"]
+    assert fp["same_value"] is True and fp["lanes_matches_cpu"] is True
+    assert len(fp["lanes_hash_s"]) == len(fp["prefetch_True_hash_s"]) == 1
+    assert "lanes1" in proc.stderr
