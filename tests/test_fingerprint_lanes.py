@@ -281,6 +281,11 @@ def test_a_store_written_by_main_keeps_its_blocks(old):
         assert s.fingerprint == old["spec"]["fingerprint"]
         _continues_like_cold(model, s, old["spec"]["prompts"][0])
     assert old["calls"] == [None]
+    shown = subprocess.run(
+        [sys.executable, "-m", "persistent_prefix_cache", "inspect", "--store", str(old["store"])],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    assert f"(weights hashed {lanes[:20]})" in shown and old["spec"]["fingerprint"][:16] in shown
 
 
 def test_a_model_path_keeps_its_older_value_and_is_never_hashed_again(old):

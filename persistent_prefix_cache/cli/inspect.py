@@ -61,7 +61,7 @@ def main(argv: list[str]) -> int:
         with StoreAdmin(store_path(args, must_exist=True), readonly=True) as admin:
             summary = admin.summary(longest=args.top)
             summary["remembered"] = [
-                {k: r.get(k) for k in ("folder", "fingerprint", "sample", "signature")}
+                {k: r.get(k) for k in ("folder", "fingerprint", "sample", "signature", "alias_of")}
                 for r in admin.index.remembered_fingerprints()
             ]
             emit(summary, args.json, _render)
