@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -138,7 +139,7 @@ def fingerprint_model(model: Any, *, scheme: str | None = None, prefetch: bool |
     params = sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0])
     mx.eval([p for _, p in params])
     if scheme == LANES_SCHEME:
-        for name, value, sums in _lane_sums(params):
+        for name, value, sums in _lane_sums_or_unfused(params):
             h.update(f"{name}:{value.dtype}:{tuple(value.shape)}:{value.nbytes}\0".encode())
             h.update(sums)
         return f"{LANES_SCHEME}:{h.hexdigest()}"
@@ -210,7 +211,7 @@ def _mix(words: mx.array, positions: mx.array, start: int) -> mx.array:
         return mx.array(_host_terms(np.array(words, dtype=np.uint32), start))
     c = _constants()
     offset = mx.array(start % (1 << 32), dtype=mx.uint32)
-    return _compiled(words, positions[: words.size], offset, c["p"], c["q"], c["m1"], c["m2"])
+    return (_compiled if _FUSED[0] else _terms)(words, positions[: words.size], offset, c["p"], c["q"], c["m1"], c["m2"])
 
 
 def host_lane_sums(value: mx.array) -> bytes:
@@ -245,6 +246,22 @@ def lane_sums(value: mx.array) -> bytes:
         ``LANES`` little-endian uint32 per chunk of `_CHUNK_WORDS` words.
     """
     return b"".join(s for _, _, s in _lane_sums([("", value)]))
+
+
+_FUSED = [True]  # False once the fused kernel failed here: plain MLX ops, the same value
+
+
+def _lane_sums_or_unfused(params) -> list:
+    """`_lane_sums`, again with plain (unfused) MLX ops if the fused kernel fails on this
+    device (a compile bug must not fail an open: the value is the same, only slower)."""
+    try:
+        return list(_lane_sums(params))
+    except (RuntimeError, ValueError) as exc:
+        if not _FUSED[0]:
+            raise
+        warnings.warn(f"the fused fingerprint kernel failed ({exc}); hashing with plain MLX ops (the same value)")
+        _FUSED[0] = False
+        return list(_lane_sums(params))
 
 
 def _lane_sums(params):

@@ -359,3 +359,11 @@ def test_gpu_bench_fingerprint_row_checks_the_device_sums():
     assert fp["same_value"] is True and fp["lanes_matches_cpu"] is True
     assert len(fp["lanes_hash_s"]) == len(fp["prefetch_True_hash_s"]) == 1
     assert "lanes1" in proc.stderr
+
+
+def test_plain_mlx_ops_give_the_fused_kernels_value(folder, monkeypatch):
+    """The fallback used where the fused kernel fails: the same value, unfused."""
+    model = load_tiny_model(folder)
+    fused = wh.fingerprint_model(model, scheme=LANES)
+    monkeypatch.setattr(wh, "_FUSED", [False])
+    assert wh.fingerprint_model(model, scheme=LANES) == fused
