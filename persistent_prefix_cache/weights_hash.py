@@ -66,8 +66,15 @@ _M2 = (0x846CA68B, 0x2C1B3C6D, 0x297A2D39, 0x9E485565)
 
 
 def scheme_of(fingerprint: str) -> str | None:
-    """The scheme a fingerprint was computed with: `XXH3`, `LANES_SCHEME`, or None for a
-    string a caller chose (``fingerprint=``)."""
+    """The scheme a fingerprint was computed with.
+
+    Args:
+        fingerprint: A fingerprint as a store records it.
+
+    Returns:
+        `XXH3` (32 lowercase hex digits), `LANES_SCHEME` (``lanes1:`` and the digits), or
+        None for a string a caller chose (``fingerprint=``, derived ones).
+    """
     if fingerprint.startswith(LANES_SCHEME + ":"):
         return LANES_SCHEME
     if len(fingerprint) == 32 and all(c in "0123456789abcdef" for c in fingerprint):
