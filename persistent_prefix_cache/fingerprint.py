@@ -5,9 +5,17 @@ fine-tune has the same names and shapes as its base), which also covers dtype an
 weight quantization. The cache layout (and so KV quantization) and the namespace
 are added by the root key (`keys.root_key`).
 
-Hashing weights costs a pass over them (one xxh3 stream, ~4-10 GB/s on one core; on a
-CUDA GPU it hashes copies made on the device, touched by threads ahead of the hash, so
-the weights' own pages stay on the device).
+Hashing the weights (`weights_hash`) costs a pass over them, in one of two schemes the
+value's form names: ``xxh3`` on the host (the CPU's, ~4-11 GB/s on one core; every
+fingerprint before issue 18) or ``lanes1:`` lane sums reduced by MLX ops where the
+weights live (a GPU's: nothing but 16 bytes per 64 MiB reaches the host).
+
+Upgrades (`current_fingerprint`): a store that holds blocks under ``xxh3`` fingerprints,
+opened where the scheme is ``lanes1``, has the weights hashed the older way once; if
+that value is one of its models, it stays the fingerprint (the blocks are found as
+before) and is remembered under the lanes value, so later opens pay only the lanes
+hash. A fingerprint remembered by model folder keeps its value (verified by its
+sample as always). ``docs/fingerprint.md`` has the whole story.
 
 Remembered by model folder, verified (`cached_fingerprint`): when the caller names the
 folder the model was loaded from, the fingerprint is remembered in the store under the
@@ -43,111 +51,25 @@ import dataclasses
 import json
 import os
 import warnings
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import mlx.core as mx
-import numpy as np
 import xxhash
 from mlx.utils import tree_flatten
 
 from .errors import ModelMismatchError
 from .paths import expand_path
+from .weights_hash import LANES_SCHEME, XXH3, bytes_of, fingerprint_model, model_config, scheme_of
 
-
-def _config_of(model: Any) -> Any:
-    args = getattr(model, "args", None)
-    if dataclasses.is_dataclass(args):
-        return dataclasses.asdict(args)
-    if isinstance(args, dict):
-        return args
-    return getattr(model, "config", None)
-
-
-def fingerprint_model(model: Any, *, prefetch: bool | None = None) -> str:
-    """Digest a loaded mlx-lm model: class, config and the bytes of every parameter.
-
-    Args:
-        model: An mlx ``nn.Module``.
-        prefetch: Hash copies made on the default device, their pages touched by a
-            few threads ahead of the hash (the value is the same). None: only where
-            the default device is a GPU. There arrays live in managed memory: the
-            host reading a weight moves its pages to the host, one thread at a time
-            slowly, and the next prefill moves them back (on an H200, 8B model: the
-            hash 8.8 s and the next prefill 1.8 s instead of 0.22 s; with copies,
-            4.4-5.0 s and no slower prefill).
-
-    Returns:
-        A hex string (xxh3-128).
-    """
-    h = xxhash.xxh3_128()
-    cls = type(model)
-    h.update(f"{cls.__module__}.{cls.__qualname__}\0".encode())
-    h.update(json.dumps(_config_of(model), sort_keys=True, default=str).encode() + b"\0")
-    params = sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0])
-    mx.eval([p for _, p in params])
-    if prefetch is None:
-        prefetch = mx.default_device() == mx.gpu
-    for name, value, view in _ahead(params) if prefetch else _in_place(params):
-        h.update(f"{name}:{value.dtype}:{tuple(value.shape)}\0".encode())
-        h.update(view)
-    return h.hexdigest()
-
-
-_PAGE = 4096
-_PREFETCHERS = 8
-_AHEAD_BYTES = 1 << 30  # device memory the copies in flight may take
-
-
-def _bytes_of(value: mx.array) -> memoryview:
-    # The evaluated buffer itself (no MLX op): this also works in a process forked
-    # after MLX ran, where MLX can no longer evaluate anything.
-    view = memoryview(value)
-    return view.cast("B") if view.c_contiguous else memoryview(view.tobytes())
-
-
-def _in_place(params):
-    for name, value in params:
-        yield name, value, _bytes_of(value)
-
-
-def _copy(value: mx.array) -> mx.array:
-    # A bitwise copy made by the device (adding zero to the bytes as unsigned ints).
-    copy = value.view(mx.uint8) + 0 if value.dtype != mx.bool_ else mx.array(value)
-    mx.eval(copy)
-    return copy
-
-
-def _touch(copy: mx.array) -> memoryview:
-    view = _bytes_of(copy)
-    if len(view):  # one byte per page moves the page; numpy's strided sum drops the GIL
-        np.frombuffer(view, dtype=np.uint8)[::_PAGE].sum()
-    return view
-
-
-def _ahead(params):
-    """The parameters' bytes as device copies, touched on a few threads ahead of the
-    hash; at most `_AHEAD_BYTES` of copies (and at least one) in flight."""
-    pool = ThreadPoolExecutor(min(_PREFETCHERS, os.cpu_count() or 1), thread_name_prefix="ppc-prefetch")
-    pending: deque[tuple[Future, int]] = deque()
-    in_flight, nxt = 0, 0
-    try:
-        for name, value in params:
-            while nxt < len(params) and (not pending or in_flight + params[nxt][1].nbytes <= _AHEAD_BYTES):
-                copy = _copy(params[nxt][1])
-                pending.append((pool.submit(_touch, copy), copy.nbytes))
-                in_flight += copy.nbytes
-                nxt += 1
-            future, size = pending.popleft()
-            yield name, value, future.result()
-            in_flight -= size
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+__all__ = [
+    "FolderComparison", "cached_fingerprint", "compare_with_folder", "current_fingerprint", "describe_model",
+    "fingerprint_model", "forget_fingerprints", "sample_digest", "weight_files_signature",
+]  # fmt: skip
 
 
 # -- remembering a fingerprint by a model folder, verified ------------------------------
 
+_PAGE = 4096
 _SAMPLE_PAGES = 4  # evenly spaced pages per parameter in the sample digest
 _ST_DTYPES = {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
@@ -193,10 +115,10 @@ def sample_digest(model: Any) -> str:
     h = xxhash.xxh3_128()
     cls = type(model)
     h.update(f"{cls.__module__}.{cls.__qualname__}\0".encode())
-    h.update(json.dumps(_config_of(model), sort_keys=True, default=str).encode() + b"\0")
+    h.update(json.dumps(model_config(model), sort_keys=True, default=str).encode() + b"\0")
     for name, value in _evaluated_params(model):
         h.update(f"{name}:{value.dtype}:{tuple(value.shape)}:{value.nbytes}\0".encode())
-        view = _bytes_of(value)
+        view = bytes_of(value)
         for start, end in _pages(value.nbytes):
             h.update(view[start:end])
     return h.hexdigest()
@@ -205,7 +127,7 @@ def sample_digest(model: Any) -> str:
 def describe_model(model: Any) -> str:
     """A short description of a loaded model for messages: class, type, size."""
     cls = type(model)
-    config = _config_of(model)
+    config = model_config(model)
     config = config if isinstance(config, dict) else {}
     parts = [f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__qualname__}"]
     for key in ("model_type", "num_hidden_layers", "hidden_size"):
@@ -295,7 +217,7 @@ def compare_with_folder(model: Any, model_path: str) -> FolderComparison:
             try:
                 if path not in handles:
                     handles[path] = os.open(path, os.O_RDONLY)
-                view = _bytes_of(value)
+                view = bytes_of(value)
                 same = all(
                     os.pread(handles[path], stop - start, first + start) == view[start:stop]
                     for start, stop in _pages(value.nbytes)
@@ -372,6 +294,7 @@ def cached_fingerprint(
     model_path: str | None,
     lookup: Callable[[bytes], dict | None],
     remember: Callable[[bytes, dict], None],
+    stored: Callable[[], Iterable[str]] = tuple,
 ) -> str:
     """`fingerprint_model`, remembered by the files of `model_path` and verified.
 
@@ -397,6 +320,9 @@ def cached_fingerprint(
         lookup: Returns the entry remembered for a files signature (a dict with
             ``fingerprint`` and ``sample``), or None.
         remember: Stores an entry for a files signature (replacing a stale one).
+        stored: Returns the fingerprints of the models the store holds blocks of:
+            where one is of the older `XXH3` scheme, the weights are hashed that way
+            too, once, to keep that model's blocks (`current_fingerprint`).
 
     Returns:
         The fingerprint (hex).
@@ -406,7 +332,7 @@ def cached_fingerprint(
             `model_path`.
     """
     if model_path is None:
-        return fingerprint_model(model)
+        return current_fingerprint(model, lookup, remember, stored)
     folder = os.path.realpath(model_path)
     signature = weight_files_signature(folder)
     sample = sample_digest(model)
@@ -420,7 +346,7 @@ def cached_fingerprint(
             f"weights sample {sample[:12]}): {len(found.differing)} of the {found.compared} weights compared "
             f"({found.differing_bytes:,} of {found.compared_bytes:,} bytes) differ from the folder's files"
         )
-    fp = fingerprint_model(model)
+    fp = current_fingerprint(model, lookup, remember, stored)
     stale = known is not None and (known.get("sample") is not None or known.get("fingerprint") != fp)
     if found.differing:
         warnings.warn(
@@ -439,6 +365,52 @@ def cached_fingerprint(
         )
     remember(signature, {"fingerprint": fp, "sample": sample, "folder": folder, "compared": found.compared})
     return fp
+
+
+_ALIAS = b"scheme-alias\0"  # key prefix: never 16 bytes, so never a files signature
+
+
+def current_fingerprint(
+    model: Any,
+    lookup: Callable[[bytes], dict | None],
+    remember: Callable[[bytes, dict], None],
+    stored: Callable[[], Iterable[str]] = tuple,
+) -> str:
+    """`fingerprint_model` of the default scheme, or the `XXH3` one the store knows the
+    model by: a store written before the `LANES_SCHEME` keeps its blocks.
+
+    Where the default scheme is `LANES_SCHEME` (a GPU) and the store holds blocks of
+    models fingerprinted with `XXH3` (every fingerprint before it), the weights are
+    hashed with `XXH3` too, once: if that value is one of the store's models, it is the
+    fingerprint (the same value as before the upgrade, so its blocks are found); either
+    way the outcome is remembered under the lanes fingerprint, so later opens pay only
+    the lanes hash. The remembered value was computed from weights of that very lanes
+    fingerprint, so it is as safe as the fingerprint itself (no sample involved). A
+    read-only store remembers nothing: it pays the `XXH3` hash at every open, as before.
+
+    Args:
+        model: The loaded model.
+        lookup: As in `cached_fingerprint` (here keyed by the lanes fingerprint).
+        remember: As in `cached_fingerprint`.
+        stored: As in `cached_fingerprint`.
+
+    Returns:
+        The fingerprint (a string).
+    """
+    fp = fingerprint_model(model)
+    if scheme_of(fp) != LANES_SCHEME:
+        return fp
+    key = _ALIAS + fp.encode()
+    known = lookup(key)
+    if known and isinstance(known.get("fingerprint"), str) and known.get("alias_of") == fp:
+        return known["fingerprint"]
+    older = {f for f in stored() if isinstance(f, str) and scheme_of(f) == XXH3}
+    if not older:
+        return fp  # nothing to keep: nothing remembered (a later open looks again, cheaply)
+    legacy = fingerprint_model(model, scheme=XXH3)
+    chosen = legacy if legacy in older else fp
+    remember(key, {"fingerprint": chosen, "alias_of": fp, "folder": None})
+    return chosen
 
 
 def forget_fingerprints(index: Any, model_path: str | os.PathLike | None = None) -> int:

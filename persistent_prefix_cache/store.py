@@ -189,6 +189,7 @@ class PersistentPrefixCache(CostsMixin):
                 None if model_path is None else os.fspath(model_path),
                 self.index.remembered_fingerprint,
                 self.index.remember_fingerprint,
+                self._stored_fingerprints,
             )
             self.root = root_key(self.fingerprint, namespace, self.layout.signature)
             self.layout.fields = self._recorded_fields()
@@ -336,6 +337,11 @@ class PersistentPrefixCache(CostsMixin):
         self._check_open()
         with self.index.reader() as reader:
             return reader.filled_models()
+
+    def _stored_fingerprints(self) -> list:
+        # The fingerprints of the models with blocks here (`fingerprint.current_fingerprint`).
+        with self.index.reader() as reader:
+            return [m.get("fingerprint") for m in reader.filled_models()]
 
     def forget_fingerprints(self, model_path: str | os.PathLike | None = None) -> int:
         """Forget the fingerprints remembered by model folder (the next open of each

@@ -195,26 +195,34 @@ def restarted(model, path: Path, query: list[int], repeat: int, kv_bytes: int) -
 
 
 def fingerprint_case(model, repeat: int, n: int) -> dict:
-    """The first open's weight hash in place (one thread) and from device copies
-    touched by threads (the default on a GPU), and the prefill that follows each
-    (weights' pages the hash moved to the host move back)."""
-    from persistent_prefix_cache.fingerprint import fingerprint_model
+    """The first open's weight hash: the xxh3 scheme in place (one thread) and from device
+    copies touched by threads (the default before issue 18), the lanes scheme (lane sums
+    on the device, the GPU's default now), and the prefill that follows each (weights'
+    pages a host hash moved to the host move back). ``lanes_matches_cpu``: the lane sums
+    of a few weights computed on the GPU equal those numpy computes on the host."""
+    from persistent_prefix_cache import weights_hash as wh
 
     tokens = [(7 * i + 3) % model.args.vocab_size for i in range(n)]
-    out: dict = {"weight_bytes": sum(v.nbytes for _, v in tree_flatten(model.parameters()))}
-    values = set()
-    for prefetch in (False, True) * repeat:
+    params = tree_flatten(model.parameters())
+    out: dict = {"weight_bytes": sum(v.nbytes for _, v in params)}
+    values: dict = {"xxh3": set(), "lanes1": set()}
+    for scheme, prefetch in (("xxh3", False), ("xxh3", True), ("lanes1", None)) * repeat:
         forward(model, make_prompt_cache(model), tokens)  # weights back on the device
         mx.synchronize()
         started = time.perf_counter()
-        values.add(fingerprint_model(model, prefetch=prefetch))
+        values[scheme].add(wh.fingerprint_model(model, scheme=scheme, prefetch=prefetch))
         hashed = time.perf_counter() - started
         started = time.perf_counter()
         forward(model, make_prompt_cache(model), tokens)
         after = time.perf_counter() - started
-        out.setdefault(f"prefetch_{prefetch}_hash_s", []).append(hashed)
-        out.setdefault(f"prefetch_{prefetch}_next_prefill_s", []).append(after)
-    out["same_value"] = len(values) == 1
+        label = "lanes" if scheme == "lanes1" else f"prefetch_{prefetch}"
+        out.setdefault(f"{label}_hash_s", []).append(hashed)
+        out.setdefault(f"{label}_next_prefill_s", []).append(after)
+    out["same_value"] = len(values["xxh3"]) == 1 and len(values["lanes1"]) == 1
+    # Smallest, a middle and a two-chunk weight: the device's sums against the CPU's.
+    by_size = sorted(params, key=lambda kv: kv[1].nbytes)
+    picked = [by_size[0], by_size[len(by_size) // 2]] + [kv for kv in by_size if kv[1].nbytes > 4 * wh._CHUNK_WORDS][:1]
+    out["lanes_matches_cpu"] = [wh.lane_sums(v) for _, v in picked] == [wh.host_lane_sums(v) for _, v in picked]
     return out
 
 
@@ -247,9 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.fingerprint:
         results["fingerprint"] = fp = fingerprint_case(model, args.repeat, min(8192, max(int(n) for n in args.tokens.split(","))))
         print(
-            "fingerprint of %.1f GB: %s s one thread, %s s from device copies; next prefill %s / %s s; same value: %s"
-            % (fp["weight_bytes"] / 1e9, fp["prefetch_False_hash_s"], fp["prefetch_True_hash_s"],
-               fp["prefetch_False_next_prefill_s"], fp["prefetch_True_next_prefill_s"], fp["same_value"]),
+            "fingerprint of %.1f GB: xxh3 %s s one thread, %s s from device copies, lanes1 %s s; next prefill "
+            "%s / %s / %s s; same value: %s; lanes on the GPU = on the CPU: %s"
+            % (fp["weight_bytes"] / 1e9, fp["prefetch_False_hash_s"], fp["prefetch_True_hash_s"], fp["lanes_hash_s"],
+               fp["prefetch_False_next_prefill_s"], fp["prefetch_True_next_prefill_s"], fp["lanes_next_prefill_s"],
+               fp["same_value"], fp["lanes_matches_cpu"]),
             file=sys.stderr,
         )  # fmt: skip
     print(f"persistent_prefix_cache GPU case: mlx {results['mlx']} on {results['device']}", file=sys.stderr)

@@ -282,6 +282,7 @@ def _generate(args) -> int:
     )
 
     from ..fingerprint import fingerprint_model
+    from ..weights_hash import XXH3
 
     max_kv_size = args.max_kv_size
     if max_kv_size is not None and not _max_kv_size_applies(model, max_kv_size):
@@ -296,15 +297,15 @@ def _generate(args) -> int:
     if args.quantize_activations:
         # Activation quantization changes the KV but neither the weights nor the
         # model's config: keep its blocks apart from the plain model's.
-        options["fingerprint"] = f"quantize-activations:{fingerprint_model(model)}"
+        options["fingerprint"] = f"quantize-activations:{fingerprint_model(model, scheme=XXH3)}"
         local_path = None
     if draft is not None or max_kv_size is not None:
         stored_model = StoreModel(model, draft, max_kv_size)
         # The same fingerprint `ppc serve` gives a model with a draft; with a rotating
         # cache only the layout differs, and the layout is part of the store's key.
-        options.setdefault("fingerprint", fingerprint_model(model))
+        options.setdefault("fingerprint", fingerprint_model(model, scheme=XXH3))
         if draft is not None:
-            options["fingerprint"] = f"with-draft:{options['fingerprint']}:{fingerprint_model(draft)}"
+            options["fingerprint"] = f"with-draft:{options['fingerprint']}:{fingerprint_model(draft, scheme=XXH3)}"
         local_path = None
     mx.reset_peak_memory()
     store = open_checked_store(args, stored_model, local_path, need_write=False, **options)

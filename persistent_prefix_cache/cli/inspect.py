@@ -36,8 +36,9 @@ def _render(s: dict) -> str:
     out += ["", "fingerprints remembered by model folder (`ppc forget` forgets them):"]
     out.append(
         table(
-            [(r.get("folder") or "(unknown: remembered before verification)", str(r.get("fingerprint"))[:16],
-              "yes" if r.get("sample") else "no") for r in s.get("remembered", [])],  # fmt: skip
+            [(r.get("folder") or (f"(weights hashed {str(r['alias_of'])[:20]})" if r.get("alias_of") else
+              "(unknown: remembered before verification)"), str(r.get("fingerprint"))[:16],
+              "yes" if r.get("sample") or r.get("alias_of") else "no") for r in s.get("remembered", [])],  # fmt: skip
             header=("folder", "fingerprint", "verified"),
         )
         or "(none)"
@@ -60,7 +61,7 @@ def main(argv: list[str]) -> int:
         with StoreAdmin(store_path(args, must_exist=True), readonly=True) as admin:
             summary = admin.summary(longest=args.top)
             summary["remembered"] = [
-                {k: r.get(k) for k in ("folder", "fingerprint", "sample", "signature")}
+                {k: r.get(k) for k in ("folder", "fingerprint", "sample", "signature", "alias_of")}
                 for r in admin.index.remembered_fingerprints()
             ]
             emit(summary, args.json, _render)

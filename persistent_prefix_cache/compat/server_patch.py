@@ -163,9 +163,11 @@ class ProviderStores:
         if draft is not None:
             # The server's caches hold the model's layers, then the draft model's.
             model = _WithDraft(model, draft)
+            # The older scheme: the value of these derived fingerprints predates the lanes
+            # hash and no remembered alias keeps it (weights_hash, docs/fingerprint.md).
             options["fingerprint"] = "with-draft:%s:%s" % (
-                fingerprint_model(provider.model),
-                fingerprint_model(draft),
+                fingerprint_model(provider.model, scheme="xxh3"),
+                fingerprint_model(draft, scheme="xxh3"),
             )
         elif adapter_path is None:
             # Remembering the fingerprint by file stats is only sound for plain weights:
