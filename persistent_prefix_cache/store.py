@@ -437,6 +437,17 @@ class PersistentPrefixCache(CostsMixin):
 
     # -- the handle -----------------------------------------------------------------
 
+    def limit_memory(self, max_bytes: int | None = None) -> tuple[int, int]:
+        """Set the RAM tier's budget (None: keep it), evicting least recently used blocks down
+        to it now (they stay on disk); `compat.lru_prompt_cache` keeps itself and the tier in one.
+
+        Returns:
+            ``(bytes held, budget)`` of the RAM tier.
+        """
+        if max_bytes is not None:
+            self.memory.resize(max_bytes)
+        return self.memory.nbytes, self.memory.max_bytes
+
     @property
     def closed(self) -> bool:
         """Whether `close()` was called."""
