@@ -147,6 +147,10 @@ def test_without_a_budget_each_tier_keeps_its_own(serve_model, tmp_path):
     ours = PersistentLRUPromptCache(store)
     _serve_once(ours, serve_model, random_tokens(TOKENS, seed=600, first=1))
     assert store.limit_memory() == (ours.nbytes, 1 << 20) and len(ours) == 0
+    ours.trim_to(n_bytes=0)  # the server's batched trim: the tier too, for this once
+    assert ours.nbytes == 0 and store.limit_memory() == (0, 0)
+    _serve_once(ours, serve_model, random_tokens(TOKENS, seed=602, first=2))
+    assert store.limit_memory() == (ours.nbytes, 1 << 20) and ours.nbytes > 0  # its own budget again
     # A store whose tier is off: the LRU keeps the cache (hits stay in memory).
     off = PersistentPrefixCache(tmp_path / "off", serve_model, block_size=BLOCK, memory_bytes=0)
     plain = PersistentLRUPromptCache(off)
@@ -192,3 +196,24 @@ def test_ppc_serve_stays_within_prompt_cache_bytes(serve_model_dir, tmp_path):
     assert _cached(answers[0]) == 0
     assert all(_cached(a) > 0 for a in answers[1:])
     assert all(_answer(a) == _answer(answers[0]) for a in answers[1:])
+
+
+def test_bench_serve_reports_both_servers(tmp_path):
+    # tools/bench_serve.py end to end, tiny: every figure present; none asserted on.
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "tools" / "bench_serve.py"
+    out = subprocess.run(
+        [sys.executable, str(bench), "--prompts", "2", "--words", "40", "--json", "--dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)["rows"]
+    assert [r["server"] for r in rows] == ["mlx_lm server", "ppc serve"]
+    for r in rows:
+        assert all(r[k] > 0 for k in ("rss_after_third", "rss_after_distinct", "rss_after_hits", "peak_rss"))
+        assert r["cached_tokens_hits"][0] == 0 and r["cached_tokens_hits"][1] > 0
+    assert "ppc serve" in out.stderr  # the table

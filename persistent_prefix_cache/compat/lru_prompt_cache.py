@@ -212,6 +212,7 @@ class PersistentLRUPromptCache(LRUPromptCache):
         store = self.store_for(model) if len(tokens) else None
         if store is not None:
             self._use(store)
+        self._fit()  # the tier's room back after a trim_to, before it takes this cache
         if not self._written(model, store, tokens, prompt_cache) or self._kept(store, tokens, prompt_cache):
             super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
         self._fit()
@@ -349,15 +350,19 @@ class PersistentLRUPromptCache(LRUPromptCache):
 
     def _fit(self, room: int | None = None) -> None:
         """Give the active store's RAM tier `room` bytes (default: what the LRU leaves of
-        ``max_bytes``), capped by its own budget; other stores' tiers get nothing."""
-        if self.max_bytes >= _NO_LIMIT:
-            return  # no common budget: every tier keeps its own
-        room = max(0, self.max_bytes - self._n_bytes) if room is None else room
+        ``max_bytes``), capped by its own budget; other stores' tiers get nothing. Without
+        ``max_bytes`` (and `room`) every tier keeps its own budget."""
+        bounded = self.max_bytes < _NO_LIMIT
+        if room is None:
+            room = max(0, self.max_bytes - self._n_bytes) if bounded else _NO_LIMIT
         for store in self._open_stores():
             if store.closed:
                 continue
             cap = self._caps.setdefault(id(store), store.limit_memory()[1])
-            store.limit_memory(min(cap, room) if self._active in (None, store) else 0)
+            if self._active in (None, store):
+                store.limit_memory(min(cap, room))
+            else:
+                store.limit_memory(0 if bounded else cap)
 
     def _note_memory(self) -> None:
         total = self.nbytes
