@@ -120,7 +120,10 @@ class PersistentLRUPromptCache(LRUPromptCache):
     @property
     def nbytes(self) -> int:
         """Bytes of KV held in memory: the LRU's entries plus the RAM tiers of the stores."""
-        return self._n_bytes + sum(s.limit_memory()[0] for s in self._open_stores() if not s.closed)
+        return self._lru_bytes() + sum(s.limit_memory()[0] for s in self._open_stores() if not s.closed)
+
+    def _lru_bytes(self) -> int:
+        return super().nbytes  # mlx-lm's own count: the LRU's entries
 
     def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
         """Trim the LRU to `n_sequences` entries and LRU plus RAM tier to `n_bytes`.
@@ -133,10 +136,10 @@ class PersistentLRUPromptCache(LRUPromptCache):
             n_bytes: Most bytes the LRU and the tier keep together (None: no limit).
         """
         if n_bytes is not None:
-            self._fit(max(0, n_bytes - self._n_bytes))
+            self._fit(max(0, n_bytes - self._lru_bytes()))
         super().trim_to(n_sequences=n_sequences, n_bytes=n_bytes)
         if n_bytes is not None:
-            self._fit(max(0, n_bytes - self._n_bytes))
+            self._fit(max(0, n_bytes - self._lru_bytes()))
         self._note_memory()
 
     # -- the interface mlx_lm.server uses (the rest is inherited) -------------------
@@ -354,7 +357,7 @@ class PersistentLRUPromptCache(LRUPromptCache):
         ``max_bytes`` (and `room`) every tier keeps its own budget."""
         bounded = self.max_bytes < _NO_LIMIT
         if room is None:
-            room = max(0, self.max_bytes - self._n_bytes) if bounded else _NO_LIMIT
+            room = max(0, self.max_bytes - self._lru_bytes()) if bounded else _NO_LIMIT
         for store in self._open_stores():
             if store.closed:
                 continue
