@@ -56,27 +56,6 @@ def _close_open_stores() -> None:
         store.close()
 
 
-def blocks_by_tier(before: dict, after: dict) -> dict[str, int]:
-    """The blocks restores took from each tier between two `stats()` of one handle:
-    ``ram`` (stored by the handle, or admitted from a disk read), ``disk`` (read from
-    segment files) and ``remote`` (read from the fleet's server)."""
-    def grew(key: str) -> int:
-        return after.get(key, 0) - before.get(key, 0)
-
-    return {
-        "ram": grew("memory_hits_store") + grew("memory_hits_disk"),
-        "disk": grew("restored_blocks_disk"),
-        "remote": grew("memory_hits_remote"),
-    }
-
-
-def describe_tiers(tiers: dict[str, int]) -> str:
-    """``blocks_by_tier`` in words: ``"RAM 3, disk 2 blocks"`` (tiers that served none left out)."""
-    names = {"ram": "RAM", "disk": "disk", "remote": "remote"}
-    served = [f"{names[t]} {n}" for t, n in tiers.items() if n]
-    return (", ".join(served) + " blocks") if served else "-"
-
-
 class PersistentPrefixCache(CostsMixin):
     """A prefix (KV) cache for one mlx-lm model, kept in a store directory.
 
@@ -442,6 +421,17 @@ class PersistentPrefixCache(CostsMixin):
         return sweep_orphans(self.index, self.files, grace=grace)
 
     # -- the handle -----------------------------------------------------------------
+
+    def limit_memory(self, max_bytes: int | None = None) -> tuple[int, int]:
+        """Set the RAM tier's budget (None: keep it), evicting least recently used blocks down
+        to it now (they stay on disk); `compat.lru_prompt_cache` keeps itself and the tier in one.
+
+        Returns:
+            ``(bytes held, budget)`` of the RAM tier.
+        """
+        if max_bytes is not None:
+            self.memory.resize(max_bytes)
+        return self.memory.nbytes, self.memory.max_bytes
 
     @property
     def closed(self) -> bool:

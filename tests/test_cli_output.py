@@ -96,10 +96,18 @@ def test_a_request_that_found_nothing_is_a_miss(store_dir, model):
         cache, rest = lru.fetch_nearest_cache("m", random_tokens(30, seed=5))
         assert cache is None and len(rest) == 30
         assert (store.stats()["queries"], store.stats()["misses"]) == (1, 1)
-        # A request memory answered, and the store holds no more of: not a store miss.
+        # A request served in memory (by the store's RAM tier: the LRU does not keep what
+        # the store took, docs/serve.md): a hit, not a store miss.
         tokens = random_tokens(40, seed=6)
         lru.insert_cache("m", tokens, prefill(model, tokens)[1])
         lru.fetch_nearest_cache("m", tokens + [1])
+        assert store.stats()["misses"] == 1 and store.stats()["hits"] == 1
+        # One the LRU answered (it keeps a cache the store cannot serve from RAM: the tier
+        # is off here), and the store holds no more of: not a store miss either.
+        store.limit_memory(0)
+        lru = PersistentLRUPromptCache(store)  # takes the tier's budget (0) as its cap
+        lru.insert_cache("m", tokens[:20], prefill(model, tokens[:20])[1])
+        lru.fetch_nearest_cache("m", tokens[:20] + [1])
         assert store.stats()["misses"] == 1 and store.stats()["not_longer"] == 1
     with StoreAdmin(store_dir, readonly=True) as admin:
         assert admin.summary()["misses"] == 1  # what `ppc stats` prints

@@ -65,6 +65,7 @@ except ImportError:  # run from a checkout without installing the package
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_remote  # noqa: E402  (tools/bench_remote.py: the remote tier's figures)
+import bench_serve  # noqa: E402  (tools/bench_serve.py: RSS of ppc serve beside mlx_lm server)
 import bench_precompute  # noqa: E402  (tools/bench_precompute.py: prefill + store vs the disk)
 
 MiB = 1024 * 1024
@@ -854,6 +855,7 @@ def format_report(result: dict) -> str:
             lines.append(f"  {n:>7}" + "".join(f" {sw[key][i]:>15.2f}" for _, key in columns))
     lines += bench_precompute.format_precompute(result.get("precompute"))
     lines += bench_remote.format_remote(result.get("remote"))
+    lines += bench_serve.format_serve(result.get("serve"))
     lines += [f"note: {text}" for text in result["notes"]]
     return "\n".join(lines)
 
@@ -970,6 +972,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--json", action="store_true", help="print the results as JSON on stdout (table on stderr)"
     )
+    p.add_argument(
+        "--serve", action="store_true",
+        help="add the server memory row: ppc serve beside mlx_lm server (tools/bench_serve.py; minutes)",
+    )  # fmt: skip
+    bench_serve.add_arguments(p, prefix="serve-")
     p.add_argument("--output", help="also write the JSON results to this file")
     p.add_argument("--dir", help="scratch folder (default: the system temp folder)")
     p.add_argument(
@@ -1056,6 +1063,13 @@ def main(argv: list[str] | None = None) -> int:
                 Contender=Contender, random_kv=random_kv, make_cache=make_cache, cache_arrays=cache_arrays,
             )  # fmt: skip
             result["remote"] = bench_remote.remote_figures(bench, first, helpers)
+        if args.serve:
+            release_memory()
+            serve_args = argparse.Namespace(
+                prompts=args.serve_prompts, words=args.serve_words, cache_bytes=args.serve_cache_bytes,
+                servers=[s.strip() for s in args.serve_servers.split(",")],
+            )  # fmt: skip
+            result["serve"] = bench_serve.serve_figures(serve_args, workdir)
         if args.sweep:
             result["sweep"] = bench.sweep(first)
             if not args.no_plot:

@@ -212,7 +212,7 @@ def _summary(result: dict) -> str:
 
 
 def _render(result: dict) -> str:
-    from ..store import describe_tiers
+    from ..tier_report import describe_tiers
 
     rows = [
         ("prompt tokens", result["prompt_tokens"]),

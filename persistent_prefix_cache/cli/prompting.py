@@ -330,8 +330,8 @@ class CountingStore:
 
     def fetch(self, tokens: Any):
         """`PersistentPrefixCache.fetch`, remembering how many tokens it restored and
-        which tier served its blocks (`tiers`: see `store.blocks_by_tier`)."""
-        from ..store import blocks_by_tier
+        which tier served its blocks (`tiers`: see `tier_report.blocks_by_tier`)."""
+        from ..tier_report import blocks_by_tier
 
         before = self._store.stats()
         cache, remaining = self._store.fetch(tokens)

@@ -15,6 +15,11 @@ A store the server could not use (a file, a damaged index, another block size, n
 writable) stops ``ppc serve`` before the server starts, with exit code 2;
 ``--store-optional`` serves without a persistent cache instead, after one warning.
 
+Memory: the KV held in memory (the server's LRU entries and the store's RAM tier
+together) stays within one budget, ``--prompt-cache-bytes`` when given, else 1/8 of
+the machine's memory; a cache the store took lives once, as blocks in the RAM tier
+(see `compat.lru_prompt_cache` and docs/serve.md). Startup says the budget in one line.
+
 One behaviour differs from a stock server on purpose: an exact in-memory hit is served
 as all but the last token (``keep_last_token``), because mlx-lm 0.32.2's batched path
 stops its generation thread on an empty rest.
@@ -65,8 +70,8 @@ def _parser() -> argparse.ArgumentParser:
         type=parse_size,
         metavar="SIZE",
         default=None,
-        help="RAM for the store's block tier, besides the server's own prompt cache "
-        "(default: the library's, 512MiB; 0 turns it off)",
+        help="most of the in-memory budget (--prompt-cache-bytes, else 1/8 of RAM) the store's "
+        "RAM tier may take (default: all of it; 0 turns the tier off: the server's LRU keeps every cache)",
     )
     add_disk_budget_option(parser)
     parser.add_argument(
@@ -146,10 +151,16 @@ def _serve(args: argparse.Namespace, server_argv: list[str]) -> int:
     from ..compat.lru_prompt_cache import PersistentLRUPromptCache
 
     def make_cache(provider, max_size, max_bytes):
+        budget, said = memory_budget(provider)
+        options["memory_bytes"] = budget if args.store_memory_bytes is None else min(args.store_memory_bytes, budget)
+        log.info(
+            "in-memory KV at most %.1f MB (%s): the server's prompt cache and the store's RAM tier together",
+            budget / 1e6, said,
+        )  # fmt: skip
         return PersistentLRUPromptCache(
             ProviderStores(path, options, None if path is None else provider),
             max_size=max_size,
-            max_bytes=max_bytes,
+            max_bytes=budget,
             keep_last_token=True,  # an exact hit would stop mlx-lm 0.32's batched path
         )
 
@@ -167,6 +178,10 @@ def _serve(args: argparse.Namespace, server_argv: list[str]) -> int:
                 if cache is not None:
                     stats = cache.persistent_stats()
                     cache.close()  # waits for pending block writes
+                    log.info(  # tests read this line: keep its wording stable
+                        "in-memory KV peaked at %d bytes of a %d-byte budget",
+                        stats["memory_peak_bytes"], stats["memory_budget"],
+                    )  # fmt: skip
                     if args.store_readonly:
                         log.info(
                             "persistent prompt cache closed (read-only): %d prompts restored from the "
@@ -191,6 +206,31 @@ def _serve(args: argparse.Namespace, server_argv: list[str]) -> int:
     if built.get("cache") is not None:
         _exit_now(0)
     return 0
+
+
+def memory_budget(provider: Any) -> tuple[int, str]:
+    """The bytes of KV ``ppc serve`` holds in memory, and where the figure comes from.
+
+    ``--prompt-cache-bytes`` (read from the server's parsed options,
+    ``provider.cli_args``) when given, else 1/8 of the machine's physical memory
+    (512 MiB where that cannot be read).
+
+    Args:
+        provider: mlx_lm.server's ``ModelProvider`` (None: the default).
+
+    Returns:
+        ``(bytes, a few words saying where they come from)``.
+    """
+    given = getattr(getattr(provider, "cli_args", None), "prompt_cache_bytes", None)
+    if given is not None:
+        return max(0, int(given)), "--prompt-cache-bytes"
+    try:
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        physical = 0
+    if physical <= 0:
+        return 512 << 20, "default; set --prompt-cache-bytes"
+    return physical // 8, "default: 1/8 of this machine's memory; set --prompt-cache-bytes"
 
 
 def _reach_remote(options: dict[str, Any]) -> None:

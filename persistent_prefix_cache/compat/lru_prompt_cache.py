@@ -20,6 +20,20 @@ Recomputing one token gives the same output, and mlx-lm 0.32's batched path cann
 start a sequence from an empty ``rest`` (``keep_last_token=True`` treats exact
 in-memory hits the same way).
 
+**Memory: one budget, one copy.** ``max_bytes`` bounds the KV this object holds in
+memory: the entries of the in-memory LRU *and* the RAM tiers of its stores together
+(`nbytes` is their sum). A cache the store took (written through, every prefix of it
+servable by the store, and small enough for the RAM tier) is not kept in the LRU as
+well: the RAM tier holds its blocks, and a hit restores it from there into fresh
+buffers (no deep copy of a kept entry; the restored cache shares nothing the
+generation writes into). The LRU keeps only what the store cannot serve as well: a
+cache it refused (quantized KV, image tokens, a read-only store), a cache that cannot
+be trimmed (recurrent layers: the store resumes only at its snapshots), or one larger
+than the tier. The LRU's entries come first: the tier of the store in use gets what
+they leave (``min(its own memory_bytes, max_bytes - LRU bytes)``) and other stores'
+tiers are emptied (their blocks stay on disk). Not counted: the caches of requests
+in progress (the caller's) and blocks queued for the writer thread until written.
+
 The store holds one model's KV (its layout and fingerprint are fixed when it opens),
 while the server keys caches by a model key and may load several models over its life.
 Give the class either one store (every key shares it: a single-model server) or a
@@ -38,7 +52,8 @@ from mlx_lm.models.cache import LRUPromptCache
 from ..errors import InvalidArgumentError
 from ..keys import TOKEN_MAX, TOKEN_MIN
 from ..layers import cache_length, can_trim, offset_trimmable, trim
-from ..store import PersistentPrefixCache, blocks_by_tier, describe_tiers
+from ..store import PersistentPrefixCache
+from ..tier_report import blocks_by_tier, describe_tiers
 from .through import StoreLink, WarnOnce
 
 log = logging.getLogger(__name__)
@@ -59,7 +74,10 @@ class PersistentLRUPromptCache(LRUPromptCache):
             again for that key next time). Stores the callable opens are closed by
             `close`; a store passed in directly is only flushed (its owner closes it).
         max_size: Most sequences the in-memory LRU holds (as mlx-lm's ``max_size``).
-        max_bytes: Most bytes the in-memory LRU holds (as mlx-lm's ``max_bytes``).
+        max_bytes: Most bytes of KV held in memory: the LRU's entries and the RAM tiers
+            of the stores together (see the module's docstring). Unbounded by default:
+            then each store's tier keeps its own ``memory_bytes`` and the LRU only
+            `max_size`.
         keep_last_token: Turn an exact in-memory hit (``rest == []``) into a hit on all
             but the last token when the cache can be trimmed. mlx-lm 0.32's server
             cannot continue from an empty ``rest`` on its batched path (its generation
@@ -94,8 +112,36 @@ class PersistentLRUPromptCache(LRUPromptCache):
         self._warn_once = WarnOnce(lambda message: log.warning("persistent prompt cache: %s", message))
         self._lock = threading.Lock()
         self._counters = dict.fromkeys(
-            ("store_hits", "restored_tokens", "stored_sequences", "store_skipped"), 0
+            ("store_hits", "restored_tokens", "stored_sequences", "store_skipped", "memory_peak_bytes"), 0
         )
+        self._counters["memory_only_sequences"] = 0  # stored, yet kept in the LRU (see _kept)
+        self._caps: dict[int, int] = {}  # id(store) -> its own RAM-tier budget, taken at first use
+        self._active: PersistentPrefixCache | None = None  # the store whose tier gets the room
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of KV held in memory: the LRU's entries plus the RAM tiers of the stores."""
+        return self._lru_bytes() + sum(s.limit_memory()[0] for s in self._open_stores() if not s.closed)
+
+    def _lru_bytes(self) -> int:
+        return super().nbytes  # mlx-lm's own count: the LRU's entries
+
+    def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
+        """Trim the LRU to `n_sequences` entries and LRU plus RAM tier to `n_bytes`.
+
+        mlx-lm's batched server calls this with its budget minus the active requests'
+        caches; the tier gives back its share first (its blocks stay on disk).
+
+        Args:
+            n_sequences: Most entries the LRU keeps (None: no limit).
+            n_bytes: Most bytes the LRU and the tier keep together (None: no limit).
+        """
+        if n_bytes is not None:
+            self._fit(max(0, n_bytes - self._lru_bytes()))
+        super().trim_to(n_sequences=n_sequences, n_bytes=n_bytes)
+        if n_bytes is not None:
+            self._fit(max(0, n_bytes - self._lru_bytes()))
+        self._note_memory()
 
     # -- the interface mlx_lm.server uses (the rest is inherited) -------------------
 
@@ -122,11 +168,13 @@ class PersistentLRUPromptCache(LRUPromptCache):
         store = self.store_for(model)
         if store is None:
             return cache, rest
+        self._use(store)
         in_memory = len(tokens) - len(rest)
-        # Usually memory covers as much as the store (every insert went to both): then
-        # the store loads nothing.
+        # What the LRU keeps the store rarely covers further (then it loads nothing); what
+        # the store took, the LRU does not hold: the store restores it from its RAM tier.
         before = store.stats()
         restored, remaining = self._link(model, store).read(tokens, in_memory)
+        self._note_memory()  # a restore may admit disk blocks into the tier (within its budget)
         from_store = len(tokens) - len(remaining)
         if restored is None or from_store <= in_memory:
             return cache, rest
@@ -165,10 +213,19 @@ class PersistentLRUPromptCache(LRUPromptCache):
             cache_type: ``"assistant"``, ``"user"`` or ``"system"`` (mlx-lm's eviction
                 order).
         """
-        super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
         store = self.store_for(model) if len(tokens) else None
+        if store is not None:
+            self._use(store)
+        self._fit()  # the tier's room back after a trim_to, before it takes this cache
+        if not self._written(model, store, tokens, prompt_cache) or self._kept(store, tokens, prompt_cache):
+            super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        self._fit()
+        self._note_memory()
+
+    def _written(self, model: Hashable, store: PersistentPrefixCache | None, tokens: list[int], cache: list) -> bool:
+        """Write `cache` through to `store`; whether it was taken."""
         if store is None or store.readonly:  # read-only serves hits: nothing written, nothing skipped
-            return
+            return False
         if not _storable(tokens):
             self._skip(
                 model,
@@ -176,25 +233,41 @@ class PersistentLRUPromptCache(LRUPromptCache):
                 f"prompts with token ids outside the store's int32 range [{TOKEN_MIN}, {TOKEN_MAX}] "
                 "(mlx-lm's image ids) are kept in memory only",
             )
-            return
+            return False
         try:
-            prompt_cache = _even_lengths(prompt_cache)
-            covered = cache_length(prompt_cache)
+            cache = _even_lengths(cache)
+            covered = cache_length(cache)
             if covered is not None and covered < len(tokens):
                 # Keys may run ahead of the KV (a token sampled but not yet fed).
                 tokens = tokens[:covered]
             elif covered is not None and covered > len(tokens):
                 self._skip(model, "length", "a cache longer than its tokens is kept in memory only")
-                return
+                return False
         except Exception as exc:  # a cache the adapters cannot measure: memory only
             self._skip(model, type(exc), f"not persisted ({exc}); kept in memory only")
-            return
-        if not self._link(model, store).write(tokens, prompt_cache):
+            return False
+        if not self._link(model, store).write(tokens, cache):
             with self._lock:
                 self._counters["store_skipped"] += 1
-            return
+            return False
         with self._lock:
             self._counters["stored_sequences"] += 1
+        return True
+
+    def _kept(self, store: PersistentPrefixCache, tokens: list[int], cache: list) -> bool:
+        """Whether the LRU must keep a cache `store` took: unless the store serves every
+        prefix of it (all but the last token found, every layer trimmable) from a RAM tier
+        it fits in, a hit from the LRU is the better one."""
+        try:
+            size = sum(layer.nbytes for layer in cache)
+            fits = size <= store.limit_memory()[1]
+            kept = not (fits and can_trim(cache) and store.peek(tokens) >= len(tokens) - 1)
+        except Exception:  # whatever cannot be measured stays where mlx-lm keeps it
+            kept = True
+        if kept:
+            with self._lock:
+                self._counters["memory_only_sequences"] += 1
+        return kept
 
     # -- the persistent side ------------------------------------------------------------
 
@@ -231,7 +304,10 @@ class PersistentLRUPromptCache(LRUPromptCache):
         Returns:
             store_hits (fetches answered by the store), restored_tokens,
             stored_sequences (inserts written through), store_skipped (inserts kept in
-            memory only), and ``stores``: a list of ``{"model", "path", "stats"}``.
+            memory only), memory_only_sequences (inserts the store took that the LRU
+            kept too), memory_peak_bytes (the most `nbytes` seen after any call),
+            memory_bytes (`nbytes` now), memory_budget (``max_bytes``), and
+            ``stores``: a list of ``{"model", "path", "stats"}``.
         """
         with self._lock:
             out: dict[str, Any] = dict(self._counters)
@@ -241,6 +317,7 @@ class PersistentLRUPromptCache(LRUPromptCache):
         out["stores"] = [
             {"model": key, "path": s.path, "stats": s.stats()} for key, s in stores if not s.closed
         ]
+        out["memory_bytes"], out["memory_budget"] = self.nbytes, self.max_bytes
         return out
 
     def flush(self) -> None:
@@ -266,6 +343,35 @@ class PersistentLRUPromptCache(LRUPromptCache):
             return [] if self._shared_store.closed else [self._shared_store]
         with self._lock:
             return list(self._stores.values())
+
+    def _use(self, store: PersistentPrefixCache) -> None:
+        """Make `store` the one whose RAM tier shares the budget (the model in use)."""
+        if id(store) not in self._caps:
+            self._caps[id(store)] = store.limit_memory()[1]  # what its owner gave it: our cap
+        if self._active is not store:
+            self._active = store
+            self._fit()
+
+    def _fit(self, room: int | None = None) -> None:
+        """Give the active store's RAM tier `room` bytes (default: what the LRU leaves of
+        ``max_bytes``), capped by its own budget; other stores' tiers get nothing. Without
+        ``max_bytes`` (and `room`) every tier keeps its own budget."""
+        bounded = self.max_bytes < _NO_LIMIT
+        if room is None:
+            room = max(0, self.max_bytes - self._lru_bytes()) if bounded else _NO_LIMIT
+        for store in self._open_stores():
+            if store.closed:
+                continue
+            cap = self._caps.setdefault(id(store), store.limit_memory()[1])
+            if self._active in (None, store):
+                store.limit_memory(min(cap, room))
+            else:
+                store.limit_memory(0 if bounded else cap)
+
+    def _note_memory(self) -> None:
+        total = self.nbytes
+        with self._lock:
+            self._counters["memory_peak_bytes"] = max(self._counters["memory_peak_bytes"], total)
 
     def _link(self, model: Hashable, store: PersistentPrefixCache) -> StoreLink:
         # Never fail a request for the store's sake: every error is a warning there.

@@ -144,6 +144,18 @@ class MemoryTier:
                 self._seen_bytes -= self._seen.popitem(last=False)[1]
             return out
 
+    def resize(self, max_bytes: int) -> None:
+        """Change the budget, evicting least recently used blocks down to it at once.
+
+        Args:
+            max_bytes: The new budget for tensor bytes (0 empties and disables the tier).
+        """
+        with self._lock:
+            self.max_bytes = max(0, max_bytes)
+            while self.nbytes > self.max_bytes and self._entries:
+                self._drop(next(iter(self._entries)))
+                self.evictions += 1
+
     def count_served(self, keys: list[bytes]) -> None:
         """Count blocks a restore took from the tier, by how they entered it."""
         with self._lock:
