@@ -26,7 +26,7 @@ from persistent_prefix_cache.tiny_model import write_tiny_model
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "mlx_files.tar.gz"
 VERSIONS = ("0.31.3", "0.32.2")
-CASES = ("llama", "llama_kv8", "gemma3_text", "qwen3_next")
+CASES = ("llama", "llama_kv8", "gemma3_text", "qwen3_next", "falcon_h1")
 SUFFIX = "Old librarians knew this long before"
 
 

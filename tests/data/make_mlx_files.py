@@ -53,6 +53,18 @@ CASES = {
         ),
         [],
     ),
+    # CacheList(ArraysCache, KVCache) per layer
+    "falcon_h1": (
+        "falcon_h1",
+        dict(
+            hidden_size=64, num_heads=4, num_kv_heads=2,
+            extra_config=dict(
+                head_dim=16, mamba_d_conv=4, mamba_d_head=16, mamba_d_ssm=64, mamba_d_state=16,
+                mamba_n_heads=4, mamba_n_groups=1, mamba_chunk_size=32,
+            ),
+        ),
+        [],
+    ),
 }  # fmt: skip
 SMALL = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
 
