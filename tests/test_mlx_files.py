@@ -288,3 +288,32 @@ def test_generate_reads_a_031_file_mlx_lm_032_cannot(fixtures):
     wrong = ppc("generate", *args[2:], "--model", "models/gemma3_text", "--prompt-cache-file",
                 "files/0.31.3/llama.safetensors", cwd=fixtures)  # fmt: skip
     assert wrong.returncode == 2 and wrong.stderr.startswith("error: ") and "Traceback" not in wrong.stderr
+
+
+def test_options_that_contradict_the_file_are_refused(in_fixtures, tmp_path, capsys):
+    """A file written with --max-kv-size, --kv-bits on unquantized KV: one line each, no store."""
+    fixtures, prompt = in_fixtures, cases(in_fixtures)["llama"]["prompt"]
+    qwen3 = tmp_path / "qwen3"  # a family whose cache --max-kv-size turns into rotating layers
+    write_tiny_model(qwen3, family="qwen3", hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
+    rotating = tmp_path / "rotating.safetensors"
+    made = mlx_lm("cache_prompt", "--model", qwen3, "--prompt", prompt, "--prompt-cache-file", rotating,
+                  "--max-kv-size", "8", cwd=tmp_path)  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    from persistent_prefix_cache.cli import main
+
+    store = tmp_path / "store"
+    code = main(["import-mlx", str(rotating), "--store", str(store), "--model", str(qwen3), "--prompt", prompt])
+    assert code == 2 and "was written with --max-kv-size" in _one_error_line(capsys)
+    code, store = _bad_import(fixtures, tmp_path, fixtures / "files" / "0.32.2" / "llama.safetensors", "--kv-bits", "8")
+    assert code == 2 and "holds KV that is not quantized: omit --kv-bits" in _one_error_line(capsys)
+    assert not store.exists()
+
+
+def test_a_store_named_relative_to_the_working_folder(fixtures, tmp_path):
+    """``--store kv`` (a bare name) is made in the working folder."""
+    info = cases(fixtures)["llama"]
+    model = fixtures / "models" / "llama"
+    proc = ppc("import-mlx", fixtures / "files" / "0.31.3" / "llama.safetensors", "--store", "kv", "--model", model,
+               "--prompt", info["prompt"], "--ignore-recorded-model", cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "kv" / "index").is_dir()

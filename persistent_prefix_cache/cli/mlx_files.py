@@ -136,8 +136,18 @@ def _fit(file, model, path: str, args) -> list:
             raise UserError(f"{path} holds KV quantized to {bits} bits in groups of {group}, not --kv-bits "
                             f"{args.kv_bits} --kv-group-size {args.kv_group_size}: omit them")  # fmt: skip
         args.kv_bits, args.kv_group_size = bits, group
+    elif args.kv_bits is not None:
+        raise UserError(f"{path} holds KV that is not quantized: omit --kv-bits")
     template = template_cache(model, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
     ours = signature_of(template)
+    pairs = list(zip(theirs.split("|"), ours.split("|")))
+    if len(theirs.split("|")) == len(ours.split("|")) and all(
+        a == b or (a.startswith("RotatingKVCache") and b == "KVCache") for a, b in pairs
+    ) and theirs != ours:
+        raise PromptCacheFileError(
+            f"{path} was written with --max-kv-size (rotating layers where this model has full ones)",
+            hint="ppc import-mlx stores the model's own layout only; write the file without --max-kv-size",
+        )
     if theirs != ours:
         raise PromptCacheFileError(f"{path}: its layers ({_short(theirs)}) are not the ones this model builds "
                                    f"({_short(ours)}): another model's file")  # fmt: skip

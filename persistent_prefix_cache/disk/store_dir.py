@@ -235,7 +235,7 @@ def check_location(path: str, *, readonly: bool = False, what: str = "store") ->
             )
         place = path
     else:
-        place = os.path.dirname(path)
+        place = os.path.dirname(os.path.abspath(path))  # a bare name ("kv") lies in the working folder
         while not os.path.lexists(place) and place != os.path.dirname(place):
             place = os.path.dirname(place)
         if not os.path.isdir(place):
