@@ -317,3 +317,28 @@ def test_a_store_named_relative_to_the_working_folder(fixtures, tmp_path):
                "--prompt", info["prompt"], "--ignore-recorded-model", cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "kv" / "index").is_dir()
+
+
+def test_a_file_without_a_length_needs_to_be_vouched_for(tmp_path, capsys):
+    """Mamba's cache is recurrent state only: no offset to compare the prompt with."""
+    from persistent_prefix_cache.cli import main
+
+    model = tmp_path / "mamba2"
+    write_tiny_model(model, family="mamba2", hidden_size=32, num_layers=2, extra_config=dict(
+        num_heads=4, head_dim=16, intermediate_size=64, state_size=16, layer_norm_epsilon=1e-5, conv_kernel=4,
+        n_groups=1, use_bias=False, use_conv_bias=True, time_step_limit=(0.0, float("inf")), time_step_rank=8,
+    ))  # fmt: skip
+    file, prompt = tmp_path / "m.safetensors", "A cache is a promise"
+    made = mlx_lm("cache_prompt", "--model", model, "--prompt", prompt, "--prompt-cache-file", file, cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    argv = ["import-mlx", str(file), "--store", str(tmp_path / "store"), "--model", str(model), "--prompt", prompt]
+    assert main(argv) == 2 and "records no length" in _one_error_line(capsys)
+    assert not (tmp_path / "store").exists()
+    assert main([*argv, "--unchecked-length", "--json"]) == 0
+    tokens = json.loads(capsys.readouterr().out)["tokens"]
+    from mlx_lm import load
+
+    _, tokenizer = load(str(model))
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], continue_final_message=True)
+    assert tokens == len(ids)
+    assert_same(stored(tmp_path / "store", model, list(ids)), read_prompt_cache(str(file)).cache)

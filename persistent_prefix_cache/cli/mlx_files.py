@@ -179,6 +179,11 @@ def _import(args) -> int:
     _check_recorded_model(file, args.model, args.file, args.ignore_recorded_model)
     model, tokenizer, local_path = load_model(args.model)
     tokens = cache_prompt_tokens(args, tokenizer, _vocab_size(model))
+    if length is None and not args.unchecked_length:
+        raise PromptCacheFileError(
+            f"{args.file} records no length (every layer is recurrent state): the prompt cannot be checked against it",
+            hint="pass --unchecked-length if the file was written from exactly this prompt; nothing was written",
+        )
     if length is not None and length != len(tokens):
         raise PromptCacheFileError(
             f"{args.file} holds the KV of {length} tokens, the prompt has {len(tokens)}: not this prompt's file",
@@ -214,6 +219,8 @@ def import_main(argv: list[str]) -> int:
     _add_prompt_options(parser)
     parser.add_argument("--ignore-recorded-model", action="store_true",
                         help="accept a file whose recorded model differs from --model (a moved folder)")  # fmt: skip
+    parser.add_argument("--unchecked-length", action="store_true",
+                        help="store a file that records no length (a model of recurrent layers only) unchecked")  # fmt: skip
     add_json_option(parser)
     args = parser.parse_args(argv)
     return run(lambda: _import(args))
