@@ -241,6 +241,7 @@ def test_export_opens_in_mlx_lm_and_generates_as_cold(fixtures, tmp_path):
     loaded, metadata = load_prompt_cache(str(out), return_metadata=True)  # the installed mlx-lm's own loader
     assert metadata["model"] == "models/llama"
     assert_same(loaded, cold)
+    assert all(layer.keys.shape[2] == len(tokens) for layer in loaded)  # no unwritten buffer rows in the file
 
     args = ["--model", "models/llama", "--prompt-cache-file", out, "--prompt", SUFFIX, "--max-tokens", "16"]
     theirs = mlx_lm("generate", *args, "--verbose", "False", cwd=fixtures)

@@ -125,7 +125,7 @@ def _fit(file, model, path: str, args) -> list:
     import mlx.core as mx
 
     from ..errors import PromptCacheFileError
-    from ..layers import kv_quantization, signature_of, template_cache
+    from ..layers import kv_quantization, model_cache, signature_of, template_cache
     from ..layers.mlx_files import shapes_and_dtypes
 
     theirs = signature_of(file.cache)
@@ -140,10 +140,8 @@ def _fit(file, model, path: str, args) -> list:
         raise UserError(f"{path} holds KV that is not quantized: omit --kv-bits")
     template = template_cache(model, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
     ours = signature_of(template)
-    pairs = list(zip(theirs.split("|"), ours.split("|")))
-    if len(theirs.split("|")) == len(ours.split("|")) and all(
-        a == b or (a.startswith("RotatingKVCache") and b == "KVCache") for a, b in pairs
-    ) and theirs != ours:
+    sizes = [getattr(layer, "max_size", None) for layer in file.cache]
+    if theirs != ours and sizes[0] and theirs == signature_of(model_cache(model, max_kv_size=sizes[0])):
         raise PromptCacheFileError(
             f"{path} was written with --max-kv-size (rotating layers where this model has full ones)",
             hint="ppc import-mlx stores the model's own layout only; write the file without --max-kv-size",

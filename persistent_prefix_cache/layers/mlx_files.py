@@ -279,11 +279,38 @@ def shapes_and_dtypes(cache: list) -> dict[str, list[tuple]]:
     return out
 
 
+def _compact(layer: Any) -> Any:
+    """A shallow copy of `layer` whose KV holds only the rows it uses: a restored buffer's
+    rows past the offset were never written (the read path does not zero-fill them), and
+    a file should hold nothing but the cache."""
+    if isinstance(layer, CacheList):
+        out = _new(CacheList)
+        out.caches = tuple(_compact(c) for c in layer.caches)
+        return out
+    if isinstance(layer, ArraysCache) or layer.keys is None:
+        return layer
+    rows = layer.offset - (layer.start_position if isinstance(layer, ChunkedKVCache) else 0)
+    arrays = layer.keys if isinstance(layer.keys, (tuple, list)) else [layer.keys]
+    if isinstance(layer, RotatingKVCache) and layer.offset >= arrays[0].shape[2]:
+        return layer  # a full (or wrapped) window uses every row
+    if arrays[0].shape[2] <= rows:
+        return layer
+    out = _new(type(layer))
+    out.__dict__.update(layer.__dict__)
+    if isinstance(layer.keys, (tuple, list)):
+        out.keys = tuple(x[..., :rows, :] for x in layer.keys)
+        out.values = tuple(x[..., :rows, :] for x in layer.values)
+    else:
+        out.keys, out.values = layer.keys[..., :rows, :], layer.values[..., :rows, :]
+    return out
+
+
 def write_prompt_cache(path: str, cache: list, metadata: dict[str, str]) -> int:
     """Write `cache` as the installed mlx-lm's `save_prompt_cache` does, crash-safely.
 
     The file appears whole or not at all: it is written beside `path` under a temporary
-    name, synced, then renamed.
+    name, synced, then renamed. KV buffers are cut to the rows in use (mlx-lm grows them
+    again on the next token).
 
     Args:
         path: The file to write (it should end in ``.safetensors``: mlx-lm's loader
@@ -300,7 +327,7 @@ def write_prompt_cache(path: str, cache: list, metadata: dict[str, str]) -> int:
     fd, tmp = tempfile.mkstemp(prefix=".ppc-export-", suffix=".safetensors", dir=folder)
     os.close(fd)
     try:
-        save_prompt_cache(tmp, cache, metadata)
+        save_prompt_cache(tmp, [_compact(layer) for layer in cache], metadata)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
