@@ -26,7 +26,8 @@ from persistent_prefix_cache.tiny_model import write_tiny_model
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "mlx_files.tar.gz"
 VERSIONS = ("0.31.3", "0.32.2")
-CASES = ("llama", "llama_kv8", "gemma3_text", "qwen3_next", "falcon_h1")
+CASES = ("llama", "llama_kv8", "gemma3_text", "qwen3_next", "falcon_h1", "llama4")
+LOST = "did not record this ChunkedKVCache's length"  # what mlx-lm 0.31 leaves of a chunked layer
 SUFFIX = "Old librarians knew this long before"
 
 
@@ -93,7 +94,15 @@ def test_both_layouts_read_to_the_same_layers(fixtures, case):
 
     import mlx_lm as installed
 
+    from persistent_prefix_cache.errors import PromptCacheFileError
+
     tokens = cases(fixtures)[case]["tokens"]
+    if case == "llama4":  # 0.31 saved a chunk whose length it then lost (its own loader restores it wrong)
+        with pytest.raises(PromptCacheFileError, match=LOST):
+            read_prompt_cache(str(fixtures / "files" / "0.31.3" / f"{case}.safetensors"))
+        file = read_prompt_cache(str(fixtures / "files" / "0.32.2" / f"{case}.safetensors"))
+        assert file.layout == "0.32" and cache_length(file.cache) == len(tokens)
+        return
     files = {v: read_prompt_cache(str(fixtures / "files" / v / f"{case}.safetensors")) for v in VERSIONS}
     assert files["0.31.3"].layout == "0.31" and files["0.32.2"].layout == "0.32"
     assert signature_of(files["0.31.3"].cache) == signature_of(files["0.32.2"].cache)
@@ -120,6 +129,9 @@ def test_import_then_restore_equals_the_file(fixtures, tmp_path, case, version):
     store = tmp_path / "store"
     proc = ppc("import-mlx", file, "--store", store, "--model", f"models/{case}", "--prompt", info["prompt"],
                "--json", cwd=fixtures)  # fmt: skip
+    if case == "llama4" and version == "0.31.3":
+        assert proc.returncode == 2 and LOST in proc.stderr and not store.exists()
+        return
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert result["tokens"] == len(info["tokens"]) and result["new_blocks"] >= 1

@@ -156,7 +156,8 @@ def _layer(name: str, state: Any, meta: Any, layout: str, path: str, where: str)
         parts = _items(state, 2, path, f"layer {where}")
         triples = [_items(t, 3, path, f"layer {where} keys/values") for t in parts[:2]]
         numbers = _items(meta, 3, path, f"layer {where} meta_state") if old else _items(state, 5, path, where)[2:5]
-        offset, group_size, bits = (_int(x, path, f"layer {where} {n}") for x, n in zip(numbers, ("offset", "group", "bits")))
+        names = ("offset", "group size", "bits")
+        offset, group_size, bits = (_int(x, path, f"layer {where} {n}") for x, n in zip(numbers, names))
         for t in triples:
             for x in t:
                 _tensor(x, path, f"layer {where} keys/values")
@@ -167,19 +168,25 @@ def _layer(name: str, state: Any, meta: Any, layout: str, path: str, where: str)
         obj.offset, obj.group_size, obj.bits = offset, group_size, bits
         return obj
     parts = _items(state, 2, path, f"layer {where}")
-    rows = _int(parts[2], path, f"layer {where} offset") if not old and name != "RotatingKVCache" else 0
-    keys, values = _kv(parts[0], parts[1], rows, path, where)
+    offset = _int(parts[2], path, f"layer {where} offset") if not old and name != "RotatingKVCache" else None
     if name == "KVCache":
+        keys, values = _kv(parts[0], parts[1], offset or 0, path, where)
         obj = _new(KVCache)
-        obj.keys, obj.values, obj.offset = keys, values, (keys.shape[2] if old else rows)
+        obj.keys, obj.values, obj.offset = keys, values, (keys.shape[2] if old else offset)
         return obj
     if name == "ChunkedKVCache":
         numbers = _items(meta, 2, path, f"layer {where} meta_state") if old else _items(state, 5, path, where)[3:5]
+        chunk_size, start = (_int(x, path, f"layer {where} chunk") for x in numbers)
+        if old and start > 0:
+            # 0.31 saves keys[:offset] of a buffer that starts at `start`: the layer's length is lost.
+            raise _bad(path, f"layer {where}: mlx-lm 0.31 did not record this ChunkedKVCache's length "
+                       "(its chunk had moved on): it cannot be read exactly")  # fmt: skip
+        keys, values = _kv(parts[0], parts[1], 0 if old else offset - start, path, where)
         obj = _new(ChunkedKVCache)
-        obj.keys, obj.values = keys, values
-        obj.offset = keys.shape[2] if old else rows
-        obj.chunk_size, obj.start_position = (_int(x, path, f"layer {where} chunk") for x in numbers)
+        obj.keys, obj.values, obj.chunk_size, obj.start_position = keys, values, chunk_size, start
+        obj.offset = keys.shape[2] if old else offset
         return obj
+    keys, values = _kv(parts[0], parts[1], 0, path, where)
     # RotatingKVCache: (keep, max_size, offset, _idx) in 0.31's meta_state; state[2:6] in 0.32 as
     # (offset, keep, max_size, _idx).
     if old:
@@ -250,8 +257,9 @@ def _arrays(layer: Any) -> list[mx.array]:
 
 
 def leaf_tensors(cache: list) -> dict[str, list[mx.array]]:
-    """Every leaf's meaningful tensors by leaf id: KV rows ``[:offset]`` (a window's in temporal
-    order), recurrent state whole. What two caches of the same tokens must agree on bitwise."""
+    """Every leaf's meaningful tensors by leaf id: KV rows ``[:offset]`` (a rotating window's in
+    temporal order, a chunked layer's last chunk), recurrent state whole. What two caches of
+    the same tokens must agree on bitwise."""
     out = {}
     for where, layer in leaves(cache):
         if isinstance(layer, ArraysCache):
@@ -261,8 +269,11 @@ def leaf_tensors(cache: list) -> dict[str, list[mx.array]]:
             rows = min(layer.offset, layer.keys.shape[2])
             out[where] = [layer._temporal_order(x)[..., :rows, :] for x in (layer.keys, layer.values)]
             continue
-        rows = layer.offset - (layer.start_position if isinstance(layer, ChunkedKVCache) else 0)
-        out[where] = [x[..., :rows, :] for x in _arrays(layer)]
+        if isinstance(layer, ChunkedKVCache):  # llama4 trims to the last chunk before each pass: that is what counts
+            rows = layer.offset - layer.start_position
+            out[where] = [x[..., max(0, rows - layer.chunk_size) : rows, :] for x in _arrays(layer)]
+            continue
+        out[where] = [x[..., : layer.offset, :] for x in _arrays(layer)]
     return out
 
 

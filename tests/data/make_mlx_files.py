@@ -65,6 +65,21 @@ CASES = {
         ),
         [],
     ),
+    # ChunkedKVCache layers (chunks of 8) beside a full one; mlx-lm 0.31 loses their length
+    "llama4": (
+        "llama4",
+        dict(
+            num_layers=4,
+            extra_config=dict(text_config=dict(
+                model_type="llama4_text", attention_bias=False, attention_chunk_size=8, head_dim=16,
+                hidden_size=32, interleave_moe_layer_step=100, intermediate_size=64, intermediate_size_mlp=64,
+                max_position_embeddings=4096, num_attention_heads=2, num_experts_per_tok=1, num_hidden_layers=4,
+                num_key_value_heads=1, num_local_experts=1, rms_norm_eps=1e-5, rope_scaling=None,
+                rope_theta=10000.0, use_qk_norm=True, vocab_size=512,
+            )),
+        ),
+        [],
+    ),
 }  # fmt: skip
 SMALL = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
 
