@@ -355,3 +355,21 @@ def test_a_file_without_a_length_needs_to_be_vouched_for(tmp_path, capsys):
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], continue_final_message=True)
     assert tokens == len(ids)
     assert_same(stored(tmp_path / "store", model, list(ids)), read_prompt_cache(str(file)).cache)
+
+
+@pytest.mark.parametrize("case", ["llama_kv8", "gemma3_text", "falcon_h1"])
+def test_generate_with_a_file_prints_what_mlx_lm_prints(fixtures, case):
+    """Quantized, rotating and CacheList layers: the installed mlx-lm's own file, greedy, the same text."""
+    import mlx_lm as installed
+
+    own = "0.32.2" if installed.__version__.startswith("0.32") else "0.31.3"
+    extra = ["--kv-group-size", "32"] if case == "llama_kv8" else []
+    args = ["--model", f"models/{case}", "--prompt-cache-file", f"files/{own}/{case}.safetensors", "--prompt", SUFFIX,
+            "--max-tokens", "12", *extra]  # fmt: skip
+    theirs = mlx_lm("generate", *args, "--verbose", "False", cwd=fixtures)
+    ours = ppc("generate", *args, "--verbose", "False", cwd=fixtures)
+    assert theirs.returncode == 0 and ours.returncode == 0, (theirs.stderr, ours.stderr)
+    assert ours.stdout == theirs.stdout and ours.stdout.strip()
+    if case == "llama_kv8":  # mlx_lm generate's own check, as one line
+        wrong = ppc("generate", *args[: -len(extra)], "--verbose", "False", cwd=fixtures)
+        assert wrong.returncode == 2 and "error: --kv-group-size does not match" in wrong.stderr
