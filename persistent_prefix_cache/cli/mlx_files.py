@@ -343,6 +343,8 @@ def generate_from_file(args, prompt: str) -> int:
     from ..layers import kv_quantization, signature_of
     from ..layers.mlx_files import read_prompt_cache
 
+    if args.image:
+        raise UserError("--image is not supported with --prompt-cache-file: use mlx_lm generate for prompts with images")
     file = read_prompt_cache(args.prompt_cache_file)
     quant = kv_quantization(signature_of(file.cache[:1]))
     if quant is not None:  # mlx_lm generate's checks, on its first layer
