@@ -106,6 +106,13 @@ class ModelMismatchError(PrefixCacheError, ValueError):
     )
 
 
+class PromptCacheFileError(PrefixCacheError, ValueError):
+    """An mlx-lm prompt-cache file cannot be used: not a cache file, truncated, a layout this
+    version cannot read, or not the given model's or prompt's."""
+
+    hint = "nothing was written; write the file again with mlx_lm.cache_prompt for this model and prompt"
+
+
 class RemoteConfigError(InvalidArgumentError):
     """The remote server refuses what its URL asks for: a database it does not have,
     a user name or password it does not accept."""

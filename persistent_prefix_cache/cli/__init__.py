@@ -6,7 +6,7 @@ import difflib
 import importlib
 import sys
 
-# name -> (module in persistent_prefix_cache/cli/, one-line summary)
+# name -> (module in persistent_prefix_cache/cli/ [":function", default main], one-line summary)
 COMMANDS = {
     "demo": ("demo", "warm-start demo on a tiny model (no network)"),
     "precompute": ("precompute", "fill a store from prompts, offline"),
@@ -22,6 +22,8 @@ COMMANDS = {
     "import": ("import_", "load a packed file into a store"),
     "push": ("push", "publish a store's blocks to the fleet's remote tier"),
     "pull": ("pull", "fill a store from the fleet's remote tier"),
+    "import-mlx": ("mlx_files:import_main", "store an mlx_lm.cache_prompt file under its prompt's tokens"),
+    "export-mlx": ("mlx_files:export_main", "write a stored prompt's KV as an mlx-lm prompt-cache file"),
 }
 
 
@@ -54,8 +56,9 @@ def main(argv: list[str] | None = None) -> int:
             hint = f" (did you mean {near[0]}?)" if near else ""
             print(f"ppc: unknown command {name!r}{hint}\n\n{_usage()}", file=sys.stderr)
             return 2
-        module = importlib.import_module(f"persistent_prefix_cache.cli.{COMMANDS[name][0]}")
-        code = module.main(rest)
+        module_name, _, function = COMMANDS[name][0].partition(":")
+        module = importlib.import_module(f"persistent_prefix_cache.cli.{module_name}")
+        code = getattr(module, function or "main")(rest)
         sys.stdout.flush()  # a reader gone by now is still a broken pipe, caught below
         return code
     except BrokenPipeError:  # `ppc inspect | head`: the reader stopped early

@@ -164,11 +164,6 @@ def _check_model_options(args) -> None:
             "model, so with --kv-bits the KV is quantized from the first token "
             "(mlx_lm generate --quantized-kv-start 0 does the same)"
         )
-    if args.prompt_cache_file is not None:
-        raise UserError(
-            "--prompt-cache-file is not supported: ppc generate restores the prompt's "
-            "prefix from --store instead (one store serves every prompt and model)"
-        )
     if args.image:
         raise UserError(
             "--image is not supported: the store holds text prompts' KV only; use "
@@ -239,6 +234,10 @@ def _generate(args) -> int:
     check_positive("--block-size", args.block_size)
     check_positive("--prefill-step-size", args.prefill_step_size)
     template_kwargs(args)  # fail on a bad --chat-template-config before loading anything
+    if args.prompt_cache_file is not None:  # mlx_lm generate's way: that file, not the store
+        from .mlx_files import generate_from_file
+
+        return generate_from_file(args, read_prompt(args.prompt))
     _check_model_options(args)
     check_store_path(args)
     prompt = read_prompt(args.prompt)
@@ -477,8 +476,9 @@ def build_parser():
         help="accepted as by mlx_lm.generate, which ignores it too",
     )  # fmt: skip
     parser.add_argument(
-        "--prompt-cache-file", default=None, help="refused: ppc generate restores from --store"
-    )
+        "--prompt-cache-file", type=path_arg, default=None,
+        help="an mlx_lm.cache_prompt file (mlx-lm 0.31 or 0.32): as mlx_lm generate, the prompt continues it; no store",
+    )  # fmt: skip
     parser.add_argument("--image", nargs="+", default=(), help="refused: the store holds text prompts only")
     if _mlx_lm_has("--quantize-activations"):
         parser.add_argument(
