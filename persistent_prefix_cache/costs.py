@@ -498,7 +498,7 @@ def calibrate(costs: Costs, model: Any, make_cache: Callable[[], list], tokens: 
 
 class CostsMixin:
     """The cost model's part of `PersistentPrefixCache` (its `costs`, `saved_costs`,
-    `memory` and `counters`): what callers tell it, and what a fetch asks it."""
+    `memory`, `warmer` and `counters`): what callers tell it, and what a fetch asks it."""
 
     def observe_prefill(
         self, tokens: int, seconds: float, *, start: int = 0, restored: bool = False, forwards: int = 1
@@ -547,11 +547,14 @@ class CostsMixin:
     def _cheaper(self, path: list, matched: int) -> tuple[list, int]:
         """The prefix of `path` the cost model restores (all of it until it knows),
         its decision counted."""
+        self.warmer.install()  # blocks a background fill read for a GPU: in the tier first
         ends = [n.end for n in path[:-1]] + [matched]
         cuts = [i for i, n in enumerate(path[:-1]) if n.resumable] + [len(path) - 1]
         in_ram = [self.memory.node(n.key) is not None for n in path]
         choice = self.costs.choose(ends, [n.size for n in path], in_ram, cuts)
         self.counters.add(**{choice.decision: 1}, tokens_skipped=matched - choice.tokens)
+        if choice.blocks < len(path) and not all(in_ram[choice.blocks :]):
+            self.warmer.skipped(path, choice.blocks, matched)  # left on disk: the tier may still learn it
         return path[: choice.blocks], choice.tokens
 
     def _timed(self, nodes: list, seconds: float, in_ram: bool) -> None:

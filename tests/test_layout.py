@@ -25,7 +25,7 @@ WINGS = [
     ("disk", ["disk"]),
     ("layers", ["layers"]),
     ("tiers", ["tiers"]),
-    ("core", ["store", "opening", "lookup", "restore", "writeback", "prefill", "options", "costs", "fleet", "fleet_sync"]),
+    ("core", ["store", "opening", "lookup", "restore", "writeback", "prefill", "options", "costs", "fleet", "fleet_sync", "warm"]),
     ("compat", ["compat", "prefix_cache", "paged_cache", "lru_prompt_cache"]),
     ("cli", ["cli", "__main__"]),
 ]
