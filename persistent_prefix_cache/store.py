@@ -194,7 +194,7 @@ class PersistentPrefixCache(CostsMixin):
             self.root = root_key(self.fingerprint, namespace, self.layout.signature)
             self.layout.fields = self._recorded_fields()
             self.memory = MemoryTier(memory_bytes)
-            self.warmer = Warmer(self.layout, self.memory, self.files)  # the tier learns what the cost model skips
+            self.warmer = Warmer(self.layout, self.memory, self.files, self._digests)  # the tier learns what the cost model skips
             self.trie = Trie(self.index, self.memory, self.root, self.block_size)
             self.counters = Counters(*COUNTERS, *REMOTE_COUNTERS)
             self.costs = Costs(enabled=cost_model)

@@ -11,7 +11,8 @@ skip. The next fetch of that prefix then finds them in the tier.
 
 What it costs the caller, and what it keeps:
 
-- The read runs on one thread at low priority (nice 19 where the OS allows), one fill
+- The read runs on one thread at low priority (nice 19 where the OS allows), after
+  the caller's prefill of what was skipped (as the cost model predicts it), one fill
   at a time (a fill asked for while one runs is dropped and counted), never more bytes
   than ``memory_bytes``, with the reader pool left to callers (`host_reads`).
 - No MLX work runs on that thread (a GPU stream belongs to the caller's thread): it reads
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from .disk.assemble import join_on_device, read_path
 from .disk.buffers import HostBits, host_reads
@@ -41,6 +42,7 @@ from .restore import join_admitted, read_snapshots
 from .tiers.memory import MemoryTier
 
 NICE = 19  # the fill thread's priority: the caller's prefill comes first
+MAX_DELAY = 1.0  # seconds a fill waits at most for the caller's prefill to end
 
 
 class Warmer:
@@ -50,28 +52,43 @@ class Warmer:
         layout: The store's layout.
         memory: The RAM tier.
         files: The segment files.
+        digests: Segment ids -> their whole-segment digests from the index (a segment
+            read whole is then verified with one pass per field, not one per block).
     """
 
-    def __init__(self, layout: Layout, memory: MemoryTier, files: SegmentFiles):
-        self.layout, self.memory, self.files = layout, memory, files
+    def __init__(self, layout: Layout, memory: MemoryTier, files: SegmentFiles, digests: Callable[[list], dict]):
+        self.layout, self.memory, self.files, self.digests = layout, memory, files, digests
+        self._stopping = threading.Event()
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self._changed = threading.Condition(self._lock)
+        self._job: tuple[list[Node], float] | None = None  # the fill asked for, not started yet
+        self._busy = False  # a fill is running
         self._ready: list[tuple[list[Node], dict, dict]] = []  # read, waiting for `install` (GPU)
         self._stopped = False
+        self._thread: threading.Thread | None = None
+        if memory.max_bytes > 0:  # started with the handle: a fetch never waits for a thread to start
+            self._thread = threading.Thread(target=self._loop, name="ppc-warm", daemon=True)
+            self._thread.start()
 
-    def skipped(self, path: list[Node], kept: int, matched: int) -> int:
+    def skipped(self, path: list[Node], kept: int, matched: int, *, after: float | None = None) -> int:
         """A fetch restores only ``path[:kept]``: start a fill of the rest of what a
         restore of `path` at `matched` needs, where the admission rule says it pays.
+
+        Args:
+            after: Seconds the caller is expected to spend computing what was left
+                (the cost model's prefill): the fill starts then (at most `MAX_DELAY`),
+                not while that prefill runs (a thread running Python code can hold the
+                caller off the GIL for the switch interval, 5 ms, at a time).
 
         Returns:
             How many blocks the fill will read (0: none started).
         """
-        if self.memory.max_bytes <= 0 or not path or kept >= len(path):
+        if self._thread is None or not path or kept >= len(path):
             return 0
         with self._lock:
             if self._stopped:
                 return 0
-            if self._thread is not None and self._thread.is_alive():
+            if self._busy or self._job is not None:
                 self.memory.count_warm(memory_warm_dropped=1)
                 return 0
             first = max(kept, self.layout.first_needed(path, matched))
@@ -80,8 +97,8 @@ class Warmer:
             nodes = [n for n, yes in zip(wanted, flags) if yes]
             if not nodes:
                 return 0
-            self._thread = threading.Thread(target=self._fill, args=(nodes,), name="ppc-warm", daemon=True)
-            self._thread.start()
+            self._job = (nodes, min(MAX_DELAY, max(0.0, after or 0.0)))
+            self._changed.notify_all()
             return len(nodes)
 
     def install(self) -> int:
@@ -106,24 +123,43 @@ class Warmer:
     def wait(self) -> None:
         """Wait for the fill in progress, if any (it is then in the tier, or ready for
         `install` on a GPU)."""
-        thread = self._thread
-        if thread is not None:
-            thread.join()
+        with self._changed:
+            while (self._busy or self._job is not None) and not self._stopped:
+                self._changed.wait()
 
     def stop(self) -> None:
         """Start no more fills and wait for the one in progress (before the files close)."""
-        with self._lock:
+        with self._changed:
             self._stopped = True
-        self.wait()
+            self._changed.notify_all()
+        self._stopping.set()  # a fill still waiting to start does not start
+        if self._thread is not None:
+            self._thread.join()
         self._ready = []
 
     # -- on the fill's thread ----------------------------------------------------------
 
-    def _fill(self, nodes: list[Node]) -> None:
+    def _loop(self) -> None:
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)  # this thread only (Linux)
         except (AttributeError, OSError):
             pass
+        while True:
+            with self._changed:
+                while self._job is None and not self._stopped:
+                    self._changed.wait()
+                if self._stopped:
+                    return
+                (nodes, delay), self._job, self._busy = self._job, None, True
+            try:
+                if not (delay and self._stopping.wait(delay)):
+                    self._fill(nodes)
+            finally:
+                with self._changed:
+                    self._busy = False
+                    self._changed.notify_all()
+
+    def _fill(self, nodes: list[Node]) -> None:
         try:
             with host_reads():
                 got = self._read(nodes)
@@ -145,13 +181,14 @@ class Warmer:
         """The blocks' runs and snapshots as host bits, every checksum verified; the
         intact leading blocks only (None if none is)."""
         kinds, fields = self.layout.kinds, self.layout.fields
-        intact, runs, last = read_path(nodes, [None] * len(nodes), self.files, kinds, nodes[-1].end, fields)
+        digests = self.digests(nodes)
+        intact, runs, last = read_path(nodes, [None] * len(nodes), self.files, kinds, nodes[-1].end, fields, digests)
         if intact < len(nodes):
             self.memory.count_warm(memory_warm_damaged=1)
             if intact == 0:
                 return None
             nodes = nodes[:intact]
-            intact, runs, last = read_path(nodes, [None] * len(nodes), self.files, kinds, nodes[-1].end, fields)
+            intact, runs, last = read_path(nodes, [None] * len(nodes), self.files, kinds, nodes[-1].end, fields, digests)
             if intact < len(nodes):
                 return None
         snaps: dict[int, Any] = {len(nodes) - 1: last}
