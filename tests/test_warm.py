@@ -152,3 +152,31 @@ def test_no_fill_without_a_tier_or_with_the_cost_model_off(tmp_path, model):
         restored, rest = store.fetch(toks + [1])  # forced: read by the caller, no fill
         store.flush()
         assert restored is not None and memory_counts(store)["memory_warmed"] == 0
+
+
+def test_a_restarted_process_fills_the_tier_with_what_it_skips(tmp_path, model, tiny_model_dir):
+    """Real processes: one stores and exits; the rates (a disk slower than a prefill)
+    are remembered by the store; a new process skips the prefix, fills its tier in the
+    background, and serves the next fetch of it from RAM, exactly."""
+    from store_worker import Worker
+
+    toks = random_tokens(80, 70, first=70)
+    query = toks + [3, 2]
+    common = {"model": str(tiny_model_dir), "store": str(tmp_path / "s"), "block_size": BS}
+    first = Worker({**common, "steps": [["store", toks], ["flush"]]}, str(tmp_path), name="first")
+    try:
+        first.result(timeout=300)
+    finally:
+        first.reap()
+    with PersistentPrefixCache(tmp_path / "s", model) as store:
+        disk_loses(store)  # kept in the store's costs.json at close, for this model and device kind
+    steps = [["fetch", query], ["flush"], ["stats"], ["fetch", query], ["stats"]]
+    second = Worker({**common, "memory_bytes": 64 * MiB, "steps": steps}, str(tmp_path), name="second")
+    try:
+        out = second.result(timeout=300)["steps"]
+    finally:
+        second.reap()
+    assert out[0] == {"matched": 0, "exact": True}  # skipped: computed by the caller
+    assert out[2]["skipped_slower"] == 1 and out[2]["memory_warmed"] == 5
+    assert out[3] == {"matched": len(toks), "exact": True}
+    assert out[4]["memory_hits_disk"] == 5 and out[4]["restored_blocks_disk"] == 0
