@@ -194,7 +194,6 @@ class PersistentPrefixCache(CostsMixin):
             self.root = root_key(self.fingerprint, namespace, self.layout.signature)
             self.layout.fields = self._recorded_fields()
             self.memory = MemoryTier(memory_bytes)
-            self.warmer = Warmer(self.layout, self.memory, self.files, self._digests)  # the tier learns what the cost model skips
             self.trie = Trie(self.index, self.memory, self.root, self.block_size)
             self.counters = Counters(*COUNTERS, *REMOTE_COUNTERS)
             self.costs = Costs(enabled=cost_model)
@@ -220,6 +219,8 @@ class PersistentPrefixCache(CostsMixin):
                     self.remote, trie=self.trie, memory=self.memory, layout=self.layout, writeback=self.writeback,
                     costs=self.costs, root=self.root, block_size=self.block_size,
                 )  # fmt: skip
+            # Last: its thread runs from here on (the tier learns what the cost model skips).
+            self.warmer = Warmer(self.layout, self.memory, self.files, self._digests)
         except BaseException:
             give_back(self.path, opened)
             raise
@@ -456,7 +457,8 @@ class PersistentPrefixCache(CostsMixin):
             self._closed = True
             return
         self.saved_costs.maybe_save(force=True)
-        self.warmer.stop()
+        if hasattr(self, "warmer"):  # not there if the open failed before it
+            self.warmer.stop()
         finished = self.writeback.stop() if self.writeback is not None else True
         if self.remote is not None:
             self.remote.close()
