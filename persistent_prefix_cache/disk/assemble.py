@@ -387,12 +387,10 @@ def _read_segments(nodes, where, runs) -> dict[bytes, dict[str, int]] | None:
 
 
 def _read_job(seg: OpenSegment, f, lo: int, hi: int, r: _Run, offset: int, whole: bool) -> tuple[bool, int | None]:
-    if not seg.read_rows(f, lo, hi, [r.view], [offset], r.row_stride):
-        return False, None
-    if not whole:
-        return True, None
-    n = f.tokens * f.row_bytes
-    return True, seg.field_digest(f, lambda f, row: r.view[offset + row * r.row_stride : offset + row * r.row_stride + n])
+    if whole:  # the whole field: hashed as it is read, while each piece is in cache
+        digest = seg.read_field_hashed(f, r.view, offset, r.row_stride)
+        return digest is not None, digest
+    return seg.read_rows(f, lo, hi, [r.view], [offset], r.row_stride), None
 
 
 def _read_whole(where, field_digests: dict[bytes, dict[str, int]], digests: dict[bytes, int]) -> set[int]:
