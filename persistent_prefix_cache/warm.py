@@ -34,7 +34,6 @@ from typing import Any, Callable
 
 from .disk.assemble import join_on_device, read_path
 from .disk.buffers import HostBits, host_reads
-from .disk.codec import dtype_info
 from .disk.node import Node
 from .disk.segment import SegmentFiles, is_sliced
 from .layers import Layout
@@ -174,7 +173,8 @@ class Warmer:
                     self._ready.append((nodes, runs, snaps))
             return
         for k, node in enumerate(nodes):
-            self.memory.put(node, _block_bits(node, self.layout.kinds, runs, snaps.get(k, {})), source="disk")
+            tensors, origin = _block_bits(node, self.layout.kinds, runs, snaps.get(k, {}))
+            self.memory.put(node, tensors, origin, source="disk")
         self.memory.count_warm(memory_warmed=len(nodes), memory_warmed_bytes=sum(n.size for n in nodes))
 
     def _read(self, nodes: list[Node]) -> tuple[list[Node], dict, dict] | None:
@@ -202,17 +202,24 @@ class Warmer:
         return nodes, runs, snaps
 
 
-def _block_bits(node: Node, leaves: dict, runs: dict, snaps: dict) -> dict[str, dict[str, HostBits]]:
+def _block_bits(node: Node, leaves: dict, runs: dict, snaps: dict) -> tuple[dict[str, dict[str, HostBits]], dict]:
     """One block's tensors by leaf (every leaf of `leaves`): views of the fill's runs
-    (sliced fields) and its snapshots, as host bits."""
+    (sliced fields) and its snapshots, as host bits; and their origin (see
+    `MemoryTier.put`: a restore copies the blocks of one run as one slice of it)."""
     tensors: dict[str, dict] = {lid: {} for lid in leaves}
+    origin: dict[str, tuple] = {}
     for lid, part in runs.items():
+        fields, starts = {}, set()
         for fld, pieces in part.items():
             for a, z, run in pieces:
                 if a <= node.position and node.end <= z:
-                    bits = run.bits[..., node.position - a : node.end - a, :]
+                    bits = run[..., node.position - a : node.end - a, :]
                     if is_sliced(f"{lid}.{fld}", bits.shape, node.n_tokens):
-                        tensors.setdefault(lid, {})[fld] = HostBits(bits, dtype_info(run.dtype)[0])
+                        tensors.setdefault(lid, {})[fld] = bits
+                        fields[fld] = run
+                        starts.add(a)
+        if len(starts) == 1:
+            origin[lid] = (fields, starts.pop())
     for lid, part in snaps.items():
         tensors.setdefault(lid, {}).update(part)
-    return tensors
+    return tensors, origin

@@ -120,7 +120,7 @@ def allocate(specs: list[tuple[str, tuple[int, ...], str]]) -> dict[str, mx.arra
 
 class HostBits:
     """A block tensor held as numpy bits of an MLX dtype, not yet in MLX memory (a
-    block read from the remote tier): the read path copies it into the joined buffers
+    block read from the remote tier, or by a background fill): the read path copies it into the joined buffers
     like an MLX array of the RAM tier, one copy less than making an MLX array first.
 
     Args:
@@ -137,6 +137,10 @@ class HostBits:
         self.itemsize = bits.itemsize
         self.nbytes = bits.nbytes
         self.ndim = bits.ndim
+
+    def __getitem__(self, key) -> "HostBits":
+        """A view of part of it (numpy indexing of the bits), as host bits."""
+        return HostBits(self.bits[key], dtype_info(self.dtype)[0])
 
     def to_mx(self) -> mx.array:
         """The tensor as an (evaluated) MLX array."""
