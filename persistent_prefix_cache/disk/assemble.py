@@ -30,12 +30,15 @@ from .segment import OpenSegment, SegmentFiles, is_sliced
 
 Tensors = dict[str, mx.array]
 KV_STEP = 256  # mlx-lm's KVCache grows in steps of 256 tokens
-# Reader threads: reads and checksums of a path's (segment, field) pieces run in
-# parallel (both drop the GIL); 4 to 8 where cores allow, one on a machine of 1-2 cores
-# (a 2-core VM, 128 MiB: 30-31 ms median with one, 60-95 ms with 2-4, whose rounds wait
-# for the last thread the neighbours let run; the best rounds equal).
+# Reader threads: reads and checksums of a path's (segment, field) pieces, and copies
+# of RAM-tier blocks, run in parallel (all drop the GIL); 4 on small machines, up to 8
+# where cores allow (``PPC_READERS`` sets both). Disk reads stay on the caller's thread
+# on a machine of 1-2 cores: on a shared 2-core VM (128 MiB) they took 30-31 ms median
+# there against 60-95 ms on 2-4 threads, whose rounds wait for the last thread the
+# neighbours let run (the best rounds were equal); copies from RAM still gained from 4.
 _CPUS = os.cpu_count() or 1
-_READERS = int(os.environ.get("PPC_READERS", "0")) or (1 if _CPUS <= 2 else max(4, min(8, _CPUS)))
+_READERS = int(os.environ.get("PPC_READERS", "0")) or max(4, min(8, _CPUS))
+_READ_THREADS = int(os.environ.get("PPC_READERS", "0")) or (1 if _CPUS <= 2 else _READERS)
 _pool: ThreadPoolExecutor | None = None
 _PARALLEL_COPY_BYTES = 4 << 20  # below this, handing copies to threads costs more than it saves
 _pool_lock = threading.Lock()
@@ -59,8 +62,9 @@ if hasattr(os, "register_at_fork"):
 
 
 def _map(fn, items: list) -> list:
-    """`fn` over `items`: on the reader threads, or here alone in `host_reads`."""
-    if len(items) > 1 and not _host():
+    """`fn` over `items`: on the reader threads, or here alone (`host_reads`, or
+    a machine of 1-2 cores)."""
+    if len(items) > 1 and _READ_THREADS > 1 and not _host():
         return list(_reader_pool().map(fn, items))
     return [fn(x) for x in items]
 
