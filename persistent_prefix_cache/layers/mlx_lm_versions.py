@@ -17,6 +17,9 @@ The differences we meet (docs/versions.md lists them all, with where each is han
   its step-padded buffer rather than of what it holds, so a second ``update_and_fetch``
   fails in mlx-lm itself once the buffer is longer than ``chunk_size`` (fixed in 0.32).
   We do not work around it: `CHUNKED_PIECEWISE_PREFILL` says whether it works.
+- **``mlx_lm.load``**: 0.32 takes ``trust_remote_code`` (a config's ``model_file``, custom
+  model code, is refused without it); 0.31 has no such argument and runs that code
+  unasked, as its own ``mlx_lm generate`` does. `load_options` gives what the installed one takes.
 - **Prompt-cache files** (``save_prompt_cache`` / ``load_prompt_cache``): 0.32's metadata
   is ``[metadata, classes, scalars]``, 0.31's ``[meta_states, metadata, classes]``; each
   reads only its own (the file import/export of ``ppc import-mlx`` owns those layouts).
@@ -24,11 +27,22 @@ The differences we meet (docs/versions.md lists them all, with where each is han
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm import __version__ as MLX_LM_VERSION
+from mlx_lm import load as mlx_lm_load
 from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache
+
+
+def load_options(trust_remote_code: bool) -> dict[str, Any]:
+    """Keyword arguments of ``mlx_lm.load`` for ``--trust-remote-code``, as the installed
+    mlx-lm's own CLI passes them (the tokenizer's in both; the model code's where it asks)."""
+    options: dict[str, Any] = {"tokenizer_config": {"trust_remote_code": True} if trust_remote_code else None}
+    if LOAD_ASKS_TRUST_REMOTE_CODE:
+        options["trust_remote_code"] = trust_remote_code
+    return options
 
 
 def _parse(version: str) -> tuple[int, ...]:
@@ -48,6 +62,9 @@ SUPPORTED_RANGE = ((0, 31, 3), (0, 33, 0))
 #: 0.31's protocol: ``state`` arrays plus ``meta_state`` strings, ``from_state(state, meta_state)``.
 #: Told by the classes themselves, not by the version string.
 SPLIT_META_STATE = "meta_state" in dir(KVCache)
+
+#: Whether ``mlx_lm.load`` takes ``trust_remote_code`` (0.32: custom model code needs it).
+LOAD_ASKS_TRUST_REMOTE_CODE = "trust_remote_code" in inspect.signature(mlx_lm_load).parameters
 
 #: Whether a ``ChunkedKVCache`` may be prefilled in more than one call (see above).
 CHUNKED_PIECEWISE_PREFILL = MLX_LM >= (0, 32, 0)
