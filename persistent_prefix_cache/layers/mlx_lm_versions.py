@@ -17,6 +17,11 @@ The differences we meet (docs/versions.md lists them all, with where each is han
   its step-padded buffer rather than of what it holds, so a second ``update_and_fetch``
   fails in mlx-lm itself once the buffer is longer than ``chunk_size`` (fixed in 0.32).
   We do not work around it: `CHUNKED_PIECEWISE_PREFILL` says whether it works.
+- **deepseek_v32's indexer cache** (and glm_moe_dsa's, built on it): 0.31 caches values of
+  width 0 beside its keys, 0.32 caches the keys again as values. Same classes, same
+  layout signature, different tensors: restored across the two, either would fail in the
+  model. `layout_variant` puts the difference into the root key, so each line has its own
+  stored prefixes (a width-0 field is not stored at all: `adapters.KVAdapter`).
 - **``mlx_lm.load``**: 0.32 takes ``trust_remote_code`` (a config's ``model_file``, custom
   model code, is refused without it); 0.31 has no such argument and runs that code
   unasked, as its own ``mlx_lm generate`` does. `load_options` gives what the installed one takes.
@@ -34,15 +39,6 @@ import mlx.core as mx
 from mlx_lm import __version__ as MLX_LM_VERSION
 from mlx_lm import load as mlx_lm_load
 from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache
-
-
-def load_options(trust_remote_code: bool) -> dict[str, Any]:
-    """Keyword arguments of ``mlx_lm.load`` for ``--trust-remote-code``, as the installed
-    mlx-lm's own CLI passes them (the tokenizer's in both; the model code's where it asks)."""
-    options: dict[str, Any] = {"tokenizer_config": {"trust_remote_code": True} if trust_remote_code else None}
-    if LOAD_ASKS_TRUST_REMOTE_CODE:
-        options["trust_remote_code"] = trust_remote_code
-    return options
 
 
 def _parse(version: str) -> tuple[int, ...]:
@@ -68,6 +64,28 @@ LOAD_ASKS_TRUST_REMOTE_CODE = "trust_remote_code" in inspect.signature(mlx_lm_lo
 
 #: Whether a ``ChunkedKVCache`` may be prefilled in more than one call (see above).
 CHUNKED_PIECEWISE_PREFILL = MLX_LM >= (0, 32, 0)
+
+#: Whether deepseek_v32's indexer caches values of width 0 (0.31) rather than its keys again.
+INDEXER_VALUES_EMPTY = MLX_LM < (0, 32, 0)
+
+
+def load_options(trust_remote_code: bool) -> dict[str, Any]:
+    """Keyword arguments of ``mlx_lm.load`` for ``--trust-remote-code``, as the installed
+    mlx-lm's own CLI passes them (the tokenizer's in both; the model code's where it asks)."""
+    options: dict[str, Any] = {"tokenizer_config": {"trust_remote_code": True} if trust_remote_code else None}
+    if LOAD_ASKS_TRUST_REMOTE_CODE:
+        options["trust_remote_code"] = trust_remote_code
+    return options
+
+
+def layout_variant(model: Any) -> str:
+    """What the root key adds to the layout signature for `model` on the installed mlx-lm:
+    "" but where the two lines fill the same cache classes differently (see above)."""
+    if INDEXER_VALUES_EMPTY and any(
+        c.__module__ == "mlx_lm.models.deepseek_v32" for c in type(model).__mro__
+    ):  # mlx-lm 0.31's indexer values of width 0
+        return "+indexer-values-0"
+    return ""
 
 
 def make_layer(cls: type, arrays: tuple, **scalars: Any) -> Any:

@@ -1,0 +1,131 @@
+"""`layers/mlx_lm_versions.py` against the installed mlx-lm (CI runs this on 0.32 and,
+through ``make test-mlx-lm-0.31``, on 0.31.3): every claim the module makes about the
+installed version is checked on mlx-lm's real classes and models, so a version that
+behaves otherwise fails here rather than in a restore.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from families import build
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import (
+    ArraysCache,
+    ChunkedKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
+
+from persistent_prefix_cache.layers import mlx_lm_versions as versions
+
+TOKENS = np.random.default_rng(3).integers(0, 256, 60).tolist()
+
+
+def _prefilled(layer, n: int = 37):
+    """`layer` fed `n` random keys and values (two heads of width 32) in two pieces."""
+    x = mx.array(np.random.default_rng(n).standard_normal((1, 2, n, 32)).astype(np.float32))
+    layer.update_and_fetch(x[:, :, :20], x[:, :, :20])
+    layer.update_and_fetch(x[:, :, 20:], x[:, :, 20:] * 2)
+    return layer
+
+
+def _held(layer):
+    n = layer.offset if not isinstance(layer, ChunkedKVCache) else layer.offset - layer.start_position
+    if isinstance(layer, QuantizedKVCache):
+        return [np.array(t[..., :n, :]) for t in (*layer.keys, *layer.values)]
+    return [np.array(layer.keys[..., :n, :]), np.array(layer.values[..., :n, :])]
+
+
+LAYERS = {
+    "KVCache": lambda: KVCache(),
+    "QuantizedKVCache": lambda: QuantizedKVCache(group_size=32, bits=4),
+    "RotatingKVCache": lambda: RotatingKVCache(max_size=64, keep=4),
+}
+
+
+def test_the_state_protocol_is_the_one_the_module_names():
+    """0.31: ``from_state(state, meta_state)``; 0.32: ``from_state(state)``."""
+    layer = _prefilled(KVCache())
+    if versions.SPLIT_META_STATE:
+        assert len(layer.state) == 2 and layer.meta_state == ""
+        with pytest.raises(TypeError):
+            KVCache.from_state(layer.state)
+    else:
+        assert len(layer.state) == 3 and not hasattr(layer, "meta_state")
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_make_layer_and_layer_from_state_rebuild_what_the_layer_holds(name):
+    layer = _prefilled(LAYERS[name]())
+    meta = layer.meta_state if versions.SPLIT_META_STATE else None
+    again = versions.layer_from_state(type(layer), layer.state, meta)
+    assert again.offset == layer.offset
+    assert all(np.array_equal(a, b) for a, b in zip(_held(again), _held(layer)))
+    if isinstance(layer, QuantizedKVCache):
+        made = versions.make_layer(
+            QuantizedKVCache, (layer.keys, layer.values), offset=layer.offset, group_size=32, bits=4
+        )
+    elif isinstance(layer, RotatingKVCache):
+        made = versions.make_layer(
+            RotatingKVCache, (layer.keys, layer.values), offset=layer.offset, keep=4, max_size=64, idx=layer._idx
+        )
+    else:  # a buffer longer than the offset: 0.31's setter alone would take its length
+        assert layer.keys.shape[2] > layer.offset
+        made = versions.make_layer(KVCache, (layer.keys, layer.values), offset=layer.offset)
+    assert made.offset == layer.offset
+    assert all(np.array_equal(a, b) for a, b in zip(_held(made), _held(layer)))
+    # Both continue alike.
+    x = mx.ones((1, 2, 3, 32))
+    got, want = made.update_and_fetch(x, x), layer.update_and_fetch(x, x)
+    got, want = [x for _, x in tree_flatten(got)], [x for _, x in tree_flatten(want)]
+    assert len(got) == len(want) >= 2
+    assert all(np.array_equal(np.array(a), np.array(b)) for a, b in zip(got, want))
+
+
+def test_arrays_state_reads_both_layouts():
+    a, b = mx.ones((1, 3, 4)), mx.zeros((1, 2, 4, 4))
+    assert versions.arrays_state([a, b]) == [a, b]  # 0.31
+    assert versions.arrays_state(([a, b], None, None)) == [a, b]  # 0.32
+    assert versions.arrays_state("not a state") is None
+    layer = ArraysCache(2)
+    layer.cache = [a, b]
+    assert versions.arrays_state(layer.state) == [a, b]  # the installed one's
+
+
+def test_chunked_piecewise_prefill_fails_exactly_where_the_module_says():
+    model = build("llama4")  # attention chunk 40
+    cache = make_prompt_cache(model)
+    assert any(isinstance(c, ChunkedKVCache) for c in cache)
+    try:
+        for start in range(0, 60, 16):
+            model(mx.array(TOKENS[start : start + 16])[None], cache=cache)
+        failed = False
+    except ValueError:  # mlx-lm 0.31's own broadcast error
+        failed = True
+    assert failed is not versions.CHUNKED_PIECEWISE_PREFILL
+
+
+def test_deepseek_v32_indexer_values_and_the_layout_variant_agree():
+    model = build("deepseek_v32")
+    cache = make_prompt_cache(model)
+    model(mx.array(TOKENS[:20])[None], cache=cache)
+    widths = {c.caches[1].values.shape[-1] for c in cache}
+    assert (widths == {0}) is versions.INDEXER_VALUES_EMPTY
+    assert bool(versions.layout_variant(model)) is versions.INDEXER_VALUES_EMPTY
+    assert versions.layout_variant(build("llama")) == ""
+
+
+def test_load_options_are_what_the_installed_load_takes():
+    import inspect
+
+    from mlx_lm import load
+
+    params = inspect.signature(load).parameters
+    for trust in (False, True):
+        options = versions.load_options(trust)
+        assert set(options) <= set(params)
+        assert (options["tokenizer_config"] or {}).get("trust_remote_code", False) is trust
