@@ -110,3 +110,34 @@ def test_prefix_cache_manager_answers_as_vllm_mlx_does():
     mine, want = ours.get_stats(), theirs.get_stats()
     for key in ("hits", "misses", "tokens_saved", "total_queries"):
         assert mine[key] == want[key], key
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_next"])
+def test_block_aware_cache_takes_what_vllm_mlx_extracts(family):
+    """The per-layer dicts vllm-mlx 0.6.0's own scheduler extracts (its real
+    ``_extract_cache_states``: ``state`` and ``meta_state`` of mlx-lm 0.31) are stored by
+    our `BlockAwarePrefixCache` and rebuilt into a cache that continues exactly like the
+    original: KV (llama), a rotating window (gemma3_text), recurrent state (qwen3_next)."""
+    import numpy as np
+    from families import build
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from persistent_prefix_cache.paged_cache import PagedCacheManager
+    from persistent_prefix_cache.prefix_cache import BlockAwarePrefixCache
+
+    scheduler = importlib.import_module("vllm_mlx.scheduler")
+    model = build(family)
+    tokens = np.random.default_rng(5).integers(0, 256, 30).tolist()  # past gemma3_text's window of 24
+    cache = make_prompt_cache(model)
+    model(mx.array(tokens)[None], cache=cache)
+    extracted = scheduler.Scheduler._extract_cache_states(None, cache)
+    assert len(extracted) == len(cache)  # vllm-mlx could read every layer (it cannot on mlx-lm 0.32)
+    prefix = BlockAwarePrefixCache(model, PagedCacheManager(block_size=4, max_blocks=32))
+    prefix.store_cache("r1", tokens, extracted)
+    table, remaining = prefix.fetch_cache("r2", tokens + [7])
+    assert table is not None and table.num_tokens == len(tokens) and remaining == [7]
+    rebuilt = prefix.reconstruct_cache(table)
+    assert rebuilt is not None
+    got = model(mx.array([[7]]), cache=rebuilt)[0, -1]
+    want = model(mx.array([[7]]), cache=cache)[0, -1]
+    assert mx.array_equal(got, want).item()
