@@ -129,3 +129,23 @@ def test_load_options_are_what_the_installed_load_takes():
         options = versions.load_options(trust)
         assert set(options) <= set(params)
         assert (options["tokenizer_config"] or {}).get("trust_remote_code", False) is trust
+
+
+# Defaults of `ppc generate` that differ from mlx_lm generate's on purpose.
+OWN_DEFAULTS = {
+    "prompt",  # required: a store needs a prompt, not mlx-lm's "hello"
+    "quantized_kv_start",  # None: see cli/generate.py
+    "prefill_step_size",  # None: block-aligned steps of the store's block size (0.32 only)
+}
+
+
+def test_ppc_generate_takes_every_option_and_default_of_the_installed_mlx_lm_generate():
+    from mlx_lm.generate import setup_arg_parser
+
+    from persistent_prefix_cache.cli.generate import build_parser
+
+    theirs = {a.dest: a.default for a in setup_arg_parser()._actions}
+    ours = {a.dest: a.default for a in build_parser()._actions}
+    assert set(theirs) <= set(ours)
+    differ = {d for d in theirs if theirs[d] != ours[d]}
+    assert differ <= OWN_DEFAULTS, {d: (theirs[d], ours[d]) for d in differ - OWN_DEFAULTS}

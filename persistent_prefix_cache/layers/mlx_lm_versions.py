@@ -25,6 +25,10 @@ The differences we meet (docs/versions.md lists them all, with where each is han
 - **``mlx_lm.load``**: 0.32 takes ``trust_remote_code`` (a config's ``model_file``, custom
   model code, is refused without it); 0.31 has no such argument and runs that code
   unasked, as its own ``mlx_lm generate`` does. `load_options` gives what the installed one takes.
+- **``mlx_lm generate``'s options**: the same flags, but ``--xtc-threshold`` defaults to
+  0.0 in 0.31 and 0.1 in 0.32 (`generate_default`: ``ppc generate`` samples as the
+  installed one does); 0.32 adds ``--image`` and ``--prefill-step-size``, which ``ppc
+  generate`` has in both (refused, and its own block-aligned step).
 - **Prompt-cache files** (``save_prompt_cache`` / ``load_prompt_cache``): 0.32's metadata
   is ``[metadata, classes, scalars]``, 0.31's ``[meta_states, metadata, classes]``; each
   reads only its own (the file import/export of ``ppc import-mlx`` owns those layouts).
@@ -76,6 +80,17 @@ def load_options(trust_remote_code: bool) -> dict[str, Any]:
     if LOAD_ASKS_TRUST_REMOTE_CODE:
         options["trust_remote_code"] = trust_remote_code
     return options
+
+
+def generate_default(dest: str, fallback: Any) -> Any:
+    """The installed ``mlx_lm generate``'s default for option `dest` (`fallback` where it
+    has no such option)."""
+    from mlx_lm.generate import setup_arg_parser
+
+    for action in setup_arg_parser()._actions:
+        if action.dest == dest:
+            return action.default
+    return fallback
 
 
 def layout_variant(model: Any) -> str:
