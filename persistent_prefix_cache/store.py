@@ -179,7 +179,7 @@ class PersistentPrefixCache(CostsMixin):
         # Open anyway if a layer cannot be stored (fetch misses), so that a server can
         # run uncached; store() raises.
         self.layout = Layout(
-            template_cache(model, kv_bits=kv_bits, kv_group_size=kv_group_size), variant=layout_variant(model)
+            template_cache(model, kv_bits=kv_bits, kv_group_size=kv_group_size), variant=layout_variant()
         )
         opened = open_directory(self.path, readonly=readonly, shared=shared, block_size=block_size)
         self.readonly, self.files, self.index = opened.readonly, opened.files, opened.index

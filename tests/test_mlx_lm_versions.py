@@ -115,8 +115,18 @@ def test_deepseek_v32_indexer_values_and_the_layout_variant_agree():
     model(mx.array(TOKENS[:20])[None], cache=cache)
     widths = {c.caches[1].values.shape[-1] for c in cache}
     assert (widths == {0}) is versions.INDEXER_VALUES_EMPTY
-    assert bool(versions.layout_variant(model)) is versions.INDEXER_VALUES_EMPTY
-    assert versions.layout_variant(build("llama")) == ""
+
+
+def test_the_two_lines_never_share_stored_kv(tmp_path):
+    """The root key holds the mlx-lm line (0.31's stores are new: 0.32's keep their keys)."""
+    from persistent_prefix_cache import PersistentPrefixCache
+    from persistent_prefix_cache.keys import root_key
+
+    model = build("llama")
+    with PersistentPrefixCache(tmp_path, model) as store:
+        plain = root_key(store.fingerprint, "", store.layout.signature)
+        assert (store.root == plain) is (versions.MLX_LM >= (0, 32, 0))
+        assert store.layout.variant == ("" if versions.MLX_LM >= (0, 32, 0) else "+mlx-lm-0.31")
 
 
 def test_load_options_are_what_the_installed_load_takes():

@@ -73,8 +73,8 @@ class Layout:
 
     def __init__(self, template: list, variant: str = ""):
         self.template = template
-        # Part of the root key beside the signature: where the installed mlx-lm fills the
-        # same classes differently (`mlx_lm_versions.layout_variant`), stores stay apart.
+        # Part of the root key beside the signature: the mlx-lm line, whose model code
+        # changes the KV (`mlx_lm_versions.layout_variant`), so lines keep their stores apart.
         self.variant = variant
         self.unsupported: UnsupportedCacheError | None = None
         try:

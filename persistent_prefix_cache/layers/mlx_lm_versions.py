@@ -20,8 +20,9 @@ The differences we meet (docs/versions.md lists them all, with where each is han
 - **deepseek_v32's indexer cache** (and glm_moe_dsa's, built on it): 0.31 caches values of
   width 0 beside its keys, 0.32 caches the keys again as values. Same classes, same
   layout signature, different tensors: restored across the two, either would fail in the
-  model. `layout_variant` puts the difference into the root key, so each line has its own
-  stored prefixes (a width-0 field is not stored at all: `adapters.KVAdapter`).
+  model (a width-0 field is not stored at all: `adapters.KVAdapter`).
+- **Model code** changed in most model files; the fingerprint does not cover it.
+  `layout_variant` puts the line into the root key: 0.31 and 0.32 never share stored KV.
 - **``mlx_lm.load``**: 0.32 takes ``trust_remote_code`` (a config's ``model_file``, custom
   model code, is refused without it); 0.31 has no such argument and runs that code
   unasked, as its own ``mlx_lm generate`` does. `load_options` gives what the installed one takes.
@@ -93,14 +94,17 @@ def generate_default(dest: str, fallback: Any) -> Any:
     return fallback
 
 
-def layout_variant(model: Any) -> str:
-    """What the root key adds to the layout signature for `model` on the installed mlx-lm:
-    "" but where the two lines fill the same cache classes differently (see above)."""
-    if INDEXER_VALUES_EMPTY and any(
-        c.__module__ == "mlx_lm.models.deepseek_v32" for c in type(model).__mro__
-    ):  # mlx-lm 0.31's indexer values of width 0
-        return "+indexer-values-0"
-    return ""
+def layout_variant() -> str:
+    """What the root key adds to the layout signature on the installed mlx-lm: "" on 0.32,
+    ``"+mlx-lm-0.31"`` on 0.31, so the two lines never share stored KV.
+
+    The fingerprint covers a model's class, config and weights, not mlx-lm's model code,
+    and that code changed between the lines (95 of the 119 model files 0.31.3 ships differ
+    in 0.32.2; deepseek_v32's indexer even caches other tensors in the same classes). No
+    store was written under 0.31 before (the pin was ``>=0.32``), so 0.32's keys are kept.
+    Within a line, patch releases are taken to compute the same KV.
+    """
+    return "" if MLX_LM >= (0, 32, 0) else "+mlx-lm-0.31"
 
 
 def make_layer(cls: type, arrays: tuple, **scalars: Any) -> Any:
