@@ -159,3 +159,57 @@ def test_ppc_generate_takes_every_option_and_default_of_the_installed_mlx_lm_gen
     assert set(theirs) <= set(ours)
     differ = {d for d in theirs if theirs[d] != ours[d]}
     assert differ <= OWN_DEFAULTS, {d: (theirs[d], ours[d]) for d in differ - OWN_DEFAULTS}
+
+
+STORE_AND_FETCH = """
+import json, sys
+from persistent_prefix_cache import PersistentPrefixCache
+from persistent_prefix_cache.prefill import prefill
+from persistent_prefix_cache.tiny_model import load_tiny_model
+from mlx_lm import __version__
+mode, store_dir, model_dir = sys.argv[1:]
+model = load_tiny_model(model_dir)
+prompt = list(range(3, 70))
+with PersistentPrefixCache(store_dir, model, block_size=16) as store:
+    if mode == "store":
+        prefill(model, prompt, store)
+    cache, rest = store.fetch(prompt + [5])
+print(json.dumps({"version": __version__, "restored": len(prompt) + 1 - len(rest) if cache is not None else 0}))
+"""
+
+
+def _other_line_python():
+    """The interpreter of the other mlx-lm line's venv of this checkout, where built."""
+    import os
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    other = root / (".venv" if versions.MLX_LM < (0, 32, 0) else ".venv-031") / "bin" / "python"
+    return str(other) if os.access(other, os.X_OK) else None
+
+
+def test_a_store_written_on_the_other_line_is_not_restored_here(tmp_path, tiny_model_dir):
+    """Both lines on one store, each in its own venv (CI builds both: `make test`, then
+    `make test-mlx-lm-0.31`): each restores its own prefixes, never the other's."""
+    import json
+    import subprocess
+    import sys
+
+    other = _other_line_python()
+    if other is None:
+        pytest.skip("the other mlx-lm line's venv is not built here")
+
+    def run(python, mode):
+        proc = subprocess.run(
+            [python, "-c", STORE_AND_FETCH, mode, str(tmp_path / "s"), str(tiny_model_dir)],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    theirs = run(other, "store")
+    # 66: the 67 prompt tokens but the last, fed again to get the next logits.
+    assert theirs["restored"] == 66 and versions._parse(theirs["version"])[:2] != versions.MLX_LM[:2]
+    assert run(sys.executable, "fetch")["restored"] == 0  # the other line's KV: never restored here
+    assert run(sys.executable, "store")["restored"] == 66  # our own, beside it
+    assert run(other, "fetch")["restored"] == 66  # and theirs is still theirs
