@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..blocks import Node, dtype_info, is_sliced
-from .buffers import HostBits, _host, _on_gpu, allocate
+from .buffers import _UINT_MX, HostBits, _host, _on_gpu, allocate
 from .segment import OpenSegment, SegmentFiles
 
 Tensors = dict[str, mx.array]
@@ -454,7 +454,6 @@ def _bits(view: memoryview, x: mx.array) -> np.ndarray:
     return np.frombuffer(view.cast("B"), dtype=_BITS[x.itemsize]).reshape(x.shape)
 
 
-_UINT_MX = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 
 
 def _copy_cached(nodes, cached, origins, runs) -> None:

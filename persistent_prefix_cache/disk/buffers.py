@@ -16,6 +16,7 @@ import numpy as np
 from ..blocks import dtype_info, mx_dtype
 
 _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_UINT_MX = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 _local = threading.local()
 
 
@@ -23,14 +24,57 @@ class host_reads:
     """Within this context, `read_path` on this thread reads into numpy buffers (no
     MLX work: a GPU's stream belongs to the caller's thread), on this thread alone (the
     reader pool is the callers'), and hands back `HostBits`: what a background fill of
-    the RAM tier needs."""
+    the RAM tier needs.
+
+    Args:
+        arena: Where to carve the buffers from, if it holds them (else numpy's own): the
+            bytes of an `Arena` made on a GPU, so that a fill reads straight into device
+            memory, as the disk read path does, and `to_device` copies nothing.
+    """
+
+    def __init__(self, arena: "Arena | None" = None):
+        self.arena = arena
 
     def __enter__(self) -> "host_reads":
-        _local.host = True
+        _local.host, _local.arena, _local.used = True, self.arena, 0
         return self
 
     def __exit__(self, *exc) -> None:
-        _local.host = False
+        _local.host, _local.arena = False, None
+
+
+class Arena:
+    """Device memory a background fill on a CUDA GPU reads into (made on the caller's
+    thread, which owns MLX's stream; written by the fill's thread through its bytes).
+
+    Args:
+        nbytes: Its size (rounded up to whole 64-byte lines).
+    """
+
+    def __init__(self, nbytes: int):
+        self.array = mx.zeros((-(-nbytes // 64) * 64,), dtype=mx.uint8)
+        mx.eval(self.array)
+        self.bytes = np.frombuffer(memoryview(self.array).cast("B"), dtype=np.uint8)
+        self.base = self.bytes.ctypes.data
+
+    def take(self, shape: tuple[int, ...], bits: type) -> np.ndarray | None:
+        """The next free stretch as a numpy array of `shape` (None: it does not fit)."""
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(bits).itemsize
+        start = -(-_local.used // 64) * 64
+        if start + nbytes > len(self.bytes):
+            return None
+        _local.used = start + nbytes
+        return self.bytes[start : start + nbytes].view(bits).reshape(shape)
+
+    def view(self, bits: np.ndarray, dtype: mx.Dtype) -> mx.array | None:
+        """The MLX array over the same bytes as `bits` (a view of this arena's memory, as
+        strided as `bits`), or None where `bits` lies elsewhere."""
+        at = bits.__array_interface__["data"][0] - self.base
+        size = bits.itemsize
+        if not 0 <= at < len(self.bytes) or at % size or any(st % size for st in bits.strides):
+            return None
+        words = self.array.view(_UINT_MX[size])
+        return mx.as_strided(words, bits.shape, [st // size for st in bits.strides], at // size).view(dtype)
 
 
 def _host() -> bool:
@@ -102,7 +146,12 @@ def allocate(specs: list[tuple[str, tuple[int, ...], str]]) -> dict[str, mx.arra
     if not specs:
         return {}
     if _host():  # numpy bits (`host_reads`): np.empty leaves the pages untouched too
-        return {name: np.empty(shape, dtype=_BITS[dtype_info(dtype)[1]]) for name, shape, dtype in specs}
+        arena, out = getattr(_local, "arena", None), {}
+        for name, shape, dtype in specs:
+            bits = _BITS[dtype_info(dtype)[1]]
+            got = arena.take(shape, bits) if arena is not None else None
+            out[name] = got if got is not None else np.empty(shape, dtype=bits)
+        return out
     if _on_gpu() or not _UNWRITTEN_WORKS or os.environ.get("PPC_ALLOCATE") == "zeros":
         uint = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
         out = {
@@ -156,7 +205,7 @@ _COPIERS: list[ThreadPoolExecutor] = []  # made on first use
 _COPY_PIECE = 8 << 20  # bytes one copier thread takes at a time
 
 
-def to_device(items: list[HostBits]) -> list[mx.array]:
+def to_device(items: list[HostBits], arena: Arena | None = None) -> list[mx.array]:
     """Host bits as evaluated MLX arrays made on a CUDA GPU, the way the disk read path
     fills its buffers: arrays made on the device, written from the host by several
     threads in pieces (numpy's copies release the GIL).
@@ -167,13 +216,19 @@ def to_device(items: list[HostBits]) -> list[mx.array]:
 
     Args:
         items: Host bits (each may be a strided view).
+        arena: The device memory they were read into, if they were: those become views
+            of it (no copy).
 
     Returns:
         One array per item, in order.
     """
-    arrays = list(allocate([(str(i), x.shape, dtype_info(x.dtype)[0]) for i, x in enumerate(items)]).values())
+    views = [arena.view(x.bits, x.dtype) if arena is not None else None for x in items]
+    rest = [(i, x) for i, (x, v) in enumerate(zip(items, views)) if v is None]
+    made = allocate([(str(i), x.shape, dtype_info(x.dtype)[0]) for i, x in rest])
+    arrays = [made[str(i)] if v is None else v for i, v in enumerate(views)]
     jobs = []
-    for x, a in zip(items, arrays):
+    for i, x in rest:
+        a = arrays[i]
         if x.nbytes == 0:
             continue
         dst = np.frombuffer(memoryview(a).cast("B"), dtype=x.bits.dtype).reshape(x.shape)
