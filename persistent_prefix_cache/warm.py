@@ -104,7 +104,10 @@ class Warmer:
             if join_on_device():
                 tokens = max(1, nodes[-1].end - nodes[0].position)
                 size = sum(n.size for n in nodes)
-                arena = Arena(size + size * 256 // tokens + (1 << 20))
+                try:
+                    arena = Arena(size + size * 256 // tokens + (1 << 20))
+                except (RuntimeError, ValueError, OverflowError, MemoryError):  # a fill is a hint: copy later instead
+                    arena = None
             self._job = (nodes, min(MAX_DELAY, max(0.0, after or 0.0)), arena)
             self._changed.notify_all()
             return len(nodes)

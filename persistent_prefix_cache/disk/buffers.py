@@ -52,7 +52,8 @@ class Arena:
     """
 
     def __init__(self, nbytes: int):
-        self.array = mx.zeros((-(-nbytes // 64) * 64,), dtype=mx.uint8)
+        # 64-byte rows: one axis of MLX holds at most 2**31 - 1 elements, a fill 4 GiB and more.
+        self.array = mx.zeros((-(-nbytes // 64), 64), dtype=mx.uint8)
         mx.eval(self.array)
         self.bytes = np.frombuffer(memoryview(self.array).cast("B"), dtype=np.uint8)
         self.base = self.bytes.ctypes.data
