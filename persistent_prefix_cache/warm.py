@@ -128,7 +128,11 @@ class Warmer:
             # All of a fill's host bits made device arrays at once (copies on threads).
             bits = [x for part in runs.values() for p in part.values() for _, _, x in p]
             bits += [x for s in snaps.values() for part in s.values() for x in part.values()]
-            made = iter(to_device(bits, arena))
+            try:
+                made = iter(to_device(bits, arena))
+            except (RuntimeError, ValueError, OverflowError, MemoryError):  # a fill is a hint: the disk still serves
+                self.memory.count_warm(memory_warm_dropped=1)
+                continue
             as_mx = {lid: {f: [(a, z, next(made)) for a, z, _ in p] for f, p in part.items()} for lid, part in runs.items()}
             own = {k: {lid: {f: next(made) for f in part} for lid, part in s.items()} for k, s in snaps.items()}
             done += join_admitted(self.memory, nodes, list(range(len(nodes))), as_mx, own, True)

@@ -74,8 +74,14 @@ class Arena:
         size = bits.itemsize
         if not 0 <= at < len(self.bytes) or at % size or any(st % size for st in bits.strides):
             return None
-        words = self.array.view(_UINT_MX[size])
-        return mx.as_strided(words, bits.shape, [st // size for st in bits.strides], at // size).view(dtype)
+        # Only the rows it spans (as_strided flattens its input; one MLX axis holds at most
+        # 2**31 - 1 elements).
+        span = sum((n - 1) * st for n, st in zip(bits.shape, bits.strides)) + size if bits.size else 0
+        first, last = at // 64, -(-(at + span) // 64)
+        if last > self.array.shape[0]:
+            return None
+        words = self.array[first : max(last, first + 1)].view(_UINT_MX[size])
+        return mx.as_strided(words, bits.shape, [st // size for st in bits.strides], (at - first * 64) // size).view(dtype)
 
 
 def _host() -> bool:
