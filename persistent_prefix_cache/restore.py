@@ -1,7 +1,7 @@
 """Rebuilding fresh caches from a path of stored blocks.
 
 Blocks in the RAM tier are used as they are; the rest are read from their segments
-into joined buffers (`disk.assemble`), checked against the dtypes and shapes the
+into joined buffers (`disk.read_path`), checked against the dtypes and shapes the
 model's layout holds, and every leaf is rebuilt from those (`layers.Layout`).
 
 Blocks read from disk may then join the RAM tier (`MemoryTier.admit` says which):
@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import mlx.core as mx
 
-from .disk.assemble import _bits, _reader_pool, allocate, join_on_device, read_path
+from .disk.read_path import _bits, _reader_pool, allocate, join_on_device, read_path
 from .blocks import Node, dtype_info, is_sliced
 from .disk.segment import SegmentFiles
 from .layers import JoinedSource, Layout

@@ -49,7 +49,7 @@ PUBLISH_TIMEOUT = 2.0
 DEFAULT_QUEUE_BYTES = 256 * 1024 * 1024
 # What a handle does when the server cannot be reached (said after the failure, once).
 LOCAL_ONLY = "serving from the local store only"
-COUNTERS = (
+REMOTE_COUNTERS = (
     "remote_hits", "remote_misses", "remote_blocks", "remote_errors", "remote_corrupt",
     "remote_unauthenticated", "remote_skipped", "remote_bytes_read", "remote_published",
     "remote_bytes_published", "remote_already", "remote_dropped", "remote_publish_failed", "remote_slower",
@@ -84,7 +84,7 @@ class RemoteTier:
         ttl: Seconds a published block lives on the server (None: until evicted).
         timeout: Seconds one round trip may take (connect or read) before it fails.
         queue_bytes: Bound of the publish queue's tensor bytes.
-        counters: Where to count (a `writeback.Counters` with `COUNTERS`).
+        counters: Where to count (a `counters.Counters` with `REMOTE_COUNTERS`).
         tail: What the caller does without the server, said once after its first
             failure (see `remote_urls.Voice`).
         contact: Talk to the server now (`contact`), so that a URL it refuses raises

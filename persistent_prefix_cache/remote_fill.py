@@ -1,4 +1,4 @@
-"""The remote tier's part in a fetch: blocks the local store lacks, from the fleet.
+"""The remote tier in a fetch: the blocks the local store lacks, read into the RAM tier.
 
 `RemoteFill.fill` runs before a fetch's lookup when a remote is configured: it finds
 where the local store's chain for the query ends (`Trie.stored_prefix`), asks the
@@ -18,7 +18,7 @@ import numpy as np
 
 from .blocks import is_sliced, sliced_spec
 from .costs import Costs
-from .disk.assemble import HostBits, join_on_device
+from .disk.read_path import HostBits, join_on_device
 from .keys import chain_keys
 from .layers import Layout
 from .lookup import Trie
@@ -146,10 +146,10 @@ class RemoteFill:
 
 def remote_counters(counters: Any, remote: RemoteTier | None) -> dict[str, Any]:
     """The remote counters of `stats()` (zeros and no URL without a remote)."""
-    from .tiers.remote import COUNTERS
+    from .tiers.remote import REMOTE_COUNTERS
 
     snap = counters.snapshot()
-    out: dict[str, Any] = {name: snap.get(name, 0) for name in COUNTERS}
+    out: dict[str, Any] = {name: snap.get(name, 0) for name in REMOTE_COUNTERS}
     out["remote"] = remote.url if remote is not None else None
     out["remote_pending"] = remote.pending if remote is not None else 0
     return out

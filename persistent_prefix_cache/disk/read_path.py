@@ -24,10 +24,9 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..blocks import Node, dtype_info, is_sliced, mx_dtype
+from ..blocks import Node, Tensors, dtype_info, is_sliced, mx_dtype
 from .segment import OpenSegment, SegmentFiles
 
-Tensors = dict[str, mx.array]
 KV_STEP = 256  # mlx-lm's KVCache grows in steps of 256 tokens
 # Reader threads: reads and checksums of a path's (segment, field) pieces run in
 # parallel (both drop the GIL); 4 on small machines, up to 8 where cores allow.
