@@ -32,6 +32,7 @@ from .opening import disk_budget, give_back, open_directory
 from .options import check_options, check_remote
 from .paths import expand_path
 from .restore import restore
+from .warm import Warmer
 from .remote_fill import RemoteFill, remote_counters
 from .tiers.memory import MemoryTier
 from .tiers.remote import REMOTE_COUNTERS, DEFAULT_QUEUE_BYTES, DEFAULT_TIMEOUT as DEFAULT_REMOTE_TIMEOUT, RemoteTier
@@ -199,6 +200,8 @@ class PersistentPrefixCache(CostsMixin):
                     self.remote, trie=self.trie, memory=self.memory, layout=self.layout, writeback=self.writeback,
                     costs=self.costs, root=self.root, block_size=self.block_size,
                 )  # fmt: skip
+            # Last: its thread runs from here on (the tier learns what the cost model skips).
+            self.warmer = Warmer(self.layout, self.memory, self.files, self._digests)
         except BaseException:
             give_back(self.path, opened)
             raise
@@ -401,10 +404,12 @@ class PersistentPrefixCache(CostsMixin):
         return len(new)
 
     def flush(self) -> None:
-        """Wait until every pending write and access update is committed, and every
-        block stored so far is published to the remote (or has failed, counted)."""
+        """Wait until every pending write and access update is committed, every
+        block stored so far is published to the remote (or has failed, counted), and a
+        background fill of the RAM tier is done."""
         self._check_open()
         self.saved_costs.maybe_save(force=True)
+        self.warmer.wait()
         if self.writeback is not None:
             self.writeback.flush()
         if self.remote is not None:
@@ -449,6 +454,8 @@ class PersistentPrefixCache(CostsMixin):
             self._closed = True
             return
         self.saved_costs.maybe_save(force=True)
+        if hasattr(self, "warmer"):  # not there if the open failed before it
+            self.warmer.stop()
         finished = self.writeback.stop() if self.writeback is not None else True
         if self.remote is not None:
             self.remote.close()
@@ -486,7 +493,7 @@ class PersistentPrefixCache(CostsMixin):
             included) for the store, all processes; disk_budget (the blocks' byte budget this
             handle evicts to: `disk_bytes` resolved, None if unbounded); bytes_in_memory,
             blocks_in_memory, memory_evictions, memory_admitted[_bytes] and
-            memory_hits_store/_disk/_remote (the RAM tier: `MemoryTier.stats`); pending_writes;
+            memory_hits_store/_disk/_remote, memory_warm* (the RAM tier: `MemoryTier.stats`); pending_writes;
             store_hits, store_misses, store_tokens_saved, store_corrupt (all processes
             since the store was made, as far as committed); remote (the URL, password
             hidden, or None), remote_hits and remote_misses (fetches the remote
