@@ -136,7 +136,7 @@ class WriteBack:
         counters: The handle's counters (``write_errors``, ``evictions``).
         root: The model's root key, and `describe` what gives its JSON record
             (registered with the first block, and when the record learns more).
-        disk_bytes: Budget of the block files (None: unbounded).
+        disk_bytes: Budget of the blocks' bytes (None: unbounded).
     """
 
     def __init__(
@@ -378,7 +378,7 @@ class WriteBack:
     # -- sweeps -----------------------------------------------------------------------
 
     def sweep(self) -> None:
-        """Remove temporary files of dead writers and old unreferenced block files."""
+        """Remove temporary files of dead writers and old unreferenced segment files."""
         self.files.sweep_tmp()
         sweep_orphans(self.index, self.files, grace=ORPHAN_GRACE_SECONDS)
 
