@@ -24,7 +24,7 @@ from .index_tables import (  # noqa: F401 (the tables re-exported)
     CHILDREN, DIGESTS, FINGERPRINTS, HITS, LRU, META, MODELS, NODES, SEGMENTS, Reader, Writer,
 )
 from ..blocks import Node
-from .migrations import MIGRATIONS, SCHEMA_VERSION
+from .schema import MIGRATIONS, SCHEMA_VERSION
 
 T = TypeVar("T")
 # What a failed write transaction raises (a full disk, say): the index is then as it was.
