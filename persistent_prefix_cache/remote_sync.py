@@ -167,7 +167,7 @@ def pull_model(store: Any, progress: Progress | None = None) -> dict[str, int]:
     out = dict.fromkeys(("found", "pulled", "present", "rejected", "orphans", "replaced"), 0)
     before = store.stats()
     out["found"] = len(keys)
-    blocks: list[wire.Block] = []
+    blocks: list[wire.RemoteBlock] = []
     for lo in range(0, len(keys), BATCH):
         batch = keys[lo : lo + BATCH]
         for skey, value in zip(batch, tier.bulk.get_values(batch)):
@@ -208,7 +208,7 @@ def pull_model(store: Any, progress: Progress | None = None) -> dict[str, int]:
     return out
 
 
-def _verified(tier: RemoteTier, fill: Any, root: bytes, skey: bytes, value: Any) -> wire.Block | None:
+def _verified(tier: RemoteTier, fill: Any, root: bytes, skey: bytes, value: Any) -> wire.RemoteBlock | None:
     if value is None or value is UNAVAILABLE:
         return None
     try:

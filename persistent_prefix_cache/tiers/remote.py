@@ -168,7 +168,7 @@ class RemoteTier:
     def read_chain(
         self, parent: bytes, position: int, data: bytes, block_size: int, *, beyond: int = 0,
         worth: Callable[[list[tuple]], bool] | None = None,
-    ) -> list[wire.Block]:  # fmt: skip
+    ) -> list[wire.RemoteBlock]:  # fmt: skip
         """The verified blocks the server holds after `parent`, for the query `data`.
 
         Args:
@@ -295,7 +295,7 @@ class RemoteTier:
             return 1
         return max(1, min(MAX_BATCH_BLOCKS, BATCH_BYTES // self._value_bytes))
 
-    def _read(self, chain: list[tuple[bytes, bytes, int, bytes]]) -> list[wire.Block]:
+    def _read(self, chain: list[tuple[bytes, bytes, int, bytes]]) -> list[wire.RemoteBlock]:
         """Read and verify the blocks of `chain` in order, up to the first one missing
         or failing a check. Each batch is verified on a thread of its own while the
         next one is received."""
@@ -314,7 +314,7 @@ class RemoteTier:
             checks.append((len(batch), self._checker().submit(self._decode, present)))
             if len(present) < len(batch):
                 break
-        blocks: list[wire.Block] = []
+        blocks: list[wire.RemoteBlock] = []
         for asked, check in checks:
             got, bad = check.result()
             blocks += got
@@ -338,7 +338,7 @@ class RemoteTier:
                 self.url, exc,
             )  # fmt: skip
 
-    def _decode(self, values: list[tuple[tuple, Any]]) -> tuple[list[wire.Block], tuple | None]:
+    def _decode(self, values: list[tuple[tuple, Any]]) -> tuple[list[wire.RemoteBlock], tuple | None]:
         """The leading `values` that decode as the blocks wanted, and (key, error) of
         the first that does not (None if all do)."""
         out = []
