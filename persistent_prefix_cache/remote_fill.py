@@ -18,7 +18,8 @@ import numpy as np
 
 from .blocks import is_sliced, sliced_spec
 from .costs import Costs
-from .disk.read_path import HostBits, join_on_device
+from .disk.buffers import HostBits
+from .disk.read_path import join_on_device
 from .keys import chain_keys
 from .layers import Layout
 from .lookup import Trie

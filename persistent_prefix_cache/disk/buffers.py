@@ -32,7 +32,8 @@ class host_reads:
         _local.host = False
 
 
-def _host() -> bool:
+def reading_to_host() -> bool:
+    """Whether this thread is inside `host_reads` (reads go to numpy buffers)."""
     return getattr(_local, "host", False)
 
 
@@ -85,7 +86,8 @@ class _Unwritten:
 _UNWRITTEN_WORKS = True  # cleared if this MLX cannot load from a file object
 
 
-def _on_gpu() -> bool:
+def on_gpu() -> bool:
+    """Whether MLX's default device is a GPU."""
     return mx.default_device() == mx.gpu
 
 
@@ -100,9 +102,9 @@ def allocate(specs: list[tuple[str, tuple[int, ...], str]]) -> dict[str, mx.arra
     global _UNWRITTEN_WORKS
     if not specs:
         return {}
-    if _host():  # numpy bits (`host_reads`): np.empty leaves the pages untouched too
+    if reading_to_host():  # numpy bits (`host_reads`): np.empty leaves the pages untouched too
         return {name: np.empty(shape, dtype=_BITS[dtype_info(dtype)[1]]) for name, shape, dtype in specs}
-    if _on_gpu() or not _UNWRITTEN_WORKS or os.environ.get("PPC_ALLOCATE") == "zeros":
+    if on_gpu() or not _UNWRITTEN_WORKS or os.environ.get("PPC_ALLOCATE") == "zeros":
         uint = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
         out = {
             name: mx.zeros(shape, dtype=uint[dtype_info(dtype)[1]]).view(mx_dtype(dtype))
