@@ -33,7 +33,7 @@ WINGS = [
     ("compat", ["compat", "prefix_cache", "paged_cache", "lru_prompt_cache"]),
     ("cli", ["cli", "__main__"]),
 ]
-INTERNAL = ("disk", "tiers", "lookup", "restore", "writeback", "remote_fill", "remote_sync")  # not for compat
+INTERNAL = ("disk", "tiers", "lookup", "restore", "writeback", "remote_fill", "remote_sync", "warm")  # not for compat
 CACHE_CLASSES = {
     "KVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache", "ArraysCache",
     "CacheList", "make_prompt_cache", "can_trim_prompt_cache", "trim_prompt_cache",
@@ -198,6 +198,19 @@ def test_compat_uses_only_public_names_of_the_store():
                 found.append(f"{name}:{node.lineno} uses private attribute {node.attr}")
     assert not found
 
+
+
+def test_no_module_imports_another_modules_private_name():
+    # A leading underscore says "used here only": a name another module needs is public.
+    found = [
+        f"{name}:{line} imports {module}.{n}"
+        for name, (_, tree) in MODULES.items()
+        for module, names, line in _imports(name, tree)
+        if module.startswith(NAME)
+        for n in names
+        if n.startswith("_") and not n.startswith("__")
+    ]
+    assert found == []
 
 def test_no_library_module_is_over_600_lines():
     sizes = {name: len(path.read_text().splitlines()) for name, (path, _) in MODULES.items()}
