@@ -2,8 +2,10 @@
 
 Each rule is a boundary a reader relies on: only the index touches LMDB, only
 ``layers/`` knows mlx-lm's cache classes, nothing imports a wing above its own, the
-compat layers use the store's public names only, no module grows past ~600 lines, and
-the architecture page names every module there is. A migration imports only frozen
+compat layers use the store's public names only, no module imports another's private
+name, no module grows past ~600 lines, and the architecture page names every module
+there is and only what the code defines (its tree, and its drawings of one store() and
+one fetch()). A migration imports only frozen
 format code (``migrations/formats/``, itself pinned) or live formats it declares at their
 current versions, so a later format never silently changes what an old migration writes.
 """
