@@ -5,9 +5,9 @@ Each rule is a boundary a reader relies on: only the index touches LMDB, only
 compat layers use the store's public names only, no module imports another's private
 name, no module grows past ~600 lines, and the architecture page names every module
 there is and only what the code defines (its tree, and its drawings of one store() and
-one fetch()). A migration imports only frozen
-format code (``migrations/formats/``, itself pinned) or live formats it declares at their
-current versions, so a later format never silently changes what an old migration writes.
+one fetch()). A migration imports only frozen format code (``migrations/formats/``,
+itself pinned) or live formats it declares at their current versions, so a later format
+never silently changes what an old migration writes.
 """
 
 from __future__ import annotations
