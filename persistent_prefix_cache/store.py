@@ -26,6 +26,7 @@ from .errors import InvalidArgumentError, LayoutMismatchError, StoreCorruptError
 from .fingerprint import cached_fingerprint, forget_fingerprints
 from .keys import as_token_array, chain_keys, root_key
 from .layers import Layout, cache_length, signature_of, template_cache
+from .layers.mlx_lm_versions import layout_variant
 from .lookup import Trie, back_off
 from .costs import Costs, CostsMixin, SavedCosts
 from .opening import disk_budget, give_back, open_directory
@@ -158,7 +159,9 @@ class PersistentPrefixCache(CostsMixin):
         self._pid = os.getpid()
         # Open anyway if a layer cannot be stored (fetch misses), so that a server can
         # run uncached; store() raises.
-        self.layout = Layout(template_cache(model, kv_bits=kv_bits, kv_group_size=kv_group_size))
+        self.layout = Layout(
+            template_cache(model, kv_bits=kv_bits, kv_group_size=kv_group_size), variant=layout_variant()
+        )
         opened = open_directory(self.path, readonly=readonly, shared=shared, block_size=block_size)
         self.readonly, self.files, self.index = opened.readonly, opened.files, opened.index
         self._closed = False
@@ -172,7 +175,7 @@ class PersistentPrefixCache(CostsMixin):
                 self.index.remember_fingerprint,
                 self._stored_fingerprints,
             )
-            self.root = root_key(self.fingerprint, namespace, self.layout.signature)
+            self.root = root_key(self.fingerprint, namespace, self.layout.signature + self.layout.variant)
             self.layout.fields = self._recorded_fields()
             self.memory = MemoryTier(memory_bytes)
             self.trie = Trie(self.index, self.memory, self.root, self.block_size)
