@@ -33,7 +33,7 @@ import threading
 from typing import Any, Callable
 
 from .disk.read_path import join_on_device, read_path
-from .disk.buffers import HostBits, host_reads
+from .disk.buffers import HostBits, host_reads, to_device
 from .blocks import Node, is_sliced
 from .disk.segment import SegmentFiles
 from .layers import Layout
@@ -113,8 +113,12 @@ class Warmer:
             ready, self._ready = self._ready, []
         done = 0
         for nodes, runs, snaps in ready:
-            as_mx = {lid: {f: [(a, z, x.to_mx()) for a, z, x in p] for f, p in part.items()} for lid, part in runs.items()}
-            own = {k: {lid: {f: x.to_mx() for f, x in part.items()} for lid, part in s.items()} for k, s in snaps.items()}
+            # All of a fill's host bits made device arrays at once (copies on threads).
+            bits = [x for part in runs.values() for p in part.values() for _, _, x in p]
+            bits += [x for s in snaps.values() for part in s.values() for x in part.values()]
+            made = iter(to_device(bits))
+            as_mx = {lid: {f: [(a, z, next(made)) for a, z, _ in p] for f, p in part.items()} for lid, part in runs.items()}
+            own = {k: {lid: {f: next(made) for f in part} for lid, part in s.items()} for k, s in snaps.items()}
             done += join_admitted(self.memory, nodes, list(range(len(nodes))), as_mx, own, True)
             self.memory.count_warm(memory_warmed=len(nodes), memory_warmed_bytes=sum(n.size for n in nodes))
         return done

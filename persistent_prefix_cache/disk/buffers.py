@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 import numpy as np
@@ -145,7 +146,50 @@ class HostBits:
         return HostBits(self.bits[key], dtype_info(self.dtype)[0])
 
     def to_mx(self) -> mx.array:
-        """The tensor as an (evaluated) MLX array."""
+        """The tensor as an (evaluated) MLX array (on a CUDA GPU: see `to_device`)."""
+        if on_gpu():
+            return to_device([self])[0]
         x = mx.array(self.bits).view(self.dtype)
         mx.eval(x)
         return x
+
+
+_COPIERS: list[ThreadPoolExecutor] = []  # made on first use
+_COPY_PIECE = 8 << 20  # bytes one copier thread takes at a time
+
+
+def to_device(items: list[HostBits]) -> list[mx.array]:
+    """Host bits as evaluated MLX arrays made on a CUDA GPU, the way the disk read path
+    fills its buffers: arrays made on the device, written from the host by several
+    threads in pieces (numpy's copies release the GIL).
+
+    An array made from host memory holds pages the GPU then faults over one by one: a
+    background fill's 256 MiB took 0.28 s that way on the H200 (5 x the prefill it was to
+    save), and 0.19 s written by one thread into device-made arrays.
+
+    Args:
+        items: Host bits (each may be a strided view).
+
+    Returns:
+        One array per item, in order.
+    """
+    arrays = list(allocate([(str(i), x.shape, dtype_info(x.dtype)[0]) for i, x in enumerate(items)]).values())
+    jobs = []
+    for x, a in zip(items, arrays):
+        if x.nbytes == 0:
+            continue
+        dst = np.frombuffer(memoryview(a).cast("B"), dtype=x.bits.dtype).reshape(x.shape)
+        pieces = max(1, min(x.shape[int(np.argmax(x.shape))], x.nbytes // _COPY_PIECE))
+        if pieces == 1:
+            jobs.append((dst, x.bits))
+        else:
+            axis = int(np.argmax(x.shape))
+            jobs.extend(zip(np.array_split(dst, pieces, axis=axis), np.array_split(x.bits, pieces, axis=axis)))
+    if len(jobs) == 1:
+        np.copyto(*jobs[0])
+    elif jobs:
+        if not _COPIERS:
+            _COPIERS.append(ThreadPoolExecutor(8, thread_name_prefix="ppc-to-device"))
+        for _ in _COPIERS[0].map(lambda job: np.copyto(*job), jobs):
+            pass
+    return arrays
