@@ -34,15 +34,16 @@ from .options import check_options, check_remote
 from .paths import expand_path
 from .restore import restore
 from .warm import Warmer
-from .fleet import RemoteFill, remote_counters
+from .remote_fill import RemoteFill, remote_counters
 from .tiers.memory import MemoryTier
-from .tiers.remote import COUNTERS as REMOTE_COUNTERS, DEFAULT_QUEUE_BYTES, DEFAULT_TIMEOUT as DEFAULT_REMOTE_TIMEOUT, RemoteTier
-from .writeback import Counters, WriteBack, sweep_orphans
+from .tiers.remote import REMOTE_COUNTERS, DEFAULT_QUEUE_BYTES, DEFAULT_TIMEOUT as DEFAULT_REMOTE_TIMEOUT, RemoteTier
+from .counters import Counters
+from .writeback import WriteBack, sweep_orphans
 
 log = logging.getLogger("persistent_prefix_cache")
 
 DEFAULT_MEMORY_BYTES = 512 * 1024 * 1024
-COUNTERS = (
+HANDLE_COUNTERS = (
     "queries", "hits", "misses", "not_longer", "tokens_saved", "skipped_slower", "tokens_skipped",
     "restored_all", "restored_ram_only", "restored_shorter",
     "corrupt", "evictions", "write_errors", "blocks_written", "bytes_written", "restored_blocks_disk",
@@ -178,7 +179,7 @@ class PersistentPrefixCache(CostsMixin):
             self.layout.fields = self._recorded_fields()
             self.memory = MemoryTier(memory_bytes)
             self.trie = Trie(self.index, self.memory, self.root, self.block_size)
-            self.counters = Counters(*COUNTERS, *REMOTE_COUNTERS)
+            self.counters = Counters(*HANDLE_COUNTERS, *REMOTE_COUNTERS)
             self.costs = Costs(enabled=cost_model)
             self.saved_costs = SavedCosts(self.path, self.root.hex(), self.costs, readonly=self.readonly)
             self.writeback = None

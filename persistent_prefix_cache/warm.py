@@ -32,7 +32,7 @@ import os
 import threading
 from typing import Any, Callable
 
-from .disk.assemble import join_on_device, read_path
+from .disk.read_path import join_on_device, read_path
 from .disk.buffers import Arena, HostBits, host_reads, to_device
 from .blocks import Node, is_sliced
 from .disk.segment import SegmentFiles

@@ -16,7 +16,8 @@ import numpy as np
 from ..blocks import dtype_info, mx_dtype
 
 _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-_UINT_MX = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
+# MLX unsigned dtypes by item size: a tensor's bits, viewed without a copy.
+UINT_MX = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 _local = threading.local()
 
 
@@ -80,11 +81,12 @@ class Arena:
         first, last = at // 64, -(-(at + span) // 64)
         if last > self.array.shape[0]:
             return None
-        words = self.array[first : max(last, first + 1)].view(_UINT_MX[size])
+        words = self.array[first : max(last, first + 1)].view(UINT_MX[size])
         return mx.as_strided(words, bits.shape, [st // size for st in bits.strides], (at - first * 64) // size).view(dtype)
 
 
-def _host() -> bool:
+def reading_to_host() -> bool:
+    """Whether this thread is inside `host_reads` (reads go to numpy buffers)."""
     return getattr(_local, "host", False)
 
 
@@ -137,7 +139,8 @@ class _Unwritten:
 _UNWRITTEN_WORKS = True  # cleared if this MLX cannot load from a file object
 
 
-def _on_gpu() -> bool:
+def on_gpu() -> bool:
+    """Whether MLX's default device is a GPU."""
     return mx.default_device() == mx.gpu
 
 
@@ -152,14 +155,14 @@ def allocate(specs: list[tuple[str, tuple[int, ...], str]]) -> dict[str, mx.arra
     global _UNWRITTEN_WORKS
     if not specs:
         return {}
-    if _host():  # numpy bits (`host_reads`): np.empty leaves the pages untouched too
+    if reading_to_host():  # numpy bits (`host_reads`): np.empty leaves the pages untouched too
         arena, out = getattr(_local, "arena", None), {}
         for name, shape, dtype in specs:
             bits = _BITS[dtype_info(dtype)[1]]
             got = arena.take(shape, bits) if arena is not None else None
             out[name] = got if got is not None else np.empty(shape, dtype=bits)
         return out
-    if _on_gpu() or not _UNWRITTEN_WORKS or os.environ.get("PPC_ALLOCATE") == "zeros":
+    if on_gpu() or not _UNWRITTEN_WORKS or os.environ.get("PPC_ALLOCATE") == "zeros":
         uint = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
         out = {
             name: mx.zeros(shape, dtype=uint[dtype_info(dtype)[1]]).view(mx_dtype(dtype))
@@ -201,7 +204,7 @@ class HostBits:
 
     def to_mx(self) -> mx.array:
         """The tensor as an (evaluated) MLX array (on a CUDA GPU: see `to_device`)."""
-        if _on_gpu():
+        if on_gpu():
             return to_device([self])[0]
         x = mx.array(self.bits).view(self.dtype)
         mx.eval(x)
