@@ -32,7 +32,7 @@ def family_prompt() -> list[int]:
 def tier_bits(store: PersistentPrefixCache) -> dict:
     """A bitwise copy of everything the RAM tier holds, by block key, leaf and field."""
     out = {}
-    for key, (_, tensors, *_) in list(store.memory._entries.items()):
+    for key, (_, tensors, *_) in list(store._memory._entries.items()):
         for lid, part in tensors.items():
             for fld, x in part.items():
                 bits = x.view({1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}[x.itemsize])
@@ -156,7 +156,7 @@ def test_admission_respects_the_budget(tmp_path, model):
                 counts = memory_counts(store)
                 assert counts["bytes_in_memory"] <= budget
         assert counts["memory_admitted"] > 0 and counts["memory_evictions"] > 0
-        entries = store.memory._entries.values()
+        entries = store._memory._entries.values()
         held = sum(x.nbytes for _, tensors, *_ in entries for part in tensors.values() for x in part.values())
         assert held == counts["bytes_in_memory"]
     # A prompt larger than the whole tier is never admitted (it would flush it).

@@ -203,7 +203,7 @@ def test_forged_record_under_the_right_key_is_a_miss(store_dir, model):
     stored = random_tokens(BLOCK, seed=32, first=1)
     with open_store(store_dir, model) as store:
         put(store, model, stored)
-        root = store.root
+        root = store._root
     (real,) = nodes_by_position(store_dir)
     victim = random_tokens(BLOCK, seed=33, first=2)
     # A record filed under the victim's true key, pointing at the real block's
