@@ -199,6 +199,55 @@ def test_compat_uses_only_public_names_of_the_store():
     assert not found
 
 
+def _store_private_attributes() -> set[str]:
+    """The private attributes a `PersistentPrefixCache` sets on itself (its collaborators)."""
+    names = set()
+    for module in ("store", "options", "costs"):
+        for node in ast.walk(MODULES[module][1]):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "self"
+                and node.attr.startswith("_")
+            ):
+                names.add(node.attr)
+    return names
+
+
+def test_compat_and_cli_reach_no_collaborator_of_the_store():
+    # The facade's collaborators (`_index`, `_memory`, `_costs`, ...) are private: the
+    # compat layers and ppc go through its public methods (the rule above checks compat
+    # for every private name; ppc legitimately touches argparse's).
+    private = _store_private_attributes()
+    assert {"_index", "_files", "_memory", "_writeback", "_costs", "_remote"} <= private
+    found = []
+    for name, (_, tree) in MODULES.items():
+        if name.split(".")[0] not in ("compat", "cli", "prefix_cache", "paged_cache", "lru_prompt_cache", "__main__"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in private:
+                if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                    found.append(f"{name}:{node.lineno} reaches the store's {node.attr}")
+    assert not found
+
+
+def test_the_package_shows_only_its_api():
+    # `__all__` is the API: the only public top-level names, even once a program has
+    # imported submodules (which Python binds as attributes of the package).
+    code = (
+        "import persistent_prefix_cache as p, persistent_prefix_cache.store, persistent_prefix_cache.cli.serve,"
+        " persistent_prefix_cache.compat.lru_prompt_cache, persistent_prefix_cache.disk.maintenance\n"
+        "public = [n for n in dir(p) if not n.startswith('_')]\n"
+        "assert public == sorted(p.__all__), sorted(set(public) ^ set(p.__all__))\n"
+        "assert all(getattr(p, n) is not None for n in p.__all__)\n"
+        "ns = {}; exec('from persistent_prefix_cache import *', ns)\n"
+        "assert sorted(n for n in ns if not n.startswith('_')) == sorted(p.__all__)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
 def test_no_library_module_is_over_600_lines():
     sizes = {name: len(path.read_text().splitlines()) for name, (path, _) in MODULES.items()}
     assert {n: s for n, s in sizes.items() if s > MAX_LINES} == {}
