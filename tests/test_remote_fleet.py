@@ -15,6 +15,7 @@ from helpers import random_tokens
 from store_worker import Worker, wait_for_pause
 from test_remote import BS, TIMEOUT, fetch_exact, open_host, publish, server_keys
 
+from persistent_prefix_cache.disk.faults import hooks_value
 from persistent_prefix_cache.keys import chain_keys
 from persistent_prefix_cache.tiers import remote_wire as wire
 
@@ -59,7 +60,7 @@ def test_publisher_killed_mid_batch_leaves_whole_values_only(tmp_path, tiny_mode
     marker = str(tmp_path / "pause")
     w = host(
         tmp_path, "a", tiny_model_dir, redis_server.url, [["store", toks], ["flush"]],
-        env={"PPC_PAUSE_AT": "remote_publish", "PPC_PAUSE_FILE": marker},
+        env={"PPC_TEST_HOOKS": hooks_value(pause_at="remote_publish", pause_file=marker)},
     )  # fmt: skip
     try:
         wait_for_pause(marker, w, "remote_publish", timeout=300)
