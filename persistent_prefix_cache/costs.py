@@ -81,20 +81,30 @@ class Fit:
         self.order = order
         k = len(order)
         self.sums = [float(v) for v in sums] if sums and len(sums) == k * k + k else [0.0] * (k * k + k)
+        self._solved: tuple[list[float] | None] | None = None  # `coefficients` until the sums change
 
     def add(self, x: tuple[float, ...], y: float) -> None:
         """Add one observation: features `x`, value `y`."""
         k, keep = len(self.order), 1 - ALPHA
         new = [x[i] * x[j] for i in range(k) for j in range(k)] + [x[i] * y for i in range(k)]
         self.sums = [keep * s + n for s, n in zip(self.sums, new)]
+        self._solved = None
 
     def set(self, coefficients: tuple[float, ...]) -> None:
         """Forget the observations: the coefficients are now these."""
         k = len(self.order)
         self.sums = [float(i == j) for i in range(k) for j in range(k)] + [float(c) for c in coefficients]
+        self._solved = None
 
     def coefficients(self) -> list[float] | None:
-        """The coefficients, None before any observation."""
+        """The coefficients, None before any observation (solved once per change of
+        the sums: a fetch asks for them a dozen times)."""
+        if self._solved is None:
+            self._solved = (self._solve_sums(),)
+        coef = self._solved[0]
+        return None if coef is None else list(coef)
+
+    def _solve_sums(self) -> list[float] | None:
         k = len(self.order)
         m, v = self.sums[: k * k], self.sums[k * k :]
         active = [i for i in self.order if m[i * k + i] > 0]
@@ -498,7 +508,8 @@ def calibrate(costs: Costs, model: Any, make_cache: Callable[[], list], tokens: 
 
 class CostsMixin:
     """The cost model's part of `PersistentPrefixCache` (its private `_costs`,
-    `_saved_costs`, `_memory` and `_counters`): what callers tell it, and what a fetch asks it."""
+    `_saved_costs`, `_memory`, `_warmer` and `_counters`): what callers tell it, and what a
+    fetch asks it."""
 
     def observe_prefill(
         self, tokens: int, seconds: float, *, start: int = 0, restored: bool = False, forwards: int = 1
@@ -547,11 +558,15 @@ class CostsMixin:
     def _cheaper(self, path: list, matched: int) -> tuple[list, int]:
         """The prefix of `path` the cost model restores (all of it until it knows),
         its decision counted."""
+        self._warmer.install()  # blocks a background fill read for a GPU: in the tier first
         ends = [n.end for n in path[:-1]] + [matched]
         cuts = [i for i, n in enumerate(path[:-1]) if n.resumable] + [len(path) - 1]
         in_ram = [self._memory.node(n.key) is not None for n in path]
         choice = self._costs.choose(ends, [n.size for n in path], in_ram, cuts)
         self._counters.add(**{choice.decision: 1}, tokens_skipped=matched - choice.tokens)
+        if choice.blocks < len(path) and not all(in_ram[choice.blocks :]):
+            # Left on disk: the tier may still learn it, once the caller has computed it.
+            self._warmer.skipped(path, choice.blocks, matched, after=self._costs.prefill_seconds(choice.tokens, matched))
         return path[: choice.blocks], choice.tokens
 
     def _timed(self, nodes: list, seconds: float, in_ram: bool) -> None:

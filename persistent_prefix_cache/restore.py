@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from .disk.assemble import _bits, _reader_pool, allocate, join_on_device, read_path
 from .blocks import Node, dtype_info, is_sliced
+from .disk.buffers import HostBits, _host
 from .disk.segment import SegmentFiles
 from .layers import JoinedSource, Layout
 from .tiers.memory import MemoryTier
@@ -105,8 +106,31 @@ def admit(
         if k != end and nodes[k].extra.get("snap"):
             own_snaps[k] = read_snapshots(files, nodes[k])
     chosen = [k for k in chosen if own_snaps.get(k, {}) is not None]
+    return join_admitted(memory, nodes, chosen, runs, own_snaps, on_device)
+
+
+def join_admitted(
+    memory: MemoryTier,
+    nodes: list[Node],
+    chosen: list[int],
+    runs: dict[str, dict[str, list]],
+    own_snaps: dict[int, dict],
+    on_device: bool,
+) -> int:
+    """Put ``nodes[k]`` for each k in `chosen` into the RAM tier as views of fresh
+    copies of the joined `runs` (one copy per buffer and stretch of admitted blocks).
+
+    Args:
+        own_snaps: Block index -> its snapshot tensors by leaf (the last block's are
+            copied: they went to the caller; the others' are the tier's own).
+        on_device: Copy with MLX operations (a GPU) rather than into host buffers.
+
+    Returns:
+        How many blocks were admitted.
+    """
     if not chosen:
         return 0
+    end, snaps = len(nodes) - 1, own_snaps.get(len(nodes) - 1, {})
     # One copy per joined buffer and stretch of consecutive admitted blocks, of the rows
     # they cover (not of blocks between them that the tier holds already: uncounted).
     stretches = []
@@ -163,7 +187,8 @@ def admit(
 
 def read_snapshots(files: SegmentFiles, node: Node) -> dict[str, dict[str, mx.array]] | None:
     """The snapshot tensors of one stored block by leaf, each checked against its digest
-    (which the block's checksum covers); None if the block or one of them is not intact."""
+    (which the block's checksum covers; `HostBits` in `host_reads`); None if the block
+    or one of them is not intact."""
     seg = files.open(node.segment)
     if seg is None:
         return None
@@ -178,7 +203,7 @@ def read_snapshots(files: SegmentFiles, node: Node) -> dict[str, dict[str, mx.ar
             if seg.read_snap(s, memoryview(arrays[f"s{j}"]).cast("B")) is None:
                 return None
             lid, _, fld = s.name.rpartition(".")
-            out.setdefault(lid, {})[fld] = arrays[f"s{j}"]
+            out.setdefault(lid, {})[fld] = HostBits(arrays[f"s{j}"], s.dtype) if _host() else arrays[f"s{j}"]
         return out
     finally:
         seg.close()

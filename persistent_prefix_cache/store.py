@@ -31,6 +31,7 @@ from .opening import disk_budget, give_back, open_directory
 from .options import OpenedWith, check_options, check_remote
 from .paths import expand_path
 from .restore import restore
+from .warm import Warmer
 from .fleet import RemoteFill, remote_counters
 from .tiers.memory import MemoryTier
 from .tiers.remote import COUNTERS as REMOTE_COUNTERS, DEFAULT_QUEUE_BYTES, DEFAULT_TIMEOUT as DEFAULT_REMOTE_TIMEOUT, RemoteTier
@@ -197,6 +198,8 @@ class PersistentPrefixCache(OpenedWith, CostsMixin):
                     self._remote, trie=self._trie, memory=self._memory, layout=self._layout, writeback=self._writeback,
                     costs=self._costs, root=self._root, block_size=self._block_size,
                 )  # fmt: skip
+            # Last: its thread runs from here on (the tier learns what the cost model skips).
+            self._warmer = Warmer(self._layout, self._memory, self._files, self._digests)
         except BaseException:
             give_back(self._path, opened)
             raise
@@ -399,10 +402,12 @@ class PersistentPrefixCache(OpenedWith, CostsMixin):
         return len(new)
 
     def flush(self) -> None:
-        """Wait until every pending write and access update is committed, and every
-        block stored so far is published to the remote (or has failed, counted)."""
+        """Wait until every pending write and access update is committed, every
+        block stored so far is published to the remote (or has failed, counted), and a
+        background fill of the RAM tier is done."""
         self._check_open()
         self._saved_costs.maybe_save(force=True)
+        self._warmer.wait()
         if self._writeback is not None:
             self._writeback.flush()
         if self._remote is not None:
@@ -447,6 +452,8 @@ class PersistentPrefixCache(OpenedWith, CostsMixin):
             self._closed = True
             return
         self._saved_costs.maybe_save(force=True)
+        if hasattr(self, "_warmer"):  # not there if the open failed before it
+            self._warmer.stop()
         finished = self._writeback.stop() if self._writeback is not None else True
         if self._remote is not None:
             self._remote.close()
@@ -484,7 +491,7 @@ class PersistentPrefixCache(OpenedWith, CostsMixin):
             included) for the store, all processes; disk_budget (the blocks' byte budget this
             handle evicts to: `disk_bytes` resolved, None if unbounded); bytes_in_memory,
             blocks_in_memory, memory_evictions, memory_admitted[_bytes] and
-            memory_hits_store/_disk/_remote (the RAM tier: `MemoryTier.stats`); pending_writes;
+            memory_hits_store/_disk/_remote, memory_warm* (the RAM tier: `MemoryTier.stats`); pending_writes;
             store_hits, store_misses, store_tokens_saved, store_corrupt (all processes
             since the store was made, as far as committed); remote (the URL, password
             hidden, or None), remote_hits and remote_misses (fetches the remote

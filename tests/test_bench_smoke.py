@@ -31,6 +31,8 @@ CASE_FIGURES = [
     "ours_fetch_ram",
     "ours_fetch_fresh_2nd",
     "ours_fetch_fresh_3rd",
+    "ours_fetch_fresh_filled",
+    "ours_fetch_skipped",
     "peer_mlx_load_warm_step",
     "ours_fetch_disk_warm_step",
 ]
@@ -40,6 +42,8 @@ CASE_RATIOS = [
     "ram_vs_memcpy",
     "fresh_3rd_vs_raw_read",
     "fresh_2nd_vs_disk_warm",
+    "fresh_filled_vs_raw_read",
+    "disk_warm_step_vs_mlx_load_warm_step",
     "store_sync_vs_raw_write_fsync",
     "store_async_caller_vs_sync",
     "disk_warm_vs_mlx_load_warm",

@@ -29,7 +29,7 @@ WINGS = [
     ("disk", ["disk", "migrations"]),  # the frozen formats use disk/portable's OS calls
     ("layers", ["layers"]),
     ("tiers", ["tiers"]),
-    ("core", ["store", "tier_report", "opening", "lookup", "restore", "writeback", "prefill", "options", "costs", "fleet", "fleet_sync"]),
+    ("core", ["store", "tier_report", "opening", "lookup", "restore", "writeback", "prefill", "options", "costs", "fleet", "fleet_sync", "warm"]),
     ("compat", ["compat", "prefix_cache", "paged_cache", "lru_prompt_cache"]),
     ("cli", ["cli", "__main__"]),
 ]

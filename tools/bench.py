@@ -83,7 +83,9 @@ CASE_RATIOS = [
     ("store_async_caller_vs_sync", "ours_store_async_caller", "ours_store_sync", "time", "<= 0.05"),
     ("fresh_3rd_vs_raw_read", "ours_fetch_fresh_3rd", "limit_read_warm", "speed", ">= 0.9"),
     ("fresh_2nd_vs_disk_warm", "ours_fetch_fresh_2nd", "ours_fetch_disk_warm", "time", None),
-    ("disk_warm_vs_mlx_load_warm", "ours_fetch_disk_warm", "peer_mlx_load_warm", "speed", None),
+    ("fresh_filled_vs_raw_read", "ours_fetch_fresh_filled", "limit_read_warm", "speed", ">= 0.9"),
+    ("disk_warm_vs_mlx_load_warm", "ours_fetch_disk_warm", "peer_mlx_load_warm", "speed", ">= 1.0"),
+    ("disk_warm_step_vs_mlx_load_warm_step", "ours_fetch_disk_warm_step", "peer_mlx_load_warm_step", "speed", ">= 2"),
     ("disk_cold_vs_mlx_load_cold", "ours_fetch_disk_cold", "peer_mlx_load_cold", "speed", None),
     ("store_sync_vs_mlx_save_fsync", "ours_store_sync", "peer_mlx_save_fsync", "speed", None),
 ]
@@ -107,6 +109,8 @@ LABELS = {
     "ours_fetch_ram": "ours   fetch() from the RAM tier",
     "ours_fetch_fresh_2nd": "ours   fresh handle, 2nd fetch (admits)",
     "ours_fetch_fresh_3rd": "ours   fresh handle, 3rd fetch (RAM tier)",
+    "ours_fetch_fresh_filled": "ours   fresh handle, fetch after a fill",
+    "ours_fetch_skipped": "info   fetch() skipped: its fixed cost",
     "peer_mlx_load_warm_step": "info   mlx-lm load, warm + 1st decode step",
     "ours_fetch_disk_warm_step": "info   ours fetch() warm + 1st decode step",
 }
@@ -478,6 +482,30 @@ class Bench:
 
             return make
 
+        # A copy of the store for the handles below: the rates they set are remembered
+        # in its costs.json, and the other contenders must not find them.
+        skip_dir = folder / "store-skips"
+        shutil.copytree(store_dir, skip_dir)
+
+        def disk_loses(s: PersistentPrefixCache) -> PersistentPrefixCache:
+            # Rates set as on a fast GPU: a disk read loses to a prefill, the RAM tier wins.
+            s._costs.set_prefill(1e9)
+            s._costs.set_restore({"ram": 1e15, "disk": 1.0})
+            return s
+
+        def skipped(s: PersistentPrefixCache) -> None:
+            restored, _ = s.fetch(query)
+            assert restored is None  # nothing read: the fixed cost of a fetch alone
+
+        def filled_handle() -> PersistentPrefixCache:
+            # After a restart, where the cost model skips the disk: the first fetch
+            # leaves the prefix there, a background fill reads it into the RAM tier.
+            s = disk_loses(self.open_store(skip_dir, shape, memory_bytes=2 * nbytes + 64 * MiB))
+            skipped(s)
+            s.flush()  # the fill is done (a request that comes later)
+            settle()
+            return s
+
         threads = max(2, min(4, os.cpu_count() or 1))
         pool = ThreadPoolExecutor(threads)
 
@@ -501,6 +529,8 @@ class Bench:
             Contender("ours_fetch_ram", fetch, lambda: ram),
             Contender("ours_fetch_fresh_2nd", fetch, fresh_handle(1), close),
             Contender("ours_fetch_fresh_3rd", fetch, fresh_handle(2), close),
+            Contender("ours_fetch_fresh_filled", fetch, filled_handle, close),
+            Contender("ours_fetch_skipped", skipped, lambda: disk_loses(self.open_store(skip_dir, shape, memory_bytes=0)), close),
         ]
         if cold:  # the main cases only: the sweep keeps to restores
             warm += [

@@ -39,6 +39,8 @@ except ImportError:  # run from a checkout without installing
 
 from mlx_lm.models import llama
 
+from persistent_prefix_cache.disk import assemble
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_precompute  # noqa: E402  (tools/bench_precompute.py)
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
@@ -136,7 +138,9 @@ def case(model, n: int, repeat: int, work: Path) -> dict:
     disk.close()  # its costs (this model on this device) are kept in the store
     # A restarted process, default options (issue 18): a fresh handle, RAM tier empty,
     # page cache warm, the costs remembered by the store; fetch + first forward.
-    times, decisions = [], {}
+    # Paired with each: a cold prefill timed the same way right after the same open, so
+    # that what the open leaves running (its sweep, the GPU's clocks) weighs on both.
+    times, paired, decisions = [], [], {}
     for _ in range(repeat + 1):
         fresh = PersistentPrefixCache(work / f"disk-{n}", model, fingerprint="gpu-bench")
         mx.synchronize()
@@ -145,11 +149,17 @@ def case(model, n: int, repeat: int, work: Path) -> dict:
         forward(model, restored if restored is not None else make_prompt_cache(model), rest)
         mx.synchronize()
         times.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        forward(model, make_prompt_cache(model), query)
+        mx.synchronize()
+        paired.append(time.perf_counter() - started)
         stats = fresh.stats()
         fresh.close()
         for key in ("restored_all", "restored_ram_only", "restored_shorter", "skipped_slower"):
             decisions[key] = decisions.get(key, 0) + stats[key]
     out["restarted_default_forward_s"] = statistics.median(times[1:])
+    out["restarted_paired_cold_s"] = statistics.median(paired[1:])
+    out["restarted_default_vs_paired_cold"] = statistics.median([t / c for t, c in zip(times[1:], paired[1:])])
     out["restarted_default_decisions"] = decisions
     shown = ("prefill_tokens_per_s", "prefill_growth", "prefill_per_forward_s", "restore_bytes_per_s_disk",
              "restore_fixed_s_disk", "first_forward_s", "cost_device")  # fmt: skip
@@ -171,10 +181,14 @@ def case(model, n: int, repeat: int, work: Path) -> dict:
 def restarted(model, path: Path, query: list[int], repeat: int, kv_bytes: int) -> dict:
     """After a restart: a fresh handle (default options, a RAM tier that holds the
     prompt, page cache warm) fetches the same prefix three times, each + one forward, as
-    a server answering one system prompt; the RAM tier learns it from hits (admitted on
-    the second, served from the third on). Median over `repeat` fresh handles."""
+    a server answering one system prompt; the RAM tier learns it from hits (read by the
+    fetch and admitted, or, where the cost model recomputes it, filled in the background:
+    `warm.Warmer`). Requests are spaced: the background fill finishes between them
+    (``flush``, not timed); on a GPU the fetch after the fill copies it to the device.
+    Median over `repeat` fresh handles."""
     times: dict[str, list[float]] = {"1st": [], "2nd": [], "3rd": []}
     served = restored_tokens = 0
+    decisions: dict[str, int] = {}
     for round in range(repeat + 1):  # the first round warms up
         handle = PersistentPrefixCache(path, model, fingerprint="gpu-bench", memory_bytes=4 * kv_bytes)
         for which in times:
@@ -185,12 +199,16 @@ def restarted(model, path: Path, query: list[int], repeat: int, kv_bytes: int) -
             mx.synchronize()
             if round:
                 times[which].append(time.perf_counter() - started)
+            handle.flush()  # the next request comes later: a background fill is done by then
         stats = handle.stats()
         served, restored_tokens = stats["memory_hits_disk"], len(query) - len(rest)
+        for key in ("restored_all", "restored_ram_only", "restored_shorter", "skipped_slower", "memory_warmed"):
+            decisions[key] = decisions.get(key, 0) + (stats[key] if round else 0)
         handle.close()
     out = {f"ours_fresh_{k}_forward_s": statistics.median(v) for k, v in times.items()}
     out["fresh_3rd_restored_tokens"] = restored_tokens
     out["fresh_blocks_served_from_ram"] = served
+    out["fresh_decisions"] = decisions
     return out
 
 
@@ -236,7 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--precompute", default=None,
                    help="PROMPTSxTOKENS of the precompute figures ('' skips; default 16x4096, 2x256 with --small)")  # fmt: skip
     p.add_argument("--fingerprint", action="store_true", help="also time the weight hash of a first open")
+    p.add_argument("--ram-join", choices=("mlx", "numpy"), default=None,
+                   help="how the RAM tier's blocks are joined (default: by device; to measure both)")  # fmt: skip
     args = p.parse_args(argv)
+    assemble.RAM_JOIN = args.ram_join
     model = build(SMALL if args.small else SHAPE_8B)
     work = Path(tempfile.mkdtemp(dir=args.dir))
     results = {
@@ -276,11 +297,12 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(
             f"{c['tokens']:>7} {c['cold_prefill_s']:>8.3f} {c['ours_fresh_1st_forward_s']:>8.3f} "
             f"{c['ours_fresh_2nd_forward_s']:>8.3f} {c['ours_fresh_3rd_forward_s']:>8.3f}   "
-            f"x{c['ours_fresh_3rd_forward_vs_cold']:.2f} (target <= 0.15)   {c['fresh_blocks_served_from_ram']} blocks"
+            f"x{c['ours_fresh_1st_forward_vs_cold']:.2f} (<= 1.05) x{c['ours_fresh_3rd_forward_vs_cold']:.2f} (<= 0.15)   "
+            f"{c['fresh_blocks_served_from_ram']} blocks  {c['fresh_decisions']}"
         )
     print("after a restart, fetch + 1 forward of the same prefix by a fresh handle (default options), s:",
           file=sys.stderr)  # fmt: skip
-    print(f"{'tokens':>7} {'cold s':>8} {'1st':>8} {'2nd':>8} {'3rd':>8}   3rd / cold prefill   served from RAM",
+    print(f"{'tokens':>7} {'cold s':>8} {'1st':>8} {'2nd':>8} {'3rd':>8}   1st, 3rd / cold prefill   served from RAM; decisions",
           file=sys.stderr)  # fmt: skip
     for row in rows:
         print(row, file=sys.stderr)
@@ -288,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     for c in results["cases"]:
         decided = " ".join(f"{k} {v}" for k, v in c["restarted_default_decisions"].items() if v)
         print(
-            f"{c['tokens']:>7} {c['restarted_default_forward_s']:>8.3f} s  x{c['restarted_default_forward_vs_cold']:.2f}  "
+            f"{c['tokens']:>7} {c['restarted_default_forward_s']:>8.3f} s  x{c['restarted_default_forward_vs_cold']:.2f} (<= 1.05; "
+            f"x{c['restarted_default_vs_paired_cold']:.2f} against a cold prefill right after the same open)  "
             f"{decided}  costs {c['restarted_costs']}",
             file=sys.stderr,
         )

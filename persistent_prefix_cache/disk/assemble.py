@@ -14,7 +14,6 @@ the same buffers.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -24,14 +23,24 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..blocks import Node, dtype_info, is_sliced, mx_dtype
+from ..blocks import Node, dtype_info, is_sliced
+from .buffers import HostBits, _host, _on_gpu, allocate
 from .segment import OpenSegment, SegmentFiles
 
 Tensors = dict[str, mx.array]
 KV_STEP = 256  # mlx-lm's KVCache grows in steps of 256 tokens
-# Reader threads: reads and checksums of a path's (segment, field) pieces run in
-# parallel (both drop the GIL); 4 on small machines, up to 8 where cores allow.
-_READERS = int(os.environ.get("PPC_READERS", "0")) or max(4, min(8, os.cpu_count() or 1))
+# Reader threads: reads and checksums of a path's (segment, field) pieces, and copies
+# of RAM-tier blocks, run in parallel (all drop the GIL); 4 on small machines, up to 8
+# where cores allow (module settings: a benchmark may set both). Disk reads stay on the caller's thread
+# on a machine of 1-2 cores: on a shared 2-core VM (128 MiB) they took 30-31 ms median
+# there against 60-95 ms on 2-4 threads, whose rounds wait for the last thread the
+# neighbours let run (the best rounds were equal); copies from RAM still gained from 4.
+_CPUS = os.cpu_count() or 1
+READERS = max(4, min(8, _CPUS))  # threads of the pool (set before the first restore)
+READ_THREADS = 1 if _CPUS <= 2 else READERS  # 1: disk reads on the caller's thread
+# How RAM-tier blocks are joined: None by device (`join_on_device`), or "mlx" / "numpy"
+# (tests and ``tools/gpu_bench.py --ram-join`` set it, to measure both).
+RAM_JOIN: str | None = None
 _pool: ThreadPoolExecutor | None = None
 _PARALLEL_COPY_BYTES = 4 << 20  # below this, handing copies to threads costs more than it saves
 _pool_lock = threading.Lock()
@@ -41,7 +50,7 @@ def _reader_pool() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(_READERS, thread_name_prefix="ppc-reader")
+            _pool = ThreadPoolExecutor(READERS, thread_name_prefix="ppc-reader")
         return _pool
 
 
@@ -54,97 +63,24 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
+def _map(fn, items: list) -> list:
+    """`fn` over `items`: on the reader threads, or here alone (`host_reads`, or
+    a machine of 1-2 cores)."""
+    if len(items) > 1 and READ_THREADS > 1 and not _host():
+        return list(_reader_pool().map(fn, items))
+    return [fn(x) for x in items]
+
+
 def _capacity(position: int) -> int:
     """Rows to allocate for a cache restored at `position`: room for a few decode steps."""
     return (position // KV_STEP + 1) * KV_STEP
 
 
-# -- allocation without a zero-fill ---------------------------------------------------
-
-
-class _Unwritten:
-    """A safetensors 'file' whose tensor bytes are never written: `mx.load` of it
-    allocates evaluated arrays and leaves their memory as the allocator gave it.
-
-    MLX has no ``empty``; ``mx.zeros`` fills every byte the reads overwrite anyway
-    (a whole pass over the cache, ~13 ms per 128 MiB here).
-    """
-
-    def __init__(self, specs: list[tuple[str, tuple[int, ...], str]]):
-        header, offset = {}, 0
-        for name, shape, dtype in specs:
-            n = int(np.prod(shape, dtype=np.int64)) * dtype_info(dtype)[1]
-            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
-            offset += n
-        text = json.dumps(header).encode()
-        text += b" " * (-len(text) % 8)
-        self.head = len(text).to_bytes(8, "little") + text
-        self.size = len(self.head) + offset
-        self.pos = 0
-        self.closed = False
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self.pos = offset if whence == 0 else self.pos + offset if whence == 1 else self.size + offset
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def readinto(self, view) -> int:
-        n = len(view)
-        if self.pos < len(self.head):  # the header; tensor bytes are left as they are
-            k = min(n, len(self.head) - self.pos)
-            view[:k] = self.head[self.pos : self.pos + k]
-        self.pos += n
-        return n
-
-    def read(self, n: int = -1) -> bytes:
-        n = self.size - self.pos if n < 0 else n
-        buf = bytearray(n)
-        self.readinto(memoryview(buf))
-        return bytes(buf)
-
-
-_UNWRITTEN_WORKS = True  # cleared if this MLX cannot load from a file object
-
-
-def _on_gpu() -> bool:
-    return mx.default_device() == mx.gpu
-
-
-def allocate(specs: list[tuple[str, tuple[int, ...], str]]) -> dict[str, mx.array]:
-    """Evaluated MLX arrays of the given shapes and safetensors dtypes, contents undefined.
-
-    On the CPU (and Apple's unified memory) `mx.load` of an unwritten file allocates
-    them without touching their bytes. Where the default device is a GPU with its own
-    memory (CUDA), zeros made on the device stream are cheaper: memory written from the
-    CPU first migrates page by page (see docs/h200-measurements.md).
-    """
-    global _UNWRITTEN_WORKS
-    if not specs:
-        return {}
-    if _on_gpu() or not _UNWRITTEN_WORKS or os.environ.get("PPC_ALLOCATE") == "zeros":
-        uint = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
-        out = {
-            name: mx.zeros(shape, dtype=uint[dtype_info(dtype)[1]]).view(mx_dtype(dtype))
-            for name, shape, dtype in specs
-        }
-    else:
-        try:
-            out = mx.load(_Unwritten(specs), format="safetensors")
-        except (TypeError, ValueError, RuntimeError):  # an MLX without file-object loads
-            _UNWRITTEN_WORKS = False
-            return allocate(specs)
-    mx.eval(list(out.values()))
-    return out
-
-
 def join_on_device() -> bool:
     """Whether RAM-tier blocks are joined with MLX operations (on the default device)
     rather than copied into host buffers: on a GPU, where CPU writes would migrate
-    pages (``PPC_RAM_JOIN=mlx`` or ``=numpy`` overrides, to measure both)."""
-    choice = os.environ.get("PPC_RAM_JOIN")
-    return choice == "mlx" if choice in ("mlx", "numpy") else _on_gpu()
+    pages (`RAM_JOIN` ``"mlx"`` or ``"numpy"`` overrides, to measure both)."""
+    return RAM_JOIN == "mlx" if RAM_JOIN in ("mlx", "numpy") else _on_gpu()
 
 
 def _pieces(nodes, cached, origins) -> list[tuple[str, int, int, mx.array]]:
@@ -213,33 +149,6 @@ def _join_on_device(nodes, cached, origins, lid_kind, position):
 # -- the read path ---------------------------------------------------------------------
 
 
-class HostBits:
-    """A block tensor held as numpy bits of an MLX dtype, not yet in MLX memory (a
-    block read from the remote tier): the read path copies it into the joined buffers
-    like an MLX array of the RAM tier, one copy less than making an MLX array first.
-
-    Args:
-        bits: The tensor's bits as unsigned ints of its item size.
-        dtype: Its safetensors dtype name.
-    """
-
-    __slots__ = ("bits", "dtype", "shape", "itemsize", "nbytes", "ndim")
-
-    def __init__(self, bits: np.ndarray, dtype: str):
-        self.bits = bits
-        self.dtype = mx_dtype(dtype)
-        self.shape = tuple(bits.shape)
-        self.itemsize = bits.itemsize
-        self.nbytes = bits.nbytes
-        self.ndim = bits.ndim
-
-    def to_mx(self) -> mx.array:
-        """The tensor as an (evaluated) MLX array."""
-        x = mx.array(self.bits).view(self.dtype)
-        mx.eval(x)
-        return x
-
-
 def _as_mx(x):
     return x.to_mx() if isinstance(x, HostBits) else x
 
@@ -288,7 +197,7 @@ def read_path(
         the last block's snapshot tensors by leaf). Reading stops before the first
         missing or damaged block: then the runs are empty and only the count matters.
     """
-    if all(have is not None for have in cached) and join_on_device():
+    if all(have is not None for have in cached) and join_on_device() and not _host():
         return len(nodes), *_join_on_device(nodes, cached, origins, lid_kind, position)
     segments: dict[bytes, OpenSegment | None] = {}
     unfit: dict[bytes, int] = {}  # segment -> first block whose fields do not fit
@@ -316,7 +225,7 @@ def read_path(
         for k, r in enumerate(runs):
             b, h, w = r.dims
             rows = r.end - r.start
-            if r.start == 0 and lid_kind.get(r.name.rpartition(".")[0]) == "seq":
+            if r.start == 0 and lid_kind.get(r.name.rpartition(".")[0]) == "seq" and not _host():
                 rows = max(rows, _capacity(position))  # room for mlx-lm to grow in place
             specs.append((f"r{k}", (b, h, rows, w), r.dtype))
         specs += [(f"s{k}", s.shape, s.dtype) for k, s in enumerate(snaps_wanted)]
@@ -343,13 +252,14 @@ def read_path(
                 if seg.read_snap(s, memoryview(arrays[f"s{k}"]).cast("B")) is None:
                     return last, {}, {}
                 lid, _, fld = s.name.rpartition(".")
-                snaps.setdefault(lid, {})[fld] = arrays[f"s{k}"]
+                snaps.setdefault(lid, {})[fld] = HostBits(arrays[f"s{k}"], s.dtype) if _host() else arrays[f"s{k}"]
         _copy_cached(nodes, cached, origins, runs)
         by_leaf: dict[str, dict[str, list]] = {}
         for r in runs:
             r.view = None  # release every view of the buffers before MLX owns them again
             lid, _, fld = r.name.rpartition(".")
-            by_leaf.setdefault(lid, {}).setdefault(fld, []).append((r.start, r.end, r.array))
+            array = HostBits(r.array, r.dtype) if _host() else r.array
+            by_leaf.setdefault(lid, {}).setdefault(fld, []).append((r.start, r.end, array))
         return len(nodes), by_leaf, snaps
     finally:
         for seg in segments.values():
@@ -474,10 +384,7 @@ def _read_segments(nodes, where, runs) -> dict[bytes, dict[str, int]] | None:
             if r is None:
                 return None
             jobs.append((seg, f, first, hi, r, (start - r.start) * f.row_bytes, whole))
-    if len(jobs) > 1:
-        done = list(_reader_pool().map(lambda job: _read_job(*job), jobs))
-    else:
-        done = [_read_job(*job) for job in jobs]
+    done = _map(lambda job: _read_job(*job), jobs)
     if not all(ok for ok, _ in done):
         return None
     digests: dict[bytes, dict[str, int]] = {}
@@ -488,12 +395,10 @@ def _read_segments(nodes, where, runs) -> dict[bytes, dict[str, int]] | None:
 
 
 def _read_job(seg: OpenSegment, f, lo: int, hi: int, r: _Run, offset: int, whole: bool) -> tuple[bool, int | None]:
-    if not seg.read_rows(f, lo, hi, [r.view], [offset], r.row_stride):
-        return False, None
-    if not whole:
-        return True, None
-    n = f.tokens * f.row_bytes
-    return True, seg.field_digest(f, lambda f, row: r.view[offset + row * r.row_stride : offset + row * r.row_stride + n])
+    if whole:  # the whole field: hashed as it is read, while each piece is in cache
+        digest = seg.read_field_hashed(f, r.view, offset, r.row_stride)
+        return digest is not None, digest
+    return seg.read_rows(f, lo, hi, [r.view], [offset], r.row_stride), None
 
 
 def _read_whole(where, field_digests: dict[bytes, dict[str, int]], digests: dict[bytes, int]) -> set[int]:
@@ -530,10 +435,7 @@ def _first_bad(nodes, where, runs, verified: set[int]) -> int | None:
 
         return seg.block_digest(i, piece) == node.checksum
 
-    if len(todo) > 1:
-        ok = list(_reader_pool().map(check, todo))
-    else:
-        ok = [check(k) for k in todo]
+    ok = _map(check, todo)
     for k, good in zip(todo, ok):
         if not good:
             return k

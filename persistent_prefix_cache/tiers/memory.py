@@ -53,6 +53,9 @@ class MemoryTier:
         self.admitted = 0  # blocks admitted from disk reads (`admit`) and the remote
         self.admitted_bytes = 0
         self.served = dict.fromkeys(SOURCES, 0)  # blocks a restore took from here, by source
+        # Background fills (`warm.Warmer`): blocks and bytes put, fills not started
+        # (one was running), blocks found missing or damaged.
+        self.warm = {"memory_warmed": 0, "memory_warmed_bytes": 0, "memory_warm_dropped": 0, "memory_warm_damaged": 0}
         self._entries: OrderedDict[bytes, tuple[Node, dict[str, Tensors], int, dict, str]] = OrderedDict()
         self._seen: OrderedDict[bytes, int] = OrderedDict()  # recent disk hits: key -> bytes
         self._seen_bytes = 0
@@ -164,6 +167,12 @@ class MemoryTier:
                 if entry is not None:
                     self.served[entry[4]] += 1
 
+    def count_warm(self, **counts: int) -> None:
+        """Count what a background fill did (keys of ``self.warm``)."""
+        with self._lock:
+            for name, n in counts.items():
+                self.warm[name] += n
+
     def stats(self) -> dict[str, int]:
         """The tier's part of the store's `stats()`.
 
@@ -172,13 +181,17 @@ class MemoryTier:
             memory_admitted_bytes (blocks read from disk or the remote that joined the
             tier); memory_hits_store, memory_hits_disk, memory_hits_remote (blocks
             restores took from the tier, by how they entered it: stored by this handle,
-            admitted from a disk read, read from the remote).
+            admitted from a disk read, read from the remote); memory_warmed[_bytes]
+            (blocks a background fill read from disk into the tier: a prefix the cost
+            model left on disk), memory_warm_dropped (fills not started: one was
+            running), memory_warm_damaged (blocks such a fill found missing or damaged).
         """
         with self._lock:
             out = {"bytes_in_memory": self.nbytes, "blocks_in_memory": len(self._entries)}
             out.update(memory_evictions=self.evictions, memory_admitted=self.admitted)
             out["memory_admitted_bytes"] = self.admitted_bytes
             out.update({f"memory_hits_{source}": n for source, n in self.served.items()})
+            out.update(self.warm)
             return out
 
     def discard(self, key: bytes) -> None:
