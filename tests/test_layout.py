@@ -248,6 +248,32 @@ def test_the_package_shows_only_its_api():
     assert done.returncode == 0, done.stderr
 
 
+def test_environment_variables_are_the_documented_few():
+    # Five for users and one for the tests (docs/environment.md's table, in that order);
+    # tuning knobs are module settings, test hooks live in PPC_TEST_HOOKS.
+    sources = [*PKG.rglob("*.py"), *(ROOT / "migrations").rglob("*.py"), *(ROOT / "tools").rglob("*.py"),
+               *(ROOT / "tests").rglob("*.py"), ROOT / ".ci" / "run", ROOT / "Makefile"]  # fmt: skip
+    read = set()
+    for path in sources:
+        read |= set(re.findall(r"PPC_[A-Z_0-9]+", path.read_text()))
+    page = (ROOT / "docs" / "environment.md").read_text()
+    table = re.findall(r"^\| `(PPC_[A-Z_0-9]+)` \|", page, flags=re.M)
+    assert table == ["PPC_STORE", "PPC_REMOTE", "PPC_REMOTE_SECRET", "PPC_REMOTE_TIMEOUT", "PPC_FINGERPRINT_SCHEME",
+                     "PPC_TEST_HOOKS"]  # fmt: skip
+    assert read == set(table), sorted(read ^ set(table))
+
+
+def test_test_hooks_are_read_from_one_variable(monkeypatch):
+    from persistent_prefix_cache.disk import faults
+
+    monkeypatch.setenv(faults.VARIABLE, faults.hooks_value(pause_at="in_write_txn", pause_file="/tmp/a=b"))
+    assert faults.hook("pause_at") == "in_write_txn" and faults.hook("pause_file") == "/tmp/a=b"
+    assert faults.hook("require") is None
+    faults.pause_point("before_commit")  # another point: returns at once
+    monkeypatch.delenv(faults.VARIABLE)
+    assert faults.hook("pause_at") is None
+
+
 def test_no_library_module_is_over_600_lines():
     sizes = {name: len(path.read_text().splitlines()) for name, (path, _) in MODULES.items()}
     assert {n: s for n, s in sizes.items() if s > MAX_LINES} == {}
