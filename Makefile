@@ -9,7 +9,19 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast install clean servers
+# The other mlx-lm line we support (docs/versions.md): its own venv, beside vllm-mlx.
+VENV_031 := .venv-031
+PY_031 := $(VENV_031)/bin/python
+STAMP_031 := $(VENV_031)/.installed
+MLX_LM_031 ?= 0.31.3
+VLLM_MLX ?= 0.6.0
+# On mlx-lm 0.31 CI runs the cache families, restarts and crashes, and the compat layers
+# (vllm-mlx's API, the real vllm-mlx, mlx_lm.server, mlx_lm.generate's flags).
+TESTS_031 := tests/test_families.py tests/test_store.py tests/test_restart.py tests/test_crash.py \
+	tests/test_prefix_cache.py tests/test_paged_cache.py tests/test_compat_gaps.py tests/test_vllm_mlx_real.py \
+	tests/test_serve.py tests/test_generate_flags.py tests/test_install.py tests/test_mlx_lm_versions.py
+
+.PHONY: demo test test-fast install clean servers test-mlx-lm-0.31 check-vllm-mlx-resolves
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +30,15 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# vllm-mlx's prefix_cache and paged_cache import only mlx: it goes in without its
+# dependencies (torch and more), for tests/test_vllm_mlx_real.py.
+$(STAMP_031): pyproject.toml
+	$(PYTHON) -m venv $(VENV_031)
+	$(PY_031) -m pip install --quiet --upgrade pip
+	$(PY_031) -m pip install --quiet -e '.[test,$(MLX)]' 'mlx-lm==$(MLX_LM_031)'
+	$(PY_031) -m pip install --quiet --no-deps 'vllm-mlx==$(VLLM_MLX)'
+	touch $(STAMP_031)
 
 demo: $(STAMP)
 	$(PY) -m persistent_prefix_cache demo
@@ -50,5 +71,13 @@ test: $(STAMP) servers
 test-fast: $(STAMP) servers
 	$(PY) -m pytest -q -m "not slow"
 
+test-mlx-lm-0.31: $(STAMP_031) servers
+	$(PY_031) -m pytest -q $(TESTS_031)
+
+# pip resolves vllm-mlx beside this checkout (asks the package registry; installs nothing).
+check-vllm-mlx-resolves: $(STAMP_031)
+	$(PY_031) -m pip install --quiet --dry-run --ignore-installed 'vllm-mlx==$(VLLM_MLX)' '.[$(MLX)]'
+	@echo "pip resolves vllm-mlx==$(VLLM_MLX) together with persistent-prefix-cache"
+
 clean:
-	rm -rf $(VENV) .demo .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(VENV_031) .demo .pytest_cache build *.egg-info

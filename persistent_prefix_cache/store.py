@@ -25,6 +25,7 @@ from .errors import InvalidArgumentError, LayoutMismatchError, StoreCorruptError
 from .fingerprint import cached_fingerprint, forget_fingerprints
 from .keys import as_token_array, chain_keys, root_key
 from .layers import Layout, cache_length, signature_of, template_cache
+from .layers.mlx_lm_versions import layout_variant
 from .lookup import Trie, back_off
 from .costs import Costs, CostsMixin, SavedCosts
 from .opening import disk_budget, give_back, open_directory
@@ -156,7 +157,9 @@ class PersistentPrefixCache(OpenedWith, CostsMixin):
         self._pid = os.getpid()
         # Open anyway if a layer cannot be stored (fetch misses), so that a server can
         # run uncached; store() raises.
-        self._layout = Layout(template_cache(model, kv_bits=kv_bits, kv_group_size=kv_group_size))
+        self._layout = Layout(
+            template_cache(model, kv_bits=kv_bits, kv_group_size=kv_group_size), variant=layout_variant()
+        )
         opened = open_directory(self._path, readonly=readonly, shared=shared, block_size=block_size)
         self._readonly, self._files, self._index = opened.readonly, opened.files, opened.index
         self._closed = False
@@ -170,7 +173,7 @@ class PersistentPrefixCache(OpenedWith, CostsMixin):
                 self._index.remember_fingerprint,
                 self._stored_fingerprints,
             )
-            self._root = root_key(self._fingerprint, namespace, self._layout.signature)
+            self._root = root_key(self._fingerprint, namespace, self._layout.signature + self._layout.variant)
             self._layout.fields = self._recorded_fields()
             self._memory = MemoryTier(memory_bytes)
             self._trie = Trie(self._index, self._memory, self._root, self._block_size)

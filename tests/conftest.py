@@ -56,6 +56,10 @@ def legacy(tmp_path):
     import tarfile
     from pathlib import Path
 
+    from persistent_prefix_cache.layers.mlx_lm_versions import layout_variant
+
+    if layout_variant():  # the tests below read what these stores hold back
+        pytest.skip("the stores in tests/data were written under mlx-lm 0.32; this line keys its stores apart")
     with tarfile.open(Path(__file__).parent / "data" / "legacy_stores.tar.gz") as tar:
         tar.extractall(tmp_path / "legacy", filter="data")
     root = tmp_path / "legacy"

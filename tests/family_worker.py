@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from families import FAMILIES, build  # noqa: E402
+from families import RUNNABLE, build  # noqa: E402
 
 from persistent_prefix_cache import PersistentPrefixCache, fingerprint_model  # noqa: E402
 from persistent_prefix_cache.prefill import prefill  # noqa: E402
@@ -44,7 +44,7 @@ def queries() -> dict[str, list[int]]:
 
 def main() -> None:
     mode, workdir = sys.argv[1], sys.argv[2]
-    for name in FAMILIES:
+    for name in RUNNABLE:  # what the installed mlx-lm can prefill block-aligned
         model = build(name)
         path = os.path.join(workdir, name)
         if mode == "store":

@@ -14,6 +14,7 @@ from helpers import feed, prefill, random_tokens
 from mlx_lm.models.cache import KVCache
 
 from persistent_prefix_cache import InvalidArgumentError
+from persistent_prefix_cache.layers.mlx_lm_versions import make_layer
 from persistent_prefix_cache.paged_cache import BlockTable, PagedCacheManager
 from persistent_prefix_cache.prefix_cache import BlockAwarePrefixCache
 
@@ -195,7 +196,8 @@ def test_3d_kv_states_are_stored_and_rebuilt_exactly(model, keep):
     rebuilt = prefix.reconstruct_cache(part)
     assert rebuilt is not None and all(isinstance(c, KVCache) for c in rebuilt)
     for layer, entry in zip(rebuilt, given):
-        keys, values, offset = layer.state
+        offset = layer.offset
+        keys, values = layer.keys[..., :offset, :], layer.values[..., :offset, :]
         assert offset == keep and keys.ndim == 3
         assert np.array_equal(np.array(keys), np.array(entry["state"][0][:, :keep, :]))
         assert np.array_equal(np.array(values), np.array(entry["state"][1][:, :keep, :]))
@@ -203,6 +205,6 @@ def test_3d_kv_states_are_stored_and_rebuilt_exactly(model, keep):
     # the original once the batch axis is put back.
     table, rest = prefix.fetch_cache("q", tokens[:keep] + [7])
     assert table.num_tokens == keep and rest == [7]
-    again = [KVCache.from_state((c.keys[None], c.values[None], c.offset)) for c in prefix.reconstruct_cache(table)]
+    again = [make_layer(KVCache, (c.keys[None], c.values[None]), offset=c.offset) for c in prefix.reconstruct_cache(table)]
     _, original = prefill(model, tokens[:keep])
     assert mx.array_equal(feed(model, again, [7]), feed(model, original, [7]))

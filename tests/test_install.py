@@ -54,3 +54,37 @@ def test_mlx_without_a_backend_gets_a_clear_message():
     assert proc.returncode == 1
     assert "MLX is installed without a backend" in proc.stderr
     assert "with its [cpu] extra (pip install '.[cpu]' in its checkout), or [cuda]" in proc.stderr
+
+
+# vllm-mlx 0.6.0's own pin (its metadata, restated for where it is not installed).
+VLLM_MLX_060_MLX_LM = ">=0.31.3,<0.32.0"
+
+
+def test_the_mlx_lm_pin_admits_both_lines_and_vllm_mlx_0_6():
+    """pyproject's mlx-lm pin takes 0.31.3+ and 0.32.x (what `layers/mlx_lm_versions.py`
+    handles), meets vllm-mlx 0.6.0's range, and holds the installed mlx-lm. Whether pip
+    resolves the two together is `make check-vllm-mlx-resolves` (it asks the registry)."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    from persistent_prefix_cache.layers.mlx_lm_versions import MLX_LM_VERSION, SUPPORTED_RANGE
+
+    pins = [Requirement(d) for d in PROJECT["dependencies"] if Requirement(d).name == "mlx-lm"]
+    assert len(pins) == 1
+    ours = pins[0].specifier
+    low, high = (".".join(map(str, v)) for v in SUPPORTED_RANGE)
+    assert ours == SpecifierSet(f">={low},<{high}")  # the module and the pin agree
+    assert all(v in ours for v in ("0.31.3", "0.31.9", "0.32.0", "0.32.2"))
+    assert not any(v in ours for v in ("0.31.2", "0.31.1", "0.33.0"))
+    theirs = Requirement(f"mlx-lm{VLLM_MLX_060_MLX_LM}").specifier
+    try:  # the installed vllm-mlx's own pin, where there is one (make test-mlx-lm-0.31)
+        for req in map(Requirement, metadata.requires("vllm-mlx") or ()):
+            if req.name == "mlx-lm" and req.marker is None:
+                theirs = req.specifier
+    except metadata.PackageNotFoundError:
+        pass
+    assert "0.31.3" in theirs and "0.31.3" in ours
+    assert Version(MLX_LM_VERSION) in ours

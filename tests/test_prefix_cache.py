@@ -19,13 +19,14 @@ from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
 from helpers import assert_same_logits, cold_logits, feed, prefill, random_tokens, run_python_json
 from persistent_prefix_cache import InvalidArgumentError, PersistentPrefixCache
+from persistent_prefix_cache.layers.mlx_lm_versions import make_layer
 from persistent_prefix_cache.prefix_cache import CacheEntry, PrefixCacheManager, PrefixCacheStats
 
 
 def kv(n: int, marker: float, layers: int = 1) -> list:
     """`layers` KVCache layers holding `n` positions filled with `marker` (no model)."""
     x = mx.full((1, 1, n, 4), marker)
-    return [KVCache.from_state((x, x, n)) for _ in range(layers)]
+    return [make_layer(KVCache, (x, x), offset=n) for _ in range(layers)]
 
 
 def marker(cache: list) -> float:

@@ -14,7 +14,7 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
-from families import FAMILIES, build
+from families import build, family_params
 from helpers import assert_same_logits, cold_logits, feed, prefill as one_shot, random_tokens, warm_logits
 from test_remote import BS, open_host, publish
 
@@ -92,7 +92,7 @@ def join(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", family_params())
 def test_extending_a_restored_cache_never_changes_the_tier(tmp_path, family, join):
     model = build(family)
     prompt = family_prompt()

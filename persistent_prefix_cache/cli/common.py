@@ -234,13 +234,14 @@ def load_model(
         from mlx_lm import load
         from mlx_lm.utils import load_model as load_weights
 
+        from ..layers.mlx_lm_versions import load_options
+
         if with_tokenizer:
             model, tokenizer = load(
                 local if looks_local else spec,
                 adapter_path=adapter_path,
                 model_config=model_config or {},
-                tokenizer_config={"trust_remote_code": True} if trust_remote_code else None,
-                trust_remote_code=trust_remote_code,
+                **load_options(trust_remote_code),  # what the installed mlx-lm takes
             )
         else:
             model, tokenizer = load_weights(local)[0], None

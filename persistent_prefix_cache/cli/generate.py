@@ -408,6 +408,8 @@ def _mlx_lm_has(option: str) -> bool:
 
 def build_parser():
     """The argument parser of ``ppc generate`` (mlx_lm.generate's options, plus the store's)."""
+    from ..layers.mlx_lm_versions import generate_default
+
     parser = make_parser(
         "generate",
         "Generate text like mlx_lm.generate, restoring the prompt's stored prefix first.",
@@ -464,8 +466,9 @@ def build_parser():
         "--xtc-probability", type=float, default=0.0, help="probability of XTC sampling at each token"
     )
     parser.add_argument(
-        "--xtc-threshold", type=float, default=0.1, help="probability threshold of XTC sampling's candidates"
-    )
+        "--xtc-threshold", type=float, default=generate_default("xtc_threshold", 0.1),
+        help="probability threshold of XTC sampling's candidates (default: %(default)s, as mlx_lm.generate's)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=None, help="PRNG seed")
     parser.add_argument(
         "--quantized-kv-start", type=int, default=None, metavar="0",

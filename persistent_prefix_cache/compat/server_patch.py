@@ -16,9 +16,10 @@ start (an adapter changes the KV without changing the model folder the hash is
 remembered by).
 
 Checked against the source of mlx-lm 0.31.3, 0.32.0, 0.32.1 and 0.32.2 (tested on
-0.32.2). Versions up to 0.31.1 defined a different ``LRUPromptCache`` (no
-``cache_type``); `check_server` refuses any server whose structure differs from what the
-patch relies on, with a message, instead of running uncached.
+0.31.3 and 0.32.2: the two names, ``run``'s parameters and ``LRUPromptCache``'s methods
+are the same in both; docs/versions.md). Versions up to 0.31.1 defined a different
+``LRUPromptCache`` (no ``cache_type``); `check_server` refuses any server whose structure
+differs from what the patch relies on, with a message, instead of running uncached.
 """
 
 from __future__ import annotations

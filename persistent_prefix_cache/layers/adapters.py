@@ -17,7 +17,8 @@ Every mlx-lm cache layer is one of three kinds:
 
 ``CacheList`` layers are flattened into their children, each a *leaf* with an id such
 as ``"3"`` or ``"3.1"``. mlx-lm's protocol (``state`` / ``from_state``) is the
-contract: a rebuilt layer must continue exactly like a cold prefill of the same tokens.
+contract: a rebuilt layer must continue exactly like a cold prefill of the same tokens;
+layers are built through `mlx_lm_versions.make_layer` (0.31 and 0.32 differ there).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from mlx_lm.models.cache import (
 
 from ..blocks import KEYS, KV_FIELDS, QUANTIZED_KV_FIELDS, VALUES, state_index, state_snapshot, window_snapshot
 from ..errors import InvalidArgumentError, UnsupportedCacheError
+from .mlx_lm_versions import make_layer
 
 Tensors = dict[str, mx.array]
 SEQ, WINDOW, STATE = "seq", "window", "state"
@@ -92,6 +94,10 @@ class BlockSource:
         """Positions [0, position) of `name` (here: exactly that long)."""
         return self.range(name, 0, position)
 
+    def has(self, name: str) -> bool:
+        """Whether the blocks hold tensor `name`."""
+        return any(b.tensors and name in b.tensors for b in self.views)
+
 
 class JoinedSource:
     """One leaf's tensors over a path of blocks already joined per field (the disk
@@ -124,6 +130,18 @@ class JoinedSource:
     def snapshot(self, name: str) -> mx.array:
         """Tensor `name` of the last block's snapshot."""
         return self.last.tensors[name][...]
+
+    def has(self, name: str) -> bool:
+        """Whether tensor `name` was read."""
+        return name in self.runs
+
+
+def _field(source: Any, name: str, position: int, like: mx.array) -> mx.array:
+    """`source.buffer(name, position)`, or an empty ``[batch, heads, n, 0]`` tensor where the
+    field was not stored for having width 0 (``float32``: what mlx-lm 0.31's indexer passes)."""
+    if source.has(name):
+        return source.buffer(name, position)
+    return mx.zeros((*like.shape[:3], 0), dtype=mx.float32)
 
 
 class ViewPath(list):
@@ -175,7 +193,10 @@ class _SeqAdapter:
     def held(self, layer) -> tuple[dict[str, mx.array], int]:
         """The layer's tensors in temporal order and the position of their first row."""
         n = layer.offset
-        return {KEYS: layer.keys[..., :n, :], VALUES: layer.values[..., :n, :]}, 0
+        # A field of width 0 holds no bytes (mlx-lm 0.31's deepseek_v32 indexer caches such
+        # values): it is not stored, and `KVAdapter.rebuild` gives it back empty (`_field`).
+        held = {KEYS: layer.keys[..., :n, :], VALUES: layer.values[..., :n, :]}
+        return {f: x for f, x in held.items() if x.shape[-1] > 0}, 0
 
     def pieces(self, layer, start: int, end: int, last: bool) -> tuple[Tensors, bool, bool]:
         """Tensors this block keeps for the leaf: (tensors, has_slice, has_snapshot)."""
@@ -202,9 +223,8 @@ class KVAdapter(_SeqAdapter):
     def rebuild(self, template, source, position):
         # `buffer` may be longer than `position`: mlx-lm then writes the next tokens in
         # place (KVCache only ever reads [:offset]).
-        return KVCache.from_state(
-            (source.buffer(KEYS, position), source.buffer(VALUES, position), position)
-        )
+        keys = source.buffer(KEYS, position)
+        return make_layer(KVCache, (keys, _field(source, VALUES, position, keys)), offset=position)
 
 
 class QuantizedKVAdapter(_SeqAdapter):
@@ -227,8 +247,8 @@ class QuantizedKVAdapter(_SeqAdapter):
     def rebuild(self, template, source, position):
         keys = tuple(source.buffer(f, position) for f in self.fields[:3])
         values = tuple(source.buffer(f, position) for f in self.fields[3:])
-        return QuantizedKVCache.from_state(
-            (keys, values, position, template.group_size, template.bits)
+        return make_layer(
+            QuantizedKVCache, (keys, values), offset=position, group_size=template.group_size, bits=template.bits
         )
 
 
@@ -326,9 +346,10 @@ class RotatingAdapter(_WindowAdapter):
 
     def rebuild(self, template, source, position):
         keys, values = self.window(template, source, position)
-        return RotatingKVCache.from_state(
-            (keys, values, position, template.keep, template.max_size, keys.shape[2])
-        )
+        return make_layer(
+            RotatingKVCache, (keys, values), offset=position, keep=template.keep, max_size=template.max_size,
+            idx=keys.shape[2],
+        )  # fmt: skip
 
 
 class ChunkedAdapter(_WindowAdapter):
@@ -352,7 +373,7 @@ class ChunkedAdapter(_WindowAdapter):
     def rebuild(self, template, source, position):
         keys, values = self.window(template, source, position)
         start = position - keys.shape[2]
-        return ChunkedKVCache.from_state((keys, values, position, template.chunk_size, start))
+        return make_layer(ChunkedKVCache, (keys, values), offset=position, chunk_size=template.chunk_size, start=start)
 
 
 class ArraysAdapter:

@@ -18,6 +18,7 @@ from mlx_lm.models.cache import (
 from ..errors import PrefixCacheError, UnsupportedCacheError
 from .adapters import BlockSource, adapter_for, leaves, rebuild_cache
 from .layout import cut_block
+from .mlx_lm_versions import arrays_state, layer_from_state, make_layer, new_arrays_cache
 
 
 def all_sliced(cache: Sequence[Any]) -> bool:
@@ -109,14 +110,13 @@ def layer_from_seed(entry: dict) -> Any:
                 keys, values = keys[None], values[None]
             if keys.ndim != 4 or values.ndim != 4:
                 return None  # only [batch, heads, seq, dim] is what mlx-lm's KVCache holds
+            # mlx-lm 0.32's state is (keys, values, offset); 0.31's (keys, values) cut to it.
             offset = int(state[2]) if len(state) > 2 else keys.shape[2]
-            return KVCache.from_state((keys, values, offset))
+            return make_layer(KVCache, (keys, values), offset=offset)
         if ref is ArraysCache or (ref is None and name == "ArraysCache"):
-            arrays = state[0] if len(state) == 3 and isinstance(state[0], list) else state
-            layer = ArraysCache(len(arrays))
-            layer.cache = list(arrays)
-            return layer
-        return ref.from_state(state) if ref is not None else None
+            arrays = arrays_state(state)
+            return None if arrays is None else new_arrays_cache(arrays)
+        return layer_from_state(ref, state, entry.get("meta_state")) if ref is not None else None
     except (TypeError, ValueError, IndexError, AttributeError):
         return None
 
@@ -139,4 +139,4 @@ def seed_without_batch_axis(entry: Any) -> bool:
 def without_batch_axis(layer: Any) -> Any:
     """A ``KVCache`` rebuilt from a `seed_without_batch_axis` layer, its tensors back in
     their ``[heads, seq, dim]`` shape (the shape the caller stored)."""
-    return KVCache.from_state((layer.keys[0], layer.values[0], layer.offset))
+    return make_layer(KVCache, (layer.keys[0], layer.values[0]), offset=layer.offset)

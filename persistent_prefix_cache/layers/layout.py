@@ -63,13 +63,17 @@ class Layout:
 
     Attributes:
         signature: The layout's signature string (part of every root key).
+        variant: What else the root key holds of the layout (`mlx_lm_versions.layout_variant`).
         leaves: ``(leaf id, empty template leaf, adapter)`` for every leaf.
         unsupported: The `UnsupportedCacheError` if a class cannot be stored (the
             layout then has no leaves).
     """
 
-    def __init__(self, template: list):
+    def __init__(self, template: list, variant: str = ""):
         self.template = template
+        # Part of the root key beside the signature: the mlx-lm line, whose model code
+        # changes the KV (`mlx_lm_versions.layout_variant`), so lines keep their stores apart.
+        self.variant = variant
         self.unsupported: UnsupportedCacheError | None = None
         try:
             self.signature = signature_of(template)
