@@ -13,7 +13,6 @@ from persistent_prefix_cache.disk.faults import hook
 CHECK = """
     import json, os
     from persistent_prefix_cache.disk import portable
-from persistent_prefix_cache.disk.faults import hook
     print(json.dumps([hasattr(os, "preadv"), hasattr(os, "writev"), portable.HAS_PREADV,
                       portable.HAS_WRITEV, portable.HAS_SYNC_FILE_RANGE]))
 """

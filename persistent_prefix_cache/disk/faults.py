@@ -48,7 +48,14 @@ def hook(name: str) -> str | None:
 
 
 def hooks_value(**hooks: object) -> str:
-    """``PPC_TEST_HOOKS``'s value for these hooks (``hooks_value(pause_at="x")``)."""
+    """``PPC_TEST_HOOKS``'s value for these hooks.
+
+    Args:
+        hooks: Hook names and their values, e.g. ``pause_at="in_write_txn"``.
+
+    Returns:
+        ``name=value`` pairs joined by commas (``pause_at=in_write_txn``).
+    """
     return ",".join(f"{name}={value}" for name, value in hooks.items())
 
 
