@@ -4,8 +4,8 @@ Start with `PersistentPrefixCache`: ``fetch(tokens)`` restores the longest store
 as fresh mlx-lm cache objects, ``store(tokens, cache)`` keeps a prompt's KV on disk.
 
 The package's folders are its wings (see docs/architecture.md): ``disk/`` (the index,
-block files, maintenance), ``layers/`` (mlx-lm's cache classes), ``tiers/`` (the RAM
-tier), the facade `store` with `lookup`, `restore` and `writeback` beside it,
+segment files, maintenance), ``layers/`` (mlx-lm's cache classes), ``tiers/`` (the RAM
+and remote tiers), the facade `store` with `lookup`, `restore` and `writeback` beside it,
 ``compat/`` (vllm-mlx's and mlx-lm's APIs) and ``cli/`` (``ppc``).
 
 Names are imported on first use, so that store maintenance (``ppc stats``, ``ppc

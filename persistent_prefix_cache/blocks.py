@@ -15,7 +15,8 @@ in segment files and reads them back, the remote tier's wire form carries them.
   joined with the other blocks' pieces on a restore) or a `SNAPSHOT` (a whole tensor that
   belongs to one block: a window, a recurrent state). A field's shape rule says which axis
   holds the tokens and which axes (with the dtype) must agree across the blocks of a
-  model; its dtype rule is the dtype table (`DTYPES`).
+  model; its dtype rule is the dtype table (`DTYPES`). `Tensors` is one block's tensors
+  for one leaf, by field.
 
 A new cache kind is a new `Field` (or field kind) here, and the code that asks
 `is_sliced` / `sliced_spec` follows. Nothing here imports mlx or numpy at import time
@@ -28,7 +29,16 @@ import enum
 import json
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:  # a type only: importing mlx here would load it for every record
+    import mlx.core
+
+# One block's tensors for one leaf, by field name (``keys``, ``values``, a snapshot):
+# what `layers/` cuts and rebuilds, the RAM tier holds and the disk read path joins.
+Tensors = dict[str, "mlx.core.array"]
+# Tokens per block of a new store (the seed's); a store keeps its own in its index.
+DEFAULT_BLOCK_SIZE = 64
 
 # -- the record --------------------------------------------------------------------------
 

@@ -121,7 +121,13 @@ class Fit:
                 active = next((f for f in fewer if solve(f) is not None), active[:-1])
                 continue
             if min(z) < 0:
-                active.pop(z.index(min(z)))  # noise: the most negative goes
+                # Noise: the most negative goes, unless it is the most important feature
+                # (a restore's bytes, a prefill's tokens): then the least important one
+                # does. Timings of one size alone cannot split a rate from a fixed cost,
+                # and a fit left with the fixed cost only reads as "not timed yet", which
+                # restores again at that same size, forever.
+                worst = z.index(min(z))
+                active.pop(len(active) - 1 if worst == 0 and len(active) > 1 else worst)
                 continue
             out = [0.0] * k
             for i, c in zip(active, z):

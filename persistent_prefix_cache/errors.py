@@ -1,6 +1,6 @@
 """Typed errors. Each carries a hint that says what the user can do about it.
 
-Read-path damage (a broken block file, a forged index entry) is never raised to the
+Read-path damage (a broken segment file, a forged index entry) is never raised to the
 caller: it becomes a cache miss. These errors are for misuse and for stores that
 cannot be opened safely.
 """

@@ -7,13 +7,12 @@ import os
 import warnings
 from dataclasses import dataclass
 
+from .blocks import DEFAULT_BLOCK_SIZE
 from .disk.index import Index
 from .disk.segment import SegmentFiles
 from .disk.store_dir import check_location, create_root, undo_creation
 from .errors import InvalidArgumentError, StoreNotWritableError
 from .options import existing_but_not_writable
-
-DEFAULT_BLOCK_SIZE = 64
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Rebuilding fresh caches from a path of stored blocks.
 
 Blocks in the RAM tier are used as they are; the rest are read from their segments
-into joined buffers (`disk.assemble`), checked against the dtypes and shapes the
+into joined buffers (`disk.read_path`), checked against the dtypes and shapes the
 model's layout holds, and every leaf is rebuilt from those (`layers.Layout`).
 
 Blocks read from disk may then join the RAM tier (`MemoryTier.admit` says which):
@@ -16,9 +16,9 @@ from __future__ import annotations
 import numpy as np
 import mlx.core as mx
 
-from .disk.assemble import _bits, _reader_pool, allocate, join_on_device, read_path
+from .disk.read_path import array_bits, join_on_device, read_path, reader_pool
 from .blocks import Node, dtype_info, is_sliced
-from .disk.buffers import HostBits, _host
+from .disk.buffers import HostBits, allocate, reading_to_host
 from .disk.segment import SegmentFiles
 from .layers import JoinedSource, Layout
 from .tiers.memory import MemoryTier
@@ -203,7 +203,7 @@ def read_snapshots(files: SegmentFiles, node: Node) -> dict[str, dict[str, mx.ar
             if seg.read_snap(s, memoryview(arrays[f"s{j}"]).cast("B")) is None:
                 return None
             lid, _, fld = s.name.rpartition(".")
-            out.setdefault(lid, {})[fld] = HostBits(arrays[f"s{j}"], s.dtype) if _host() else arrays[f"s{j}"]
+            out.setdefault(lid, {})[fld] = HostBits(arrays[f"s{j}"], s.dtype) if reading_to_host() else arrays[f"s{j}"]
         return out
     finally:
         seg.close()
@@ -236,11 +236,11 @@ def _copies(arrays: list[mx.array], on_device: bool) -> list[mx.array]:
     mx.eval(sources)
 
     def copy(i: int) -> None:
-        target = _bits(memoryview(out[i]), out[i])
+        target = array_bits(memoryview(out[i]), out[i])
         np.copyto(target, np.asarray(memoryview(sources[i])), casting="no")
 
     if len(arrays) > 1 and sum(x.nbytes for x in arrays) >= _PARALLEL_BYTES:
-        list(_reader_pool().map(copy, range(len(arrays))))
+        list(reader_pool().map(copy, range(len(arrays))))
     else:
         for i in range(len(arrays)):
             copy(i)

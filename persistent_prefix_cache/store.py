@@ -33,15 +33,16 @@ from .options import OpenedWith, check_options, check_remote
 from .paths import expand_path
 from .restore import restore
 from .warm import Warmer
-from .fleet import RemoteFill, remote_counters
+from .remote_fill import RemoteFill, remote_counters
 from .tiers.memory import MemoryTier
-from .tiers.remote import COUNTERS as REMOTE_COUNTERS, DEFAULT_QUEUE_BYTES, DEFAULT_TIMEOUT as DEFAULT_REMOTE_TIMEOUT, RemoteTier
-from .writeback import Counters, WriteBack, sweep_orphans
+from .tiers.remote import REMOTE_COUNTERS, DEFAULT_QUEUE_BYTES, DEFAULT_TIMEOUT as DEFAULT_REMOTE_TIMEOUT, RemoteTier
+from .counters import Counters
+from .writeback import WriteBack, sweep_orphans
 
 log = logging.getLogger("persistent_prefix_cache")
 
 DEFAULT_MEMORY_BYTES = 512 * 1024 * 1024
-COUNTERS = (
+HANDLE_COUNTERS = (
     "queries", "hits", "misses", "not_longer", "tokens_saved", "skipped_slower", "tokens_skipped",
     "restored_all", "restored_ram_only", "restored_shorter",
     "corrupt", "evictions", "write_errors", "blocks_written", "bytes_written", "restored_blocks_disk",
@@ -177,7 +178,7 @@ class PersistentPrefixCache(OpenedWith, CostsMixin):
             self._layout.fields = self._recorded_fields()
             self._memory = MemoryTier(memory_bytes)
             self._trie = Trie(self._index, self._memory, self._root, self._block_size)
-            self._counters = Counters(*COUNTERS, *REMOTE_COUNTERS)
+            self._counters = Counters(*HANDLE_COUNTERS, *REMOTE_COUNTERS)
             self._costs = Costs(enabled=cost_model)
             self._saved_costs = SavedCosts(self._path, self._root.hex(), self._costs, readonly=self._readonly)
             self._writeback = None

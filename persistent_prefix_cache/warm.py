@@ -32,8 +32,8 @@ import os
 import threading
 from typing import Any, Callable
 
-from .disk.assemble import join_on_device, read_path
-from .disk.buffers import HostBits, host_reads
+from .disk.read_path import join_on_device, read_path
+from .disk.buffers import Arena, HostBits, host_reads, to_device
 from .blocks import Node, is_sliced
 from .disk.segment import SegmentFiles
 from .layers import Layout
@@ -60,9 +60,9 @@ class Warmer:
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._job: tuple[list[Node], float] | None = None  # the fill asked for, not started yet
+        self._job: tuple[list[Node], float, Arena | None] | None = None  # the fill asked for, not started yet
         self._busy = False  # a fill is running
-        self._ready: list[tuple[list[Node], dict, dict]] = []  # read, waiting for `install` (GPU)
+        self._ready: list[tuple[list[Node], dict, dict, Arena | None]] = []  # read, waiting for `install` (GPU)
         self._stopped = False
         self._thread: threading.Thread | None = None
         if memory.max_bytes > 0:  # started with the handle: a fetch never waits for a thread to start
@@ -96,7 +96,19 @@ class Warmer:
             nodes = [n for n, yes in zip(wanted, flags) if yes]
             if not nodes:
                 return 0
-            self._job = (nodes, min(MAX_DELAY, max(0.0, after or 0.0)))
+            # On a GPU the fill reads straight into device memory made here, on the
+            # caller's thread (a few ms for a GiB): host memory copied over later cost
+            # 1.1-3 x the prefill it was to save (H200). Room for the read path's
+            # rounding of joined buffers to mlx-lm's 256-token steps too.
+            arena = None
+            if join_on_device():
+                tokens = max(1, nodes[-1].end - nodes[0].position)
+                size = sum(n.size for n in nodes)
+                try:
+                    arena = Arena(size + size * 256 // tokens + (1 << 20))
+                except (RuntimeError, ValueError, OverflowError, MemoryError):  # a fill is a hint: copy later instead
+                    arena = None
+            self._job = (nodes, min(MAX_DELAY, max(0.0, after or 0.0)), arena)
             self._changed.notify_all()
             return len(nodes)
 
@@ -112,9 +124,17 @@ class Warmer:
         with self._lock:
             ready, self._ready = self._ready, []
         done = 0
-        for nodes, runs, snaps in ready:
-            as_mx = {lid: {f: [(a, z, x.to_mx()) for a, z, x in p] for f, p in part.items()} for lid, part in runs.items()}
-            own = {k: {lid: {f: x.to_mx() for f, x in part.items()} for lid, part in s.items()} for k, s in snaps.items()}
+        for nodes, runs, snaps, arena in ready:
+            # All of a fill's host bits made device arrays at once (copies on threads).
+            bits = [x for part in runs.values() for p in part.values() for _, _, x in p]
+            bits += [x for s in snaps.values() for part in s.values() for x in part.values()]
+            try:
+                made = iter(to_device(bits, arena))
+            except (RuntimeError, ValueError, OverflowError, MemoryError):  # a fill is a hint: the disk still serves
+                self.memory.count_warm(memory_warm_dropped=1)
+                continue
+            as_mx = {lid: {f: [(a, z, next(made)) for a, z, _ in p] for f, p in part.items()} for lid, part in runs.items()}
+            own = {k: {lid: {f: next(made) for f in part} for lid, part in s.items()} for k, s in snaps.items()}
             done += join_admitted(self.memory, nodes, list(range(len(nodes))), as_mx, own, True)
             self.memory.count_warm(memory_warmed=len(nodes), memory_warmed_bytes=sum(n.size for n in nodes))
         return done
@@ -149,18 +169,18 @@ class Warmer:
                     self._changed.wait()
                 if self._stopped:
                     return
-                (nodes, delay), self._job, self._busy = self._job, None, True
+                (nodes, delay, arena), self._job, self._busy = self._job, None, True
             try:
                 if not (delay and self._stopping.wait(delay)):
-                    self._fill(nodes)
+                    self._fill(nodes, arena)
             finally:
                 with self._changed:
                     self._busy = False
                     self._changed.notify_all()
 
-    def _fill(self, nodes: list[Node]) -> None:
+    def _fill(self, nodes: list[Node], arena: Arena | None) -> None:
         try:
-            with host_reads():
+            with host_reads(arena):
                 got = self._read(nodes)
         except Exception:  # a fill is a hint: whatever goes wrong, the fetches read the disk
             got = None
@@ -170,7 +190,7 @@ class Warmer:
         if join_on_device():
             with self._lock:
                 if not self._stopped:
-                    self._ready.append((nodes, runs, snaps))
+                    self._ready.append((nodes, runs, snaps, arena))
             return
         for k, node in enumerate(nodes):
             tensors, origin = _block_bits(node, self.layout.kinds, runs, snaps.get(k, {}))

@@ -30,6 +30,7 @@ from .disk.compaction import compact_sparse
 from .disk.faults import pause_point
 from .disk.index import WRITE_ERRORS, Index, Writer
 from .blocks import Node
+from .counters import Counters
 from .tiers.memory import MemoryTier
 
 log = logging.getLogger("persistent_prefix_cache")
@@ -80,25 +81,6 @@ class Worker:
                 future.set_result(fn(*args))
             except BaseException as exc:  # handed to whoever waits on the future
                 future.set_exception(exc)
-
-
-class Counters:
-    """A handle's counters, shared by the caller's threads and the writer thread."""
-
-    def __init__(self, *names: str):
-        self.lock = threading.Lock()
-        self._values = dict.fromkeys(names, 0)
-
-    def add(self, **deltas: int) -> None:
-        """Add to counters."""
-        with self.lock:
-            for name, n in deltas.items():
-                self._values[name] += n
-
-    def snapshot(self) -> dict[str, int]:
-        """A copy of every counter."""
-        with self.lock:
-            return dict(self._values)
 
 
 class Bookkeeping:
@@ -153,7 +135,7 @@ class WriteBack:
         counters: The handle's counters (``write_errors``, ``evictions``).
         root: The model's root key, and `describe` what gives its JSON record
             (registered with the first block, and when the record learns more).
-        disk_bytes: Budget of the block files (None: unbounded).
+        disk_bytes: Budget of the blocks' bytes (None: unbounded).
     """
 
     def __init__(
@@ -395,7 +377,7 @@ class WriteBack:
     # -- sweeps -----------------------------------------------------------------------
 
     def sweep(self) -> None:
-        """Remove temporary files of dead writers and old unreferenced block files."""
+        """Remove temporary files of dead writers and old unreferenced segment files."""
         self.files.sweep_tmp()
         sweep_orphans(self.index, self.files, grace=ORPHAN_GRACE_SECONDS)
 

@@ -8,7 +8,7 @@ import pytest
 from helpers import BLOCK, assert_same_logits, cold_logits, prefill, random_tokens, warm_logits
 
 from persistent_prefix_cache import PersistentPrefixCache
-from persistent_prefix_cache.disk import assemble
+from persistent_prefix_cache.disk import read_path
 from persistent_prefix_cache.costs import Costs
 from persistent_prefix_cache.keys import as_token_array
 
@@ -92,7 +92,7 @@ def test_prefill_and_calibrate_teach_the_prefill_rate(store_dir, model):
 def test_ram_tier_join_on_the_device_restores_exactly(store_dir, model, monkeypatch, join):
     # What a GPU does (mx.concatenate of the RAM tier's blocks, with room to grow),
     # forced here on the CPU; and the host copy, for comparison.
-    monkeypatch.setattr(assemble, "RAM_JOIN", join)
+    monkeypatch.setattr(read_path, "RAM_JOIN", join)
     tokens = random_tokens(4 * BLOCK + 7, seed=903)
     with _store(store_dir, model, tokens) as store:
         query = tokens + [3]
@@ -213,3 +213,19 @@ def test_noise_cannot_make_a_call_cost_more_than_the_fastest_call():
         costs.observe_prefill(n, seconds, start=start)
     assert costs.figures()["prefill_per_forward_s"] <= 0.1
     assert costs.prefill_seconds(0, 16) <= 0.1 + 16 * costs.prefill.coefficients()[0] + 1e-9
+
+
+def test_restores_of_one_size_teach_a_rate_even_through_noise():
+    # A server restarted on one system prompt times restores of one size only, with noise
+    # (the page cache, the device): the least-squares split of rate and fixed cost can then
+    # come out with a negative rate. Before, the rate was dropped, the tier read as "not
+    # timed yet", and every fetch restored blind at that size, forever (H200, 8k tokens:
+    # 1.2-1.7 x the cold prefill). The rate is kept and the fixed cost goes instead.
+    costs = Costs()
+    for nbytes, seconds in [(1_000_000_000, 0.30), (1_000_000_000, 0.20), (1_010_000_000, 0.18), (1_000_000_000, 0.25)]:
+        costs.observe_restore("disk", nbytes, seconds)
+    rate = costs.restore_bytes_per_s.get("disk")
+    assert rate is not None and 3e9 < rate < 6e9  # about 1 GB per 0.23 s
+    costs.set_prefill(1e5)  # 10 us a token: a 1 GB restore (~0.23 s) loses to a 0.1 s prefill of 10k
+    choice = costs.choose([10_000], [1_000_000_000], [False], [0])
+    assert choice.decision == "skipped_slower"

@@ -2,10 +2,12 @@
 
 Each rule is a boundary a reader relies on: only the index touches LMDB, only
 ``layers/`` knows mlx-lm's cache classes, nothing imports a wing above its own, the
-compat layers use the store's public names only, no module grows past ~600 lines, and
-the architecture page names every module there is. A migration imports only frozen
-format code (``migrations/formats/``, itself pinned) or live formats it declares at their
-current versions, so a later format never silently changes what an old migration writes.
+compat layers use the store's public names only, no module imports another's private
+name, no module grows past ~600 lines, and the architecture page names every module
+there is and only what the code defines (its tree, and its drawings of one store() and
+one fetch()). A migration imports only frozen format code (``migrations/formats/``,
+itself pinned) or live formats it declares at their current versions, so a later format
+never silently changes what an old migration writes.
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ WINGS = [
     ("disk", ["disk", "migrations"]),  # the frozen formats use disk/portable's OS calls
     ("layers", ["layers"]),
     ("tiers", ["tiers"]),
-    ("core", ["store", "tier_report", "opening", "lookup", "restore", "writeback", "prefill", "options", "costs", "fleet", "fleet_sync", "warm"]),
+    ("core", ["store", "counters", "tier_report", "opening", "lookup", "restore", "writeback", "prefill", "options", "costs", "remote_fill", "remote_sync", "warm"]),
     ("compat", ["compat", "prefix_cache", "paged_cache", "lru_prompt_cache"]),
     ("cli", ["cli", "__main__"]),
 ]
-INTERNAL = ("disk", "tiers", "lookup", "restore", "writeback", "fleet", "fleet_sync")  # not for compat
+INTERNAL = ("disk", "tiers", "lookup", "restore", "writeback", "remote_fill", "remote_sync", "warm")  # not for compat
 CACHE_CLASSES = {
     "KVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache", "ArraysCache",
     "CacheList", "make_prompt_cache", "can_trim_prompt_cache", "trim_prompt_cache",
@@ -274,6 +276,19 @@ def test_test_hooks_are_read_from_one_variable(monkeypatch):
     assert faults.hook("pause_at") is None
 
 
+def test_no_module_imports_another_modules_private_name():
+    # A leading underscore says "used here only": a name another module needs is public.
+    found = [
+        f"{name}:{line} imports {module}.{n}"
+        for name, (_, tree) in MODULES.items()
+        for module, names, line in _imports(name, tree)
+        if module.startswith(NAME)
+        for n in names
+        if n.startswith("_") and not n.startswith("__")
+    ]
+    assert found == []
+
+
 def test_no_library_module_is_over_600_lines():
     sizes = {name: len(path.read_text().splitlines()) for name, (path, _) in MODULES.items()}
     assert {n: s for n, s in sizes.items() if s > MAX_LINES} == {}
@@ -293,6 +308,127 @@ def test_architecture_page_names_every_module_and_nothing_else():
     assert modules - named == set(), "modules the architecture page does not name"
     assert named - in_package - in_repo == set(), "files it names that do not exist"
 
+
+
+# -- the architecture page is right --------------------------------------------------------
+# Naming every module is not enough: the page's tree, its drawings of one store() and one
+# fetch() and its dotted names must name what the code defines, or a rename leaves it wrong.
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+STORE_FOLDERS = {"tmp", "segments", "index"}  # folders of a store the drawings name, not of the package
+
+
+def _code_blocks(page: str, heading: str) -> list[str]:
+    """The fenced code blocks of the section under `heading` (up to the next ``## ``)."""
+    section = page.split(heading, 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```\n(.*?)```", section, re.S)
+
+
+def _definitions() -> tuple[dict[str, set[str]], dict[str, list[str]], dict[str, set[str]]]:
+    """(names defined at each module's top level, each class's bases, each class's own
+    names: methods, class attributes, ``self.x`` assigned in its methods)."""
+    top: dict[str, set[str]] = {}
+    bases: dict[str, list[str]] = {}
+    members: dict[str, set[str]] = {}
+    for name, (_, tree) in MODULES.items():
+        names = top.setdefault(name, set())
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names |= {t.id for t in targets if isinstance(t, ast.Name)}
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+            if isinstance(node, ast.ClassDef):
+                bases.setdefault(node.name, []).extend(b.id for b in node.bases if isinstance(b, ast.Name))
+                own = members.setdefault(node.name, set())
+                for item in ast.walk(node):
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        own.add(item.name)
+                    elif isinstance(item, ast.Attribute) and isinstance(item.value, ast.Name) and item.value.id == "self":
+                        own.add(item.attr)
+                    elif isinstance(item, (ast.Assign, ast.AnnAssign)):
+                        targets = item.targets if isinstance(item, ast.Assign) else [item.target]
+                        own |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return top, bases, members
+
+
+def _has_member(cls: str, attr: str, bases: dict[str, list[str]], members: dict[str, set[str]]) -> bool:
+    if attr in members.get(cls, ()):
+        return True
+    return any(_has_member(b, attr, bases, members) for b in bases.get(cls, ()))
+
+
+def _wrong_names(text: str, *, drawing: bool) -> list[str]:
+    """What `text` (a drawing, or the page's backticked names) names that the code lacks."""
+    top, bases, members = _definitions()
+    source = "\n".join(path.read_text() for path, _ in MODULES.values())
+    found = []
+    for cls, attr in re.findall(r"(?<![\w.])([A-Z][A-Za-z0-9]*[a-z][A-Za-z0-9]*)\.([a-z_][a-z0-9_]*)\b", text):
+        if cls not in members:
+            found.append(f"class {cls} (in {cls}.{attr})")
+        elif not _has_member(cls, attr, bases, members):
+            found.append(f"{cls}.{attr}")
+    for dotted in re.findall(r"`([a-z_]+(?:\.[A-Za-z_][A-Za-z0-9_]*)+)`", text):
+        parts = dotted.split(".")
+        if parts[-1] in ("py", "md", "json", "toml"):
+            continue  # a file's name: the tests above check those
+        if parts[0] == NAME:
+            parts = parts[1:]
+        if not parts or (parts[0] not in top and parts[0] not in {"disk", "layers", "tiers", "compat", "cli"}):
+            continue  # another project's name (mlx_lm.server, vllm_mlx.prefix_cache)
+        k = max(k for k in range(len(parts) + 1) if ".".join(parts[:k]) in MODULES or k == 0)
+        rest = parts[k:]
+        if k == 0 or (rest and rest[0] not in top[".".join(parts[:k])]):
+            found.append(f"`{dotted}`")
+    if drawing:
+        for path in re.findall(r"(?<![\w/.])([a-z_]+(?:/[a-z_]+)*(?:\.py|/))(?![\w])", text):
+            if path.rstrip("/") in STORE_FOLDERS:
+                continue
+            if not (PKG / path).exists():
+                found.append(f"file {path}")
+        for fn in re.findall(r"(?<![\w.])([a-z_][a-z0-9_]*)\(", text):
+            if not any(fn in names for names in top.values()):
+                found.append(f"function {fn}")
+        for word in set(re.findall(r"(?<![\w.])([a-z][a-z0-9]*(?:_[a-z0-9]+)+)(?![\w(])", text)):
+            if not re.search(rf"\b{word}\b", source):
+                found.append(f"name {word}")
+    return found
+
+
+def test_architecture_drawings_name_what_the_code_defines():
+    page = ARCHITECTURE.read_text()
+    drawings = _code_blocks(page, "## One `store()` call") + _code_blocks(page, "## One `fetch()` call")
+    assert len(drawings) == 2
+    assert _wrong_names("\n".join(drawings), drawing=True) == []
+
+
+def test_architecture_page_names_only_what_exists():
+    # Its tree: every file and folder it lists is there.
+    page = ARCHITECTURE.read_text()
+    tree = re.search(r"```\n(persistent_prefix_cache/\n.*?)```", page, re.S).group(1)
+    missing, base = [], ROOT
+    for line in tree.splitlines():
+        if not line.startswith(" "):
+            base = ROOT / line.split()[0]
+            missing += [] if base.exists() else [line.split()[0]]
+        elif not line.startswith("   "):  # an entry; deeper lines continue a description
+            for entry in re.split(r"\s{2,}", line.strip())[0].split(", "):
+                missing += [] if (base / entry).exists() else [entry]
+    assert missing == []
+    # The prose's backticked Class.method and dotted module names, in every page that
+    # describes the code.
+    for doc in ("architecture.md", "how-it-works.md"):
+        text = (ROOT / "docs" / doc).read_text()
+        assert _wrong_names(" ".join(re.findall(r"`[^`\n]+`", text)), drawing=False) == [], doc
+
+
+def test_the_drawing_check_finds_a_stale_name():
+    stale = "Fleet.fill  fleet.py\n  Trie.longest(toks)  lookup.py\n  Trie.shortest  read_blocks(x)  fleet_sync\n"
+    assert _wrong_names(stale, drawing=True) == [
+        "class Fleet (in Fleet.fill)", "Trie.shortest", "file fleet.py", "function read_blocks", "name fleet_sync",
+    ]  # fmt: skip
 
 def test_nothing_cites_a_document_that_is_not_in_the_repository():
     tracked = subprocess.run(
@@ -413,13 +549,13 @@ def test_the_migrations_rule_finds_an_unfrozen_migration(tmp_path, monkeypatch):
     (tmp_path / "0009_x.py").write_text(
         "def upgrade(env, txn, params):\n"
         "    from persistent_prefix_cache.disk.segment import SegmentFiles\n"
-        "    from persistent_prefix_cache.disk import assemble\n"
+        "    from persistent_prefix_cache.disk import read_path\n"
         "    from persistent_prefix_cache.migrations.formats import segment_v3\n"
     )
     found = _migration_findings([tmp_path / "0009_x.py"], _current_versions())
     assert [f.split(" ", 2)[1:] for f in found] == [
         ["imports", "disk.segment without declaring LIVE['segment']"],
-        ["imports", "disk.assemble: neither frozen nor a declared live format"],
+        ["imports", "disk.read_path: neither frozen nor a declared live format"],
     ]
 
 

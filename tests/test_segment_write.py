@@ -1,4 +1,4 @@
-"""The segment writer (`disk.segment_layout`): data first, hashed once as it goes,
+"""The segment writer (`disk.segment_writer`): data first, hashed once as it goes,
 written in batches (from a second thread for large segments), the header last at offset
 0. Whatever the batching, threading or short writes, the file is the same v4 segment:
 safetensors opens it, every block checksum and the whole-segment digest verify, a fresh
@@ -24,7 +24,7 @@ from helpers import BLOCK, prefill, random_tokens
 from test_segment_format import _check_opens_everywhere, _fill, _index, _segments
 
 from persistent_prefix_cache import PersistentPrefixCache
-from persistent_prefix_cache.disk import segment_layout
+from persistent_prefix_cache.disk import segment_writer
 from persistent_prefix_cache.disk.segment import SegmentFiles
 
 
@@ -54,15 +54,15 @@ def _check_store(path, model, prompts, caches) -> None:
 
 @pytest.mark.parametrize("threaded", [False, True])
 def test_segments_written_in_small_batches_are_valid_and_restore(tmp_path, model, monkeypatch, threaded):
-    monkeypatch.setattr(segment_layout, "BATCH_BYTES", 3000)  # many batches, ends mid-row
-    monkeypatch.setattr(segment_layout, "THREADED_BYTES", 0 if threaded else 1 << 60)
+    monkeypatch.setattr(segment_writer, "BATCH_BYTES", 3000)  # many batches, ends mid-row
+    monkeypatch.setattr(segment_writer, "THREADED_BYTES", 0 if threaded else 1 << 60)
     prompts = _prompts()
     caches = _fill(tmp_path / "s", model, prompts, sync_writes=True)
     _check_store(tmp_path / "s", model, prompts, caches)
 
 
 def test_short_writes_are_finished(tmp_path, model, monkeypatch):
-    real = segment_layout.pwritev
+    real = segment_writer.pwritev
     calls = []
 
     def at_most_1000_bytes(fd, buffers, offset):  # the kernel may write less than asked
@@ -76,8 +76,8 @@ def test_short_writes_are_finished(tmp_path, model, monkeypatch):
                 break
         return real(fd, views, offset)
 
-    monkeypatch.setattr(segment_layout, "pwritev", at_most_1000_bytes)
-    monkeypatch.setattr(segment_layout, "THREADED_BYTES", 0)
+    monkeypatch.setattr(segment_writer, "pwritev", at_most_1000_bytes)
+    monkeypatch.setattr(segment_writer, "THREADED_BYTES", 0)
     prompts = _prompts()
     caches = _fill(tmp_path / "s", model, prompts, sync_writes=True)
     assert len(calls) > 10
@@ -101,11 +101,11 @@ import resource, signal, sys
 sys.path.insert(0, sys.argv[2])
 from helpers import BLOCK, prefill, random_tokens
 from persistent_prefix_cache import PersistentPrefixCache
-from persistent_prefix_cache.disk import segment_layout
+from persistent_prefix_cache.disk import segment_writer
 from persistent_prefix_cache.tiny_model import load_tiny_model
 
 model = load_tiny_model(sys.argv[3])
-segment_layout.THREADED_BYTES = 0  # the data goes out from the second thread
+segment_writer.THREADED_BYTES = 0  # the data goes out from the second thread
 tokens = random_tokens(6 * BLOCK, seed=821, first=3)
 _, cache = prefill(model, tokens)
 with PersistentPrefixCache(sys.argv[1], model, block_size=BLOCK, sync_writes=True) as store:

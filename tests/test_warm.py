@@ -3,7 +3,7 @@
 Where a prefill is faster than a disk read (an H200 below ~32k tokens), a fetch reads
 nothing; a background fill then reads the skipped blocks into the tier, so the next
 fetch of that prefix restores from RAM. Rates are set explicitly (tests never decide by
-timing); ``store.flush()`` waits for the fill. ``assemble.RAM_JOIN = "mlx"`` takes the GPU's route
+timing); ``store.flush()`` waits for the fill. ``read_path.RAM_JOIN = "mlx"`` takes the GPU's route
 (host reads installed as MLX copies by the next fetch) on this CPU.
 """
 
@@ -19,7 +19,7 @@ from helpers import assert_same_logits, cold_logits, feed, prefill as one_shot, 
 from test_ram_admission import assert_same_bits, memory_counts
 
 from persistent_prefix_cache import PersistentPrefixCache
-from persistent_prefix_cache.disk import assemble
+from persistent_prefix_cache.disk import read_path
 from persistent_prefix_cache.disk.buffers import HostBits
 
 BS = 16
@@ -55,7 +55,7 @@ def disk_loses(store: PersistentPrefixCache) -> None:
 
 @pytest.mark.parametrize("join", ["numpy", "mlx"])
 def test_a_skipped_prefix_is_served_from_the_tier_next_time(tmp_path, model, monkeypatch, join):
-    monkeypatch.setattr(assemble, "RAM_JOIN", join)
+    monkeypatch.setattr(read_path, "RAM_JOIN", join)
     toks = random_tokens(96, 1, first=1)
     total = write_store(tmp_path / "s", model, [toks])
     query = toks + random_tokens(3, 2)
@@ -181,3 +181,25 @@ def test_a_restarted_process_fills_the_tier_with_what_it_skips(tmp_path, model, 
     assert out[2]["skipped_slower"] == 1 and out[2]["memory_warmed"] == 5
     assert out[3] == {"matched": len(toks), "exact": True}
     assert out[4]["memory_hits_disk"] == 5 and out[4]["restored_blocks_disk"] == 0
+
+
+def test_a_fill_on_the_gpu_route_reads_into_device_memory_and_copies_nothing():
+    # On a CUDA GPU a fill reads into an arena of device memory made on the caller's thread;
+    # its blocks then become views of it (host memory copied over later cost 1.1-3 x the
+    # prefill on the H200). The same code runs here on the CPU: views, and exact bits.
+    import numpy as np
+
+    from persistent_prefix_cache.disk.buffers import Arena, HostBits, allocate, host_reads, to_device
+
+    arena = Arena(1 << 14)
+    with host_reads(arena):
+        got = allocate([("k", (1, 2, 40, 8), "BF16"), ("s", (3, 5), "F32"), ("big", (1 << 14,), "F32")])
+    rng = np.random.default_rng(3)
+    for name, x in got.items():
+        x[...] = rng.integers(0, np.iinfo(x.dtype).max, size=x.shape, dtype=x.dtype)
+    items = [HostBits(got["k"], "BF16"), HostBits(got["k"], "BF16")[:, :, 5:30, :], HostBits(got["s"], "F32"),
+             HostBits(got["big"], "F32")]  # fmt: skip
+    assert [arena.view(x.bits, x.dtype) is not None for x in items] == [True, True, True, False]  # "big" did not fit
+    for x, y in zip(items, to_device(items, arena)):
+        assert y.dtype == x.dtype and tuple(y.shape) == x.shape
+        assert np.array_equal(np.array(y.view({2: mx.uint16, 4: mx.uint32}[x.itemsize])), x.bits)

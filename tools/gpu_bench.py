@@ -39,7 +39,7 @@ except ImportError:  # run from a checkout without installing
 
 from mlx_lm.models import llama
 
-from persistent_prefix_cache.disk import assemble
+from persistent_prefix_cache.disk import read_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_precompute  # noqa: E402  (tools/bench_precompute.py)
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ram-join", choices=("mlx", "numpy"), default=None,
                    help="how the RAM tier's blocks are joined (default: by device; to measure both)")  # fmt: skip
     args = p.parse_args(argv)
-    assemble.RAM_JOIN = args.ram_join
+    read_path.RAM_JOIN = args.ram_join
     model = build(SMALL if args.small else SHAPE_8B)
     work = Path(tempfile.mkdtemp(dir=args.dir))
     results = {

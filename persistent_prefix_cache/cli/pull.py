@@ -44,7 +44,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     def work() -> int:
-        from ..fleet_sync import BULK_TIMEOUT, count_unauthenticated, pull_model, reach
+        from ..remote_sync import BULK_TIMEOUT, count_unauthenticated, pull_model, reach
         from .precompute import read_inputs, tokenize
 
         options = require_remote(args)

@@ -57,7 +57,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     def work() -> int:
-        from ..fleet_sync import push_store
+        from ..remote_sync import push_store
         from ..tiers.remote_client import redact
 
         path = store_path(args, must_exist=True)

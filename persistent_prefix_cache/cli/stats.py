@@ -77,7 +77,7 @@ def main(argv: list[str]) -> int:
         with StoreAdmin(store_path(args, must_exist=True), readonly=True) as admin:
             summary = admin.summary()
         if options:
-            from ..fleet_sync import remote_summary
+            from ..remote_sync import remote_summary
             from ..tiers.remote_client import redact
 
             roots = [bytes.fromhex(m["root"]) for m in summary["models"]]

@@ -20,11 +20,11 @@ from ..errors import ReadOnlyStoreError, StoreVersionError
 from .faults import pause_point
 from .index_env import acquire_env, release_env
 from .store_guard import corrupt_index, store_of
-from .index_tables import (  # noqa: F401 (COUNTERS re-exported)
-    CHILDREN, COUNTERS, DIGESTS, FINGERPRINTS, HITS, LRU, META, MODELS, NODES, SEGMENTS, Reader, Writer,
+from .index_tables import (  # noqa: F401 (the tables re-exported)
+    CHILDREN, DIGESTS, FINGERPRINTS, HITS, LRU, META, MODELS, NODES, SEGMENTS, Reader, Writer,
 )
 from ..blocks import Node
-from .migrations import MIGRATIONS, SCHEMA_VERSION
+from .schema import MIGRATIONS, SCHEMA_VERSION
 
 T = TypeVar("T")
 # What a failed write transaction raises (a full disk, say): the index is then as it was.

@@ -33,7 +33,7 @@ META, MODELS, NODES, CHILDREN, LRU, FINGERPRINTS, HITS, SEGMENTS, DIGESTS = (byt
 # The tables' layout (prefixes, keys, value encodings): schema v3's. Raise it with the
 # migration that changes them, after freezing what older migrations write (tests/test_layout.py).
 TABLES_VERSION = 3
-COUNTERS = ("hits", "misses", "tokens_saved", "corrupt")
+STORE_WIDE_COUNTERS = ("hits", "misses", "tokens_saved", "corrupt")
 _SEG = struct.Struct("<QQQ")
 
 
@@ -119,7 +119,7 @@ class Reader:
 
     def counters(self) -> dict[str, int]:
         """Store-wide hit counters (all processes, since the store was made)."""
-        return {name: self._meta_int(name.encode()) for name in COUNTERS}
+        return {name: self._meta_int(name.encode()) for name in STORE_WIDE_COUNTERS}
 
     def hits(self, key: bytes) -> int:
         """How many fetches restored the block `key`."""

@@ -170,7 +170,7 @@ class StoreAdmin:
     # -- verification -------------------------------------------------------------------
 
     def check(self, *, fix: bool = False, grace: float = 60.0) -> CheckReport:
-        """Verify every block file and the index's invariants; with `fix`, repair.
+        """Verify every stored block and the index's invariants; with `fix`, repair.
 
         Checks: each node's parent exists (or is a model root), its position follows
         the parent, its key follows from parent and tokens, its segment is referenced
@@ -182,7 +182,7 @@ class StoreAdmin:
         Args:
             fix: Drop broken nodes (and everything below them), rebuild counts, edges,
                 LRU entries and totals, and remove leftover files.
-            grace: Leave unreferenced block files younger than this (seconds): a
+            grace: Leave unreferenced segment files younger than this (seconds): a
                 writer in another process may be about to commit them.
 
         Returns:

@@ -35,11 +35,9 @@ from . import store_guard
 from .faults import pause_point
 from .index import Index
 from .manifest import Manifest, read_manifest
-from ..blocks import Node
+from ..blocks import DEFAULT_BLOCK_SIZE, Node
 from .segment import SegmentFiles
 from .portable import fsync_dir
-
-DEFAULT_BLOCK_SIZE = 64
 
 
 @dataclass

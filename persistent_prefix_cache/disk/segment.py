@@ -32,7 +32,7 @@ digests of its snapshots: a damaged byte, a damaged header or a file of another 
 is a miss.
 
 Write order: write under ``tmp/`` (the data first, hashed as it goes, then the header
-that records its digests; see `disk.segment_layout`), fsync, rename into ``segments/``,
+that records its digests; see `disk.segment_writer`), fsync, rename into ``segments/``,
 fsync the folder; only then does the caller commit the index records. Segment ids are random, so no two
 writers ever share a file; a file is unlinked only after the commit that removed its
 last block (see `index_tables.Writer.freed`). A crash leaves at most a temporary file
@@ -49,7 +49,7 @@ from typing import Any, Callable, Sequence
 from ..blocks import Node
 from .faults import pause_point
 from .portable import durable_fsync, fsync_dir
-from .segment_layout import Sink, layout, pwritev_all
+from .segment_writer import Sink, plan_segment, pwritev_all
 from .segment_reader import OpenSegment
 from .store_dir import create_file, make_dirs
 
@@ -127,7 +127,7 @@ class SegmentFiles:
                 tensors disagree.
         """
         segment = os.urandom(16)
-        plan = layout(segment, blocks, root, model, block_size)
+        plan = plan_segment(segment, blocks, root, model, block_size)
         skeleton = len(plan.header(None, None, None))  # the data starts after it
         tmp = os.path.join(self.tmp, f"{segment.hex()}.{os.getpid()}.{threading.get_ident()}.tmp")
         fd = create_file(tmp, self.root)  # the store's file mode (0600 unless shared), not the umask's

@@ -38,7 +38,7 @@ DIGEST_MARK = b'"header_digest":"'
 _TENSOR_KEYS = frozenset({"dtype", "shape", "data_offsets"})
 
 
-class Field:
+class SegmentField:
     """A sliced field of a segment: where each row (batch x head) of its tokens lies."""
 
     __slots__ = ("name", "dtype", "itemsize", "batch", "heads", "rows", "width", "first", "at", "start", "tokens", "row_bytes")
@@ -174,7 +174,7 @@ def parse_header(head: bytes, size: int, segment: bytes | None = None) -> Header
                 if len(shape) != 4 or not 0 <= first < len(blocks) or shape[2] != total - ends[first]:
                     raise ValueError("field shape")
                 batch, heads, tokens, width = shape
-                fields.append(Field(name, dtype, itemsize, batch, heads, width, first, a, blocks[first][1], tokens))
+                fields.append(SegmentField(name, dtype, itemsize, batch, heads, width, first, a, blocks[first][1], tokens))
             else:
                 tag, _, rest = name.partition(".")
                 i = int(tag[1:]) if tag[:1] == "b" and tag[1:].isdigit() else -1
@@ -258,7 +258,7 @@ class OpenSegment:
         self.header = h = parse_header(head, size, segment)
         self.root, self.model, self.body, self.blocks = h.root, h.model, h.body, h.blocks
         self.block_size = h.block_size
-        self.fields: dict[str, Field] = {f.name: f for f in h.fields}
+        self.fields: dict[str, SegmentField] = {f.name: f for f in h.fields}
         self.snaps: list[Snap] = h.snaps
         self._by_key = {k: i for i, (k, _, _) in enumerate(self.blocks)}
 
@@ -280,7 +280,7 @@ class OpenSegment:
         """Tokens of block `i`."""
         return self.blocks[i][2]
 
-    def fields_of(self, i: int) -> list[Field]:
+    def fields_of(self, i: int) -> list[SegmentField]:
         """The sliced fields block `i` has a piece of, in header order."""
         return [f for f in self.fields.values() if f.first <= i]
 
@@ -288,7 +288,7 @@ class OpenSegment:
         """The snapshots of block `i`, in header order."""
         return [s for s in self.snaps if s.block == i]
 
-    def read_rows(self, f: Field, lo: int, hi: int, dests: list[memoryview], offsets: list[int], stride: int) -> bool:
+    def read_rows(self, f: SegmentField, lo: int, hi: int, dests: list[memoryview], offsets: list[int], stride: int) -> bool:
         """Read blocks ``[lo, hi)`` of field `f` into row buffers.
 
         Row ``r`` goes to ``dests[r % len(dests)]`` at ``offsets[...] + r * stride``
@@ -321,7 +321,7 @@ class OpenSegment:
             return False
         return True
 
-    def read_field_hashed(self, f: Field, dest: memoryview, offset: int, stride: int) -> int | None:
+    def read_field_hashed(self, f: SegmentField, dest: memoryview, offset: int, stride: int) -> int | None:
         """Read every block of field `f` into rows of `dest` (row ``r`` at ``offset + r *
         stride``), hashing each piece right after it arrives, while it is still in the
         CPU's cache (a second pass over the whole field would read it from memory again).
@@ -344,7 +344,7 @@ class OpenSegment:
         return h.intdigest()
 
     @staticmethod
-    def field_digest(f: Field, row: Callable[[Field, int], memoryview]) -> int:
+    def field_digest(f: SegmentField, row: Callable[[SegmentField, int], memoryview]) -> int:
         """The digest of one field's data, given its rows (already read)."""
         h = xxhash.xxh3_64()
         for r in range(f.rows):
@@ -360,7 +360,7 @@ class OpenSegment:
             h.update(s.digest.to_bytes(8, "little"))
         return h.intdigest()
 
-    def block_digest(self, i: int, piece: Callable[[Field, int], memoryview]) -> int:
+    def block_digest(self, i: int, piece: Callable[[SegmentField, int], memoryview]) -> int:
         """The checksum of block `i`, given its piece of each field's row (already read)."""
         h = xxhash.xxh3_64()
         for f in self.fields_of(i):

@@ -38,11 +38,10 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from ..blocks import KEYS, KV_FIELDS, QUANTIZED_KV_FIELDS, VALUES, state_index, state_snapshot, window_snapshot
+from ..blocks import KEYS, KV_FIELDS, QUANTIZED_KV_FIELDS, VALUES, Tensors, state_index, state_snapshot, window_snapshot
 from ..errors import InvalidArgumentError, UnsupportedCacheError
 from .mlx_lm_versions import make_layer
 
-Tensors = dict[str, mx.array]
 SEQ, WINDOW, STATE = "seq", "window", "state"
 
 
@@ -101,7 +100,7 @@ class BlockSource:
 
 class JoinedSource:
     """One leaf's tensors over a path of blocks already joined per field (the disk
-    read path's buffers; see `disk.assemble`), with the `BlockSource` interface.
+    read path's buffers; see `disk.read_path`), with the `BlockSource` interface.
 
     Args:
         last: The last block's view (its tensors: the snapshot fields).

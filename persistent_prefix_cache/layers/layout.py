@@ -9,13 +9,12 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
-from ..blocks import FIELDS, RESUMABLE, TRIMMABLE, Kind, Node, dtype_info, sliced_spec
+from ..blocks import FIELDS, RESUMABLE, TRIMMABLE, Kind, Node, Tensors, dtype_info, sliced_spec
 from ..errors import UnsupportedCacheError
 from .adapters import (
     SEQ,
     STATE,
     BlockView,
-    Tensors,
     ViewPath,
     adapter_for,
     leaves,

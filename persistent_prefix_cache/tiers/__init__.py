@@ -1,1 +1,2 @@
-"""Tiers in front of the disk store: the RAM tier of recently used blocks."""
+"""Tiers around the disk store: the RAM tier of recently used blocks (`memory`) and the
+remote tier shared by every host through a Redis / Valkey server (`remote*`)."""

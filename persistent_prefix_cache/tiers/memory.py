@@ -4,7 +4,7 @@ It holds each block's index record beside its tensors, so a block stored a momen
 is found (and its children listed) before the writer thread has put it on disk.
 
 Blocks enter it three ways (each entry remembers which, for `stats()`): stored by this
-process (``"store"``), read from the remote tier (``"remote"``, by `fleet.RemoteFill`),
+process (``"store"``), read from the remote tier (``"remote"``, by `remote_fill.RemoteFill`),
 or read from disk by a fetch (``"disk"``), admitted by `MemoryTier.admit`:
 
 - on the **second** disk hit of a block within a window (the keys of the last blocks
@@ -24,14 +24,11 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Any
 
-from ..blocks import Node
+from ..blocks import Node, Tensors
 
 # How a block entered the tier: stored by this process, read from disk, from the remote.
 SOURCES = ("store", "disk", "remote")
-# One block's tensors for one leaf, by field (evaluated mlx arrays).
-Tensors = dict[str, Any]
 
 
 def tensors_nbytes(tensors: dict[str, Tensors]) -> int:

@@ -49,7 +49,7 @@ PUBLISH_TIMEOUT = 2.0
 DEFAULT_QUEUE_BYTES = 256 * 1024 * 1024
 # What a handle does when the server cannot be reached (said after the failure, once).
 LOCAL_ONLY = "serving from the local store only"
-COUNTERS = (
+REMOTE_COUNTERS = (
     "remote_hits", "remote_misses", "remote_blocks", "remote_errors", "remote_corrupt",
     "remote_unauthenticated", "remote_skipped", "remote_bytes_read", "remote_published",
     "remote_bytes_published", "remote_already", "remote_dropped", "remote_publish_failed", "remote_slower",
@@ -84,7 +84,7 @@ class RemoteTier:
         ttl: Seconds a published block lives on the server (None: until evicted).
         timeout: Seconds one round trip may take (connect or read) before it fails.
         queue_bytes: Bound of the publish queue's tensor bytes.
-        counters: Where to count (a `writeback.Counters` with `COUNTERS`).
+        counters: Where to count (a `counters.Counters` with `REMOTE_COUNTERS`).
         tail: What the caller does without the server, said once after its first
             failure (see `remote_urls.Voice`).
         contact: Talk to the server now (`contact`), so that a URL it refuses raises
@@ -168,7 +168,7 @@ class RemoteTier:
     def read_chain(
         self, parent: bytes, position: int, data: bytes, block_size: int, *, beyond: int = 0,
         worth: Callable[[list[tuple]], bool] | None = None,
-    ) -> list[wire.Block]:  # fmt: skip
+    ) -> list[wire.RemoteBlock]:  # fmt: skip
         """The verified blocks the server holds after `parent`, for the query `data`.
 
         Args:
@@ -295,7 +295,7 @@ class RemoteTier:
             return 1
         return max(1, min(MAX_BATCH_BLOCKS, BATCH_BYTES // self._value_bytes))
 
-    def _read(self, chain: list[tuple[bytes, bytes, int, bytes]]) -> list[wire.Block]:
+    def _read(self, chain: list[tuple[bytes, bytes, int, bytes]]) -> list[wire.RemoteBlock]:
         """Read and verify the blocks of `chain` in order, up to the first one missing
         or failing a check. Each batch is verified on a thread of its own while the
         next one is received."""
@@ -314,7 +314,7 @@ class RemoteTier:
             checks.append((len(batch), self._checker().submit(self._decode, present)))
             if len(present) < len(batch):
                 break
-        blocks: list[wire.Block] = []
+        blocks: list[wire.RemoteBlock] = []
         for asked, check in checks:
             got, bad = check.result()
             blocks += got
@@ -338,7 +338,7 @@ class RemoteTier:
                 self.url, exc,
             )  # fmt: skip
 
-    def _decode(self, values: list[tuple[tuple, Any]]) -> tuple[list[wire.Block], tuple | None]:
+    def _decode(self, values: list[tuple[tuple, Any]]) -> tuple[list[wire.RemoteBlock], tuple | None]:
         """The leading `values` that decode as the blocks wanted, and (key, error) of
         the first that does not (None if all do)."""
         out = []

@@ -131,7 +131,7 @@ class BadValue(ValueError):
 
 
 @dataclass
-class Block:
+class RemoteBlock:
     """A verified block from the server.
 
     Attributes:
@@ -149,7 +149,7 @@ class Block:
 
 def decode(
     value: bytes, skey: bytes, *, key: bytes, parent: bytes, position: int, tokens: bytes, mac: bytes | None
-) -> Block:
+) -> RemoteBlock:
     """Check a value against what the reader expects and decode it.
 
     Args:
@@ -206,7 +206,7 @@ def decode(
     except (ValueError, TypeError, KeyError) as exc:
         raise BadValue("corrupt", f"tensor table does not decode: {exc}") from None
     node = Node(key, parent, position, tokens, flags, size, 0, extra=extra)
-    return Block(node, bits, len(value))
+    return RemoteBlock(node, bits, len(value))
 
 
 def header_of(value: Any) -> dict:

@@ -23,11 +23,10 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..blocks import Node, dtype_info, is_sliced
-from .buffers import HostBits, _host, _on_gpu, allocate
+from ..blocks import Node, Tensors, dtype_info, is_sliced
+from .buffers import UINT_MX, HostBits, allocate, on_gpu, reading_to_host
 from .segment import OpenSegment, SegmentFiles
 
-Tensors = dict[str, mx.array]
 KV_STEP = 256  # mlx-lm's KVCache grows in steps of 256 tokens
 # Reader threads: reads and checksums of a path's (segment, field) pieces, and copies
 # of RAM-tier blocks, run in parallel (all drop the GIL); 4 on small machines, up to 8
@@ -46,7 +45,8 @@ _PARALLEL_COPY_BYTES = 4 << 20  # below this, handing copies to threads costs mo
 _pool_lock = threading.Lock()
 
 
-def _reader_pool() -> ThreadPoolExecutor:
+def reader_pool() -> ThreadPoolExecutor:
+    """The reader threads shared by every restore of this process (made on first use)."""
     global _pool
     with _pool_lock:
         if _pool is None:
@@ -66,8 +66,8 @@ if hasattr(os, "register_at_fork"):
 def _map(fn, items: list) -> list:
     """`fn` over `items`: on the reader threads, or here alone (`host_reads`, or
     a machine of 1-2 cores)."""
-    if len(items) > 1 and READ_THREADS > 1 and not _host():
-        return list(_reader_pool().map(fn, items))
+    if len(items) > 1 and READ_THREADS > 1 and not reading_to_host():
+        return list(reader_pool().map(fn, items))
     return [fn(x) for x in items]
 
 
@@ -80,7 +80,7 @@ def join_on_device() -> bool:
     """Whether RAM-tier blocks are joined with MLX operations (on the default device)
     rather than copied into host buffers: on a GPU, where CPU writes would migrate
     pages (`RAM_JOIN` ``"mlx"`` or ``"numpy"`` overrides, to measure both)."""
-    return RAM_JOIN == "mlx" if RAM_JOIN in ("mlx", "numpy") else _on_gpu()
+    return RAM_JOIN == "mlx" if RAM_JOIN in ("mlx", "numpy") else on_gpu()
 
 
 def _pieces(nodes, cached, origins) -> list[tuple[str, int, int, mx.array]]:
@@ -197,7 +197,7 @@ def read_path(
         the last block's snapshot tensors by leaf). Reading stops before the first
         missing or damaged block: then the runs are empty and only the count matters.
     """
-    if all(have is not None for have in cached) and join_on_device() and not _host():
+    if all(have is not None for have in cached) and join_on_device() and not reading_to_host():
         return len(nodes), *_join_on_device(nodes, cached, origins, lid_kind, position)
     segments: dict[bytes, OpenSegment | None] = {}
     unfit: dict[bytes, int] = {}  # segment -> first block whose fields do not fit
@@ -225,7 +225,7 @@ def read_path(
         for k, r in enumerate(runs):
             b, h, w = r.dims
             rows = r.end - r.start
-            if r.start == 0 and lid_kind.get(r.name.rpartition(".")[0]) == "seq" and not _host():
+            if r.start == 0 and lid_kind.get(r.name.rpartition(".")[0]) == "seq" and not reading_to_host():
                 rows = max(rows, _capacity(position))  # room for mlx-lm to grow in place
             specs.append((f"r{k}", (b, h, rows, w), r.dtype))
         specs += [(f"s{k}", s.shape, s.dtype) for k, s in enumerate(snaps_wanted)]
@@ -252,13 +252,13 @@ def read_path(
                 if seg.read_snap(s, memoryview(arrays[f"s{k}"]).cast("B")) is None:
                     return last, {}, {}
                 lid, _, fld = s.name.rpartition(".")
-                snaps.setdefault(lid, {})[fld] = HostBits(arrays[f"s{k}"], s.dtype) if _host() else arrays[f"s{k}"]
+                snaps.setdefault(lid, {})[fld] = HostBits(arrays[f"s{k}"], s.dtype) if reading_to_host() else arrays[f"s{k}"]
         _copy_cached(nodes, cached, origins, runs)
         by_leaf: dict[str, dict[str, list]] = {}
         for r in runs:
             r.view = None  # release every view of the buffers before MLX owns them again
             lid, _, fld = r.name.rpartition(".")
-            array = HostBits(r.array, r.dtype) if _host() else r.array
+            array = HostBits(r.array, r.dtype) if reading_to_host() else r.array
             by_leaf.setdefault(lid, {}).setdefault(fld, []).append((r.start, r.end, array))
         return len(nodes), by_leaf, snaps
     finally:
@@ -445,18 +445,17 @@ def _first_bad(nodes, where, runs, verified: set[int]) -> int | None:
 _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-def _bits(view: memoryview, x: mx.array) -> np.ndarray:
+def array_bits(view: memoryview, x: mx.array) -> np.ndarray:
     """A numpy view of an evaluated array's bits (numpy has no bfloat16; the bits are
     what we copy); a strided view (a RAM-tier block cut from one copy per field) is
     seen through a view as unsigned ints, not copied."""
     if not view.c_contiguous:
-        u = x.view(_UINT_MX[x.itemsize])
+        u = x.view(UINT_MX[x.itemsize])
         mx.eval(u)
         return np.asarray(memoryview(u))
     return np.frombuffer(view.cast("B"), dtype=_BITS[x.itemsize]).reshape(x.shape)
 
 
-_UINT_MX = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 
 
 def _copy_cached(nodes, cached, origins, runs) -> None:
@@ -472,7 +471,7 @@ def _copy_cached(nodes, cached, origins, runs) -> None:
     # Blocks cut from one copy per field are strided views: see them all as unsigned
     # ints with one evaluation, not one per piece (blocks from the remote tier come
     # as host bits already).
-    views = [x.bits if isinstance(x, HostBits) else x.view(_UINT_MX[x.itemsize]) for *_, x in pieces]
+    views = [x.bits if isinstance(x, HostBits) else x.view(UINT_MX[x.itemsize]) for *_, x in pieces]
     mx.eval([v for v in views if not isinstance(v, np.ndarray)])
     by_run: dict[int, list] = {}
     for (r, start, end, _), v in zip(pieces, views):
@@ -480,7 +479,7 @@ def _copy_cached(nodes, cached, origins, runs) -> None:
 
     def copy(job: list) -> None:
         r, *parts = job
-        target = _bits(r.view, r.array)
+        target = array_bits(r.view, r.array)
         for start, end, v in parts:
             target[:, :, start - r.start : end - r.start, :] = v if isinstance(v, np.ndarray) else np.asarray(memoryview(v))
 
@@ -489,7 +488,7 @@ def _copy_cached(nodes, cached, origins, runs) -> None:
     # thread fills fresh pages at a fraction of what the machine's cores can.
     jobs = list(by_run.values())
     if len(jobs) > 1 and sum(v.nbytes for *_, v in pieces) >= _PARALLEL_COPY_BYTES:
-        list(_reader_pool().map(copy, jobs))
+        list(reader_pool().map(copy, jobs))
     else:
         for job in jobs:
             copy(job)

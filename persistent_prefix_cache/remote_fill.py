@@ -1,4 +1,4 @@
-"""The remote tier's part in a fetch: blocks the local store lacks, from the fleet.
+"""The remote tier in a fetch: the blocks the local store lacks, read into the RAM tier.
 
 `RemoteFill.fill` runs before a fetch's lookup when a remote is configured: it finds
 where the local store's chain for the query ends (`Trie.stored_prefix`), asks the
@@ -18,13 +18,14 @@ import numpy as np
 
 from .blocks import is_sliced, sliced_spec
 from .costs import Costs
-from .disk.assemble import HostBits, join_on_device
+from .disk.buffers import HostBits
+from .disk.read_path import join_on_device
 from .keys import chain_keys
 from .layers import Layout
 from .lookup import Trie
 from .tiers.memory import MemoryTier
 from .tiers.remote import RemoteTier
-from .tiers.remote_wire import Block
+from .tiers.remote_wire import RemoteBlock
 from .writeback import WriteBack
 
 
@@ -53,7 +54,7 @@ class RemoteFill:
         self.remote, self.trie, self.memory, self.layout = remote, trie, memory, layout
         self.writeback, self.costs, self.root, self.block_size = writeback, costs, root, block_size
 
-    def fill(self, toks: np.ndarray, matched: int = 0) -> list[Block] | None:
+    def fill(self, toks: np.ndarray, matched: int = 0) -> list[RemoteBlock] | None:
         """Bring the remote's continuation of the local chain for `toks` into the RAM tier.
 
         Args:
@@ -106,7 +107,7 @@ class RemoteFill:
         self.remote.counters.add(remote_slower=1, tokens_skipped=tokens)
         return False
 
-    def write(self, blocks: list[Block]) -> Any:
+    def write(self, blocks: list[RemoteBlock]) -> Any:
         """Hand remote blocks to the writer thread (a no-op for a read-only store).
 
         Returns:
@@ -116,11 +117,11 @@ class RemoteFill:
             return None
         return self.writeback.submit(self.writeback.write_blocks, [(b.node, b.bits) for b in blocks])
 
-    def fits(self, block: Block) -> bool:
+    def fits(self, block: RemoteBlock) -> bool:
         """Whether one block's tensors fit the model's layout (see `_fit`)."""
         return bool(self._fit([block]))
 
-    def _fit(self, blocks: list[Block]) -> list[Block]:
+    def _fit(self, blocks: list[RemoteBlock]) -> list[RemoteBlock]:
         """The leading blocks whose tensors fit the model's layout: known leaves, and
         every sliced field with the dtype and shape the layout holds (or, before the
         store has recorded them, the same as the first block's)."""
@@ -139,17 +140,17 @@ class RemoteFill:
                         return self._unfit(blocks, i)
         return blocks
 
-    def _unfit(self, blocks: list[Block], i: int) -> list[Block]:
+    def _unfit(self, blocks: list[RemoteBlock], i: int) -> list[RemoteBlock]:
         self.remote.counters.add(remote_corrupt=1)
         return blocks[:i]
 
 
 def remote_counters(counters: Any, remote: RemoteTier | None) -> dict[str, Any]:
     """The remote counters of `stats()` (zeros and no URL without a remote)."""
-    from .tiers.remote import COUNTERS
+    from .tiers.remote import REMOTE_COUNTERS
 
     snap = counters.snapshot()
-    out: dict[str, Any] = {name: snap.get(name, 0) for name in COUNTERS}
+    out: dict[str, Any] = {name: snap.get(name, 0) for name in REMOTE_COUNTERS}
     out["remote"] = remote.url if remote is not None else None
     out["remote_pending"] = remote.pending if remote is not None else 0
     return out

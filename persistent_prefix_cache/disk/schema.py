@@ -1,4 +1,4 @@
-"""The migrations runner's half that needs no LMDB: finding the shipped migrations.
+"""The schema: the shipped migrations (found without LMDB) and the version they reach.
 
 Each module in ``persistent_prefix_cache.migrations`` (the repository's ``migrations/``)
 has ``VERSION``, ``DESCRIPTION`` and ``upgrade(env, txn, params)``; `Index` applies the

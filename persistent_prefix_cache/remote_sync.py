@@ -1,4 +1,4 @@
-"""Moving whole stores to and from the fleet: ``ppc push`` and ``ppc pull`` of a model.
+"""Whole stores to and from the remote tier: ``ppc push`` and ``ppc pull`` of a model.
 
 `push_store` publishes every block of a local store (a precomputed one, say), parents
 first, asking the server which it holds already (one EXISTS round trip per batch) so a
@@ -23,9 +23,9 @@ from .blocks import Node
 from .disk.segment import SegmentFiles
 from .errors import InvalidArgumentError, PrefixCacheError, RemoteUnreachableError
 from .tiers import remote_wire as wire
-from .tiers.remote import COUNTERS, RemoteTier
+from .tiers.remote import REMOTE_COUNTERS, RemoteTier
 from .tiers.remote_client import UNAVAILABLE, contact
-from .writeback import Counters
+from .counters import Counters
 
 BATCH = 16
 BULK_TIMEOUT = 10.0  # seconds per round trip for bulk transfers (no caller waits on them)
@@ -84,7 +84,7 @@ def push_store(
     reach(url, "nothing was pushed")
     index = Index(os.path.join(path, "index"), readonly=True)
     files = SegmentFiles(path, readonly=True)
-    counters = Counters(*COUNTERS)
+    counters = Counters(*REMOTE_COUNTERS)
     out = dict.fromkeys(("blocks", "pushed", "already", "damaged", "failed"), 0)
     tiers: dict[bytes, RemoteTier] = {}
     try:
@@ -174,7 +174,7 @@ def pull_model(store: Any, progress: Progress | None = None) -> dict[str, int]:
     out = dict.fromkeys(("found", "pulled", "present", "rejected", "orphans", "replaced"), 0)
     before = store.stats()
     out["found"] = len(keys)
-    blocks: list[wire.Block] = []
+    blocks: list[wire.RemoteBlock] = []
     for lo in range(0, len(keys), BATCH):
         batch = keys[lo : lo + BATCH]
         for skey, value in zip(batch, tier.bulk.get_values(batch)):
@@ -215,7 +215,7 @@ def pull_model(store: Any, progress: Progress | None = None) -> dict[str, int]:
     return out
 
 
-def _verified(tier: RemoteTier, fill: Any, root: bytes, skey: bytes, value: Any) -> wire.Block | None:
+def _verified(tier: RemoteTier, fill: Any, root: bytes, skey: bytes, value: Any) -> wire.RemoteBlock | None:
     if value is None or value is UNAVAILABLE:
         return None
     try:

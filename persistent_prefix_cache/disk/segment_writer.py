@@ -1,9 +1,9 @@
-"""How a segment's bytes are laid out and written (the write side of `disk.segment`).
+"""The segment writer (the write side of `disk.segment`): place every tensor, then write.
 
-`layout` checks the blocks of one ``store()`` and places every tensor (format v4, see
+`plan_segment` checks the blocks of one ``store()`` and places every tensor (format v4, see
 `disk.segment`) before a byte is hashed: the header's length is then known (each digest
 in it is 16 hex digits), so the data can go to the disk first and the header last, at
-offset 0. `Layout.stream` hands the data to a `Sink` in file order, hashing each piece
+offset 0. `SegmentPlan.stream` hands the data to a `Sink` in file order, hashing each piece
 once into both its field's digest and its block's checksum while it is in the CPU's
 cache; the sink writes batches with ``pwritev`` from a second thread and starts their
 writeback at once (``sync_file_range``), so hashing, the kernel's copy and the disk
@@ -198,7 +198,7 @@ class Sink:
         return self.at
 
 
-class Layout:
+class SegmentPlan:
     """A segment's layout, computed before any byte is hashed: where every tensor lies
     (so the header's length is known, its digests being fixed-width), and the data in
     file order (see `stream`)."""
@@ -273,7 +273,7 @@ class Layout:
         return head[:at] + f"{header_digest(head):016x}".encode() + head[at + 16 :]
 
 
-def layout(segment: bytes, blocks: Sequence[tuple[Node, dict]], root: bytes, model: bytes, block_size: int) -> "Layout":
+def plan_segment(segment: bytes, blocks: Sequence[tuple[Node, dict]], root: bytes, model: bytes, block_size: int) -> "SegmentPlan":
     """Check the blocks and lay out their segment (nothing is hashed yet)."""
     if not blocks:
         raise ValueError("a segment needs at least one block")
@@ -337,4 +337,4 @@ def layout(segment: bytes, blocks: Sequence[tuple[Node, dict]], root: bytes, mod
             at += len(view)
     if len(tensors_of) != len(sliced) + len(snaps):
         raise ValueError("a snapshot's tensor name clashes with a field's")
-    return Layout(segment, blocks, root, model, block_size, tensors_of, firsts, fields, snaps, sizes, at)
+    return SegmentPlan(segment, blocks, root, model, block_size, tensors_of, firsts, fields, snaps, sizes, at)

@@ -1,0 +1,31 @@
+"""`Counters`: a handle's counters, shared by the caller's threads and the writer thread.
+
+One instance per `PersistentPrefixCache` counts what its fetches, stores, writer thread
+and remote tier do (the names: `store.HANDLE_COUNTERS`, `tiers.remote.REMOTE_COUNTERS`);
+`stats()` reads a snapshot of them beside the store-wide totals the index keeps
+(`disk.index_tables.STORE_WIDE_COUNTERS`). ``ppc push`` and ``ppc pull`` count a
+transfer with one too (`remote_sync`).
+"""
+
+from __future__ import annotations
+
+import threading
+
+
+class Counters:
+    """A handle's counters, shared by the caller's threads and the writer thread."""
+
+    def __init__(self, *names: str):
+        self.lock = threading.Lock()
+        self._values = dict.fromkeys(names, 0)
+
+    def add(self, **deltas: int) -> None:
+        """Add to counters."""
+        with self.lock:
+            for name, n in deltas.items():
+                self._values[name] += n
+
+    def snapshot(self) -> dict[str, int]:
+        """A copy of every counter."""
+        with self.lock:
+            return dict(self._values)
