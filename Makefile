@@ -46,7 +46,7 @@ demo: $(STAMP)
 # The remote-tier tests start their own servers (Redis, and Valkey where the system's
 # packages have it): install them when missing and we can (root, or sudo without a
 # password, on a system with apt-get); otherwise say how and go on (those tests then
-# skip, unless PPC_REQUIRE_REDIS=1 / PPC_REQUIRE_VALKEY=1 make them fail, as in CI).
+# skip, unless PPC_TEST_HOOKS=require=redis:valkey makes them fail, as in CI).
 servers:
 	@if command -v apt-get >/dev/null 2>&1; then \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=none; fi; \

@@ -9,10 +9,11 @@ and remote tiers), the facade `store` with `lookup`, `restore` and `writeback` b
 ``compat/`` (vllm-mlx's and mlx-lm's APIs) and ``cli/`` (``ppc``).
 
 Names are imported on first use, so that store maintenance (``ppc stats``, ``ppc
-check``, …) does not pay for importing mlx-lm and transformers.
+check``, …) does not pay for importing mlx-lm and transformers. `__all__` is the API:
+the only public names ``dir()`` shows here, whatever submodules a program has imported.
 """
 
-from importlib import import_module
+from importlib import import_module as _import_module
 
 from .errors import (
     InvalidArgumentError,
@@ -81,7 +82,7 @@ def __getattr__(name: str):
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     try:
-        value = getattr(import_module(module, __name__), name)
+        value = getattr(_import_module(module, __name__), name)
     except ImportError as exc:
         if "libmlx" not in str(exc):
             raise
@@ -96,4 +97,6 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(__all__))
+    # Python binds every imported submodule (``errors``, ``store``, ...) as an attribute
+    # here: they are the package's rooms, not its API, so they stay out of the listing.
+    return sorted(set(__all__) | {n for n in globals() if n.startswith("_")})

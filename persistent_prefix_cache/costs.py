@@ -513,8 +513,9 @@ def calibrate(costs: Costs, model: Any, make_cache: Callable[[], list], tokens: 
 
 
 class CostsMixin:
-    """The cost model's part of `PersistentPrefixCache` (its `costs`, `saved_costs`,
-    `memory`, `warmer` and `counters`): what callers tell it, and what a fetch asks it."""
+    """The cost model's part of `PersistentPrefixCache` (its private `_costs`,
+    `_saved_costs`, `_memory`, `_warmer` and `_counters`): what callers tell it, and what a
+    fetch asks it."""
 
     def observe_prefill(
         self, tokens: int, seconds: float, *, start: int = 0, restored: bool = False, forwards: int = 1
@@ -532,10 +533,10 @@ class CostsMixin:
             forwards: How many forward calls it took.
         """
         if restored and start > 0:
-            self.costs.observe_first_forward(tokens, seconds, start=start)
+            self._costs.observe_first_forward(tokens, seconds, start=start)
         else:
-            self.costs.observe_prefill(tokens, seconds, start=start, forwards=forwards)
-        self.saved_costs.maybe_save()
+            self._costs.observe_prefill(tokens, seconds, start=start, forwards=forwards)
+        self._saved_costs.maybe_save()
 
     def calibrate(self, model: Any, *, tokens: int = 512, only_if_unknown: bool = False) -> float | None:
         """Measure how fast `model` prefills on this machine, for the cost model (see
@@ -555,25 +556,25 @@ class CostsMixin:
             InvalidArgumentError: If the store is closed or `tokens` < 2.
         """
         self._check_open()
-        if not (only_if_unknown and self.costs.prefill_tokens_per_s is not None):
-            calibrate(self.costs, model, self.make_cache, tokens)
-            self.saved_costs.maybe_save(force=True)
-        return self.costs.prefill_tokens_per_s
+        if not (only_if_unknown and self._costs.prefill_tokens_per_s is not None):
+            calibrate(self._costs, model, self.make_cache, tokens)
+            self._saved_costs.maybe_save(force=True)
+        return self._costs.prefill_tokens_per_s
 
     def _cheaper(self, path: list, matched: int) -> tuple[list, int]:
         """The prefix of `path` the cost model restores (all of it until it knows),
         its decision counted."""
-        self.warmer.install()  # blocks a background fill read for a GPU: in the tier first
+        self._warmer.install()  # blocks a background fill read for a GPU: in the tier first
         ends = [n.end for n in path[:-1]] + [matched]
         cuts = [i for i, n in enumerate(path[:-1]) if n.resumable] + [len(path) - 1]
-        in_ram = [self.memory.node(n.key) is not None for n in path]
-        choice = self.costs.choose(ends, [n.size for n in path], in_ram, cuts)
-        self.counters.add(**{choice.decision: 1}, tokens_skipped=matched - choice.tokens)
+        in_ram = [self._memory.node(n.key) is not None for n in path]
+        choice = self._costs.choose(ends, [n.size for n in path], in_ram, cuts)
+        self._counters.add(**{choice.decision: 1}, tokens_skipped=matched - choice.tokens)
         if choice.blocks < len(path) and not all(in_ram[choice.blocks :]):
             # Left on disk: the tier may still learn it, once the caller has computed it.
-            self.warmer.skipped(path, choice.blocks, matched, after=self.costs.prefill_seconds(choice.tokens, matched))
+            self._warmer.skipped(path, choice.blocks, matched, after=self._costs.prefill_seconds(choice.tokens, matched))
         return path[: choice.blocks], choice.tokens
 
     def _timed(self, nodes: list, seconds: float, in_ram: bool) -> None:
         # `in_ram` as it was before the restore: a disk restore admits what it read
-        self.costs.observe_restore("ram" if in_ram else "disk", sum(n.size for n in nodes), seconds)
+        self._costs.observe_restore("ram" if in_ram else "disk", sum(n.size for n in nodes), seconds)

@@ -1,7 +1,9 @@
-"""Checks of the options `PersistentPrefixCache` is opened with."""
+"""Checks of the options `PersistentPrefixCache` is opened with, and `OpenedWith`: what
+a handle was opened with, read-only."""
 
 from __future__ import annotations
 
+import json
 import os
 
 from .disk.store_dir import store_exists, unwritable_part
@@ -59,3 +61,48 @@ def check_remote(*, remote, secret, ttl, timeout) -> None:
             continue
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
             raise InvalidArgumentError(f"{name} must be a number of seconds > 0, got {value!r}")
+
+
+def _read_only(name: str, doc: str) -> property:
+    # What a handle was opened with, shown without a setter: its collaborators are private.
+    return property(lambda self: getattr(self, name), doc=doc)
+
+
+class OpenedWith:
+    """The part of `PersistentPrefixCache` that says what it was opened with: read-only
+    views, and the model's record (what its root key stands for)."""
+
+    path = _read_only("_path", "The store directory (an absolute path).")
+    readonly = _read_only("_readonly", "Whether `store()` writes nothing (asked for, or a store this process cannot write).")
+    block_size = _read_only("_block_size", "Tokens per block: the store's own.")
+    fingerprint = _read_only("_fingerprint", "The model fingerprint this handle's blocks are keyed under.")
+    model_name = _read_only("_model_name", "The model's name in the store's record (a folder or hub id; None: unknown).")
+    namespace = _read_only("_namespace", "The namespace that keeps this handle's blocks apart from other tenants'.")
+
+    def this_model(self) -> dict:
+        """This handle's model as `stored_models` lists one (stored here or not yet).
+
+        Returns:
+            ``{"root", "fingerprint", "namespace", "layout", "name"}``.
+        """
+        return {"root": self._root.hex(), **{k: v for k, v in json.loads(self._describe()).items() if k != "fields"}}
+
+    def _describe(self) -> bytes:
+        """The model's record: what its root key stands for, and its KV's dtypes and shapes."""
+        return json.dumps(
+            {
+                "fingerprint": self._fingerprint,
+                "namespace": self._namespace,
+                "layout": self._layout.signature,
+                "fields": self._layout.fields or {},
+                "name": self._model_name,
+            }
+        ).encode()
+
+    def _recorded_fields(self) -> dict | None:
+        with self._index.reader() as reader:
+            raw = reader.model(self._root)
+        try:
+            return json.loads(raw).get("fields") or None if raw else None
+        except (ValueError, AttributeError):
+            return None

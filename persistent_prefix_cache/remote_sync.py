@@ -143,6 +143,12 @@ def _read_block(files: SegmentFiles, node: Node) -> dict | None:
         seg.close()
 
 
+def count_unauthenticated(store: Any) -> None:
+    """Make `store`'s remote tier count values that fail authentication without a warning
+    per value (``ppc pull`` says it once, with the count)."""
+    store._remote.warn_unauthenticated = False  # the facade's collaborator: this module is its part
+
+
 def pull_model(store: Any, progress: Progress | None = None) -> dict[str, int]:
     """Fill `store` (opened with ``remote=``) with every block the server holds for
     its model, namespace and layout.
@@ -160,10 +166,11 @@ def pull_model(store: Any, progress: Progress | None = None) -> dict[str, int]:
         RemoteConfigError: If the server refuses the URL's db, user or password.
         RemoteUnreachableError: If the server cannot be scanned.
     """
-    tier, fill, writeback = store.remote, store.remote_fill, store.writeback
+    # The facade's collaborators (private to it; this module is its part that pulls).
+    tier, fill, writeback = store._remote, store._remote_fill, store._writeback
     if tier is None or writeback is None:
         raise InvalidArgumentError("pull needs a writable store opened with remote=URL")
-    keys = sorted(set(tier.bulk.scan(wire.key_pattern(store.root))))
+    keys = sorted(set(tier.bulk.scan(wire.key_pattern(store._root))))
     out = dict.fromkeys(("found", "pulled", "present", "rejected", "orphans", "replaced"), 0)
     before = store.stats()
     out["found"] = len(keys)
@@ -171,16 +178,16 @@ def pull_model(store: Any, progress: Progress | None = None) -> dict[str, int]:
     for lo in range(0, len(keys), BATCH):
         batch = keys[lo : lo + BATCH]
         for skey, value in zip(batch, tier.bulk.get_values(batch)):
-            block = _verified(tier, fill, store.root, skey, value)
+            block = _verified(tier, fill, store._root, skey, value)
             if block is None:
                 out["rejected"] += value is not None and value is not UNAVAILABLE
                 continue
             blocks.append(block)
         if progress is not None:
             progress(min(lo + BATCH, len(keys)), len(keys))
-    with store.index.reader() as reader:
+    with store._index.reader() as reader:
         local = {b.node.key for b in blocks if reader.get(b.node.key) is not None}
-        known = local | {store.root}
+        known = local | {store._root}
     runs: dict[bytes, list] = {}  # key of a run's last block -> the run
     order = []
     for block in sorted(blocks, key=lambda b: (b.node.position, b.node.key)):

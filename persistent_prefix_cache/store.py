@@ -14,7 +14,6 @@ verified files read into joined buffers); a damaged block cuts the prefix short 
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import time
@@ -30,7 +29,7 @@ from .layers.mlx_lm_versions import layout_variant
 from .lookup import Trie, back_off
 from .costs import Costs, CostsMixin, SavedCosts
 from .opening import disk_budget, give_back, open_directory
-from .options import check_options, check_remote
+from .options import OpenedWith, check_options, check_remote
 from .paths import expand_path
 from .restore import restore
 from .warm import Warmer
@@ -59,7 +58,7 @@ def _close_open_stores() -> None:
         store.close()
 
 
-class PersistentPrefixCache(CostsMixin):
+class PersistentPrefixCache(OpenedWith, CostsMixin):
     """A prefix (KV) cache for one mlx-lm model, kept in a store directory.
 
     Args:
@@ -146,67 +145,67 @@ class PersistentPrefixCache(CostsMixin):
             model_path = expand_path(model_path, what="model_path")
         if model_name is not None and not isinstance(model_name, str):
             raise InvalidArgumentError(f"model_name must be a string, got {type(model_name).__name__}")
-        self.model_name = model_name or (None if model_path is None else os.path.abspath(model_path))
+        self._model_name = model_name or (None if model_path is None else os.path.abspath(model_path))
         check_remote(remote=remote, secret=remote_secret, ttl=remote_ttl, timeout=remote_timeout)
         check_options(
             fingerprint=fingerprint, model_path=model_path, namespace=namespace, block_size=block_size,
             memory_bytes=memory_bytes, disk_bytes=disk_bytes, kv_bits=kv_bits, kv_group_size=kv_group_size,
             shared=shared,
         )  # fmt: skip
-        self.path = os.path.abspath(path)
-        self.sync_writes = sync_writes
+        self._path = os.path.abspath(path)
+        self._sync_writes = sync_writes
         self._warned_index = False
         self._pid = os.getpid()
         # Open anyway if a layer cannot be stored (fetch misses), so that a server can
         # run uncached; store() raises.
-        self.layout = Layout(
+        self._layout = Layout(
             template_cache(model, kv_bits=kv_bits, kv_group_size=kv_group_size), variant=layout_variant()
         )
-        opened = open_directory(self.path, readonly=readonly, shared=shared, block_size=block_size)
-        self.readonly, self.files, self.index = opened.readonly, opened.files, opened.index
+        opened = open_directory(self._path, readonly=readonly, shared=shared, block_size=block_size)
+        self._readonly, self._files, self._index = opened.readonly, opened.files, opened.index
         self._closed = False
         try:
-            self.block_size = self.index.block_size
-            self.namespace = namespace
-            self.fingerprint = fingerprint or cached_fingerprint(
+            self._block_size = self._index.block_size
+            self._namespace = namespace
+            self._fingerprint = fingerprint or cached_fingerprint(
                 model,
                 None if model_path is None else os.fspath(model_path),
-                self.index.remembered_fingerprint,
-                self.index.remember_fingerprint,
+                self._index.remembered_fingerprint,
+                self._index.remember_fingerprint,
                 self._stored_fingerprints,
             )
-            self.root = root_key(self.fingerprint, namespace, self.layout.signature + self.layout.variant)
-            self.layout.fields = self._recorded_fields()
-            self.memory = MemoryTier(memory_bytes)
-            self.trie = Trie(self.index, self.memory, self.root, self.block_size)
-            self.counters = Counters(*HANDLE_COUNTERS, *REMOTE_COUNTERS)
-            self.costs = Costs(enabled=cost_model)
-            self.saved_costs = SavedCosts(self.path, self.root.hex(), self.costs, readonly=self.readonly)
-            self.writeback = None
-            if not self.readonly:
-                self.writeback = WriteBack(
-                    self.index, self.files, self.memory, self.counters,
-                    root=self.root, describe=self._describe,
-                    disk_bytes=disk_budget(self.path, disk_bytes, self.index.totals()[0]),
+            self._root = root_key(self._fingerprint, namespace, self._layout.signature + self._layout.variant)
+            self._layout.fields = self._recorded_fields()
+            self._memory = MemoryTier(memory_bytes)
+            self._trie = Trie(self._index, self._memory, self._root, self._block_size)
+            self._counters = Counters(*HANDLE_COUNTERS, *REMOTE_COUNTERS)
+            self._costs = Costs(enabled=cost_model)
+            self._saved_costs = SavedCosts(self._path, self._root.hex(), self._costs, readonly=self._readonly)
+            self._writeback = None
+            if not self._readonly:
+                self._writeback = WriteBack(
+                    self._index, self._files, self._memory, self._counters,
+                    root=self._root, describe=self._describe,
+                    disk_bytes=disk_budget(self._path, disk_bytes, self._index.totals()[0]),
                 )  # fmt: skip
-            self.remote = self.remote_fill = None
+            self._remote = self._remote_fill = None
             if remote is not None:
                 try:
-                    self.remote = RemoteTier(
-                        remote, root=self.root, secret=remote_secret, ttl=remote_ttl, timeout=remote_timeout,
-                        queue_bytes=DEFAULT_QUEUE_BYTES, counters=self.counters,
+                    self._remote = RemoteTier(
+                        remote, root=self._root, secret=remote_secret, ttl=remote_ttl, timeout=remote_timeout,
+                        queue_bytes=DEFAULT_QUEUE_BYTES, counters=self._counters,
                     )  # fmt: skip
                 except BaseException:
                     self.close()  # the writer thread stops; the index is given back below
                     raise
-                self.remote_fill = RemoteFill(
-                    self.remote, trie=self.trie, memory=self.memory, layout=self.layout, writeback=self.writeback,
-                    costs=self.costs, root=self.root, block_size=self.block_size,
+                self._remote_fill = RemoteFill(
+                    self._remote, trie=self._trie, memory=self._memory, layout=self._layout, writeback=self._writeback,
+                    costs=self._costs, root=self._root, block_size=self._block_size,
                 )  # fmt: skip
             # Last: its thread runs from here on (the tier learns what the cost model skips).
-            self.warmer = Warmer(self.layout, self.memory, self.files, self._digests)
+            self._warmer = Warmer(self._layout, self._memory, self._files, self._digests)
         except BaseException:
-            give_back(self.path, opened)
+            give_back(self._path, opened)
             raise
         _OPEN_STORES.add(self)
 
@@ -237,21 +236,21 @@ class PersistentPrefixCache(CostsMixin):
             return self._fetch(tokens, toks, longer_than)
         except StoreCorruptError as exc:  # a damaged index page: a miss, never an error
             self._index_damaged(exc)
-            self.counters.add(queries=1, misses=1)
+            self._counters.add(queries=1, misses=1)
             return None, tokens
 
     def _fetch(self, tokens: Any, toks: Any, longer_than: int | None) -> tuple[list | None, Any]:
         """`fetch` past its checks: the trie walk, the remote's part, the restore."""
-        path, matched = self.trie.longest(toks) if self.layout.unsupported is None else ([], 0)
+        path, matched = self._trie.longest(toks) if self._layout.unsupported is None else ([], 0)
         pending = None
-        if self.remote_fill is not None and matched < len(toks) - 1 and self.layout.unsupported is None:
-            pending = self.remote_fill.fill(toks, matched)
+        if self._remote_fill is not None and matched < len(toks) - 1 and self._layout.unsupported is None:
+            pending = self._remote_fill.fill(toks, matched)
             if pending is not None:  # the fleet held more: its blocks are in the RAM tier now
-                path, matched = self.trie.longest(toks)
+                path, matched = self._trie.longest(toks)
         result = self._restore(tokens, path, matched, longer_than)
         if pending:
-            self.remote_fill.write(pending)  # into the local store, once the caller's restore is done
-        self.saved_costs.maybe_save()
+            self._remote_fill.write(pending)  # into the local store, once the caller's restore is done
+        self._saved_costs.maybe_save()
         return result
 
     def _restore(self, tokens: Any, path: list[Node], matched: int, longer_than: int | None) -> tuple[list | None, Any]:
@@ -260,20 +259,20 @@ class PersistentPrefixCache(CostsMixin):
             if longer_than == 0:
                 # The caller holds nothing and the store has nothing: a plain miss
                 # (a server's request that found nothing must show in `ppc stats`).
-                self.counters.add(queries=1, misses=1)
+                self._counters.add(queries=1, misses=1)
                 self._note(misses=1)
             else:
-                self.counters.add(not_longer=1)
+                self._counters.add(not_longer=1)
             return None, tokens
         if path:
             path, matched = self._cheaper(path, matched)
         layers = None
         while path and layers is None:
-            first = self.layout.first_needed(path, matched)
-            from_disk = sum(self.memory.node(n.key) is None for n in path[first:])  # before admission
+            first = self._layout.first_needed(path, matched)
+            from_disk = sum(self._memory.node(n.key) is None for n in path[first:])  # before admission
             in_ram = not from_disk
             started = time.perf_counter()
-            layers, intact = restore(self.layout, self.memory, self.files, path[first:], matched, self._digests(path[first:]))
+            layers, intact = restore(self._layout, self._memory, self._files, path[first:], matched, self._digests(path[first:]))
             if layers is not None:
                 self._timed(path[first:], time.perf_counter() - started, in_ram)
             if intact < len(path) - first:
@@ -284,10 +283,10 @@ class PersistentPrefixCache(CostsMixin):
             if layers is None:
                 path, matched = back_off(path[: first + intact], matched)
         if layers is None:
-            self.counters.add(queries=1, misses=1)
+            self._counters.add(queries=1, misses=1)
             self._note(misses=1)
             return None, tokens
-        self.counters.add(queries=1, hits=1, tokens_saved=matched, restored_blocks_disk=from_disk)
+        self._counters.add(queries=1, hits=1, tokens_saved=matched, restored_blocks_disk=from_disk)
         keys = [node.key for node in path]
         self._note(touch=keys, hit=keys, hits=1, tokens_saved=matched)
         return layers, tokens[matched:]
@@ -304,13 +303,13 @@ class PersistentPrefixCache(CostsMixin):
             The number of leading tokens of `tokens` a fetch would restore now.
         """
         self._check_open()
-        if self.layout.unsupported is not None:
+        if self._layout.unsupported is not None:
             return 0
-        return self.trie.longest(as_token_array(tokens), decode=False)[1]
+        return self._trie.longest(as_token_array(tokens), decode=False)[1]
 
     def make_cache(self) -> list:
         """A fresh, empty cache of this store's layout (what `fetch` returns on a hit)."""
-        return self.layout.make_cache()
+        return self._layout.make_cache()
 
     def stored_models(self) -> list[dict]:
         """Every model (with namespace and layout) that has blocks in this store.
@@ -321,12 +320,12 @@ class PersistentPrefixCache(CostsMixin):
             records are left out.
         """
         self._check_open()
-        with self.index.reader() as reader:
+        with self._index.reader() as reader:
             return reader.filled_models()
 
     def _stored_fingerprints(self) -> list:
         # The fingerprints of the models with blocks here (`fingerprint.current_fingerprint`).
-        with self.index.reader() as reader:
+        with self._index.reader() as reader:
             return [m.get("fingerprint") for m in reader.filled_models()]
 
     def forget_fingerprints(self, model_path: str | os.PathLike | None = None) -> int:
@@ -343,7 +342,7 @@ class PersistentPrefixCache(CostsMixin):
             ReadOnlyStoreError: If the store was opened read-only.
         """
         self._check_open()
-        return forget_fingerprints(self.index, model_path)
+        return forget_fingerprints(self._index, model_path)
 
     # -- writing ------------------------------------------------------------------------
 
@@ -369,40 +368,40 @@ class PersistentPrefixCache(CostsMixin):
         """
         self._check_open()
         toks = as_token_array(tokens)
-        if self.layout.unsupported is not None:
-            raise self.layout.unsupported
+        if self._layout.unsupported is not None:
+            raise self._layout.unsupported
         if not isinstance(cache, (list, tuple)):
             raise InvalidArgumentError(f"cache must be a list of cache layers, got {type(cache).__name__}")
         signature = signature_of(cache)
-        if signature != self.layout.signature:
-            raise LayoutMismatchError(f"cache layout {signature!r} does not match the store's {self.layout.signature!r}")
+        if signature != self._layout.signature:
+            raise LayoutMismatchError(f"cache layout {signature!r} does not match the store's {self._layout.signature!r}")
         covered = cache_length(cache)
         if covered is not None and covered != len(toks):
             raise InvalidArgumentError(f"cache covers {covered} positions but {len(toks)} tokens were given")
-        if self.readonly:  # what was asked for (or said once at open): nothing to warn about
+        if self._readonly:  # what was asked for (or said once at open): nothing to warn about
             return 0
         if len(toks) == 0:
             return 0
-        keys = chain_keys(self.root, toks, self.block_size)
+        keys = chain_keys(self._root, toks, self._block_size)
         data = toks.tobytes()
         try:
-            path = self.trie.stored_prefix(keys, data)
+            path = self._trie.stored_prefix(keys, data)
         except StoreCorruptError as exc:  # the caller's work goes on; nothing is written
             self._index_damaged(exc)
-            self.counters.add(write_errors=1)
+            self._counters.add(write_errors=1)
             return 0
         if path is None:
             log.warning("block key collision; not storing the rest of this prompt")
             return 0
         self._note(touch=keys[: len(path)])
-        new = self.layout.new_blocks(cache, keys, data, path, root=self.root, block_size=self.block_size)
+        new = self._layout.new_blocks(cache, keys, data, path, root=self._root, block_size=self._block_size)
         for node, tensors, _, origin in new:
-            self.layout.learn_fields(tensors)  # the dtypes and shapes a read must find
-            self.memory.put(node, tensors, origin)
+            self._layout.learn_fields(tensors)  # the dtypes and shapes a read must find
+            self._memory.put(node, tensors, origin)
         if new:
-            job = self.writeback.write_blocks if self.remote is None else self._write_and_publish
-            future = self.writeback.submit(job, [(node, bits) for node, _, bits, _ in new])
-            if self.sync_writes:
+            job = self._writeback.write_blocks if self._remote is None else self._write_and_publish
+            future = self._writeback.submit(job, [(node, bits) for node, _, bits, _ in new])
+            if self._sync_writes:
                 future.result()
         return len(new)
 
@@ -411,12 +410,12 @@ class PersistentPrefixCache(CostsMixin):
         block stored so far is published to the remote (or has failed, counted), and a
         background fill of the RAM tier is done."""
         self._check_open()
-        self.saved_costs.maybe_save(force=True)
-        self.warmer.wait()
-        if self.writeback is not None:
-            self.writeback.flush()
-        if self.remote is not None:
-            self.remote.flush()
+        self._saved_costs.maybe_save(force=True)
+        self._warmer.wait()
+        if self._writeback is not None:
+            self._writeback.flush()
+        if self._remote is not None:
+            self._remote.flush()
 
     def sweep_orphans(self, *, grace: float) -> int:
         """Remove block files no index record names, older than `grace` seconds.
@@ -427,7 +426,7 @@ class PersistentPrefixCache(CostsMixin):
         self._check_open()
         if not isinstance(grace, (int, float)) or grace < 0:
             raise InvalidArgumentError(f"grace must be a number of seconds >= 0, got {grace!r}")
-        return sweep_orphans(self.index, self.files, grace=grace)
+        return sweep_orphans(self._index, self._files, grace=grace)
 
     # -- the handle -----------------------------------------------------------------
 
@@ -439,8 +438,8 @@ class PersistentPrefixCache(CostsMixin):
             ``(bytes held, budget)`` of the RAM tier.
         """
         if max_bytes is not None:
-            self.memory.resize(max_bytes)
-        return self.memory.nbytes, self.memory.max_bytes
+            self._memory.resize(max_bytes)
+        return self._memory.nbytes, self._memory.max_bytes
 
     @property
     def closed(self) -> bool:
@@ -456,16 +455,16 @@ class PersistentPrefixCache(CostsMixin):
             # belong to the parent, and the child has already dropped the latter.
             self._closed = True
             return
-        self.saved_costs.maybe_save(force=True)
-        if hasattr(self, "warmer"):  # not there if the open failed before it
-            self.warmer.stop()
-        finished = self.writeback.stop() if self.writeback is not None else True
-        if self.remote is not None:
-            self.remote.close()
+        self._saved_costs.maybe_save(force=True)
+        if hasattr(self, "_warmer"):  # not there if the open failed before it
+            self._warmer.stop()
+        finished = self._writeback.stop() if self._writeback is not None else True
+        if self._remote is not None:
+            self._remote.close()
         self._closed = True
-        self.memory.clear()
+        self._memory.clear()
         if finished:  # else the writer thread may still wait on the index's lock
-            self.index.close()
+            self._index.close()
         _OPEN_STORES.discard(self)
 
     def stats(self) -> dict[str, int]:
@@ -510,16 +509,16 @@ class PersistentPrefixCache(CostsMixin):
             full), remote_publish_failed, remote_pending, restore_bytes_per_s_remote.
         """
         self._check_open()
-        out = self.counters.snapshot()
-        out["pending_writes"] = self.writeback.pending if self.writeback is not None else 0
-        out["disk_budget"] = self.writeback.disk_bytes if self.writeback is not None else None
-        with self.index.reader() as reader:
+        out = self._counters.snapshot()
+        out["pending_writes"] = self._writeback.pending if self._writeback is not None else 0
+        out["disk_budget"] = self._writeback.disk_bytes if self._writeback is not None else None
+        with self._index.reader() as reader:
             out["block_bytes"], out["blocks"] = reader.totals()
             out["bytes_on_disk"] = reader.file_bytes()
             out.update({f"store_{k}": v for k, v in reader.counters().items()})
-        out.update(self.memory.stats())
-        out.update(self.costs.figures())
-        out.update(remote_counters(self.counters, self.remote))
+        out.update(self._memory.stats())
+        out.update(self._costs.figures())
+        out.update(remote_counters(self._counters, self._remote))
         return out
 
     def __enter__(self) -> "PersistentPrefixCache":
@@ -533,64 +532,44 @@ class PersistentPrefixCache(CostsMixin):
     def _index_damaged(self, exc: StoreCorruptError) -> None:
         """Count a read that met a damaged index page; say so once per handle (with
         what ``ppc check --fix`` will do)."""
-        self.counters.add(corrupt=1)
+        self._counters.add(corrupt=1)
         if not self._warned_index:
             self._warned_index = True
             log.warning("%s; serving what can be read, everything else misses", exc)
 
     def _damaged(self, node: Node) -> None:
         """Count a damaged block and drop it, with everything stored after it."""
-        self.memory.discard(node.key)
-        with self.index.reader() as reader:
+        self._memory.discard(node.key)
+        with self._index.reader() as reader:
             current = reader.get(node.key)
         if current is None or (current.checksum, current.segment) != (node.checksum, node.segment):
             return  # removed, replaced or moved (compacted) by this or another process meanwhile
         log.warning("block %s is missing or damaged; dropping it", node.key.hex())
-        self.counters.add(corrupt=1)
+        self._counters.add(corrupt=1)
         self._note(corrupt=1)
-        if self.writeback is not None:
-            self.writeback.submit(self.writeback.drop_subtree, node.key)
+        if self._writeback is not None:
+            self._writeback.submit(self._writeback.drop_subtree, node.key)
 
     def _write_and_publish(self, blocks: list) -> None:
         """Commit blocks locally, then queue them for the remote (a writer-thread job,
         so that `flush` finds them queued once the write is done)."""
-        self.writeback.write_blocks(blocks)
-        self.remote.publish(blocks)
-
-    def _describe(self) -> bytes:
-        """The model's record: what its root key stands for, and its KV's dtypes and shapes."""
-        return json.dumps(
-            {
-                "fingerprint": self.fingerprint,
-                "namespace": self.namespace,
-                "layout": self.layout.signature,
-                "fields": self.layout.fields or {},
-                "name": self.model_name,
-            }
-        ).encode()
-
-    def _recorded_fields(self) -> dict | None:
-        with self.index.reader() as reader:
-            raw = reader.model(self.root)
-        try:
-            return json.loads(raw).get("fields") or None if raw else None
-        except (ValueError, AttributeError):
-            return None
+        self._writeback.write_blocks(blocks)
+        self._remote.publish(blocks)
 
     def _digests(self, nodes: list[Node]) -> dict[bytes, int]:
-        with self.index.reader() as reader:
+        with self._index.reader() as reader:
             found = {seg: reader.segment_digest(seg) for seg in {n.segment for n in nodes}}
         return {seg: d for seg, d in found.items() if d is not None}
 
     def _note(self, **kwargs: Any) -> None:
-        if self.writeback is not None:
-            self.writeback.note(**kwargs)
+        if self._writeback is not None:
+            self._writeback.note(**kwargs)
 
     def _check_open(self) -> None:
         if self._closed:
-            raise InvalidArgumentError(f"store {self.path} is closed")
+            raise InvalidArgumentError(f"store {self._path} is closed")
         if os.getpid() != self._pid:
             raise InvalidArgumentError(
-                f"store {self.path} was opened in process {self._pid}, before a fork",
+                f"store {self._path} was opened in process {self._pid}, before a fork",
                 hint="open the store again in this process",
             )

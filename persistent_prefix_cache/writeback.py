@@ -19,7 +19,6 @@ every block it names is in a segment already fsynced, renamed and its folder fsy
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -39,7 +38,7 @@ log = logging.getLogger("persistent_prefix_cache")
 ORPHAN_GRACE_SECONDS = 600.0
 # How long `close()` waits for recency and hit counts alone behind another process's
 # write lock (a writer stopped inside its commit holds it for ever).
-BOOKKEEPING_WAIT_SECONDS = float(os.environ.get("PPC_BOOKKEEPING_WAIT", 2.0))
+BOOKKEEPING_WAIT_SECONDS = 2.0
 
 
 class Worker:

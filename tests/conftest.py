@@ -101,7 +101,7 @@ def legacy_v3(tmp_path, legacy):
 @pytest.fixture(scope="session", params=["redis", "valkey"])
 def redis_engine(request):
     """Each server engine the remote tests run against ("redis", "valkey"): skipped
-    with how to install it when missing (failed under PPC_REQUIRE_<ENGINE>=1)."""
+    with how to install it when missing (failed under the test hook require=<engine>)."""
     from redis_servers import require_engine
 
     require_engine(request.param)

@@ -5,7 +5,7 @@ its fork); every remote test runs against each one installed. Each server runs o
 free port of 127.0.0.1 in a temporary directory, without persistence (``--save ''
 --appendonly no``), and is stopped by the fixture that made it. When an engine (or
 redis-py) is missing its tests skip with a message saying how to install it, unless
-``PPC_REQUIRE_REDIS=1`` / ``PPC_REQUIRE_VALKEY=1`` (CI), where they fail instead.
+the test hook ``PPC_TEST_HOOKS=require=redis:valkey`` (CI), where they fail instead.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import time
 
 import pytest
 
+from persistent_prefix_cache.disk.faults import hook
+
 ENGINES = ("redis", "valkey")
 HOW_TO_INSTALL = {
     "redis": "apt-get install -y redis-server (make test does it when it can) and pip install redis",
@@ -28,7 +30,7 @@ HOW_TO_INSTALL = {
 
 
 def require_engine(engine: str = "redis") -> None:
-    """Skip (or, with PPC_REQUIRE_<ENGINE>=1, fail) unless `engine`'s server and CLI
+    """Skip (or, with the test hook ``require=<engine>``, fail) unless `engine`'s server and CLI
     and redis-py exist."""
     missing = [name for name in (f"{engine}-server", f"{engine}-cli") if shutil.which(name) is None]
     try:
@@ -37,9 +39,8 @@ def require_engine(engine: str = "redis") -> None:
         missing.append("redis-py")
     if missing:
         message = f"remote tests on {engine} need {', '.join(missing)}: {HOW_TO_INSTALL[engine]}"
-        flag = f"PPC_REQUIRE_{engine.upper()}"
-        if os.environ.get(flag) == "1":
-            pytest.fail(f"{message} ({flag}=1: required)")
+        if engine in (hook("require") or "").split(":"):
+            pytest.fail(f"{message} (PPC_TEST_HOOKS has require={hook('require')}: required)")
         pytest.skip(message)
 
 

@@ -14,9 +14,10 @@ line ``RESULT <json>`` with what each step returned. Steps:
   ignored, so writes past it fail with EFBIG instead of killing the process.
 
 Options besides the steps: ``block_size``, ``readonly``, ``memory_bytes`` (0 unless
-given), ``sync_writes``, ``cost_model``, ``remote``, ``remote_secret``, ``remote_timeout``, and ``uid``: drop to that user before opening the store.
+given), ``sync_writes``, ``cost_model``, ``remote``, ``remote_secret``, ``remote_timeout``,
+``initial_map_size`` (the LMDB map a new environment starts with), and ``uid``: drop to that user before opening the store.
 
-Crash tests add ``PPC_PAUSE_AT`` / ``PPC_PAUSE_FILE`` to the environment and SIGKILL
+Crash tests add the ``pause_at`` / ``pause_file`` test hooks (``PPC_TEST_HOOKS``) to the environment and SIGKILL
 the worker where it pauses. The module also holds the test-side helpers that start,
 synchronise with and reap such workers.
 """
@@ -57,6 +58,10 @@ def _run(spec: dict) -> dict:
         os.setgid(spec["uid"])
         os.setuid(spec["uid"])
     out: dict = {"pid": os.getpid(), "steps": [], "warnings": []}
+    if spec.get("initial_map_size"):  # a small LMDB map, to reach its growth path
+        from persistent_prefix_cache.disk import index_env
+
+        index_env.INITIAL_MAP_SIZE = spec["initial_map_size"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         store = PersistentPrefixCache(

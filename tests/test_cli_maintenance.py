@@ -187,7 +187,7 @@ def test_export_import_roundtrip(filled, model, other_model, tmp_path):
     info = ppc_json("inspect", "--store", store_dir)
     assert len(info["models"]) == 2
     with PersistentPrefixCache(store_dir, model) as store:
-        root = store.root.hex()
+        root = store.this_model()["root"]
     pack = tmp_path / "one-model.tar"
     out = ppc_json("export", "--store", store_dir, pack, "--model", root[:12])
     assert out["models"] == 1 and pack.stat().st_size > out["bytes"]

@@ -314,7 +314,7 @@ def test_map_growth_under_concurrent_fetches(tmp_path, model, monkeypatch):
         try:
             i = 0
             while not errors:
-                if store.index.env.info()["map_size"] >= 8 * 32 * 1024:
+                if store._index.env.info()["map_size"] >= 8 * 32 * 1024:
                     break
                 tokens = random_tokens(8, seed=1000 + i, first=i % 512)
                 i += 1
@@ -339,7 +339,7 @@ def test_failed_commit_keeps_another_writers_committed_file(store_dir, model):
     cache = prefill(model, prompt)[1]
     winner = PersistentPrefixCache(store_dir, model, block_size=BLOCK)
     loser = PersistentPrefixCache(store_dir, model, memory_bytes=0)
-    real_write = loser.index.write
+    real_write = loser._index.write
 
     def commit_refused(fn):
         # While the loser's files (same names as the winner's) wait for their commit,
@@ -349,13 +349,13 @@ def test_failed_commit_keeps_another_writers_committed_file(store_dir, model):
             winner.flush()
         raise lmdb.Error("mdb_txn_commit: No space left on device (simulated)")
 
-    loser.index.write = commit_refused
+    loser._index.write = commit_refused
     try:
         assert loser.store(prompt, cache) == 3
         loser.flush()
         assert loser.stats()["write_errors"] >= 1
     finally:
-        loser.index.write = real_write
+        loser._index.write = real_write
         loser.close()
         winner.close()
     # The winner's committed blocks must still be whole.
@@ -372,7 +372,7 @@ def test_unlink_after_a_removal_keeps_a_block_stored_again_meanwhile(store_dir, 
     # Y has no RAM tier: it must look in the index, where L will be gone.
     y = PersistentPrefixCache(store_dir, model, block_size=BLOCK, memory_bytes=0)
     x = PersistentPrefixCache(store_dir, model)
-    real_unlink = x.files.unlink
+    real_unlink = x._files.unlink
 
     calls = []
 
@@ -389,11 +389,11 @@ def test_unlink_after_a_removal_keeps_a_block_stored_again_meanwhile(store_dir, 
     try:
         y.store(short, short_cache)
         y.flush()
-        x.files.unlink = unlink_late
+        x._files.unlink = unlink_late
         x.store(tokens, prefill(model, tokens)[1])
         x.flush()
     finally:
-        x.files.unlink = real_unlink
+        x._files.unlink = real_unlink
         x.close()
         y.close()
     # Y's committed record of L must still have its file.

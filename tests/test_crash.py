@@ -2,7 +2,7 @@
 transaction, a damaged index file, a full LMDB map, a full disk, a file-size quota.
 
 Writers are real processes (``store_worker.py``) that pause at a named point of the write
-path (``PPC_PAUSE_AT``, see ``faults.py``) and are killed there with SIGKILL. Everything
+path (the ``pause_at`` test hook, see ``faults.py``) and are killed there with SIGKILL. Everything
 afterwards is checked from other processes: what was committed restores bit for bit,
 what was not is a miss, and what the crash left behind is swept, but never a file that a
 live writer is still working on.
@@ -36,6 +36,7 @@ from helpers import (
 )
 from store_worker import Worker, wait_for_pause
 
+from persistent_prefix_cache.disk.faults import hooks_value
 from persistent_prefix_cache import PersistentPrefixCache
 
 # -- shared set-up ----------------------------------------------------------------------
@@ -67,7 +68,7 @@ def spec(model_dir, store_dir, steps, **options) -> dict:
 
 
 def pause_env(point: str, marker) -> dict:
-    return {"PPC_PAUSE_AT": point, "PPC_PAUSE_FILE": str(marker)}
+    return {"PPC_TEST_HOOKS": hooks_value(pause_at=point, pause_file=marker)}
 
 
 def assert_fetch(store, model, query, matched: int) -> None:
@@ -442,7 +443,6 @@ SMALL_MAP = 256 * 1024
 
 @pytest.mark.slow
 def test_full_map_grows_and_other_processes_follow(tmp_path, store_dir, model, tiny_model_dir):
-    env = {"PPC_INITIAL_MAP_SIZE": str(SMALL_MAP)}
     block = 4  # small blocks: many index records per byte of KV
     first = random_tokens(3 * block, seed=220, first=1)
     # Enough records to outgrow 256 KiB of map a few times over.
@@ -454,7 +454,7 @@ def test_full_map_grows_and_other_processes_follow(tmp_path, store_dir, model, t
     reader_steps += [["fetch", t] for t in [first, *prompts]]
     reader_steps += [["store", late], ["flush"], ["fetch", late]]
     # The reader opens (and maps 256 KiB) before the writer grows the map.
-    reader = Worker(spec(tiny_model_dir, store_dir, reader_steps), str(tmp_path), env=env)
+    reader = Worker(spec(tiny_model_dir, store_dir, reader_steps, initial_map_size=SMALL_MAP), str(tmp_path))
     writer = None
     try:
         reader.wait_ready("open")
@@ -462,7 +462,7 @@ def test_full_map_grows_and_other_processes_follow(tmp_path, store_dir, model, t
         # which would leave the map too little to outgrow).
         writer_steps = [step for t in prompts for step in (["store", t], ["flush"])] + [["stats"]]
         writer = Worker(
-            spec(tiny_model_dir, store_dir, writer_steps), str(tmp_path), env=env, name="wr"
+            spec(tiny_model_dir, store_dir, writer_steps, initial_map_size=SMALL_MAP), str(tmp_path), name="wr"
         )
         stats = writer.result(timeout=120)["steps"][-1]
         assert stats["write_errors"] == 0 and stats["blocks"] == 3 + 40 * 12

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from helpers import BLOCK, prefill, random_tokens, run_python
 
+from persistent_prefix_cache.disk.faults import hooks_value
 from persistent_prefix_cache import PersistentPrefixCache
 
 HERE = Path(__file__).parent
@@ -163,7 +164,9 @@ def _ppc(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 # Open the store as the library does (read-write), report the error's type and text.
 _OPEN = """
     import json, sys
+    from persistent_prefix_cache.disk import store_guard
     from persistent_prefix_cache.disk.maintenance import StoreAdmin
+    store_guard.OPEN_WAIT = 0.2  # a repair in progress is said after a short wait
     try:
         StoreAdmin(sys.argv[1]).close()
         print(json.dumps(None))
@@ -194,7 +197,7 @@ def test_rebuild_killed_midway_then_finished_by_a_rerun(source, model, tmp_path,
     marker = tmp_path / "paused"
     fixer = subprocess.Popen(
         [sys.executable, "-m", "persistent_prefix_cache", "check", "--fix", "--store", str(store)],
-        env={**os.environ, "PPC_PAUSE_AT": point, "PPC_PAUSE_FILE": str(marker), "PPC_REPAIR_WAIT": "0.2"},
+        env={**os.environ, "PPC_TEST_HOOKS": hooks_value(pause_at=point, pause_file=marker)},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )

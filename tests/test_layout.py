@@ -201,6 +201,80 @@ def test_compat_uses_only_public_names_of_the_store():
     assert not found
 
 
+def _store_private_attributes() -> set[str]:
+    """The private attributes a `PersistentPrefixCache` sets on itself (its collaborators)."""
+    names = set()
+    for module in ("store", "options", "costs"):
+        for node in ast.walk(MODULES[module][1]):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "self"
+                and node.attr.startswith("_")
+            ):
+                names.add(node.attr)
+    return names
+
+
+def test_compat_and_cli_reach_no_collaborator_of_the_store():
+    # The facade's collaborators (`_index`, `_memory`, `_costs`, ...) are private: the
+    # compat layers and ppc go through its public methods (the rule above checks compat
+    # for every private name; ppc legitimately touches argparse's).
+    private = _store_private_attributes()
+    assert {"_index", "_files", "_memory", "_writeback", "_costs", "_remote"} <= private
+    found = []
+    for name, (_, tree) in MODULES.items():
+        if name.split(".")[0] not in ("compat", "cli", "prefix_cache", "paged_cache", "lru_prompt_cache", "__main__"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in private:
+                if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                    found.append(f"{name}:{node.lineno} reaches the store's {node.attr}")
+    assert not found
+
+
+def test_the_package_shows_only_its_api():
+    # `__all__` is the API: the only public top-level names, even once a program has
+    # imported submodules (which Python binds as attributes of the package).
+    code = (
+        "import persistent_prefix_cache as p, persistent_prefix_cache.store, persistent_prefix_cache.cli.serve,"
+        " persistent_prefix_cache.compat.lru_prompt_cache, persistent_prefix_cache.disk.maintenance\n"
+        "public = [n for n in dir(p) if not n.startswith('_')]\n"
+        "assert public == sorted(p.__all__), sorted(set(public) ^ set(p.__all__))\n"
+        "assert all(getattr(p, n) is not None for n in p.__all__)\n"
+        "ns = {}; exec('from persistent_prefix_cache import *', ns)\n"
+        "assert sorted(n for n in ns if not n.startswith('_')) == sorted(p.__all__)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_environment_variables_are_the_documented_few():
+    # Five for users and one for the tests (docs/environment.md's table, in that order);
+    # tuning knobs are module settings, test hooks live in PPC_TEST_HOOKS.
+    sources = [*PKG.rglob("*.py"), *(ROOT / "migrations").rglob("*.py"), *(ROOT / "tools").rglob("*.py"),
+               *(ROOT / "tests").rglob("*.py"), ROOT / ".ci" / "run", ROOT / "Makefile"]  # fmt: skip
+    read = set()
+    for path in sources:
+        read |= set(re.findall(r"PPC_[A-Z_0-9]+", path.read_text()))
+    page = (ROOT / "docs" / "environment.md").read_text()
+    table = re.findall(r"^\| `(PPC_[A-Z_0-9]+)` \|", page, flags=re.M)
+    assert table == ["PPC_STORE", "PPC_REMOTE", "PPC_REMOTE_SECRET", "PPC_REMOTE_TIMEOUT", "PPC_FINGERPRINT_SCHEME",
+                     "PPC_TEST_HOOKS"]  # fmt: skip
+    assert read == set(table), sorted(read ^ set(table))
+
+
+def test_test_hooks_are_read_from_one_variable(monkeypatch):
+    from persistent_prefix_cache.disk import faults
+
+    monkeypatch.setenv(faults.VARIABLE, faults.hooks_value(pause_at="in_write_txn", pause_file="/tmp/a=b"))
+    assert faults.hook("pause_at") == "in_write_txn" and faults.hook("pause_file") == "/tmp/a=b"
+    assert faults.hook("require") is None
+    faults.pause_point("before_commit")  # another point: returns at once
+    monkeypatch.delenv(faults.VARIABLE)
+    assert faults.hook("pause_at") is None
+
 
 def test_no_module_imports_another_modules_private_name():
     # A leading underscore says "used here only": a name another module needs is public.
@@ -213,6 +287,7 @@ def test_no_module_imports_another_modules_private_name():
         if n.startswith("_") and not n.startswith("__")
     ]
     assert found == []
+
 
 def test_no_library_module_is_over_600_lines():
     sizes = {name: len(path.read_text().splitlines()) for name, (path, _) in MODULES.items()}

@@ -17,6 +17,7 @@ from helpers import assert_same_logits, assert_tree_consistent, cold_logits, ppc
 from store_worker import Worker, wait_for_pause
 from test_reliability import _snapshot
 
+from persistent_prefix_cache.disk.faults import hooks_value
 from persistent_prefix_cache import PersistentPrefixCache, StoreVersionError
 from persistent_prefix_cache.disk.index import SCHEMA_VERSION, Index
 from persistent_prefix_cache.blocks import Node
@@ -117,7 +118,7 @@ def test_kill9_during_the_migration_leaves_the_old_store(tmp_path, legacy):
     worker = Worker(
         {"model": str(legacy["model_dir"]), "store": str(path), "steps": []},
         str(tmp_path),
-        env={"PPC_PAUSE_AT": "in_write_txn", "PPC_PAUSE_FILE": str(marker)},
+        env={"PPC_TEST_HOOKS": hooks_value(pause_at="in_write_txn", pause_file=marker)},
     )
     try:
         wait_for_pause(str(marker), worker, "in_write_txn")
@@ -236,7 +237,7 @@ def test_kill9_during_the_v4_migration_leaves_the_v3_store(tmp_path, legacy_v3):
     worker = Worker(
         {"model": str(legacy_v3["model_dir"]), "store": str(path), "steps": []},
         str(tmp_path),
-        env={"PPC_PAUSE_AT": "in_write_txn", "PPC_PAUSE_FILE": str(marker)},
+        env={"PPC_TEST_HOOKS": hooks_value(pause_at="in_write_txn", pause_file=marker)},
     )
     try:
         wait_for_pause(str(marker), worker, "in_write_txn")

@@ -124,9 +124,9 @@ def test_the_two_lines_never_share_stored_kv(tmp_path):
 
     model = build("llama")
     with PersistentPrefixCache(tmp_path, model) as store:
-        plain = root_key(store.fingerprint, "", store.layout.signature)
-        assert (store.root == plain) is (versions.MLX_LM >= (0, 32, 0))
-        assert store.layout.variant == ("" if versions.MLX_LM >= (0, 32, 0) else "+mlx-lm-0.31")
+        plain = root_key(store.fingerprint, "", store._layout.signature)
+        assert (store._root == plain) is (versions.MLX_LM >= (0, 32, 0))
+        assert store._layout.variant == ("" if versions.MLX_LM >= (0, 32, 0) else "+mlx-lm-0.31")
 
 
 def test_load_options_are_what_the_installed_load_takes():

@@ -19,6 +19,7 @@ from helpers import assert_same_logits, cold_logits, feed, prefill as one_shot, 
 from test_remote import BS, open_host, publish
 
 from persistent_prefix_cache import PersistentPrefixCache
+from persistent_prefix_cache.disk import read_path
 from persistent_prefix_cache.prefill import prefill
 
 BLOCK = 16
@@ -32,7 +33,7 @@ def family_prompt() -> list[int]:
 def tier_bits(store: PersistentPrefixCache) -> dict:
     """A bitwise copy of everything the RAM tier holds, by block key, leaf and field."""
     out = {}
-    for key, (_, tensors, *_) in list(store.memory._entries.items()):
+    for key, (_, tensors, *_) in list(store._memory._entries.items()):
         for lid, part in tensors.items():
             for fld, x in part.items():
                 bits = x.view({1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}[x.itemsize])
@@ -87,7 +88,7 @@ def test_fresh_handle_serves_the_third_fetch_from_the_tier(tmp_path, model):
 def join(request, monkeypatch):
     """Both ways the read path joins RAM-tier blocks: host copies (CPU, unified memory)
     and MLX operations (a GPU's; there the tier also admits on a first hit with room)."""
-    monkeypatch.setenv("PPC_RAM_JOIN", request.param)
+    monkeypatch.setattr(read_path, "RAM_JOIN", request.param)
     return request.param
 
 
@@ -156,7 +157,7 @@ def test_admission_respects_the_budget(tmp_path, model):
                 counts = memory_counts(store)
                 assert counts["bytes_in_memory"] <= budget
         assert counts["memory_admitted"] > 0 and counts["memory_evictions"] > 0
-        entries = store.memory._entries.values()
+        entries = store._memory._entries.values()
         held = sum(x.nbytes for _, tensors, *_ in entries for part in tensors.values() for x in part.values())
         assert held == counts["bytes_in_memory"]
     # A prompt larger than the whole tier is never admitted (it would flush it).
@@ -205,7 +206,7 @@ def test_remote_hits_are_served_from_the_tier_next_time(tmp_path, model, redis_s
 def test_a_device_copy_admits_on_the_first_hit_where_there_is_room(tmp_path, model, monkeypatch):
     """Where blocks are joined with MLX operations (a GPU), admitting is a device copy:
     the first hit is admitted when it evicts nothing; a full tier waits for a second."""
-    monkeypatch.setenv("PPC_RAM_JOIN", "mlx")
+    monkeypatch.setattr(read_path, "RAM_JOIN", "mlx")
     prompts = [random_tokens(64, 50 + i, first=50 + i) for i in range(2)]
     with PersistentPrefixCache(tmp_path / "s", model, block_size=BS, memory_bytes=0) as writer:
         for toks in prompts:

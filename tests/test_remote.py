@@ -51,7 +51,7 @@ def fetch_exact(host, model, toks) -> int:
 
 
 def server_keys(host, toks) -> list[bytes]:
-    return [host.remote.key(k) for k in chain_keys(host.root, np.asarray(toks, "<i4"), BS)]
+    return [host._remote.key(k) for k in chain_keys(host._root, np.asarray(toks, "<i4"), BS)]
 
 
 @pytest.mark.parametrize(
@@ -125,8 +125,8 @@ def test_the_cost_model_leaves_a_remote_slower_than_prefill_on_the_server(tmp_pa
     # Host B learned, as from real work, that the remote reads 1 MB/s and the model
     # prefills a million tokens a second: reading the continuation loses.
     b = open_host(tmp_path / "b", model, redis_server.url)
-    b.costs.observe_restore("remote", 1 << 20, 1.0)
-    b.remote._value_bytes = 20_000  # as if a block of this model had been read before
+    b._costs.observe_restore("remote", 1 << 20, 1.0)
+    b._remote._value_bytes = 20_000  # as if a block of this model had been read before
     b.observe_prefill(1_000_000, 1.0)
     cache, rest = b.fetch(toks + [1])
     assert cache is None and len(rest) == len(toks) + 1
@@ -134,12 +134,12 @@ def test_the_cost_model_leaves_a_remote_slower_than_prefill_on_the_server(tmp_pa
     assert (st["remote_slower"], st["tokens_skipped"], st["remote_blocks"], st["remote_misses"]) == (1, 96, 0, 0)
     # cost_model=False reads it all the same; so does a host whose prefill is slow.
     c = open_host(tmp_path / "c", model, redis_server.url, cost_model=False)
-    c.costs.observe_restore("remote", 1 << 20, 1.0)
+    c._costs.observe_restore("remote", 1 << 20, 1.0)
     c.observe_prefill(1_000_000, 1.0)
     assert fetch_exact(c, model, toks + [1]) == 96 and c.stats()["remote_slower"] == 0
     d = open_host(tmp_path / "d", model, redis_server.url)
-    d.costs.observe_restore("remote", 1 << 20, 1.0)
-    d.remote._value_bytes = 20_000
+    d._costs.observe_restore("remote", 1 << 20, 1.0)
+    d._remote._value_bytes = 20_000
     d.observe_prefill(10, 1.0)  # 10 tokens/s: any read wins
     assert fetch_exact(d, model, toks + [1]) == 96 and d.stats()["remote_slower"] == 0
     for h in (a, b, c, d):
@@ -295,7 +295,7 @@ def test_forged_value_is_rejected_with_a_secret(tmp_path, model, redis_server):
     client = redis_server.client()
     # A forger who can write to the server: a well-formed value for block 1 with the
     # right key, parent and tokens, a correct checksum, other KV and no valid MAC.
-    chain = chain_keys(a.root, np.asarray(toks, "<i4"), BS)
+    chain = chain_keys(a._root, np.asarray(toks, "<i4"), BS)
     block = np.asarray(toks[BS : 2 * BS], "<i4").tobytes()
     good = wire.decode(client.get(keys[1]), keys[1], key=chain[1], parent=chain[0], position=BS, tokens=block, mac=None)
     forged = {
@@ -347,7 +347,7 @@ def test_ttl_and_publish_queue_bound(tmp_path, model, redis_server):
     publish(a, model, toks)
     ttl = redis_server.client().pttl(server_keys(a, toks)[0])
     assert 0 < ttl <= 3600 * 1000
-    a.remote.queue_bytes = 1  # no room: every block is dropped and counted, none waits
+    a._remote.queue_bytes = 1  # no room: every block is dropped and counted, none waits
     publish(a, model, random_tokens(40, 17, first=17))
     st = a.stats()
     assert st["remote_dropped"] == 3 and st["remote_pending"] == 0

@@ -15,6 +15,7 @@ from helpers import random_tokens
 from store_worker import Worker, wait_for_pause
 from test_remote import BS, TIMEOUT, fetch_exact, open_host, publish, server_keys
 
+from persistent_prefix_cache.disk.faults import hooks_value
 from persistent_prefix_cache.keys import chain_keys
 from persistent_prefix_cache.tiers import remote_wire as wire
 
@@ -59,7 +60,7 @@ def test_publisher_killed_mid_batch_leaves_whole_values_only(tmp_path, tiny_mode
     marker = str(tmp_path / "pause")
     w = host(
         tmp_path, "a", tiny_model_dir, redis_server.url, [["store", toks], ["flush"]],
-        env={"PPC_PAUSE_AT": "remote_publish", "PPC_PAUSE_FILE": marker},
+        env={"PPC_TEST_HOOKS": hooks_value(pause_at="remote_publish", pause_file=marker)},
     )  # fmt: skip
     try:
         wait_for_pause(marker, w, "remote_publish", timeout=300)
@@ -70,8 +71,8 @@ def test_publisher_killed_mid_batch_leaves_whole_values_only(tmp_path, tiny_mode
     b = open_host(tmp_path / "b", model, redis_server.url)
     keys = server_keys(b, toks)
     assert [bool(client.exists(k)) for k in keys] == [True] + [False] * 4
-    chain = chain_keys(b.root, np.asarray(toks, "<i4"), BS)
-    block = wire.decode(client.get(keys[0]), keys[0], key=chain[0], parent=b.root, position=0,
+    chain = chain_keys(b._root, np.asarray(toks, "<i4"), BS)
+    block = wire.decode(client.get(keys[0]), keys[0], key=chain[0], parent=b._root, position=0,
                         tokens=np.asarray(toks[:BS], "<i4").tobytes(), mac=None)  # fmt: skip
     assert block.node.n_tokens == BS
     assert fetch_exact(b, model, toks + [1]) == BS

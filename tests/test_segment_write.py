@@ -142,13 +142,13 @@ def test_block_writes_queued_behind_a_busy_writer_share_one_commit(tmp_path, mod
     with PersistentPrefixCache(tmp_path / "s", model, block_size=BLOCK, memory_bytes=0) as store:
         store.flush()
         gate = threading.Event()
-        store.writeback.submit(gate.wait, data=False)  # the writer is busy until the gate opens
-        before = store.index.env.info()["last_txnid"]
+        store._writeback.submit(gate.wait, data=False)  # the writer is busy until the gate opens
+        before = store._index.env.info()["last_txnid"]
         for tokens, cache in zip(prompts, caches):
             store.store(tokens, cache)
         gate.set()
         store.flush()
-        commits = store.index.env.info()["last_txnid"] - before
+        commits = store._index.env.info()["last_txnid"] - before
         assert store.stats()["write_errors"] == 0
     assert commits == 1  # three segments, one index transaction
     assert len(_segments(tmp_path / "s")) == 3
@@ -165,15 +165,15 @@ def test_a_data_job_between_queued_stores_splits_the_group_commit(tmp_path, mode
     with PersistentPrefixCache(tmp_path / "s", model, block_size=BLOCK, memory_bytes=0) as store:
         store.flush()
         gate = threading.Event()
-        store.writeback.submit(gate.wait, data=False)
-        before = store.index.env.info()["last_txnid"]
+        store._writeback.submit(gate.wait, data=False)
+        before = store._index.env.info()["last_txnid"]
         store.store(prompts[0], caches[0])
-        store.writeback.submit(lambda: ran.append(store.index.env.info()["last_txnid"] - before))
+        store._writeback.submit(lambda: ran.append(store._index.env.info()["last_txnid"] - before))
         store.store(prompts[1], caches[1])
         store.store(prompts[2], caches[2])
         gate.set()
         store.flush()
-        commits = store.index.env.info()["last_txnid"] - before
+        commits = store._index.env.info()["last_txnid"] - before
     assert ran == [1]  # the first store was committed before the job, the others after
     assert commits == 2
     _check_store(tmp_path / "s", model, prompts, caches)

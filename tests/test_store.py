@@ -88,6 +88,30 @@ def check_fetch(store, model, query, expected_matched: int):
 # -- sharing ------------------------------------------------------------------------
 
 
+# The handle's whole public surface: what it was opened with (read-only) and what callers do.
+PUBLIC_SURFACE = {
+    "path", "readonly", "block_size", "fingerprint", "model_name", "namespace", "closed",
+    "fetch", "peek", "make_cache", "store", "flush", "close", "stats", "stored_models", "this_model",
+    "forget_fingerprints", "sweep_orphans", "limit_memory", "observe_prefill", "calibrate",
+}  # fmt: skip
+
+
+def test_the_handle_shows_its_api_and_hides_its_collaborators(store_dir, model):
+    with open_store(store_dir, model, namespace="t") as store:
+        assert {n for n in dir(store) if not n.startswith("_")} == PUBLIC_SURFACE
+        assert not [n for n in vars(store) if not n.startswith("_")]  # no public mutable attribute
+        for name in ("path", "readonly", "block_size", "fingerprint", "model_name", "namespace"):
+            with pytest.raises(AttributeError):
+                setattr(store, name, None)
+        assert store.path == os.path.abspath(store_dir) and store.namespace == "t" and not store.readonly
+        ours = store.this_model()
+        assert set(ours) == {"root", "fingerprint", "namespace", "layout", "name"}
+        assert ours["fingerprint"] == store.fingerprint and ours["namespace"] == "t"
+        put(store, model, random_tokens(BLOCK + 3, seed=5, first=1))
+        store.flush()
+        assert [d["root"] for d in store.stored_models()] == [ours["root"]]
+
+
 def test_shared_prefixes_share_blocks_on_disk(store_dir, model):
     common = random_tokens(3 * BLOCK, seed=10, first=1)
     a = common + random_tokens(BLOCK + 4, seed=11, first=7)
@@ -203,7 +227,7 @@ def test_forged_record_under_the_right_key_is_a_miss(store_dir, model):
     stored = random_tokens(BLOCK, seed=32, first=1)
     with open_store(store_dir, model) as store:
         put(store, model, stored)
-        root = store.root
+        root = store._root
     (real,) = nodes_by_position(store_dir)
     victim = random_tokens(BLOCK, seed=33, first=2)
     # A record filed under the victim's true key, pointing at the real block's

@@ -3,7 +3,7 @@
 Where a prefill is faster than a disk read (an H200 below ~32k tokens), a fetch reads
 nothing; a background fill then reads the skipped blocks into the tier, so the next
 fetch of that prefix restores from RAM. Rates are set explicitly (tests never decide by
-timing); ``store.flush()`` waits for the fill. ``PPC_RAM_JOIN=mlx`` takes the GPU's route
+timing); ``store.flush()`` waits for the fill. ``read_path.RAM_JOIN = "mlx"`` takes the GPU's route
 (host reads installed as MLX copies by the next fetch) on this CPU.
 """
 
@@ -19,6 +19,7 @@ from helpers import assert_same_logits, cold_logits, feed, prefill as one_shot, 
 from test_ram_admission import assert_same_bits, memory_counts
 
 from persistent_prefix_cache import PersistentPrefixCache
+from persistent_prefix_cache.disk import read_path
 from persistent_prefix_cache.disk.buffers import HostBits
 
 BS = 16
@@ -29,7 +30,7 @@ UINT = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 def tier_bits(store: PersistentPrefixCache) -> dict:
     """A bitwise copy of what the tier holds: MLX arrays, or host bits on the CPU."""
     out = {}
-    for key, (_, tensors, *_) in list(store.memory._entries.items()):
+    for key, (_, tensors, *_) in list(store._memory._entries.items()):
         for lid, part in tensors.items():
             for fld, x in part.items():
                 bits = x.bits if isinstance(x, HostBits) else np.array(x.view(UINT[x.itemsize]))
@@ -48,13 +49,13 @@ def write_store(path, model, prompts) -> int:
 
 def disk_loses(store: PersistentPrefixCache) -> None:
     """Rates where a disk read always loses to a prefill and a RAM restore always wins."""
-    store.costs.set_prefill(1e6)  # 1 µs a token
-    store.costs.set_restore({"ram": 1e15, "disk": 1.0})  # a byte a second from disk
+    store._costs.set_prefill(1e6)  # 1 µs a token
+    store._costs.set_restore({"ram": 1e15, "disk": 1.0})  # a byte a second from disk
 
 
 @pytest.mark.parametrize("join", ["numpy", "mlx"])
 def test_a_skipped_prefix_is_served_from_the_tier_next_time(tmp_path, model, monkeypatch, join):
-    monkeypatch.setenv("PPC_RAM_JOIN", join)
+    monkeypatch.setattr(read_path, "RAM_JOIN", join)
     toks = random_tokens(96, 1, first=1)
     total = write_store(tmp_path / "s", model, [toks])
     query = toks + random_tokens(3, 2)

@@ -169,16 +169,16 @@ def remote_figures(bench: Any, shape: Any, helpers: dict) -> dict | None:
         with bench.open_store(bench.scratch("probe"), shape, remote=server.url, remote_timeout=10) as p:
             from persistent_prefix_cache.keys import chain_keys
 
-            keys = chain_keys(p.root, long, bs)
+            keys = chain_keys(p._root, long, bs)
             pipe = server.client.pipeline(transaction=False)
             for k in keys:
-                pipe.set(p.remote.key(k), b"x")
+                pipe.set(p._remote.key(k), b"x")
             pipe.execute()
             data = long.tobytes()
             runs = []
             for _ in range(max(5, bench.repeat) + 1):
                 t0 = time.perf_counter()
-                found = p.remote.probe(p.root, 0, data, bs)
+                found = p._remote.probe(p._root, 0, data, bs)
                 runs.append(time.perf_counter() - t0)
             assert len(found) == len(keys)
             probe = summarize(runs[1:])

@@ -39,6 +39,8 @@ except ImportError:  # run from a checkout without installing
 
 from mlx_lm.models import llama
 
+from persistent_prefix_cache.disk import read_path
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_precompute  # noqa: E402  (tools/bench_precompute.py)
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
@@ -120,7 +122,7 @@ def case(model, n: int, repeat: int, work: Path) -> dict:
     out["ours_disk_forward_s"] = timed(restore(disk, "disk"), repeat)
     # The cost model, as a caller would use it: calibrate once, fetch (timed by the store).
     for tier, handle in (("ram", ram), ("disk", disk)):
-        handle.costs.enabled = True
+        handle._costs.enabled = True
         handle.calibrate(model, tokens=min(n, 2048))
         handle.fetch(query)  # learns (or confirms) this tier's rate
         before = handle.stats()
@@ -252,7 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--precompute", default=None,
                    help="PROMPTSxTOKENS of the precompute figures ('' skips; default 16x4096, 2x256 with --small)")  # fmt: skip
     p.add_argument("--fingerprint", action="store_true", help="also time the weight hash of a first open")
+    p.add_argument("--ram-join", choices=("mlx", "numpy"), default=None,
+                   help="how the RAM tier's blocks are joined (default: by device; to measure both)")  # fmt: skip
     args = p.parse_args(argv)
+    read_path.RAM_JOIN = args.ram_join
     model = build(SMALL if args.small else SHAPE_8B)
     work = Path(tempfile.mkdtemp(dir=args.dir))
     results = {

@@ -242,13 +242,13 @@ def _check_models(store: Any) -> str | None:
         A note for stderr when the store holds nothing of this model, else None.
     """
     stored = store.stored_models()
-    ours = store.root.hex()
+    ours = store.this_model()["root"]
     if any(d["root"] == ours for d in stored):
         return None  # this model, layout and namespace already have blocks
     others = [d for d in stored if d["root"] != ours]
     if not others:
         return None
-    layout = store.layout.signature
+    layout = store.this_model()["layout"]
     same_model = [d for d in others if d.get("fingerprint") == store.fingerprint]
     for desc in same_model:
         if desc.get("namespace") == store.namespace and desc.get("layout") != layout:

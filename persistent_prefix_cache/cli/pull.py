@@ -44,7 +44,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     def work() -> int:
-        from ..remote_sync import BULK_TIMEOUT, pull_model, reach
+        from ..remote_sync import BULK_TIMEOUT, count_unauthenticated, pull_model, reach
         from .precompute import read_inputs, tokenize
 
         options = require_remote(args)
@@ -57,7 +57,7 @@ def main(argv: list[str]) -> int:
         model, tokenizer, local_path = load_model(args.model)
         store = open_checked_store(args, model, local_path, need_write=True)
         with store:
-            store.remote.warn_unauthenticated = False  # said below, with the count
+            count_unauthenticated(store)  # said below, with the count
             if prompts:
                 draw = progress_line("pulled prompts:", not args.no_progress)
                 restored = 0

@@ -184,12 +184,12 @@ class ProviderStores:
             # The server's generation thread opens the store (it owns MLX's stream here):
             # measure the prefill once per model and device kind, for the cost model.
             try:
-                if store.costs.prefill_tokens_per_s is None:
+                if store.stats()["prefill_tokens_per_s"] is None:
                     started = time.perf_counter()
                     rate = store.calibrate(model, tokens=CALIBRATION_TOKENS)
                     log.info(
                         "cost model: measured the prefill on %s: %.0f tokens/s (%.3f s, once per model and device)",
-                        store.costs.device, rate, time.perf_counter() - started,
+                        store.stats()["cost_device"], rate, time.perf_counter() - started,
                     )  # fmt: skip
             except Exception as exc:  # the store then restores every hit, as without costs
                 log.warning("could not measure the model's prefill for the cost model: %s", exc)

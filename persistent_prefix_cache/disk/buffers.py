@@ -6,7 +6,6 @@ numpy buffers on its own thread, with no MLX work there).
 from __future__ import annotations
 
 import json
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -137,6 +136,8 @@ class _Unwritten:
 
 
 _UNWRITTEN_WORKS = True  # cleared if this MLX cannot load from a file object
+# A module setting, to measure: True allocates restore buffers zero-filled everywhere.
+ALLOCATE_ZEROS = False
 
 
 def on_gpu() -> bool:
@@ -162,7 +163,7 @@ def allocate(specs: list[tuple[str, tuple[int, ...], str]]) -> dict[str, mx.arra
             got = arena.take(shape, bits) if arena is not None else None
             out[name] = got if got is not None else np.empty(shape, dtype=bits)
         return out
-    if on_gpu() or not _UNWRITTEN_WORKS or os.environ.get("PPC_ALLOCATE") == "zeros":
+    if on_gpu() or not _UNWRITTEN_WORKS or ALLOCATE_ZEROS:
         uint = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
         out = {
             name: mx.zeros(shape, dtype=uint[dtype_info(dtype)[1]]).view(mx_dtype(dtype))

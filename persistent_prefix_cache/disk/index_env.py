@@ -27,7 +27,7 @@ from . import store_guard
 from .store_dir import LEGACY_FILE, make_dirs, modes_of, require_writable, set_file_mode
 
 # The map grows on demand (doubling); the start is small so tiny stores stay tiny.
-INITIAL_MAP_SIZE = int(os.environ.get("PPC_INITIAL_MAP_SIZE", 64 * 1024 * 1024))
+INITIAL_MAP_SIZE = 64 * 1024 * 1024  # tests set it smaller (module setting) to reach the growth path
 # Named databases opened per environment: the current schema's, and a few spare.
 MAX_DBS = 12
 

@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass, field
 
 # Seconds the walk may take: generous (a big index on a slow disk), never forever.
-PROBE_TIMEOUT = float(os.environ.get("PPC_PROBE_TIMEOUT", "120"))
+PROBE_TIMEOUT = 120.0
 
 
 @dataclass

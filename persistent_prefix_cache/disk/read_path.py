@@ -30,13 +30,16 @@ from .segment import OpenSegment, SegmentFiles
 KV_STEP = 256  # mlx-lm's KVCache grows in steps of 256 tokens
 # Reader threads: reads and checksums of a path's (segment, field) pieces, and copies
 # of RAM-tier blocks, run in parallel (all drop the GIL); 4 on small machines, up to 8
-# where cores allow (``PPC_READERS`` sets both). Disk reads stay on the caller's thread
+# where cores allow (module settings: a benchmark may set both). Disk reads stay on the caller's thread
 # on a machine of 1-2 cores: on a shared 2-core VM (128 MiB) they took 30-31 ms median
 # there against 60-95 ms on 2-4 threads, whose rounds wait for the last thread the
 # neighbours let run (the best rounds were equal); copies from RAM still gained from 4.
 _CPUS = os.cpu_count() or 1
-_READERS = int(os.environ.get("PPC_READERS", "0")) or max(4, min(8, _CPUS))
-_READ_THREADS = int(os.environ.get("PPC_READERS", "0")) or (1 if _CPUS <= 2 else _READERS)
+READERS = max(4, min(8, _CPUS))  # threads of the pool (set before the first restore)
+READ_THREADS = 1 if _CPUS <= 2 else READERS  # 1: disk reads on the caller's thread
+# How RAM-tier blocks are joined: None by device (`join_on_device`), or "mlx" / "numpy"
+# (tests and ``tools/gpu_bench.py --ram-join`` set it, to measure both).
+RAM_JOIN: str | None = None
 _pool: ThreadPoolExecutor | None = None
 _PARALLEL_COPY_BYTES = 4 << 20  # below this, handing copies to threads costs more than it saves
 _pool_lock = threading.Lock()
@@ -47,7 +50,7 @@ def reader_pool() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(_READERS, thread_name_prefix="ppc-reader")
+            _pool = ThreadPoolExecutor(READERS, thread_name_prefix="ppc-reader")
         return _pool
 
 
@@ -63,7 +66,7 @@ if hasattr(os, "register_at_fork"):
 def _map(fn, items: list) -> list:
     """`fn` over `items`: on the reader threads, or here alone (`host_reads`, or
     a machine of 1-2 cores)."""
-    if len(items) > 1 and _READ_THREADS > 1 and not reading_to_host():
+    if len(items) > 1 and READ_THREADS > 1 and not reading_to_host():
         return list(reader_pool().map(fn, items))
     return [fn(x) for x in items]
 
@@ -76,9 +79,8 @@ def _capacity(position: int) -> int:
 def join_on_device() -> bool:
     """Whether RAM-tier blocks are joined with MLX operations (on the default device)
     rather than copied into host buffers: on a GPU, where CPU writes would migrate
-    pages (``PPC_RAM_JOIN=mlx`` or ``=numpy`` overrides, to measure both)."""
-    choice = os.environ.get("PPC_RAM_JOIN")
-    return choice == "mlx" if choice in ("mlx", "numpy") else on_gpu()
+    pages (`RAM_JOIN` ``"mlx"`` or ``"numpy"`` overrides, to measure both)."""
+    return RAM_JOIN == "mlx" if RAM_JOIN in ("mlx", "numpy") else on_gpu()
 
 
 def _pieces(nodes, cached, origins) -> list[tuple[str, int, int, mx.array]]:

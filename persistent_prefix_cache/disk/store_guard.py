@@ -35,7 +35,7 @@ BUILDING = "index.rebuild"  # a rebuild writing its new index (incomplete)
 COMPLETE = "index.new"  # a complete new index, not yet swapped in
 ASIDE_PREFIX = "damaged-"  # what a repair set aside: the damaged index, unusable segments
 # How long an open waits for a repair in another process before it raises.
-OPEN_WAIT = float(os.environ.get("PPC_REPAIR_WAIT", "2.0"))
+OPEN_WAIT = 2.0
 
 _HELD: dict[tuple[int, str], list] = {}  # (pid, store) -> [fd or None, "sh" | "ex", count]
 _LOCK = threading.Lock()

@@ -28,7 +28,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
-from ..disk.faults import pause_point
+from ..disk.faults import hook, pause_point
 from ..blocks import Node
 from ..errors import RemoteUnreachableError
 from ..keys import block_key
@@ -422,7 +422,7 @@ class RemoteTier:
         errors = self.bulk.errors
         values = [(self.key(node.key), wire.encode(self.key(node.key), node, t, self.mac)) for node, t in blocks]
         commands = [("SET", k, v, self.ttl_ms) for k, v in values]
-        if os.environ.get("PPC_PAUSE_AT") == "remote_publish" and len(commands) > 1:
+        if hook("pause_at") == "remote_publish" and len(commands) > 1:
             # Crash tests: stop (to be killed) with the first block published, the rest not.
             results = self.bulk.call(commands[:1])
             pause_point("remote_publish")
