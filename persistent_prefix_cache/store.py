@@ -294,7 +294,7 @@ class PersistentPrefixCache(OpenedWith, CostsMixin):
     def peek(self, tokens: Any) -> int:
         """How many tokens `fetch` would restore, from the index alone (nothing is loaded).
 
-        A block file found damaged by the fetch itself can make the fetch restore fewer.
+        A segment file found damaged by the fetch itself can make the fetch restore fewer.
 
         Args:
             tokens: The prompt.
@@ -418,7 +418,7 @@ class PersistentPrefixCache(OpenedWith, CostsMixin):
             self._remote.flush()
 
     def sweep_orphans(self, *, grace: float) -> int:
-        """Remove block files no index record names, older than `grace` seconds.
+        """Remove segment files no index record names, older than `grace` seconds.
 
         Returns:
             How many files were removed.

@@ -14,7 +14,7 @@ COMMANDS = {
     "serve": ("serve", "mlx_lm.server with a persistent prompt cache"),
     "stats": ("stats", "counters and totals of a store"),
     "inspect": ("inspect", "models, fingerprints and the longest stored prefixes"),
-    "check": ("check", "verify every block file and the index (--fix repairs)"),
+    "check": ("check", "verify every segment file and the index (--fix repairs)"),
     "gc": ("gc", "remove blocks by model, by age, or down to a byte budget"),
     "forget": ("forget", "forget the model fingerprints remembered by folder (--model-path DIR | --all)"),
     "migrate": ("migrate", "apply pending schema migrations"),

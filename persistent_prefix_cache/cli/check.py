@@ -1,4 +1,4 @@
-"""``ppc check [--fix]``: verify the index (walked in a child process), every block file
+"""``ppc check [--fix]``: verify the index (walked in a child process), every segment file
 and the index's invariants; ``--fix`` rebuilds a damaged index from the segment files.
 
 Exit codes: 0 clean (or repaired with ``--fix``), 1 problems remain (run ``--fix``),
@@ -44,7 +44,7 @@ def _render(r: dict) -> str:
 
 def main(argv: list[str]) -> int:
     """Verify a store; exit 0 if clean (or repaired with --fix), 1 if problems remain."""
-    parser = make_parser("check", "Verify every block file's checksum and the index's invariants.")
+    parser = make_parser("check", "Verify every segment file's checksums and the index's invariants.")
     add_store_option(parser)
     parser.add_argument(
         "--fix", action="store_true",

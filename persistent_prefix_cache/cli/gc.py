@@ -42,7 +42,7 @@ def main(argv: list[str]) -> int:
     )
     add_store_option(parser)
     parser.add_argument(
-        "--max-bytes", type=parse_size, default=None, help="budget for block files, e.g. 500M or 2G (binary units)"
+        "--max-bytes", type=parse_size, default=None, help="budget for segment files, e.g. 500M or 2G (binary units)"
     )
     parser.add_argument("--model", default=None, help="remove every block of this model: folder, hub id or hash prefix")
     parser.add_argument(
