@@ -31,12 +31,14 @@ KV_STEP = 256  # mlx-lm's KVCache grows in steps of 256 tokens
 # Reader threads: reads and checksums of a path's (segment, field) pieces, and copies
 # of RAM-tier blocks, run in parallel (all drop the GIL); 4 on small machines, up to 8
 # where cores allow (module settings: a benchmark may set both). Disk reads stay on the caller's thread
-# on a machine of 1-2 cores: on a shared 2-core VM (128 MiB) they took 30-31 ms median
-# there against 60-95 ms on 2-4 threads, whose rounds wait for the last thread the
-# neighbours let run (the best rounds were equal); copies from RAM still gained from 4.
+# only on a single core. On a quiet 2-core VM (128 MiB float16, page cache warm, `tools/bench.py`)
+# the pool restores in 25.6-27.3 ms against 36.4 ms on the caller's thread (raw read: 20.5 ms),
+# since one thread hashes a field while another reads the next; on the same VM shared with
+# other test suites the pool's rounds waited for the last thread the neighbours let run
+# (60-95 ms against 30-31 ms). We choose for a machine that runs the restore, not its neighbours.
 _CPUS = os.cpu_count() or 1
 READERS = max(4, min(8, _CPUS))  # threads of the pool (set before the first restore)
-READ_THREADS = 1 if _CPUS <= 2 else READERS  # 1: disk reads on the caller's thread
+READ_THREADS = 1 if _CPUS <= 1 else READERS  # 1: disk reads on the caller's thread
 # How RAM-tier blocks are joined: None by device (`join_on_device`), or "mlx" / "numpy"
 # (tests and ``tools/gpu_bench.py --ram-join`` set it, to measure both).
 RAM_JOIN: str | None = None
