@@ -17,9 +17,12 @@ What it costs the caller, and what it keeps:
   than ``memory_bytes``, with the reader pool left to callers (`host_reads`).
 - No MLX work runs on that thread (a GPU stream belongs to the caller's thread): it reads
   into numpy buffers. On the CPU the tier holds those bits as they are (`HostBits`, as it
-  holds the remote's blocks). On a GPU the next fetch (`install`, on the caller's
-  thread) copies them to the device, joined with MLX operations as the admission code
-  does, before the cost model looks at the path.
+  holds the remote's blocks). On a GPU those buffers are carved from an `Arena` of
+  device memory the skipping fetch made on its own thread, so the fill's reads land on
+  the device as the disk read path's do; the next fetch (`install`, on the caller's
+  thread) joins them into the tier with MLX operations, as the admission code does,
+  before the cost model looks at the path (what did not fit in the arena is copied over
+  on threads first).
 - Every block's checksum is verified before it joins the tier (`read_path`); a damaged
   or missing block stops the fill there (counted; the fetch that reads it drops it).
 - The tier's copies are its own: restores copy out of them (`read_path`), so nothing the
