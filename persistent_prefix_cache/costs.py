@@ -329,16 +329,26 @@ class Costs:
             return True
         return read + (ram or 0.0) < prefill
 
-    def choose(self, ends: list[int], sizes: list[int], in_ram: list[bool], resumable: list[int]) -> Choice:
+    def choose(
+        self, ends: list[int], sizes: list[int], in_ram: list[bool], resumable: list[int], total: int | None = None
+    ) -> Choice:
         """The prefix of a lookup's path that saves the most time.
 
         Restoring the first ``i + 1`` blocks costs the fixed cost of the slowest tier
         they come from, the first forward on a restored cache, and each block's bytes
-        over its tier's rate; it saves the prefill of positions ``[0, ends[i])``.
+        over its tier's rate. It saves what a prefill of the whole prompt costs beyond
+        the prefill of what is left, ``prefill(0, total) − prefill(ends[i], total)``:
+        the caller runs a forward for the rest either way, so a restore saves no
+        forward call's fixed cost unless it saves a whole call (a GPU's forward is
+        bound by its launches below a few hundred tokens: counting one call per
+        restore made an 8B model on an H200 restore 64 tokens of 8,193, and 512-token
+        prompts, at a loss).
 
         Args:
             ends: Tokens covered once each block of the path is restored (the last
                 may be less than that block's end: the matched length).
+            total: The prompt's length (the caller computes ``[ends[i], total)``);
+                ``ends[-1]`` if not given.
             sizes: Bytes of each block.
             in_ram: Whether each block is in the RAM tier.
             resumable: Indexes of the blocks at whose end (``ends[i]``) every layer
@@ -364,11 +374,13 @@ class Costs:
                 return whole  # a tier not timed yet: restore, and learn its rate
             best, cost, disk = Choice(0, 0, 0.0, "skipped_slower"), 0.0, False
             cuts = set(resumable)
+            total = max(ends[-1], total or 0)
+            whole = self.prefill_seconds(0, total)
             for i, (size, ram) in enumerate(zip(sizes, in_ram)):
                 cost += size * slopes["ram" if ram else "disk"]
                 disk = disk or not ram
                 if i in cuts:
-                    saved = self.prefill_seconds(0, ends[i]) - (cost + fixed["disk" if disk else "ram"] + first)
+                    saved = whole - self.prefill_seconds(ends[i], total) - (cost + fixed["disk" if disk else "ram"] + first)
                     if saved > best.saved_seconds:
                         best = Choice(i + 1, ends[i], saved)
         if best.blocks == len(ends):
@@ -561,14 +573,14 @@ class CostsMixin:
             self._saved_costs.maybe_save(force=True)
         return self._costs.prefill_tokens_per_s
 
-    def _cheaper(self, path: list, matched: int) -> tuple[list, int]:
+    def _cheaper(self, path: list, matched: int, total: int) -> tuple[list, int]:
         """The prefix of `path` the cost model restores (all of it until it knows),
-        its decision counted."""
+        its decision counted (`total`: the prompt's length)."""
         self._warmer.install()  # blocks a background fill read for a GPU: in the tier first
         ends = [n.end for n in path[:-1]] + [matched]
         cuts = [i for i, n in enumerate(path[:-1]) if n.resumable] + [len(path) - 1]
         in_ram = [self._memory.node(n.key) is not None for n in path]
-        choice = self._costs.choose(ends, [n.size for n in path], in_ram, cuts)
+        choice = self._costs.choose(ends, [n.size for n in path], in_ram, cuts, total)
         self._counters.add(**{choice.decision: 1}, tokens_skipped=matched - choice.tokens)
         if choice.blocks < len(path) and not all(in_ram[choice.blocks :]):
             # Left on disk: the tier may still learn it, once the caller has computed it.

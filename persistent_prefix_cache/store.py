@@ -265,7 +265,7 @@ class PersistentPrefixCache(OpenedWith, CostsMixin):
                 self._counters.add(not_longer=1)
             return None, tokens
         if path:
-            path, matched = self._cheaper(path, matched)
+            path, matched = self._cheaper(path, matched, len(tokens))
         layers = None
         while path and layers is None:
             first = self._layout.first_needed(path, matched)

@@ -36,6 +36,7 @@ import threading
 from typing import Any, Callable
 
 from .disk.read_path import join_on_device, read_path
+from .disk import cuda_pages
 from .disk.buffers import Arena, HostBits, host_reads, to_device
 from .blocks import Node, is_sliced
 from .disk.segment import SegmentFiles
@@ -191,6 +192,10 @@ class Warmer:
             return
         nodes, runs, snaps = got
         if join_on_device():
+            if arena is not None and cuda_pages.prefetch([arena.bytes]):
+                # On this thread, before the next fetch joins them: the host wrote these
+                # pages, and that fetch's copies would fault them over one by one.
+                cuda_pages.wait()
             with self._lock:
                 if not self._stopped:
                     self._ready.append((nodes, runs, snaps, arena))

@@ -43,6 +43,22 @@ def test_choice_saves_the_most_time():
     assert not Costs(enabled=False).choose(ends, sizes, ram, cuts).saved_seconds
 
 
+def test_a_restore_saves_no_forward_call_the_caller_runs_anyway():
+    # A GPU's prefill: 35,000 tokens/s and 12 ms per forward call (bound by launches).
+    costs = Costs()
+    costs.set_prefill(35000.0, per_forward=0.012)
+    costs.set_restore({"disk": 8e9}, {"disk": 0.010})
+    size = 64 << 20  # 512 tokens of an 8B model's KV
+    # As a prefill of its own, 512 tokens cost 26.6 ms: the restore (18.4 ms) would win...
+    assert costs.prefill_seconds(0, 512) > 0.010 + size / 8e9
+    # ...but the caller runs one forward for the 513th token either way: the restore saves
+    # the tokens only (14.6 ms) and loses.
+    assert costs.choose([512], [size], [False], [0], total=513).blocks == 0
+    # Where reading is cheap enough to beat the tokens alone, it still restores.
+    costs.set_restore({"disk": 8e10}, {"disk": 0.001})
+    assert costs.choose([512], [size], [False], [0], total=513).decision == "restored_all"
+
+
 def test_a_store_skips_what_is_slower_and_counts_it(store_dir, model):
     tokens = random_tokens(3 * BLOCK + 5, seed=900)
     with _store(store_dir, model, tokens) as store:

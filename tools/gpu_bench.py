@@ -39,7 +39,7 @@ except ImportError:  # run from a checkout without installing
 
 from mlx_lm.models import llama
 
-from persistent_prefix_cache.disk import read_path
+from persistent_prefix_cache.disk import cuda_pages, read_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_precompute  # noqa: E402  (tools/bench_precompute.py)
@@ -256,13 +256,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fingerprint", action="store_true", help="also time the weight hash of a first open")
     p.add_argument("--ram-join", choices=("mlx", "numpy"), default=None,
                    help="how the RAM tier's blocks are joined (default: by device; to measure both)")  # fmt: skip
+    p.add_argument("--gpu-pages", choices=("prefetch", "touch", "none"), default=cuda_pages.MODE,
+                   help="how restored buffers the host wrote reach the GPU (disk/cuda_pages.py)")  # fmt: skip
     args = p.parse_args(argv)
     read_path.RAM_JOIN = args.ram_join
+    cuda_pages.MODE = args.gpu_pages
     model = build(SMALL if args.small else SHAPE_8B)
     work = Path(tempfile.mkdtemp(dir=args.dir))
     results = {
         "device": str(mx.default_device()),
         "mlx": mx.__version__,
+        "gpu_pages": args.gpu_pages,
         "cases": [case(model, int(n), args.repeat, work) for n in args.tokens.split(",")],
     }
     if args.precompute is None:
@@ -283,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
                fp["same_value"], fp["lanes_matches_cpu"]),
             file=sys.stderr,
         )  # fmt: skip
-    print(f"persistent_prefix_cache GPU case: mlx {results['mlx']} on {results['device']}", file=sys.stderr)
+    print(f"persistent_prefix_cache GPU case: mlx {results['mlx']} on {results['device']}; "
+          f"--gpu-pages {args.gpu_pages}", file=sys.stderr)  # fmt: skip
     print(f"{'tokens':>7} {'cold s':>8} {'mlx-lm':>8} {'ours RAM':>9} {'ours disk':>9}   (restore + 1 forward, s; x cold)   cost model (RAM / disk)", file=sys.stderr)
     rows = []
     for c in results["cases"]:
