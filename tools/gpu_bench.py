@@ -80,7 +80,28 @@ def forward(model, cache, tokens) -> mx.array:
     return out
 
 
+OBSERVED: list = []  # (what, size, seconds) the cost model was told, with --log-costs
+
+
+def log_costs() -> None:
+    """Record every timing the cost model is told (to see what its fits rest on)."""
+    from persistent_prefix_cache.costs import Costs
+
+    restore, prefill = Costs.observe_restore, Costs.observe_prefill
+
+    def observe_restore(self, tier, nbytes, seconds):
+        OBSERVED.append((tier, nbytes, round(seconds, 5)))
+        return restore(self, tier, nbytes, seconds)
+
+    def observe_prefill(self, tokens, seconds, **kw):
+        OBSERVED.append(("prefill", tokens, round(seconds, 5), kw.get("start", 0), kw.get("forwards", 1)))
+        return prefill(self, tokens, seconds, **kw)
+
+    Costs.observe_restore, Costs.observe_prefill = observe_restore, observe_prefill
+
+
 def case(model, n: int, repeat: int, work: Path) -> dict:
+    OBSERVED.clear()
     vocab = model.args.vocab_size
     tokens = [(7 * i + 3) % vocab for i in range(n)]
     query = tokens + [5]
@@ -172,6 +193,8 @@ def case(model, n: int, repeat: int, work: Path) -> dict:
     for tier in ("ram", "disk"):
         diff = mx.abs(logits[tier].astype(mx.float32) - want.astype(mx.float32))
         out[f"ours_{tier}_max_abs_diff_vs_in_memory"] = float(diff.max())
+    if OBSERVED:
+        out["observed"] = list(OBSERVED)
     keys = ["mlx_lm_load_forward_s", "ours_ram_forward_s", "ours_disk_forward_s", "restarted_default_forward_s"]
     for key in keys + [f"ours_fresh_{k}_forward_s" for k in ("1st", "2nd", "3rd")]:
         out[key[:-2] + "_vs_cold"] = out[key] / out["cold_prefill_s"]
@@ -258,9 +281,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="how the RAM tier's blocks are joined (default: by device; to measure both)")  # fmt: skip
     p.add_argument("--gpu-pages", choices=("prefetch", "touch", "none"), default=cuda_pages.MODE,
                    help="how restored buffers the host wrote reach the GPU (disk/cuda_pages.py)")  # fmt: skip
+    p.add_argument("--log-costs", action="store_true", help="every timing the cost model is told, in --json")
     args = p.parse_args(argv)
     read_path.RAM_JOIN = args.ram_join
     cuda_pages.MODE = args.gpu_pages
+    if args.log_costs:
+        log_costs()
     model = build(SMALL if args.small else SHAPE_8B)
     work = Path(tempfile.mkdtemp(dir=args.dir))
     results = {
