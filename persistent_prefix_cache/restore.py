@@ -159,32 +159,40 @@ def join_admitted(
             snap_copies[k] = [(lid, f, x) for lid, fields in part.items() for f, x in fields.items()]
     # Each copy cut into its blocks with one split (the blocks a copy covers are
     # consecutive): thousands of blocks sliced one by one cost ~10 us each, which a GPU
-    # fetch that joins a background fill waited for (8k tokens: ~50 ms).
-    cut: dict[int, dict[str, dict[str, tuple[mx.array, mx.array, int]]]] = {}
+    # fetch admitting 8k tokens waited for. Per block and leaf: its tensors, the copies
+    # they are views of, and where those start.
+    bounds = {k: (nodes[k].position, nodes[k].end) for k in chosen}
+    covered: dict[tuple[int, int], list[int]] = {}
+    per: dict[int, dict[str, tuple[dict, dict, set]]] = {k: {} for k in chosen}
     views = []
     for lid, part in bases.items():
         for fld, pieces in part.items():
             for a, z, copy in pieces:
-                inside = [k for k in chosen if a <= nodes[k].position and nodes[k].end <= z]
+                inside = covered.get((a, z))
+                if inside is None:
+                    inside = covered[(a, z)] = [k for k in chosen if a <= bounds[k][0] and bounds[k][1] <= z]
                 if not inside:
                     continue
-                lo, hi = nodes[inside[0]].position - a, nodes[inside[-1]].end - a
-                rows = copy[..., lo:hi, :]
-                parts = mx.split(rows, [nodes[k].end - a - lo for k in inside[:-1]], axis=-2) if len(inside) > 1 else [rows]
-                if not is_sliced(f"{lid}.{fld}", parts[0].shape, nodes[inside[0]].n_tokens):
+                lo = bounds[inside[0]][0] - a
+                rows = copy[..., lo : bounds[inside[-1]][1] - a, :]
+                parts = mx.split(rows, [bounds[k][1] - a - lo for k in inside[:-1]], axis=-2) if len(inside) > 1 else [rows]
+                if not is_sliced(f"{lid}.{fld}", parts[0].shape, bounds[inside[0]][1] - bounds[inside[0]][0]):
                     continue
                 for k, x in zip(inside, parts):
-                    cut.setdefault(k, {}).setdefault(lid, {})[fld] = (x, copy, a)
+                    slot = per[k].get(lid)
+                    if slot is None:
+                        slot = per[k][lid] = ({}, {}, set())
+                    slot[0][fld], slot[1][fld] = x, copy
+                    slot[2].add(a)
                 views.extend(parts)
     entries = []
     for k in chosen:
         tensors: dict[str, dict] = {lid: {} for lid in (*runs, *own_snaps.get(k, {}))}
         origin: dict[str, tuple] = {}
-        for lid, part in cut.get(k, {}).items():
-            tensors[lid] = {fld: x for fld, (x, _, _) in part.items()}
-            starts = {a for _, _, a in part.values()}
+        for lid, (sliced, copies, starts) in per[k].items():
+            tensors[lid] = sliced
             if len(starts) == 1:  # every field's copy starts at one row: restores join the blocks as one slice
-                origin[lid] = ({fld: copy for fld, (_, copy, _) in part.items()}, starts.pop())
+                origin[lid] = (copies, next(iter(starts)))
         for lid, f, copy in snap_copies.get(k, ()):
             tensors[lid][f] = copy
         entries.append((nodes[k], tensors, origin))
