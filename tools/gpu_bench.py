@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fingerprint", action="store_true", help="also time the weight hash of a first open")
     p.add_argument("--ram-join", choices=("mlx", "numpy"), default=None,
                    help="how the RAM tier's blocks are joined (default: by device; to measure both)")  # fmt: skip
-    p.add_argument("--gpu-pages", choices=("prefetch", "touch", "none"), default=cuda_pages.MODE,
+    p.add_argument("--gpu-pages", choices=("stage", "prefetch", "touch", "none"), default=cuda_pages.MODE,
                    help="how restored buffers the host wrote reach the GPU (disk/cuda_pages.py)")  # fmt: skip
     p.add_argument("--log-costs", action="store_true", help="every timing the cost model is told, in --json")
     args = p.parse_args(argv)

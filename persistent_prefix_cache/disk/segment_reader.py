@@ -321,24 +321,32 @@ class OpenSegment:
             return False
         return True
 
-    def read_field_hashed(self, f: SegmentField, dest: memoryview, offset: int, stride: int) -> int | None:
+    def read_field_hashed(self, f: SegmentField, dest: memoryview, offset: int, stride: int, stage=None) -> int | None:
         """Read every block of field `f` into rows of `dest` (row ``r`` at ``offset + r *
         stride``), hashing each piece right after it arrives, while it is still in the
         CPU's cache (a second pass over the whole field would read it from memory again).
+
+        Args:
+            stage: A `cuda_pages.Stager` for `dest`, if any: each piece is read into its
+                pinned memory, hashed there and copied to `dest` on the device.
 
         Returns:
             The field's digest (as `field_digest` computes it), None on a short read.
         """
         n = f.tokens * f.row_bytes
         h = xxhash.xxh3_64()
+        step = HASH_CHUNK if stage is None else stage.size
         try:
             for r in range(f.rows):
                 at, start = self.body + f.at + r * n, offset + r * stride
-                for lo in range(0, n, HASH_CHUNK):
-                    piece = dest[start + lo : start + min(n, lo + HASH_CHUNK)]
-                    if preadv(self.fd, [piece], at + lo) != len(piece):
+                for lo in range(0, n, step):
+                    size = min(step, n - lo)
+                    piece = dest[start + lo : start + lo + size] if stage is None else stage.take(size)
+                    if preadv(self.fd, [piece], at + lo) != size:
                         return None
                     h.update(piece)
+                    if stage is not None:
+                        stage.send(start + lo)
         except OSError:
             return None
         return h.intdigest()
