@@ -112,9 +112,12 @@ class _Driver:
             self._threads.ring, self._threads.next = ring, 0
         return ring
 
-    def copy(self, dst: int, src: int, nbytes: int, event) -> None:
-        """Copy host bytes to device memory on the stream, then mark `event`."""
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        """Copy host bytes to device memory, on the stream."""
         self._check(self.lib.cuMemcpyHtoDAsync_v2(dst, src, nbytes, self.stream), "cuMemcpyHtoDAsync")
+
+    def record(self, event) -> None:
+        """Mark `event` once what the stream holds now is done."""
         self._check(self.lib.cuEventRecord(event, self.stream), "cuEventRecord")
 
     def wait_event(self, event) -> None:
@@ -260,19 +263,26 @@ class Stager:
             self._slot, self._piece = None, memoryview(np.empty(nbytes, dtype=np.uint8))
         return self._piece
 
-    def send(self, offset: int) -> None:
-        """Put the piece `take` gave at `offset` of the destination."""
+    def send(self, offsets: list[int], length: int) -> None:
+        """Put the piece `take` gave into the destination: its consecutive stretches of
+        `length` bytes at `offsets` (rows of a field, contiguous in the file, strided in
+        the destination)."""
         piece, slot = self._piece, self._slot
         if slot is not None:
             threads = self.driver._threads
             threads.next = (threads.next + 1) % len(self.ring)
             try:
-                self.driver.copy(self.base + offset, slot[0].ctypes.data, len(piece), slot[1])
+                src = slot[0].ctypes.data
+                for i, offset in enumerate(offsets):
+                    self.driver.copy(self.base + offset, src + i * length, length)
+                self.driver.record(slot[1])
                 slot[2] = True
                 return
             except OSError:
                 _stop_staging()
-        self.dest[offset : offset + len(piece)] = piece
+                self.driver.wait()  # the copies that did start land before the host writes
+        for i, offset in enumerate(offsets):
+            self.dest[offset : offset + length] = piece[i * length : (i + 1) * length]
 
 
 _staging = True  # cleared for the process when a driver call of `Stager` fails

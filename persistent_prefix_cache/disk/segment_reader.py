@@ -335,8 +335,20 @@ class OpenSegment:
         """
         n = f.tokens * f.row_bytes
         h = xxhash.xxh3_64()
-        step = HASH_CHUNK if stage is None else stage.size
         try:
+            if stage is not None and 0 < n <= stage.size:
+                # Rows shorter than a stage: as many whole rows per piece as fit (they follow
+                # each other in the file), one read and one hash each.
+                per = stage.size // n
+                for r in range(0, f.rows, per):
+                    k = min(per, f.rows - r)
+                    piece = stage.take(k * n)
+                    if preadv(self.fd, [piece], self.body + f.at + r * n) != k * n:
+                        return None
+                    h.update(piece)
+                    stage.send([offset + (r + i) * stride for i in range(k)], n)
+                return h.intdigest()
+            step = HASH_CHUNK if stage is None else stage.size
             for r in range(f.rows):
                 at, start = self.body + f.at + r * n, offset + r * stride
                 for lo in range(0, n, step):
@@ -346,7 +358,7 @@ class OpenSegment:
                         return None
                     h.update(piece)
                     if stage is not None:
-                        stage.send(start + lo)
+                        stage.send([start + lo], size)
         except OSError:
             return None
         return h.intdigest()
