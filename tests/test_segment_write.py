@@ -237,3 +237,45 @@ def test_a_synchronous_store_that_fails_leaves_nothing_in_the_ram_tier(tmp_path,
         assert store.store(tokens, cache) > 0  # nothing claimed them: written now
         assert store.stats()["blocks"] == store.stats()["blocks_in_memory"] > 0
     _check_store(tmp_path / "s", model, [tokens], [cache])
+
+
+def test_a_synchronous_store_of_quantized_kv_restores_it_exactly(tmp_path, model):
+    """4-bit KV (three fields per keys and values) through the synchronous path: the RAM
+    tier and the disk both give back the caller's quantized tensors bit for bit."""
+    from mlx_lm.generate import maybe_quantize_kv_cache
+
+    tokens = random_tokens(3 * BLOCK + 5, seed=851, first=3)
+    _, cache = prefill(model, tokens)
+    maybe_quantize_kv_cache(cache, 0, 32, 4)
+    kw = dict(block_size=BLOCK, kv_bits=4, kv_group_size=32, cost_model=False)
+    n = 3 * BLOCK
+    with PersistentPrefixCache(tmp_path / "s", model, sync_writes=True, **kw) as store:
+        assert store.store(tokens, cache) == 4
+        ram, _ = store.fetch(tokens[:n] + [1])
+        assert store.stats()["memory_hits_store"] > 0
+    with PersistentPrefixCache(tmp_path / "s", model, memory_bytes=0, **kw) as store:
+        disk, _ = store.fetch(tokens[:n] + [1])
+    for restored in (ram, disk):
+        for got, want in zip(restored, cache):
+            for g, w in zip(got.keys + got.values, want.keys + want.values):
+                assert mx.array_equal(g[..., :n, :], w[..., :n, :])
+
+
+def test_the_callers_cache_grows_in_place_after_a_synchronous_store(tmp_path, model):
+    """The writer's views of the caller's buffers are gone once `store()` returns: the
+    caller's next decode step writes in place (MLX copies a buffer something else
+    holds), as after an asynchronous store, which copies first."""
+    from helpers import feed
+
+    def pointer(x) -> int:
+        return np.asarray(memoryview(x)).__array_interface__["data"][0]
+
+    tokens = random_tokens(3 * BLOCK + 5, seed=861, first=3)
+    for sync in (True, False):
+        _, cache = prefill(model, tokens)
+        assert cache[0].keys.shape[2] > cache[0].offset  # room to grow
+        with PersistentPrefixCache(tmp_path / f"s{sync}", model, block_size=BLOCK, sync_writes=sync) as store:
+            assert store.store(tokens, cache) > 0
+            before = [pointer(c.keys) for c in cache]
+            feed(model, cache, [7])
+            assert [pointer(c.keys) for c in cache] == before
