@@ -457,6 +457,7 @@ class SavedCosts:
         self.root, self.key, self.costs, self.readonly = root, key, costs, readonly
         self.device = costs.device = device_kind()
         self._saved_at = 0.0
+        self._lock = threading.Lock()  # the caller's thread and the writer's may both save
         record = self._read().get(self.key, {}).get(self.device)
         self.loaded = isinstance(record, dict) and costs.load(record)
 
@@ -472,12 +473,19 @@ class SavedCosts:
     def maybe_save(self, *, force: bool = False) -> None:
         """Save what was learned, if anything was and (unless `force`) the last save is
         `SAVE_EVERY` seconds old. Never raises: a rate not saved is measured again."""
+        with self._lock:
+            if force or self.due():
+                self._save()
+
+    def due(self) -> bool:
+        """Whether `maybe_save` would write now (cheap: a fetch hands the write to the
+        writer thread, ~1 ms of file work the caller does not wait for)."""
+        return not self.readonly and self.costs.changed and time.monotonic() - self._saved_at >= SAVE_EVERY
+
+    def _save(self) -> None:
         if self.readonly or not self.costs.changed:
             return
-        now = time.monotonic()
-        if not force and now - self._saved_at < SAVE_EVERY:
-            return
-        self._saved_at = now
+        self._saved_at = time.monotonic()
         self.costs.changed = False
         from .disk.store_dir import create_file
 

@@ -4,7 +4,9 @@ A `store()` call: validate, compute the chain of block keys, find the first bloc
 yet stored (`lookup.Trie.stored_prefix`), cut the new blocks out of the cache
 (`layers.Layout.cut`, evaluated on the caller's thread, as MLX wants), put them in the
 RAM tier and hand them to the writer thread (`writeback.WriteBack.write_blocks`), which
-writes the files and then commits their index records.
+writes the files and then commits their index records. A synchronous store (no remote)
+hands the writer views of the caller's cache and makes the RAM tier's copy meanwhile
+(`writeback.WriteBack.write_from_caller`).
 
 A `fetch()` call: find the longest usable stored prefix (`lookup.Trie.longest`), then
 rebuild fresh caches from the blocks any layer needs (`restore.restore`: RAM tier, else
@@ -250,7 +252,8 @@ class PersistentPrefixCache(OpenedWith, CostsMixin):
         result = self._restore(tokens, path, matched, longer_than)
         if pending:
             self._remote_fill.write(pending)  # into the local store, once the caller's restore is done
-        self._saved_costs.maybe_save()
+        if self._saved_costs.due() and self._writeback is not None:
+            self._writeback.submit(self._saved_costs.maybe_save, data=False)
         return result
 
     def _restore(self, tokens: Any, path: list[Node], matched: int, longer_than: int | None) -> tuple[list | None, Any]:
@@ -394,10 +397,21 @@ class PersistentPrefixCache(OpenedWith, CostsMixin):
             log.warning("block key collision; not storing the rest of this prompt")
             return 0
         self._note(touch=keys[: len(path)])
-        new = self._layout.new_blocks(cache, keys, data, path, root=self._root, block_size=self._block_size)
-        for node, tensors, _, origin in new:
+        # A synchronous store (no remote, which publishes after the return) writes from
+        # the caller's cache while the caller waits: no copy before the disk starts.
+        direct = self._sync_writes and self._remote is None
+        new = self._layout.new_blocks(
+            cache, keys, data, path, root=self._root, block_size=self._block_size, direct=direct
+        )  # fmt: skip
+        for node, tensors, _, _ in new:
             self._layout.learn_fields(tensors)  # the dtypes and shapes a read must find
-            self._memory.put(node, tensors, origin)
+        if direct and new:
+            self._writeback.write_from_caller(new, lambda: self._layout.evaluate(new))
+            return len(new)
+        if any(self._memory.fits(tensors) for _, tensors, _, _ in new):
+            self._layout.evaluate(new)
+            for node, tensors, _, origin in new:
+                self._memory.put(node, tensors, origin)
         if new:
             job = self._writeback.write_blocks if self._remote is None else self._write_and_publish
             future = self._writeback.submit(job, [(node, bits) for node, _, bits, _ in new])

@@ -13,7 +13,9 @@ prefill outruns the disk) are taken together, in order: each into its own segmen
 once, then one index transaction for all. What a commit guarantees is unchanged:
 every block it names is in a segment already fsynced, renamed and its folder fsynced
 (durable); a crash before it leaves at most unreferenced files, swept later. A
-``store()`` with ``sync_writes=True`` returns after the commit that holds its blocks.
+``store()`` with ``sync_writes=True`` returns after the commit that holds its blocks;
+its blocks are written from the caller's cache while the caller waits and makes the
+RAM tier's copy (`WriteBack.write_from_caller`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Any, Callable, Iterable
 
 from .disk.segment import SegmentFiles
@@ -284,6 +286,33 @@ class WriteBack:
             new: ``(node, tensors by leaf)`` per block, consecutive, tensors evaluated.
         """
         self._write_many([new])
+
+    def write_from_caller(self, new: list[tuple[Node, dict, dict, dict]], evaluate: Callable[[], None]) -> None:
+        """A synchronous store's write: the writer thread writes the blocks from their
+        bits, views of the caller's cache (no copy before the disk starts), while this
+        thread runs `evaluate`, the RAM tier's copy of them (the tier never shares a
+        buffer the caller's cache grows into); the blocks join the tier once the index
+        holds them, so a failed write leaves nothing there.
+
+        Args:
+            new: ``(node, tensors, bits, origin)`` per block (`layers.Layout.new_blocks`
+                with ``direct``).
+            evaluate: Makes the tensors (skipped where the tier would keep none).
+        """
+        future = self.submit(self.write_blocks, [(node, bits) for node, _, bits, _ in new])
+        keep = any(self.memory.fits(tensors) for _, tensors, _, _ in new)
+        try:
+            if keep:
+                evaluate()
+        finally:
+            wait([future])  # the writer reads the caller's cache: never return before it is done
+        future.result()
+        if keep:
+            with self.index.reader() as reader:
+                held = [reader.get(node.key) is not None for node, _, _, _ in new]
+            for (node, tensors, _, origin), ok in zip(new, held):
+                if ok:
+                    self.memory.put(node, tensors, origin)
 
     def _write_many(self, groups: list[list[tuple[Node, dict]]]) -> None:
         """Write each group into its own segment, fsync their folders once, then commit

@@ -101,11 +101,13 @@ def test_restore_points(family, restored):
 
 @pytest.mark.parametrize("family", family_params(["gemma3_text", "llama4", "qwen3_next", "falcon_h1"]))
 @pytest.mark.parametrize("chunks", [[101], [30, 30, 41]], ids=["one-shot", "chunked"])
-def test_store_after_generation(family, chunks, tmp_path):
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+def test_store_after_generation(family, chunks, sync, tmp_path):
     """`store()` of a cache that has generated past its window: windows that dropped old
     tokens and recurrent state are kept as a snapshot at the end, which restores to
     continue exactly like the original cache; where nothing can be rebuilt (the window
-    lost those tokens, no snapshot) the store answers a miss, never wrong KV."""
+    lost those tokens, no snapshot) the store answers a miss, never wrong KV. A
+    synchronous store (written from the caller's buffers) stores the same."""
     from persistent_prefix_cache import PersistentPrefixCache
 
     model = build(family)
@@ -120,7 +122,7 @@ def test_store_after_generation(family, chunks, tmp_path):
         logits = model(mx.array(tokens[-1:])[None], cache=cache)[0, -1]
     tokens.append(int(mx.argmax(logits)))  # not fed yet: the cache covers tokens[:-1]
 
-    with PersistentPrefixCache(tmp_path, model, block_size=16) as store:
+    with PersistentPrefixCache(tmp_path, model, block_size=16, sync_writes=sync) as store:
         store.store(tokens[:-1], cache)
     with PersistentPrefixCache(tmp_path, model, memory_bytes=0) as store:
         restored, remaining = store.fetch(tokens + [5, 6])

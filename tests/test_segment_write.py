@@ -3,7 +3,8 @@ written in batches (from a second thread for large segments), the header last at
 0. Whatever the batching, threading or short writes, the file is the same v4 segment:
 safetensors opens it, every block checksum and the whole-segment digest verify, a fresh
 handle restores the exact KV. A write that fails in the second thread fails the store
-(counted), leaving no file behind.
+(counted), leaving no file behind. A synchronous store writes from the caller's cache
+and keeps its own copy in the RAM tier, only once the index holds the blocks.
 
 Real stores of the tiny model, real files; the batch size and the threshold of the
 second thread are set small so tiny segments take every path.
@@ -177,3 +178,104 @@ def test_a_data_job_between_queued_stores_splits_the_group_commit(tmp_path, mode
     assert ran == [1]  # the first store was committed before the job, the others after
     assert commits == 2
     _check_store(tmp_path / "s", model, prompts, caches)
+
+
+def test_a_synchronous_store_writes_the_callers_cache_and_keeps_its_own_copy(tmp_path, model):
+    """A synchronous store writes from the caller's buffers (no copy first) while it
+    makes the RAM tier's copy: what the tier holds survives the caller's cache being
+    overwritten, extended in place or trimmed, and both tiers restore the exact KV."""
+    prompts = _prompts()
+    caches = [prefill(model, p)[1] for p in prompts]
+    kept = [[(mx.array(c.keys), mx.array(c.values)) for c in cache] for cache in caches]
+    with PersistentPrefixCache(tmp_path / "s", model, block_size=BLOCK, sync_writes=True, cost_model=False) as store:
+        for tokens, cache in zip(prompts, caches):
+            assert store.store(tokens, cache) > 0
+        assert store.stats()["blocks_in_memory"] == store.stats()["blocks"] > 0
+        theirs = [np.asarray(memoryview(x)) for cache in caches for c in cache for x in (c.keys, c.values)]
+        for _, tensors, *_ in store._memory._entries.values():
+            for x in (x for part in tensors.values() for x in part.values()):
+                ours = np.asarray(memoryview(x))
+                assert not any(np.shares_memory(ours, buf) for buf in theirs)
+        for cache in caches:  # the caller reuses its buffers: nothing the tier holds may change
+            for c in cache:
+                c.keys[...] = 7.0
+                c.values[...] = -7.0
+                mx.eval(c.keys, c.values)
+        for tokens, want in zip(prompts, kept):
+            restored, rest = store.fetch(tokens)
+            n = len(tokens) - len(rest)
+            assert restored is not None and n >= len(tokens) - BLOCK
+            for got, (k, v) in zip(restored, want):
+                assert mx.array_equal(got.keys[..., :n, :], k[..., :n, :])
+                assert mx.array_equal(got.values[..., :n, :], v[..., :n, :])
+        assert store.stats()["memory_hits_store"] > 0
+    originals = [[type(c)() for c in cache] for cache in caches]
+    for fresh, want in zip(originals, kept):
+        for c, (k, v) in zip(fresh, want):
+            c.update_and_fetch(k, v)
+    _check_store(tmp_path / "s", model, prompts, originals)
+
+
+def test_a_synchronous_store_that_fails_leaves_nothing_in_the_ram_tier(tmp_path, model, monkeypatch):
+    """The blocks of a synchronous store join the RAM tier once the index holds them: a
+    write that fails (counted) leaves neither a file nor a block in memory, so a later
+    store writes them again."""
+    tokens = _prompts()[0]
+    _, cache = prefill(model, tokens)
+    with PersistentPrefixCache(tmp_path / "s", model, block_size=BLOCK, sync_writes=True) as store:
+        store.flush()
+        real = SegmentFiles.write
+
+        def disk_full(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(SegmentFiles, "write", disk_full)
+        assert store.store(tokens, cache) > 0
+        stats = store.stats()
+        assert stats["write_errors"] == 1 and stats["blocks_in_memory"] == 0 and stats["blocks"] == 0
+        monkeypatch.setattr(SegmentFiles, "write", real)
+        assert store.store(tokens, cache) > 0  # nothing claimed them: written now
+        assert store.stats()["blocks"] == store.stats()["blocks_in_memory"] > 0
+    _check_store(tmp_path / "s", model, [tokens], [cache])
+
+
+def test_a_synchronous_store_of_quantized_kv_restores_it_exactly(tmp_path, model):
+    """4-bit KV (three fields per keys and values) through the synchronous path: the RAM
+    tier and the disk both give back the caller's quantized tensors bit for bit."""
+    from mlx_lm.generate import maybe_quantize_kv_cache
+
+    tokens = random_tokens(3 * BLOCK + 5, seed=851, first=3)
+    _, cache = prefill(model, tokens)
+    maybe_quantize_kv_cache(cache, 0, 32, 4)
+    kw = dict(block_size=BLOCK, kv_bits=4, kv_group_size=32, cost_model=False)
+    n = 3 * BLOCK
+    with PersistentPrefixCache(tmp_path / "s", model, sync_writes=True, **kw) as store:
+        assert store.store(tokens, cache) == 4
+        ram, _ = store.fetch(tokens[:n] + [1])
+        assert store.stats()["memory_hits_store"] > 0
+    with PersistentPrefixCache(tmp_path / "s", model, memory_bytes=0, **kw) as store:
+        disk, _ = store.fetch(tokens[:n] + [1])
+    for restored in (ram, disk):
+        for got, want in zip(restored, cache):
+            for g, w in zip(got.keys + got.values, want.keys + want.values):
+                assert mx.array_equal(g[..., :n, :], w[..., :n, :])
+
+
+def test_the_callers_cache_grows_in_place_after_a_synchronous_store(tmp_path, model):
+    """The writer's views of the caller's buffers are gone once `store()` returns: the
+    caller's next decode step writes in place (MLX copies a buffer something else
+    holds), as after an asynchronous store, which copies first."""
+    from helpers import feed
+
+    def pointer(x) -> int:
+        return np.asarray(memoryview(x)).__array_interface__["data"][0]
+
+    tokens = random_tokens(3 * BLOCK + 5, seed=861, first=3)
+    for sync in (True, False):
+        _, cache = prefill(model, tokens)
+        assert cache[0].keys.shape[2] > cache[0].offset  # room to grow
+        with PersistentPrefixCache(tmp_path / f"s{sync}", model, block_size=BLOCK, sync_writes=sync) as store:
+            assert store.store(tokens, cache) > 0
+            before = [pointer(c.keys) for c in cache]
+            feed(model, cache, [7])
+            assert [pointer(c.keys) for c in cache] == before

@@ -14,9 +14,10 @@ the same buffers.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -30,16 +31,18 @@ from .segment import OpenSegment, SegmentFiles
 
 KV_STEP = 256  # mlx-lm's KVCache grows in steps of 256 tokens
 # Reader threads: reads and checksums of a path's (segment, field) pieces, and copies
-# of RAM-tier blocks, run in parallel (all drop the GIL); 4 on small machines, up to 8
-# where cores allow (module settings: a benchmark may set both). Disk reads stay on the caller's thread
-# only on a single core. On a quiet 2-core VM (128 MiB float16, page cache warm, `tools/bench.py`)
-# the pool restores in 25.6-27.3 ms against 36.4 ms on the caller's thread (raw read: 20.5 ms),
-# since one thread hashes a field while another reads the next; on the same VM shared with
-# other test suites the pool's rounds waited for the last thread the neighbours let run
-# (60-95 ms against 30-31 ms). We choose for a machine that runs the restore, not its neighbours.
+# of RAM-tier blocks, run in parallel (all drop the GIL); a pool of 4 on small machines,
+# up to 8 where cores allow (module settings: a benchmark may set both). A restore's
+# reads are shared by READ_THREADS threads, the caller's among them: one per core (at
+# most 8), each taking the next (segment, field) as it finishes one (`_map`); on a single
+# core the caller reads alone. Quiet 2-core VM, 128 MiB float16, page cache warm
+# (`tools/bench.py`): 36.4 ms on the caller's thread alone, 24-25 ms with the pool taking
+# one job per hand-over (4 threads), 21-22 ms so (raw read: 20.5 ms; the reads and
+# checksums themselves ~16 ms, at a bare 2-thread loop's ~15.5 ms). A thread that
+# neighbours slow down takes fewer jobs, where the pool's rounds waited for it.
 _CPUS = os.cpu_count() or 1
 READERS = max(4, min(8, _CPUS))  # threads of the pool (set before the first restore)
-READ_THREADS = 1 if _CPUS <= 1 else READERS  # 1: disk reads on the caller's thread
+READ_THREADS = 1 if _CPUS <= 1 else min(8, _CPUS)  # threads sharing a restore's reads, the caller's included
 # How RAM-tier blocks are joined: None by device (`join_on_device`), or "mlx" / "numpy"
 # (tests and ``tools/gpu_bench.py --ram-join`` set it, to measure both).
 RAM_JOIN: str | None = None
@@ -67,11 +70,34 @@ if hasattr(os, "register_at_fork"):
 
 
 def _map(fn, items: list) -> list:
-    """`fn` over `items`: on the reader threads, or here alone (`host_reads`, or
-    a machine of 1-2 cores)."""
-    if len(items) > 1 and READ_THREADS > 1 and not reading_to_host():
-        return list(reader_pool().map(fn, items))
-    return [fn(x) for x in items]
+    """`fn` over `items`: on the reader threads and this one, or here alone
+    (`host_reads`, or a single core).
+
+    Each thread takes the next item as it finishes one: one hand-over per thread, not
+    one per item (a restore of 128 MiB has 32 jobs of ~0.5 ms; on a 2-core VM the
+    pool's hand-over of each cost ~1.5 ms in all), and a thread a neighbour slows down
+    takes fewer items. This thread works too, instead of waiting.
+    """
+    n = len(items)
+    if n <= 1 or READ_THREADS <= 1 or reading_to_host():
+        return [fn(x) for x in items]
+    out: list = [None] * n
+    taken = itertools.count()  # its next() is atomic: each item goes to one thread
+
+    def work() -> None:
+        for i in iter(taken.__next__, None):
+            if i >= n:
+                return
+            out[i] = fn(items[i])
+
+    helpers = [reader_pool().submit(work) for _ in range(min(READ_THREADS, n) - 1)]
+    try:
+        work()
+    finally:
+        wait(helpers)  # they write into the caller's buffers: never leave before them
+    for f in helpers:
+        f.result()  # a helper's failure is this call's
+    return out
 
 
 def _capacity(position: int) -> int:

@@ -165,8 +165,13 @@ class ViewPath(list):
                 continue
             if not self or self[0].start > lo or self[-1].end < hi:
                 return False
-            first = bisect.bisect_right(self, lo, key=lambda v: v.end)  # first with end > lo
-            last = bisect.bisect_left(self, hi, key=lambda v: v.start)  # first with start >= hi
+            # The common ranges (from the path's start to, or into, its last block: a store
+            # checks every new block's end) need no search.
+            first, last = 0, len(self)
+            if lo > self[0].start:
+                first = bisect.bisect_right(self, lo, key=lambda v: v.end)  # first with end > lo
+            if hi <= self[-1].start:
+                last = bisect.bisect_left(self, hi, key=lambda v: v.start)  # first with start >= hi
             if self._missing[last] - self._missing[first]:
                 return False
         return True

@@ -8,6 +8,7 @@ import time
 from typing import Any, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from ..blocks import FIELDS, RESUMABLE, TRIMMABLE, Kind, Node, Tensors, dtype_info, sliced_spec
 from ..errors import UnsupportedCacheError
@@ -107,24 +108,23 @@ class Layout:
         return copy.deepcopy(self.template)
 
     def cut(
-        self, cache: Sequence[Any], start: int, end: int, last: bool, ranges: dict | None = None, offset: int = 0
+        self, cache: Sequence[Any], start: int, end: int, last: bool, pieces: dict | None = None
     ) -> tuple[dict[str, Tensors], dict, dict[str, BlockView]]:
         """`cut_block`, with what the store records about the block.
 
         Args:
-            ranges: Leaf id -> tensors already copied for positions from `offset` on
-                (sequence leaves, see `new_blocks`): the block takes views of them.
+            pieces: Leaf id -> the block's tensors, already cut (sequence leaves, views
+                of one copy per field: see `new_blocks`).
 
         Returns:
             (tensors by leaf, the node's ``extra`` record, views by leaf).
         """
-        ranges = ranges or {}
-        cut = cut_block(cache, start, end, last, skip=set(ranges))
+        pieces = pieces or {}
+        cut = cut_block(cache, start, end, last, skip=set(pieces)) if len(pieces) < len(self.leaves) else {}
         views = {}
         for lid, _, _ in self.leaves:
-            if lid in ranges:
-                part = {f: x[..., start - offset : end - offset, :] for f, x in ranges[lid].items()}
-                views[lid] = BlockView(start, end, part, True, False)
+            if lid in pieces:
+                views[lid] = BlockView(start, end, pieces[lid], True, False)
             else:
                 views[lid] = cut[lid]
         noslice = [lid for lid, v in views.items() if not v.has_slice and self.kinds[lid] != STATE]
@@ -185,7 +185,15 @@ class Layout:
         return rebuild_cache(self.template, rebuilt)
 
     def new_blocks(
-        self, cache: Sequence[Any], keys: list[bytes], data: bytes, path: Sequence[Node], *, root: bytes, block_size: int
+        self,
+        cache: Sequence[Any],
+        keys: list[bytes],
+        data: bytes,
+        path: Sequence[Node],
+        *,
+        root: bytes,
+        block_size: int,
+        direct: bool = False,
     ) -> list[tuple[Node, dict[str, Tensors], dict, dict]]:
         """The blocks of `cache` after the stored `path`, with their index records.
 
@@ -196,13 +204,19 @@ class Layout:
             path: The nodes of the blocks already stored (the first ``len(path)``).
             root: The chain's root key.
             block_size: Tokens per full block.
+            direct: The bits of sequence leaves are views of `cache` itself (no copy:
+                for a writer the caller waits for, which must be done with them before
+                the caller goes on); `evaluate` then makes the copy the tensors are
+                views of (the RAM tier's), while the writer writes.
 
         Returns:
             ``(node, tensors by leaf, bits by leaf, origin by leaf)`` per new block:
-            tensors are evaluated and never views of `cache` (those of sequence
-            leaves are views of one copy per field); ``bits`` are what the segment
-            writer takes, the same bytes seen as unsigned ints where a tensor is a
-            strided view (so the writer thread needs no MLX operation); ``origin``
+            tensors are never views of `cache` (those of sequence leaves are views
+            of one copy per field) and, for sequence leaves, left to `evaluate`
+            (only the RAM tier keeps them); ``bits`` are what the segment writer
+            takes, evaluated: for sequence leaves ``(numpy array of the bits, dtype
+            name)``, a strided view (so the writer thread needs no MLX operation),
+            else the tensors themselves; ``origin``
             names, for sequence leaves, that copy and the position it starts at
             (``(fields, position)``), so a restore can take one slice of it for many
             blocks. Size and checksum of the nodes are set once they are written.
@@ -212,15 +226,32 @@ class Layout:
         # Sequence leaves: one copy per field of every new position (not one per block:
         # thousands of small copies were most of the caller's cost), blocks as views.
         offset, by_id = len(path) * bs, dict(leaves(cache))
-        ranges = {}
+        ranges, sources = {}, {}
         for lid, _, adapter in self.leaves:
             if adapter.kind == SEQ:
                 held, first = adapter.held(by_id[lid])
-                ranges[lid] = {f: mx.contiguous(x[..., offset - first : n - first, :]) for f, x in held.items()}
+                sources[lid] = {f: x[..., offset - first : n - first, :] for f, x in held.items()}
+                ranges[lid] = {f: mx.contiguous(x) for f, x in sources[lid].items()}
+        # What the writer reads, per field: the copy, or (direct) the caller's buffers,
+        # as numpy bits evaluated once per field; each block's bits are numpy slices of
+        # them (thousands of MLX slices and their evaluation cost more than the copy).
+        written = sources if direct else ranges
+        uints = {lid: {f: _as_uint(x) for f, x in fields.items()} for lid, fields in written.items()}
+        mx.eval(uints)
+        whole = {
+            lid: {f: (np.asarray(memoryview(u)), dtype_info(written[lid][f].dtype)[0]) for f, u in fields.items()}
+            for lid, fields in uints.items()
+        }
+        # Each block's tensors: views of the copy, made by one split per field (not one
+        # slice per block and field: 2,048 MLX calls for 128 MiB).
+        bounds = [i * bs - offset for i in range(len(path) + 1, len(keys))]
+        splits = {lid: {f: mx.split(x, bounds, axis=2) for f, x in fields.items()} for lid, fields in ranges.items()}
         new = []
         for i in range(len(path), len(keys)):
             start, end = i * bs, min((i + 1) * bs, n)
-            tensors, extra, cut = self.cut(cache, start, end, i == len(keys) - 1, ranges, offset)
+            k = i - len(path)
+            pieces = {lid: {f: parts[k] for f, parts in fields.items()} for lid, fields in splits.items()}
+            tensors, extra, cut = self.cut(cache, start, end, i == len(keys) - 1, pieces)
             for lid, view in cut.items():
                 views[lid].append(view)
             node = Node(
@@ -234,14 +265,21 @@ class Layout:
                 last_access=now,
                 extra=extra,
             )
+            lo, hi = start - offset, end - offset
             bits = {
-                lid: {f: (_as_uint(x), dtype_info(x.dtype)[0]) if lid in ranges else x for f, x in part.items()}
+                lid: {f: (a[..., lo:hi, :], dtype) for f, (a, dtype) in whole[lid].items()} if lid in whole else part
                 for lid, part in tensors.items()
             }
             new.append((node, tensors, bits, {lid: (fields, offset) for lid, fields in ranges.items()}))
-        mx.eval([x if not isinstance(x, tuple) else x[0] for _, _, bits, _ in new for part in bits.values() for x in part.values()])
-        mx.eval([x for _, tensors, _, _ in new for part in tensors.values() for x in part.values()])
+        # Snapshots (windows, recurrent states) are their own small copies, bits and all.
+        mx.eval([x for _, tensors, _, _ in new for lid, part in tensors.items() if lid not in whole for x in part.values()])
         return new
+
+    @staticmethod
+    def evaluate(new: list[tuple[Node, dict[str, Tensors], dict, dict]]) -> None:
+        """Evaluate the tensors of blocks from `new_blocks` (what the RAM tier keeps;
+        with ``direct``, this makes their copy)."""
+        mx.eval([x for _, tensors, _, _ in new for part in tensors.values() for x in part.values()])
 
 
 _UINTS = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}

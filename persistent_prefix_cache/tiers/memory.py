@@ -87,6 +87,11 @@ class MemoryTier:
         entry = self._entries.get(key)
         return entry[4] if entry else None
 
+    def fits(self, tensors: dict[str, Tensors]) -> bool:
+        """Whether a block of these tensors fits in the tier's budget at all (else `put`
+        leaves it out)."""
+        return tensors_nbytes(tensors) <= self.max_bytes
+
     def put(self, node: Node, tensors: dict[str, Tensors], origin: dict | None = None, source: str = "store") -> None:
         """Insert or refresh a block, evicting least recently used ones over budget.
 
