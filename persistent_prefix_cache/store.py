@@ -30,6 +30,7 @@ from .layers import Layout, cache_length, signature_of, template_cache
 from .layers.mlx_lm_versions import layout_variant
 from .lookup import Trie, back_off
 from .costs import Costs, CostsMixin, SavedCosts
+from .disk import cuda_pages
 from .opening import disk_budget, give_back, open_directory
 from .options import OpenedWith, check_options, check_remote
 from .paths import expand_path
@@ -398,8 +399,10 @@ class PersistentPrefixCache(OpenedWith, CostsMixin):
             return 0
         self._note(touch=keys[: len(path)])
         # A synchronous store (no remote, which publishes after the return) writes from
-        # the caller's cache while the caller waits: no copy before the disk starts.
-        direct = self._sync_writes and self._remote is None
+        # the caller's cache while the caller waits: no copy before the disk starts. Not
+        # on a CUDA GPU: the host reading the caller's cache would move its pages into
+        # managed memory and over to the host, and the next forward would fault them back.
+        direct = self._sync_writes and self._remote is None and not cuda_pages.on_cuda()
         new = self._layout.new_blocks(
             cache, keys, data, path, root=self._root, block_size=self._block_size, direct=direct
         )  # fmt: skip

@@ -301,11 +301,21 @@ class WriteBack:
         """
         future = self.submit(self.write_blocks, [(node, bits) for node, _, bits, _ in new])
         keep = any(self.memory.fits(tensors) for _, tensors, _, _ in new)
+        interrupted = False
         try:
             if keep:
                 evaluate()
         finally:
-            wait([future])  # the writer reads the caller's cache: never return before it is done
+            # The writer reads the caller's cache: never return before it is done, not
+            # even on Ctrl-C (the caller could then change what is being written).
+            while True:
+                try:
+                    wait([future])
+                    break
+                except KeyboardInterrupt:
+                    interrupted = True
+        if interrupted:
+            raise KeyboardInterrupt
         future.result()
         if keep:
             with self.index.reader() as reader:
