@@ -142,3 +142,71 @@ def test_a_failing_driver_costs_no_piece(monkeypatch, store_dir, family, piece):
     plain, staged = _fetches(monkeypatch, store_dir, family, driver, piece)
     assert driver.copies == 3 and not cuda_pages._staging
     assert np.array_equal(plain, staged)
+
+
+class _LateDriver(_HostDriver):
+    """As `_HostDriver`, but copies land only when waited for (an event, or the stream),
+    as a copy engine's do: a read that looks at its buffers before waiting sees them
+    unwritten."""
+
+    def __init__(self):
+        super().__init__()
+        self.pending: list = []  # (dst, src, nbytes) or ("event", slot's event)
+
+    def ring(self):
+        ring = super().ring()
+        for k, slot in enumerate(ring):
+            slot[1] = slot[1] or object()  # an event per piece
+        return ring
+
+    def copy(self, dst, src, nbytes):
+        self.copies += 1
+        self.pending.append((dst, src, nbytes))
+
+    def record(self, event):
+        self.pending.append(("event", event))
+
+    def _land(self, until=None):
+        import ctypes
+
+        while self.pending:
+            job = self.pending.pop(0)
+            if job[0] == "event":
+                if job[1] is until:
+                    return
+                continue
+            ctypes.memmove(*job)
+
+    def wait_event(self, event):
+        self._land(event)
+
+    def wait(self):
+        self._land()
+
+
+def test_a_damaged_segment_is_checked_after_the_copies_land(monkeypatch, store_dir):
+    # One flipped byte in the 3rd block: the segment's digest fails, each block is then
+    # checked from the buffers. They must hold what was read (the copies waited for),
+    # or intact blocks would read as damaged: the staged restore keeps what the plain
+    # one keeps.
+    from families import build
+    from helpers import BLOCK, flip_block_byte, nodes_by_position, prefill, random_tokens
+
+    from persistent_prefix_cache import PersistentPrefixCache
+
+    model = build("llama")
+    tokens = [t % 256 for t in random_tokens(150, seed=4545)]
+    options = dict(block_size=BLOCK, fingerprint="staged", memory_bytes=0)
+    with PersistentPrefixCache(store_dir, model, sync_writes=True, **options) as store:
+        store.store(tokens, prefill(model, tokens)[1])
+    flip_block_byte(store_dir, nodes_by_position(store_dir)[2], at=7)
+    driver = _LateDriver()
+    monkeypatch.setattr(cuda_pages, "on_cuda", lambda: True)
+    monkeypatch.setattr(cuda_pages, "_get_driver", lambda: driver)
+    monkeypatch.setattr(cuda_pages, "STAGE_PIECE", 1 << 20)
+    monkeypatch.setattr(cuda_pages, "_staging", True)
+    with PersistentPrefixCache(store_dir, model, **options) as store:
+        restored, rest = store.fetch(tokens + [3])
+        assert store.stats()["corrupt"] == 1
+    assert driver.copies > 0
+    assert len(rest) == len(tokens) + 1 - 2 * BLOCK  # the two blocks before the damaged one

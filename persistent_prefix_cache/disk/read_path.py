@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections import Counter
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -271,6 +272,10 @@ def read_path(
             r.view = memoryview(r.array).cast("B")
             r.row_stride = r.array.shape[2] * r.dims[2] * dtype_info(r.dtype)[1]
         field_digests = _read_segments(nodes, where, runs)
+        if any(r.moving for r in runs):
+            # Copies and moves of what was read land before the host looks at any of
+            # it again (a block checked one by one, a RAM-tier block copied in).
+            cuda_pages.wait()
         if field_digests is None:
             return _intact_before(len(nodes), *again, verify=True), {}, {}
         bad = _first_bad(nodes, where, runs, _read_whole(where, field_digests, digests or {}))
@@ -433,9 +438,9 @@ def _read_segments(nodes, where, runs) -> dict[bytes, dict[str, int]] | None:
         # engine), or move once read while the other jobs read (H200, 1 GiB: 105 ms
         # against 125 ms moved after the last read). Stages copy into device pages: the
         # buffers go there first, in order on the same stream.
-        fills = [id(job[4]) for job in jobs]
+        fills = Counter(id(job[4]) for job in jobs)
         for job in jobs:
-            job[7] = job[6] and fills.count(id(job[4])) == 1
+            job[7] = job[6] and fills[id(job[4])] == 1
         if cuda_pages.stager_possible():
             for job in jobs:
                 if job[7]:
