@@ -26,7 +26,7 @@ def test_moves_never_change_the_bits(monkeypatch):
     for mode in ("prefetch", "touch", "none"):
         monkeypatch.setattr(cuda_pages, "MODE", mode)
         cuda_pages.to_gpu(arrays)
-        cuda_pages.to_gpu([], started=True)
+        cuda_pages.to_gpu([])
     cuda_pages.touch(arrays)
     assert all(np.array_equal(bits(x), y) for x, y in zip(arrays, before))
 

@@ -196,23 +196,20 @@ def wait() -> None:
 
 def moves() -> bool:
     """Whether `prefetch` moves pages here (`MODE` ``"prefetch"`` or ``"stage"`` on a
-    CUDA GPU): a caller may then start moves early, on any thread, and finish with
-    `to_gpu`."""
+    CUDA GPU): a caller may then start moves early, on any thread, and `wait` for them."""
     return MODE in ("prefetch", "stage") and on_cuda()
 
 
-def to_gpu(arrays: Sequence, *, started: bool = False) -> None:
-    """Move evaluated MLX arrays the host wrote onto the GPU now, and wait, for them and
-    for moves already `started` with `prefetch` (on the thread that owns MLX's stream:
-    the touch runs MLX operations). A no-op off CUDA, and with `MODE` ``"none"``."""
-    if MODE == "none" or not on_cuda() or not (arrays or started):
+def to_gpu(arrays: Sequence) -> None:
+    """Move evaluated MLX arrays the host wrote onto the GPU now, and wait (on the
+    thread that owns MLX's stream: the touch runs MLX operations). A no-op off CUDA,
+    and with `MODE` ``"none"``."""
+    if MODE == "none" or not arrays or not on_cuda():
         return
     if prefetch([memoryview(a) for a in arrays]):
         wait()
         return
     touch(arrays)
-    if started:
-        wait()
 
 
 def touch(arrays: Sequence) -> None:
@@ -233,8 +230,8 @@ def touch(arrays: Sequence) -> None:
 
 class Stager:
     """One destination's pieces, read into pinned host memory and copied to the device
-    (see the module's docstring): `take` a piece, fill it, `send` it. `wait` (or
-    `to_gpu` with ``started=True``) waits for the copies; until then the destination
+    (see the module's docstring): `take` a piece, fill it, `send` it. `wait` waits for
+    the copies; until then the destination
     must stay alive and unread. A driver call that fails puts that piece in place from
     the host instead, and ends staging for this process: never a lost piece.
 

@@ -298,8 +298,9 @@ def read_path(
         if not reading_to_host():
             # Verified, then moved to a CUDA GPU in bulk, inside the timed restore (the
             # first forward would fault the pages over one by one, unseen by the costs).
+            # (Buffers read in pieces or moved as read were waited for after the reads.)
             rest = [r.array for r in runs if not r.moving] + [arrays[f"s{k}"] for k in range(len(snaps_wanted))]
-            cuda_pages.to_gpu(rest, started=any(r.moving for r in runs))
+            cuda_pages.to_gpu(rest)
         by_leaf: dict[str, dict[str, list]] = {}
         for r in runs:
             r.view = None  # release every view of the buffers before MLX owns them again
