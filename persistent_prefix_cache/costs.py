@@ -584,7 +584,6 @@ class CostsMixin:
     def _cheaper(self, path: list, matched: int, total: int) -> tuple[list, int]:
         """The prefix of `path` the cost model restores (all of it until it knows),
         its decision counted (`total`: the prompt's length)."""
-        self._warmer.install()  # blocks a background fill read for a GPU: in the tier first
         ends = [n.end for n in path[:-1]] + [matched]
         cuts = [i for i, n in enumerate(path[:-1]) if n.resumable] + [len(path) - 1]
         in_ram = [self._memory.node(n.key) is not None for n in path]

@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from .disk.read_path import array_bits, join_on_device, read_path, reader_pool
 from .blocks import Node, dtype_info, is_sliced
-from .disk.buffers import HostBits, allocate, reading_to_host
+from .disk.buffers import allocate, host_bits, reading_to_host
 from .disk.segment import SegmentFiles
 from .layers import JoinedSource, Layout
 from .tiers.memory import MemoryTier
@@ -220,7 +220,7 @@ def read_snapshots(files: SegmentFiles, node: Node) -> dict[str, dict[str, mx.ar
             if seg.read_snap(s, memoryview(arrays[f"s{j}"]).cast("B")) is None:
                 return None
             lid, _, fld = s.name.rpartition(".")
-            out.setdefault(lid, {})[fld] = HostBits(arrays[f"s{j}"], s.dtype) if reading_to_host() else arrays[f"s{j}"]
+            out.setdefault(lid, {})[fld] = host_bits(arrays[f"s{j}"], s.dtype) if reading_to_host() else arrays[f"s{j}"]
         return out
     finally:
         seg.close()

@@ -16,17 +16,18 @@ What it costs the caller, and what it keeps:
   at a time (a fill asked for while one runs is dropped and counted), never more bytes
   than ``memory_bytes``, with the reader pool left to callers (`host_reads`).
 - No MLX work runs on that thread (a GPU stream belongs to the caller's thread): it reads
-  into numpy buffers. On the CPU the tier holds those bits as they are (`HostBits`, as it
-  holds the remote's blocks). On a GPU those buffers are carved from an `Arena` of
-  device memory the skipping fetch made on its own thread, so the fill's reads land on
-  the device as the disk read path's do; the next fetch (`install`, on the caller's
-  thread) joins them into the tier with MLX operations, as the admission code does,
-  before the cost model looks at the path (what did not fit in the arena is copied over
-  on threads first).
+  into numpy buffers, and the tier holds those bits as they are (`HostBits`, as it holds
+  the remote's blocks). On a GPU those buffers are carved from an `Arena` of device
+  memory the skipping fetch made on its own thread, so the fill's reads land on the
+  device as the disk read path's do; the fill's thread moves the pages the host wrote
+  to the GPU before the blocks join the tier, and a restore takes them as views of the
+  arena (no copy, no MLX work until a fetch asks). Joining them with MLX copies on the
+  next fetch cost it ~5 ms at 512 tokens on an H200 (a quarter of the prefill).
 - Every block's checksum is verified before it joins the tier (`read_path`); a damaged
   or missing block stops the fill there (counted; the fetch that reads it drops it).
-- The tier's copies are its own: restores copy out of them (`read_path`), so nothing the
-  caller's cache grows into is shared.
+- The tier's buffers are its own: restores copy out of them (`read_path`), so nothing the
+  caller's cache grows into is shared. Like the admission's copies, an arena is freed
+  once the last of its blocks leaves the tier.
 """
 
 from __future__ import annotations
@@ -37,11 +38,11 @@ from typing import Any, Callable
 
 from .disk.read_path import join_on_device, read_path
 from .disk import cuda_pages
-from .disk.buffers import Arena, HostBits, host_reads, to_device
+from .disk.buffers import Arena, HostBits, host_reads
 from .blocks import Node, is_sliced
 from .disk.segment import SegmentFiles
 from .layers import Layout
-from .restore import join_admitted, read_snapshots
+from .restore import read_snapshots
 from .tiers.memory import MemoryTier
 
 NICE = 19  # the fill thread's priority: the caller's prefill comes first
@@ -66,7 +67,6 @@ class Warmer:
         self._changed = threading.Condition(self._lock)
         self._job: tuple[list[Node], float, Arena | None] | None = None  # the fill asked for, not started yet
         self._busy = False  # a fill is running
-        self._ready: list[tuple[list[Node], dict, dict, Arena | None]] = []  # read, waiting for `install` (GPU)
         self._stopped = False
         self._thread: threading.Thread | None = None
         if memory.max_bytes > 0:  # started with the handle: a fetch never waits for a thread to start
@@ -102,50 +102,22 @@ class Warmer:
                 return 0
             # On a GPU the fill reads straight into device memory made here, on the
             # caller's thread (a few ms for a GiB): host memory copied over later cost
-            # 1.1-3 x the prefill it was to save (H200). Room for the read path's
-            # rounding of joined buffers to mlx-lm's 256-token steps too.
+            # 1.1-3 x the prefill it was to save (H200). Host reads join no buffers
+            # with room to grow: the blocks' bytes, and 64-byte alignment per buffer.
             arena = None
             if join_on_device():
-                tokens = max(1, nodes[-1].end - nodes[0].position)
                 size = sum(n.size for n in nodes)
+                tensors = len(self.layout.fields or ()) or 256  # per block, at most (snapshots: + 4)
                 try:
-                    arena = Arena(size + size * 256 // tokens + (1 << 20))
-                except (RuntimeError, ValueError, OverflowError, MemoryError):  # a fill is a hint: copy later instead
-                    arena = None
+                    arena = Arena(size + 64 * (tensors + 4) * len(nodes) + (64 << 10))
+                except (RuntimeError, ValueError, OverflowError, MemoryError):  # a fill is a hint
+                    return 0
             self._job = (nodes, min(MAX_DELAY, max(0.0, after or 0.0)), arena)
             self._changed.notify_all()
             return len(nodes)
 
-    def install(self) -> int:
-        """Put the fills read for a GPU into the tier as device arrays (on the caller's
-        thread, which owns MLX's stream); nothing to do on the CPU.
-
-        Returns:
-            How many blocks joined the tier.
-        """
-        if not self._ready:
-            return 0
-        with self._lock:
-            ready, self._ready = self._ready, []
-        done = 0
-        for nodes, runs, snaps, arena in ready:
-            # All of a fill's host bits made device arrays at once (copies on threads).
-            bits = [x for part in runs.values() for p in part.values() for _, _, x in p]
-            bits += [x for s in snaps.values() for part in s.values() for x in part.values()]
-            try:
-                made = iter(to_device(bits, arena))
-            except (RuntimeError, ValueError, OverflowError, MemoryError):  # a fill is a hint: the disk still serves
-                self.memory.count_warm(memory_warm_dropped=1)
-                continue
-            as_mx = {lid: {f: [(a, z, next(made)) for a, z, _ in p] for f, p in part.items()} for lid, part in runs.items()}
-            own = {k: {lid: {f: next(made) for f in part} for lid, part in s.items()} for k, s in snaps.items()}
-            done += join_admitted(self.memory, nodes, list(range(len(nodes))), as_mx, own, True)
-            self.memory.count_warm(memory_warmed=len(nodes), memory_warmed_bytes=sum(n.size for n in nodes))
-        return done
-
     def wait(self) -> None:
-        """Wait for the fill in progress, if any (it is then in the tier, or ready for
-        `install` on a GPU)."""
+        """Wait for the fill in progress, if any (it is then in the tier)."""
         with self._changed:
             while (self._busy or self._job is not None) and not self._stopped:
                 self._changed.wait()
@@ -158,7 +130,6 @@ class Warmer:
         self._stopping.set()  # a fill still waiting to start does not start
         if self._thread is not None:
             self._thread.join()
-        self._ready = []
 
     # -- on the fill's thread ----------------------------------------------------------
 
@@ -191,15 +162,10 @@ class Warmer:
         if got is None:
             return
         nodes, runs, snaps = got
-        if join_on_device():
-            if arena is not None and cuda_pages.prefetch([arena.bytes]):
-                # On this thread, before the next fetch joins them: the host wrote these
-                # pages, and that fetch's copies would fault them over one by one.
-                cuda_pages.wait()
-            with self._lock:
-                if not self._stopped:
-                    self._ready.append((nodes, runs, snaps, arena))
-            return
+        if arena is not None and cuda_pages.prefetch([arena.bytes]):
+            # On this thread, before the blocks join the tier: the host wrote these
+            # pages, and a restore's copies would fault them over one by one.
+            cuda_pages.wait()
         for k, node in enumerate(nodes):
             tensors, origin = _block_bits(node, self.layout.kinds, runs, snaps.get(k, {}))
             self.memory.put(node, tensors, origin, source="disk")

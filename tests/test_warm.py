@@ -4,7 +4,7 @@ Where a prefill is faster than a disk read (an H200 below ~32k tokens), a fetch 
 nothing; a background fill then reads the skipped blocks into the tier, so the next
 fetch of that prefix restores from RAM. Rates are set explicitly (tests never decide by
 timing); ``store.flush()`` waits for the fill. ``read_path.RAM_JOIN = "mlx"`` takes the GPU's route
-(host reads installed as MLX copies by the next fetch) on this CPU.
+(host reads into an arena of MLX memory, restored from as views of it) on this CPU.
 """
 
 from __future__ import annotations
@@ -67,11 +67,11 @@ def test_a_skipped_prefix_is_served_from_the_tier_next_time(tmp_path, model, mon
         assert cache is None and rest == query  # computing is faster: nothing read for the caller
         store.flush()  # the fill is done
         counts = memory_counts(store)
-        if join == "numpy":  # the CPU: the fill's host bits are in the tier already
-            assert counts["memory_warmed"] == blocks and counts["memory_warmed_bytes"] == total
-            assert counts["bytes_in_memory"] == total
-        else:  # a GPU: read, waiting for the next fetch to copy them to the device
-            assert counts["memory_warmed"] == 0 and counts["bytes_in_memory"] == 0
+        # In the tier already (on a GPU's route as views of the arena the fill read into)
+        assert counts["memory_warmed"] == blocks and counts["memory_warmed_bytes"] == total
+        assert counts["bytes_in_memory"] == total
+        held = [x for _, tensors, *_ in store._memory._entries.values() for part in tensors.values() for x in part.values()]
+        assert all(isinstance(x, HostBits) and (x.arena is not None) == (join == "mlx") for x in held)
         restored, rest = store.fetch(query)
         stats = store.stats()
         assert stats["skipped_slower"] == 1 and stats["restored_all"] == 1
@@ -185,21 +185,28 @@ def test_a_restarted_process_fills_the_tier_with_what_it_skips(tmp_path, model, 
 
 def test_a_fill_on_the_gpu_route_reads_into_device_memory_and_copies_nothing():
     # On a CUDA GPU a fill reads into an arena of device memory made on the caller's thread;
-    # its blocks then become views of it (host memory copied over later cost 1.1-3 x the
+    # its blocks are then views of it (host memory copied over later cost 1.1-3 x the
     # prefill on the H200). The same code runs here on the CPU: views, and exact bits.
     import numpy as np
 
-    from persistent_prefix_cache.disk.buffers import Arena, HostBits, allocate, host_reads, to_device
+    from persistent_prefix_cache.disk.buffers import Arena, allocate, host_bits, host_reads
 
     arena = Arena(1 << 14)
     with host_reads(arena):
         got = allocate([("k", (1, 2, 40, 8), "BF16"), ("s", (3, 5), "F32"), ("big", (1 << 14,), "F32")])
+        items = [host_bits(got["k"], "BF16"), host_bits(got["k"], "BF16")[:, :, 5:30, :], host_bits(got["s"], "F32"),
+                 host_bits(got["big"], "F32")]  # fmt: skip
     rng = np.random.default_rng(3)
     for name, x in got.items():
         x[...] = rng.integers(0, np.iinfo(x.dtype).max, size=x.shape, dtype=x.dtype)
-    items = [HostBits(got["k"], "BF16"), HostBits(got["k"], "BF16")[:, :, 5:30, :], HostBits(got["s"], "F32"),
-             HostBits(got["big"], "F32")]  # fmt: skip
     assert [arena.view(x.bits, x.dtype) is not None for x in items] == [True, True, True, False]  # "big" did not fit
-    for x, y in zip(items, to_device(items, arena)):
+    bits = {2: mx.uint16, 4: mx.uint32}
+    made = [x.to_mx() for x in items]
+    mx.eval(made)
+    for x, y in zip(items, made):
         assert y.dtype == x.dtype and tuple(y.shape) == x.shape
-        assert np.array_equal(np.array(y.view({2: mx.uint16, 4: mx.uint32}[x.itemsize])), x.bits)
+        assert np.array_equal(np.array(y.view(bits[x.itemsize])), x.bits)
+    for x in got.values():  # the arena's bytes change under the views: they are views, not copies
+        x[...] ^= 1
+    seen = [np.array(y.view(bits[x.itemsize])) for x, y in zip(items, made)]
+    assert [np.array_equal(a, x.bits) for a, x in zip(seen, items)] == [True, True, True, False]

@@ -183,30 +183,39 @@ def allocate(specs: list[tuple[str, tuple[int, ...], str]]) -> dict[str, mx.arra
 
 class HostBits:
     """A block tensor held as numpy bits of an MLX dtype, not yet in MLX memory (a
-    block read from the remote tier, or by a background fill): the read path copies it into the joined buffers
-    like an MLX array of the RAM tier, one copy less than making an MLX array first.
+    block read from the remote tier, or by a background fill): the read path copies it
+    into the joined buffers like an MLX array of the RAM tier, one copy less than making
+    an MLX array first.
 
     Args:
         bits: The tensor's bits as unsigned ints of its item size.
         dtype: Its safetensors dtype name.
+        arena: The device memory `bits` lie in, if they do (a fill on a GPU): the tensor
+            is then a view of it in MLX, made when a restore asks (`to_mx`), no copy.
     """
 
-    __slots__ = ("bits", "dtype", "shape", "itemsize", "nbytes", "ndim")
+    __slots__ = ("bits", "dtype", "shape", "itemsize", "nbytes", "ndim", "arena")
 
-    def __init__(self, bits: np.ndarray, dtype: str):
+    def __init__(self, bits: np.ndarray, dtype: str, arena: "Arena | None" = None):
         self.bits = bits
         self.dtype = mx_dtype(dtype)
         self.shape = tuple(bits.shape)
         self.itemsize = bits.itemsize
         self.nbytes = bits.nbytes
         self.ndim = bits.ndim
+        self.arena = arena
 
     def __getitem__(self, key) -> "HostBits":
         """A view of part of it (numpy indexing of the bits), as host bits."""
-        return HostBits(self.bits[key], dtype_info(self.dtype)[0])
+        return HostBits(self.bits[key], dtype_info(self.dtype)[0], self.arena)
 
     def to_mx(self) -> mx.array:
-        """The tensor as an (evaluated) MLX array (on a CUDA GPU: see `to_device`)."""
+        """The tensor as an MLX array: a view of its arena, or else an evaluated copy
+        (on a CUDA GPU: see `to_device`)."""
+        if self.arena is not None:
+            view = self.arena.view(self.bits, self.dtype)
+            if view is not None:
+                return view
         if on_gpu():
             return to_device([self])[0]
         x = mx.array(self.bits).view(self.dtype)
@@ -214,11 +223,16 @@ class HostBits:
         return x
 
 
+def host_bits(bits: np.ndarray, dtype: str) -> HostBits:
+    """`bits` read inside `host_reads` as `HostBits`, knowing the arena they lie in."""
+    return HostBits(bits, dtype, getattr(_local, "arena", None))
+
+
 _COPIERS: list[ThreadPoolExecutor] = []  # made on first use
 _COPY_PIECE = 8 << 20  # bytes one copier thread takes at a time
 
 
-def to_device(items: list[HostBits], arena: Arena | None = None) -> list[mx.array]:
+def to_device(items: list[HostBits]) -> list[mx.array]:
     """Host bits as evaluated MLX arrays made on a CUDA GPU, the way the disk read path
     fills its buffers: arrays made on the device, written from the host by several
     threads in pieces (numpy's copies release the GIL).
@@ -229,19 +243,14 @@ def to_device(items: list[HostBits], arena: Arena | None = None) -> list[mx.arra
 
     Args:
         items: Host bits (each may be a strided view).
-        arena: The device memory they were read into, if they were: those become views
-            of it (no copy).
 
     Returns:
         One array per item, in order.
     """
-    views = [arena.view(x.bits, x.dtype) if arena is not None else None for x in items]
-    rest = [(i, x) for i, (x, v) in enumerate(zip(items, views)) if v is None]
-    made = allocate([(str(i), x.shape, dtype_info(x.dtype)[0]) for i, x in rest])
-    arrays = [made[str(i)] if v is None else v for i, v in enumerate(views)]
+    made = allocate([(str(i), x.shape, dtype_info(x.dtype)[0]) for i, x in enumerate(items)])
+    arrays = [made[str(i)] for i in range(len(items))]
     jobs = []
-    for i, x in rest:
-        a = arrays[i]
+    for x, a in zip(items, arrays):
         if x.nbytes == 0:
             continue
         dst = np.frombuffer(memoryview(a).cast("B"), dtype=x.bits.dtype).reshape(x.shape)
@@ -258,5 +267,5 @@ def to_device(items: list[HostBits], arena: Arena | None = None) -> list[mx.arra
             _COPIERS.append(ThreadPoolExecutor(8, thread_name_prefix="ppc-to-device"))
         for _ in _COPIERS[0].map(lambda job: np.copyto(*job), jobs):
             pass
-    cuda_pages.to_gpu([arrays[i] for i, _ in rest])  # the host wrote them: on the GPU in bulk
+    cuda_pages.to_gpu(arrays)  # the host wrote them: on the GPU in bulk
     return arrays

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..blocks import Node, Tensors, dtype_info, is_sliced
 from . import cuda_pages
-from .buffers import UINT_MX, HostBits, allocate, on_gpu, reading_to_host
+from .buffers import UINT_MX, HostBits, allocate, host_bits, on_gpu, reading_to_host
 from .segment import OpenSegment, SegmentFiles
 
 KV_STEP = 256  # mlx-lm's KVCache grows in steps of 256 tokens
@@ -150,9 +150,11 @@ def _pieces(nodes, cached, origins) -> list[tuple[str, int, int, mx.array]]:
 
 def _join_on_device(nodes, cached, origins, lid_kind, position):
     """Runs and snapshots from RAM-tier blocks only, joined by `mx.concatenate` (with
-    zeros appended as room to grow in place)."""
+    zeros appended as room to grow in place); blocks a fill read into an arena join as
+    views of it."""
     parts: dict[str, list[list]] = {}  # name -> runs of [start, end, [arrays]]
     for name, start, end, x in _pieces(nodes, cached, origins):
+        x = _as_mx(x)
         runs = parts.setdefault(name, [])
         if runs and runs[-1][1] == start and runs[-1][2][-1].shape[:2] == x.shape[:2]:
             runs[-1][1] = end
@@ -175,7 +177,7 @@ def _join_on_device(nodes, cached, origins, lid_kind, position):
     mx.eval(joined)
     last = nodes[-1]
     snaps = {
-        lid: {f: x for f, x in part.items() if not is_sliced(f"{lid}.{f}", x.shape, last.n_tokens)}
+        lid: {f: _as_mx(x) for f, x in part.items() if not is_sliced(f"{lid}.{f}", x.shape, last.n_tokens)}
         for lid, part in cached[-1].items()
     }
     return by_leaf, snaps
@@ -293,7 +295,7 @@ def read_path(
                 if seg.read_snap(s, memoryview(arrays[f"s{k}"]).cast("B")) is None:
                     return last, {}, {}
                 lid, _, fld = s.name.rpartition(".")
-                snaps.setdefault(lid, {})[fld] = HostBits(arrays[f"s{k}"], s.dtype) if reading_to_host() else arrays[f"s{k}"]
+                snaps.setdefault(lid, {})[fld] = host_bits(arrays[f"s{k}"], s.dtype) if reading_to_host() else arrays[f"s{k}"]
         _copy_cached(nodes, cached, origins, runs)
         if not reading_to_host():
             # Verified, then moved to a CUDA GPU in bulk, inside the timed restore (the
@@ -305,7 +307,7 @@ def read_path(
         for r in runs:
             r.view = None  # release every view of the buffers before MLX owns them again
             lid, _, fld = r.name.rpartition(".")
-            array = HostBits(r.array, r.dtype) if reading_to_host() else r.array
+            array = host_bits(r.array, r.dtype) if reading_to_host() else r.array
             by_leaf.setdefault(lid, {}).setdefault(fld, []).append((r.start, r.end, array))
         return len(nodes), by_leaf, snaps
     finally:
