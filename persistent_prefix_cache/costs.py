@@ -13,7 +13,8 @@ all of it, only the part held in RAM, a shorter prefix, or nothing.
   serve``'s prompt segments, `calibrate`). The per-call cost matters on a GPU, where a
   forward of 64 tokens is bound by its launch, not its tokens.
 - Restore, per tier: a fixed cost (lookup of segment digests, plan, allocation) plus
-  bytes over a rate, fitted the same way from every timed restore.
+  bytes over a rate, fitted the same way from every timed restore, and trusted from
+  the second one on (`TRUSTED_WEIGHT`).
 - The first forward on a restored cache: what it costs beyond a forward of the same
   tokens on a cache the model grew itself (mlx-lm grows a restored cache by a copy).
 
@@ -40,6 +41,13 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 ALPHA = 0.3  # weight of the newest observation in every fit
+# A tier's restores are trusted from the second timing on (decayed weight 1 + 0.7): a
+# process's first restore from a tier pays one-off costs (MLX compiling its kernels for
+# the shapes met: a RAM-tier restore of 256 tokens took 7.2 ms the first time and 1.8 ms
+# after on an H200), and a tier judged slower on such a timing alone is never timed
+# again. Rates set by hand (`set_restore`) count as trusted.
+TRUSTED_WEIGHT = 1.5
+SET_WEIGHT = 2.0  # the weight `Fit.set` gives the coefficients it is told
 # Restores smaller than this teach the fixed cost only (the rate would be noise).
 MIN_TIMED_BYTES = 1 << 20
 # Tokens per forward call of a caller's prefill (mlx-lm's prefill_step_size default).
@@ -91,10 +99,16 @@ class Fit:
         self._solved = None
 
     def set(self, coefficients: tuple[float, ...]) -> None:
-        """Forget the observations: the coefficients are now these."""
+        """Forget the observations: the coefficients are now these (as if timed
+        `SET_WEIGHT` times)."""
         k = len(self.order)
-        self.sums = [float(i == j) for i in range(k) for j in range(k)] + [float(c) for c in coefficients]
+        w = SET_WEIGHT
+        self.sums = [w * (i == j) for i in range(k) for j in range(k)] + [w * float(c) for c in coefficients]
         self._solved = None
+
+    def weight(self) -> float:
+        """The decayed number of observations (feature 0 is the constant 1: restore fits)."""
+        return self.sums[0]
 
     def coefficients(self) -> list[float] | None:
         """The coefficients, None before any observation (solved once per change of
@@ -367,11 +381,11 @@ class Costs:
             for tier in ("ram", "disk"):
                 fit = self.restore.get(tier)
                 coef = fit.coefficients() if fit is not None else None
-                if coef is not None and coef[1] > 0:
+                if coef is not None and coef[1] > 0 and fit.weight() >= TRUSTED_WEIGHT:
                     fixed[tier], slopes[tier] = coef
             first = self.first_forward_seconds or 0.0
             if not all(("ram" if r else "disk") in slopes for r in in_ram):
-                return whole  # a tier not timed yet: restore, and learn its rate
+                return whole  # a tier not timed (twice) yet: restore, and learn its rate
             best, cost, disk = Choice(0, 0, 0.0, "skipped_slower"), 0.0, False
             cuts = set(resumable)
             total = max(ends[-1], total or 0)
