@@ -104,6 +104,31 @@ def test_prefill_and_calibrate_teach_the_prefill_rate(store_dir, model):
         assert store.calibrate(model, tokens=32) > 0 and store.stats()["prefill_tokens_per_s"] > 0
 
 
+def test_calibrate_times_its_forwards_once_warm_and_apart(model, monkeypatch):
+    # A process's first forward of a shape compiles MLX's kernels (on an H200 a 64-token
+    # continuation took 99 ms the first time, 17 ms after): calibrate runs its forwards
+    # once untimed, then times the same ones. Two fresh-cache lengths set the per-token
+    # cost apart from the per-call one (a GPU's forward of a few hundred tokens is bound
+    # by the call: from continuations alone a fit put 256 tokens at 0.3 ms).
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from persistent_prefix_cache.costs import calibrate
+
+    seen, calls = [], []
+    monkeypatch.setattr(Costs, "observe_prefill", lambda self, n, seconds, start=0, forwards=1: seen.append((n, start)))
+    real = model.__call__
+
+    def counted(inputs, cache=None):
+        calls.append((inputs.shape[1], cache[0].offset))
+        return real(inputs, cache=cache)
+
+    monkeypatch.setattr(type(model), "__call__", lambda self, inputs, cache=None: counted(inputs, cache))
+    calibrate(Costs(), model, lambda: make_prompt_cache(model), 64)
+    want = [(8, 0), (64, 0), (16, 64), (32, 80), (16, 112)]
+    assert seen == want
+    assert calls == want + want  # untimed first, then timed
+
+
 @pytest.mark.parametrize("join", ["mlx", "numpy"])
 def test_ram_tier_join_on_the_device_restores_exactly(store_dir, model, monkeypatch, join):
     # What a GPU does (mx.concatenate of the RAM tier's blocks, with room to grow),
