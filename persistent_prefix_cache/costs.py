@@ -40,14 +40,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-ALPHA = 0.3  # weight of the newest observation in every fit
-# A tier's restores are trusted from the second timing on (decayed weight 1 + 0.7): a
-# process's first restore from a tier pays one-off costs (MLX compiling its kernels for
-# the shapes met: a RAM-tier restore of 256 tokens took 7.2 ms the first time and 1.8 ms
-# after on an H200), and a tier judged slower on such a timing alone is never timed
-# again. Rates set by hand (`set_restore`) count as trusted.
-TRUSTED_WEIGHT = 1.5
-SET_WEIGHT = 2.0  # the weight `Fit.set` gives the coefficients it is told
+from .cost_fit import ALPHA, TRUSTED_WEIGHT, Fit
+
 # Restores smaller than this teach the fixed cost only (the rate would be noise).
 MIN_TIMED_BYTES = 1 << 20
 # Tokens per forward call of a caller's prefill (mlx-lm's prefill_step_size default).
@@ -69,103 +63,6 @@ def device_kind() -> str:
     except Exception:  # an MLX without device_info, or a backend that cannot say
         name = ""
     return f"{'gpu' if device.type == mx.DeviceType.gpu else 'cpu'}:{name}"
-
-
-class Fit:
-    """``y ≈ Σ coef_i · x_i`` with every coefficient >= 0: least squares over observations
-    whose weight decays by ``1 − ALPHA`` per newer one.
-
-    Where the observations cannot tell the features apart (too few, all alike), the
-    least important feature whose going makes the rest solvable is left out
-    (coefficient 0); where a coefficient comes out negative (noise), that feature is;
-    and the rest are fitted again.
-
-    Args:
-        order: The features' indexes, most important first (their count is the fit's).
-        sums: Saved normal equations (`sums` of an earlier fit), if any.
-    """
-
-    def __init__(self, order: tuple[int, ...], sums: list[float] | None = None):
-        self.order = order
-        k = len(order)
-        self.sums = [float(v) for v in sums] if sums and len(sums) == k * k + k else [0.0] * (k * k + k)
-        self._solved: tuple[list[float] | None] | None = None  # `coefficients` until the sums change
-
-    def add(self, x: tuple[float, ...], y: float) -> None:
-        """Add one observation: features `x`, value `y`."""
-        k, keep = len(self.order), 1 - ALPHA
-        new = [x[i] * x[j] for i in range(k) for j in range(k)] + [x[i] * y for i in range(k)]
-        self.sums = [keep * s + n for s, n in zip(self.sums, new)]
-        self._solved = None
-
-    def set(self, coefficients: tuple[float, ...]) -> None:
-        """Forget the observations: the coefficients are now these (as if timed
-        `SET_WEIGHT` times)."""
-        k = len(self.order)
-        w = SET_WEIGHT
-        self.sums = [w * (i == j) for i in range(k) for j in range(k)] + [w * float(c) for c in coefficients]
-        self._solved = None
-
-    def weight(self) -> float:
-        """The decayed number of observations (feature 0 is the constant 1: restore fits)."""
-        return self.sums[0]
-
-    def coefficients(self) -> list[float] | None:
-        """The coefficients, None before any observation (solved once per change of
-        the sums: a fetch asks for them a dozen times)."""
-        if self._solved is None:
-            self._solved = (self._solve_sums(),)
-        coef = self._solved[0]
-        return None if coef is None else list(coef)
-
-    def _solve_sums(self) -> list[float] | None:
-        k = len(self.order)
-        m, v = self.sums[: k * k], self.sums[k * k :]
-        active = [i for i in self.order if m[i * k + i] > 0]
-
-        def solve(features: list[int]) -> list[float] | None:
-            return _solve([[m[i * k + j] for j in features] for i in features], [v[i] for i in features])
-
-        while active:
-            z = solve(active)
-            if z is None:
-                # Features the observations cannot tell apart: leave out the least
-                # important one whose going makes the rest solvable.
-                fewer = [active[:j] + active[j + 1 :] for j in range(len(active) - 1, 0, -1)]
-                active = next((f for f in fewer if solve(f) is not None), active[:-1])
-                continue
-            if min(z) < 0:
-                # Noise: the most negative goes, unless it is the most important feature
-                # (a restore's bytes, a prefill's tokens): then the least important one
-                # does. Timings of one size alone cannot split a rate from a fixed cost,
-                # and a fit left with the fixed cost only reads as "not timed yet", which
-                # restores again at that same size, forever.
-                worst = z.index(min(z))
-                active.pop(len(active) - 1 if worst == 0 and len(active) > 1 else worst)
-                continue
-            out = [0.0] * k
-            for i, c in zip(active, z):
-                out[i] = c
-            return out
-        return None
-
-
-def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
-    """``m z = v`` for a small symmetric positive matrix (scaled to a unit diagonal
-    first: the features differ by many orders of magnitude); None if singular."""
-    n = len(v)
-    d = [m[i][i] ** 0.5 for i in range(n)]
-    a = [[m[i][j] / (d[i] * d[j]) for j in range(n)] + [v[i] / d[i]] for i in range(n)]
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
-        if abs(a[pivot][col]) < 1e-9:
-            return None
-        a[col], a[pivot] = a[pivot], a[col]
-        for r in range(n):
-            if r != col:
-                f = a[r][col] / a[col][col]
-                a[r] = [x - f * y for x, y in zip(a[r], a[col])]
-    return [a[i][n] / a[i][i] / d[i] for i in range(n)]
 
 
 def _prefill_features(start: int, end: int, forwards: int) -> tuple[float, float, float]:
