@@ -19,7 +19,7 @@ from helpers import assert_same_logits, cold_logits, feed, prefill as one_shot, 
 from test_ram_admission import assert_same_bits, memory_counts
 
 from persistent_prefix_cache import PersistentPrefixCache
-from persistent_prefix_cache.disk import read_path
+from persistent_prefix_cache.disk import buffers, read_path
 from persistent_prefix_cache.disk.buffers import HostBits
 
 BS = 16
@@ -53,8 +53,11 @@ def disk_loses(store: PersistentPrefixCache) -> None:
     store._costs.set_restore({"ram": 1e15, "disk": 1.0})  # a byte a second from disk
 
 
-@pytest.mark.parametrize("join", ["numpy", "mlx"])
+@pytest.mark.parametrize("join", ["numpy", "mlx", "mlx, arena zeroed on the CPU stream"])
 def test_a_skipped_prefix_is_served_from_the_tier_next_time(tmp_path, model, monkeypatch, join):
+    if join.startswith("mlx, "):
+        monkeypatch.setattr(buffers, "ARENA_ZEROS", "cpu")
+        join = "mlx"
     monkeypatch.setattr(read_path, "RAM_JOIN", join)
     toks = random_tokens(96, 1, first=1)
     total = write_store(tmp_path / "s", model, [toks])

@@ -39,7 +39,7 @@ except ImportError:  # run from a checkout without installing
 
 from mlx_lm.models import llama
 
-from persistent_prefix_cache.disk import cuda_pages, read_path
+from persistent_prefix_cache.disk import buffers, cuda_pages, read_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_precompute  # noqa: E402  (tools/bench_precompute.py)
@@ -281,10 +281,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="how the RAM tier's blocks are joined (default: by device; to measure both)")  # fmt: skip
     p.add_argument("--gpu-pages", choices=("stage", "prefetch", "touch", "none"), default=cuda_pages.MODE,
                    help="how restored buffers the host wrote reach the GPU (disk/cuda_pages.py)")  # fmt: skip
+    p.add_argument("--arena", choices=("gpu", "cpu"), default=buffers.ARENA_ZEROS,
+                   help="how a background fill's device memory is made (disk/buffers.py ARENA_ZEROS)")  # fmt: skip
     p.add_argument("--log-costs", action="store_true", help="every timing the cost model is told, in --json")
     args = p.parse_args(argv)
     read_path.RAM_JOIN = args.ram_join
     cuda_pages.MODE = args.gpu_pages
+    buffers.ARENA_ZEROS = args.arena
     if args.log_costs:
         log_costs()
     model = build(SMALL if args.small else SHAPE_8B)
@@ -293,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": str(mx.default_device()),
         "mlx": mx.__version__,
         "gpu_pages": args.gpu_pages,
+        "arena": args.arena,
         "cases": [case(model, int(n), args.repeat, work) for n in args.tokens.split(",")],
     }
     if args.precompute is None:
