@@ -417,14 +417,22 @@ class SavedCosts:
                 pass
 
 
+MAX_CALIBRATION_TOKENS = 4096  # the longest prompt `calibrate` grows to
+_clock = time.perf_counter  # what `calibrate` times with (tests set a clock of their own)
+
+
 def calibrate(costs: Costs, model: Any, make_cache: Callable[[], list], tokens: int) -> None:
-    """Time `model`'s prefill into `costs`: forwards of ``tokens // 8`` and of `tokens`
-    tokens on fresh caches (per token and per call apart), then ``tokens // 4``,
-    ``tokens // 2`` and ``tokens // 4`` more on the second cache (attention's growth with
-    the position). The same forwards run once untimed first: a process's first forward
-    of a shape compiles MLX's kernels for it (a 64-token continuation took 99 ms the
-    first time and 17 ms after on an H200, and a fit from such timings put the prefill of
-    256 tokens at 0.3 ms). Runs on the calling thread (it owns MLX's stream).
+    """Time `model`'s prefill into `costs`: forwards of ``n // 8`` and of `n` tokens on
+    fresh caches (per token and per call apart), then ``n // 4``, ``n // 2`` and
+    ``n // 4`` more on the second cache (attention's growth with the position).
+
+    `n` starts at `tokens` and doubles (up to `MAX_CALIBRATION_TOKENS`) while the forward
+    of `n` tokens takes less than 1.5 x that of ``n // 8``: there a forward is bound by
+    its call, not its tokens (an 8B model on an H200 takes ~12 ms for 32 and for 256
+    tokens alike), and a fit from such timings alone put 256 tokens at 22 ms, or at
+    0.3 ms. Each set of forwards runs once untimed first: a process's first forward of a
+    shape compiles MLX's kernels (a 64-token continuation took 99 ms the first time and
+    17 ms after on the H200). Runs on the calling thread (it owns MLX's stream).
 
     Raises:
         InvalidArgumentError: If `tokens` is not an int >= 2.
@@ -435,21 +443,34 @@ def calibrate(costs: Costs, model: Any, make_cache: Callable[[], list], tokens: 
 
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 2:
         raise InvalidArgumentError(f"tokens must be an int >= 2, got {tokens!r}")
-    ids = [(7 * i + 1) % 251 for i in range(tokens * 2)]
-    # (cache, start, end): a short and a long forward from position 0, then three more on
-    # the long one's cache at growing positions.
-    calls = [(0, 0, max(1, tokens // 8)), (1, 0, tokens)]
-    for end in (tokens + tokens // 4, tokens + 3 * tokens // 4, tokens * 2):
-        calls.append((1, calls[-1][2], end))
-    for timed in (False, True):
-        caches = [make_cache(), make_cache()]
-        for which, start, end in calls:
-            if end <= start:
-                continue
-            started = time.perf_counter()
-            mx.eval(model(mx.array([ids[start:end]]), cache=caches[which]))
-            if timed:
-                costs.observe_prefill(end - start, time.perf_counter() - started, start=start)
+    ids = [(7 * i + 1) % 251 for i in range(2 * max(tokens, MAX_CALIBRATION_TOKENS))]
+
+    def run(calls: list[tuple[int, int, int]], observed_from: int = 0) -> list[float]:
+        """The calls ``(cache, start, end)`` once untimed, then timed (and observed from
+        the `observed_from`-th on)."""
+        for timed in (False, True):
+            caches, seconds = [make_cache(), make_cache()], []
+            for k, (which, start, end) in enumerate(calls):
+                started = _clock()
+                mx.eval(model(mx.array([ids[start:end]]), cache=caches[which]))
+                seconds.append(_clock() - started)
+                if timed and k >= observed_from:
+                    costs.observe_prefill(end - start, seconds[-1], start=start)
+        return seconds
+
+    n = tokens
+    while True:
+        short, long = run([(0, 0, max(1, n // 8)), (1, 0, n)])
+        if n >= MAX_CALIBRATION_TOKENS or long >= 1.5 * short:
+            break
+        n = min(2 * n, MAX_CALIBRATION_TOKENS)
+    # Three more calls on a cache the long forward filled (timed already), at growing positions.
+    calls = [(1, 0, n)]
+    for end in (n + n // 4, n + 3 * n // 4, 2 * n):
+        if end > calls[-1][2]:
+            calls.append((1, calls[-1][2], end))
+    if len(calls) > 1:
+        run(calls, observed_from=1)
 
 
 class CostsMixin:
@@ -485,7 +506,8 @@ class CostsMixin:
 
         Args:
             model: The model the store was opened with.
-            tokens: Tokens of the first timed forward.
+            tokens: Tokens of the first timed forward (more, up to 4,096, where a forward
+                of that many is bound by its call: a fast GPU).
             only_if_unknown: Measure nothing if the prefill of this model on this
                 device kind is already known (measured here or remembered by the store).
 

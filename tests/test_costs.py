@@ -104,29 +104,51 @@ def test_prefill_and_calibrate_teach_the_prefill_rate(store_dir, model):
         assert store.calibrate(model, tokens=32) > 0 and store.stats()["prefill_tokens_per_s"] > 0
 
 
-def test_calibrate_times_its_forwards_once_warm_and_apart(model, monkeypatch):
-    # A process's first forward of a shape compiles MLX's kernels (on an H200 a 64-token
-    # continuation took 99 ms the first time, 17 ms after): calibrate runs its forwards
-    # once untimed, then times the same ones. Two fresh-cache lengths set the per-token
-    # cost apart from the per-call one (a GPU's forward of a few hundred tokens is bound
-    # by the call: from continuations alone a fit put 256 tokens at 0.3 ms).
+def _calibrated(model, monkeypatch, tokens: int, seconds) -> tuple[list, list]:
+    """`calibrate(tokens)` on the real model, timed by a clock that a forward of ``n``
+    tokens moves by ``seconds(n)``: the forwards run, and those observed."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from persistent_prefix_cache.costs import calibrate
+    from persistent_prefix_cache import costs as costs_module
 
-    seen, calls = [], []
-    monkeypatch.setattr(Costs, "observe_prefill", lambda self, n, seconds, start=0, forwards=1: seen.append((n, start)))
+    seen, calls, clock = [], [], [0.0]
+    monkeypatch.setattr(Costs, "observe_prefill", lambda self, n, s, start=0, forwards=1: seen.append((n, start, s)))
+    monkeypatch.setattr(costs_module, "_clock", lambda: clock[0])
     real = model.__call__
 
     def counted(inputs, cache=None):
         calls.append((inputs.shape[1], cache[0].offset))
+        clock[0] += seconds(inputs.shape[1])
         return real(inputs, cache=cache)
 
     monkeypatch.setattr(type(model), "__call__", lambda self, inputs, cache=None: counted(inputs, cache))
-    calibrate(Costs(), model, lambda: make_prompt_cache(model), 64)
-    want = [(8, 0), (64, 0), (16, 64), (32, 80), (16, 112)]
-    assert seen == want
-    assert calls == want + want  # untimed first, then timed
+    costs_module.calibrate(Costs(), model, lambda: make_prompt_cache(model), tokens)
+    return calls, [(n, start) for n, start, _ in seen]
+
+
+def test_calibrate_times_its_forwards_once_warm_and_apart(model, monkeypatch):
+    # A process's first forward of a shape compiles MLX's kernels (on an H200 a 64-token
+    # continuation took 99 ms the first time, 17 ms after): calibrate runs its forwards
+    # once untimed, then times the same ones. Two fresh-cache lengths set the per-token
+    # cost apart from the per-call one.
+    calls, seen = _calibrated(model, monkeypatch, 64, lambda n: 0.001 * n)  # bound by its tokens
+    assert seen == [(8, 0), (64, 0), (16, 64), (32, 80), (16, 112)]
+    pair, rest = [(8, 0), (64, 0)], [(64, 0), (16, 64), (32, 80), (16, 112)]
+    assert calls == pair + pair + rest + rest  # untimed first, then timed
+
+
+def test_calibrate_grows_the_prompt_while_a_forward_is_bound_by_its_call(model, monkeypatch):
+    # An 8B model on an H200 takes ~12 ms for 32 tokens and for 256 alike: from such
+    # timings alone a fit put 256 tokens at 22 ms (and restored them from disk at 2 x the
+    # prefill). calibrate doubles the prompt until the tokens show, here never (up to 512).
+    from persistent_prefix_cache import costs as costs_module
+
+    monkeypatch.setattr(costs_module, "MAX_CALIBRATION_TOKENS", 512)
+    _, seen = _calibrated(model, monkeypatch, 64, lambda n: 0.012)
+    assert seen == [(8, 0), (64, 0), (16, 0), (128, 0), (32, 0), (256, 0), (64, 0), (512, 0), (128, 512), (256, 640), (128, 896)]
+    # Where the tokens show from some length on, it stops there.
+    _, seen = _calibrated(model, monkeypatch, 64, lambda n: max(0.012, 0.0001 * n))
+    assert [n for n, start in seen if start == 0][-1] == 256
 
 
 @pytest.mark.parametrize("join", ["mlx", "numpy"])
