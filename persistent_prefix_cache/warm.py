@@ -17,10 +17,9 @@ What it costs the caller, and what it keeps:
   than ``memory_bytes``, with the reader pool left to callers (`host_reads`).
 - No MLX work runs on that thread (a GPU stream belongs to the caller's thread): it reads
   into numpy buffers, and the tier holds those bits as they are (`HostBits`, as it holds
-  the remote's blocks). On a GPU those buffers are carved from an `Arena` of device
-  memory the skipping fetch made on its own thread, so the fill's reads land on the
-  device as the disk read path's do; the fill's thread moves the pages the host wrote
-  to the GPU before the blocks join the tier, and a restore takes them as views of the
+  the remote's blocks). On a GPU those buffers are carved from an `Arena` of MLX's
+  managed memory the skipping fetch made on its own thread; the fill's thread moves the
+  pages the host wrote to the GPU before the blocks join the tier, and a restore takes them as views of the
   arena (no copy, no MLX work until a fetch asks). Joining them with MLX copies on the
   next fetch cost it ~5 ms at 512 tokens on an H200 (a quarter of the prefill).
 - Every block's checksum is verified before it joins the tier (`read_path`); a damaged
@@ -100,8 +99,9 @@ class Warmer:
             nodes = [n for n, yes in zip(wanted, flags) if yes]
             if not nodes:
                 return 0
-            # On a GPU the fill reads straight into device memory made here, on the
-            # caller's thread (a few ms for a GiB): host memory copied over later cost
+            # On a GPU the fill reads straight into MLX memory made here, on the
+            # caller's thread (zeroed asynchronously: `buffers.ARENA_ZEROS`), that its
+            # thread then moves to the device: host memory copied over later cost
             # 1.1-3 x the prefill it was to save (H200). Host reads join no buffers
             # with room to grow: the blocks' bytes, and 64-byte alignment per buffer.
             arena = None

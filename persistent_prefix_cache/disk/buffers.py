@@ -54,8 +54,9 @@ ARENA_ZEROS = "cpu"
 
 
 class Arena:
-    """Device memory a background fill on a CUDA GPU reads into (made on the caller's
-    thread, which owns MLX's stream; written by the fill's thread through its bytes).
+    """MLX memory a background fill on a GPU reads into (made on the caller's thread,
+    which owns MLX's stream; written by the fill's thread through its bytes, then moved
+    to the device).
 
     Args:
         nbytes: Its size (rounded up to whole 64-byte lines).
@@ -86,7 +87,8 @@ class Arena:
     @property
     def base(self) -> int:
         """The address of its first byte."""
-        return self._base if self._bytes is not None else self.bytes.ctypes.data
+        _ = self.bytes
+        return self._base
 
     def take(self, shape: tuple[int, ...], bits: type) -> np.ndarray | None:
         """The next free stretch as a numpy array of `shape` (None: it does not fit)."""
