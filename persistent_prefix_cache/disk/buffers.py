@@ -65,15 +65,14 @@ class Arena:
     def __init__(self, nbytes: int):
         # 64-byte rows: one axis of MLX holds at most 2**31 - 1 elements, a fill 4 GiB and more.
         shape = (-(-nbytes // 64), 64)
+        self._bytes: np.ndarray | None = None
+        self._base = 0
         if ARENA_ZEROS == "cpu":
             self.array = mx.zeros(shape, dtype=mx.uint8, stream=mx.cpu)
             mx.async_eval(self.array)
         else:
             self.array = mx.zeros(shape, dtype=mx.uint8)
             mx.eval(self.array)
-        self._bytes: np.ndarray | None = None
-        self._base = 0
-        if ARENA_ZEROS != "cpu":
             _ = self.bytes  # the host view now, on the caller's thread
 
     @property
@@ -221,8 +220,8 @@ class HostBits:
     Args:
         bits: The tensor's bits as unsigned ints of its item size.
         dtype: Its safetensors dtype name.
-        arena: The device memory `bits` lie in, if they do (a fill on a GPU): the tensor
-            is then a view of it in MLX, made when a restore asks (`to_mx`), no copy.
+        arena: The `Arena` `bits` lie in, if they do (a fill on a GPU): the tensor is
+            then a view of it in MLX, made when a restore asks (`to_mx`), no copy.
     """
 
     __slots__ = ("bits", "dtype", "shape", "itemsize", "nbytes", "ndim", "arena")

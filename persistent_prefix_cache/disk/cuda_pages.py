@@ -230,10 +230,10 @@ def touch(arrays: Sequence) -> None:
 
 class Stager:
     """One destination's pieces, read into pinned host memory and copied to the device
-    (see the module's docstring): `take` a piece, fill it, `send` it. `wait` waits for
-    the copies; until then the destination
-    must stay alive and unread. A driver call that fails puts that piece in place from
-    the host instead, and ends staging for this process: never a lost piece.
+    (see the module's docstring): `take` a piece, fill it, `send` it. The module's `wait`
+    waits for the copies; until then the destination must stay alive and unread. A
+    driver call that fails puts that piece in place from the host instead, and ends
+    staging for this process: never a lost piece.
 
     Args:
         driver: The CUDA driver.
