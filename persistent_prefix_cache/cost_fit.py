@@ -4,6 +4,8 @@ over observations whose weight decays, kept as normal equations (a few floats th
 
 from __future__ import annotations
 
+from typing import Callable
+
 ALPHA = 0.3  # weight of the newest observation in every fit
 # A tier's restores are trusted from the second timing on (decayed weight 1 + 0.7): a
 # process's first restore from a tier pays one-off costs (MLX compiling its kernels for
@@ -24,19 +26,32 @@ class Fit:
     and the rest are fitted again.
 
     Args:
-        order: The features' indexes, most important first (their count is the fit's).
+        order: The features' indexes, most important first (their count is the fit's),
+            or a function of the normal equations' sums giving them (the order can
+            depend on what was observed).
         sums: Saved normal equations (`sums` of an earlier fit), if any.
+        keep_first: A negative coefficient of the most important feature drops the least
+            important one instead (a restore's rate: see `_solve_sums`); False drops any
+            negative coefficient (a prefill's).
     """
 
-    def __init__(self, order: tuple[int, ...], sums: list[float] | None = None):
-        self.order = order
-        k = len(order)
+    def __init__(
+        self,
+        order: tuple[int, ...] | Callable[[list[float]], tuple[int, ...]],
+        sums: list[float] | None = None,
+        *,
+        keep_first: bool = True,
+        features: int | None = None,
+    ):
+        self._order = order
+        self.keep_first = keep_first
+        k = self.k = features if callable(order) else len(order)
         self.sums = [float(v) for v in sums] if sums and len(sums) == k * k + k else [0.0] * (k * k + k)
         self._solved: tuple[list[float] | None] | None = None  # `coefficients` until the sums change
 
     def add(self, x: tuple[float, ...], y: float) -> None:
         """Add one observation: features `x`, value `y`."""
-        k, keep = len(self.order), 1 - ALPHA
+        k, keep = self.k, 1 - ALPHA
         new = [x[i] * x[j] for i in range(k) for j in range(k)] + [x[i] * y for i in range(k)]
         self.sums = [keep * s + n for s, n in zip(self.sums, new)]
         self._solved = None
@@ -44,10 +59,15 @@ class Fit:
     def set(self, coefficients: tuple[float, ...]) -> None:
         """Forget the observations: the coefficients are now these (as if timed
         `SET_WEIGHT` times)."""
-        k = len(self.order)
+        k = self.k
         w = SET_WEIGHT
         self.sums = [w * (i == j) for i in range(k) for j in range(k)] + [w * float(c) for c in coefficients]
         self._solved = None
+
+    @property
+    def order(self) -> tuple[int, ...]:
+        """The features' indexes, most important first, for the observations so far."""
+        return self._order(self.sums) if callable(self._order) else self._order
 
     def weight(self) -> float:
         """The decayed number of observations (feature 0 is the constant 1: restore fits)."""
@@ -62,7 +82,7 @@ class Fit:
         return None if coef is None else list(coef)
 
     def _solve_sums(self) -> list[float] | None:
-        k = len(self.order)
+        k = self.k
         m, v = self.sums[: k * k], self.sums[k * k :]
         active = [i for i in self.order if m[i * k + i] > 0]
 
@@ -79,12 +99,12 @@ class Fit:
                 continue
             if min(z) < 0:
                 # Noise: the most negative goes, unless it is the most important feature
-                # (a restore's bytes, a prefill's tokens): then the least important one
-                # does. Timings of one size alone cannot split a rate from a fixed cost,
-                # and a fit left with the fixed cost only reads as "not timed yet", which
+                # and `keep_first` (a restore's bytes): then the least important one does.
+                # Timings of one size alone cannot split a rate from a fixed cost, and a
+                # fit left with the fixed cost only reads as "not timed yet", which
                 # restores again at that same size, forever.
                 worst = z.index(min(z))
-                active.pop(len(active) - 1 if worst == 0 and len(active) > 1 else worst)
+                active.pop(len(active) - 1 if worst == 0 and len(active) > 1 and self.keep_first else worst)
                 continue
             out = [0.0] * k
             for i, c in zip(active, z):

@@ -34,6 +34,7 @@ older than `MAX_AGE` seconds are ignored (a driver or MLX upgrade changes the ra
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import time
@@ -46,6 +47,9 @@ from .cost_fit import ALPHA, TRUSTED_WEIGHT, Fit
 MIN_TIMED_BYTES = 1 << 20
 # Tokens per forward call of a caller's prefill (mlx-lm's prefill_step_size default).
 PREFILL_STEP = 2048
+# A prefill that stores a snapshot at the end of every forward (recurrent or sliding-window
+# layers resume only there) cuts its forwards short: by at most this share of their time.
+SNAPSHOT_OVERHEAD = 0.05
 FILE_NAME = "costs.json"
 SAVE_EVERY = 30.0
 MAX_AGE = 30 * 24 * 3600.0
@@ -70,12 +74,31 @@ def _prefill_features(start: int, end: int, forwards: int) -> tuple[float, float
     return (end - start, (end * end - start * start) / 2, forwards)
 
 
-def _new_prefill() -> Fit:
-    return Fit((0, 2, 1))  # per token first, then per forward, then the growth
+def _new_prefill(sums: list[float] | None = None) -> Fit:
+    return Fit(_prefill_order, sums, keep_first=False, features=3)
 
 
-def _new_restore() -> Fit:
-    return Fit((1, 0))  # features (1, bytes): the rate first, then the fixed cost
+# A forward of this many tokens is mostly its tokens on every backend measured (an 8B
+# model on an H200: ~10 ms a call, 64 and 256 tokens alike, 2,048 in ~60 ms).
+LARGE_FORWARD = 512
+
+
+def _prefill_order(sums: list[float]) -> tuple[int, ...]:
+    """Which of a prefill's features explains forwards all of one size (they cannot tell
+    a call's cost from its tokens'): their tokens where those forwards were large (on
+    average, `LARGE_FORWARD` tokens and more), else their calls, so that a caller's small
+    forwards never teach "the model is slow" (64-token forwards of an 8B model on an H200
+    are bound by their launch: read as tokens they put its prefill at ~6,000 tokens/s, a
+    fifth of its speed, and restores slower than the prefill looked worth it). Small
+    forwards then err towards recomputing, never towards a restore slower than the
+    prefill; forwards of other sizes (prefill's steps, its last token) tell the two apart.
+    Features: (tokens, growth, forwards); sums as `Fit` keeps them."""
+    per_forward = sums[0 * 3 + 2] / sums[2 * 3 + 2] if sums[2 * 3 + 2] > 0 else 0.0  # Σ n·f / Σ f²
+    return (0, 2, 1) if per_forward >= LARGE_FORWARD else (2, 0, 1)
+
+
+def _new_restore(sums: list[float] | None = None) -> Fit:
+    return Fit((1, 0), sums)  # features (1, bytes): the rate first, then the fixed cost
 
 
 @dataclass
@@ -170,6 +193,20 @@ class Costs:
             return None
         x = _prefill_features(start, end, -(-(end - start) // PREFILL_STEP))
         return sum(c * f for c, f in zip(coef, x))
+
+    def resumable_step(self, block_size: int) -> int | None:
+        """The shortest forward, in whole blocks, whose per-call cost is at most
+        `SNAPSHOT_OVERHEAD` of its tokens' (`PREFILL_STEP` at most): how often a prefill of
+        a model with recurrent or sliding-window layers can stop and store a snapshot
+        without slowing down by more than that. None until the prefill is known."""
+        coef = self._prefill_coefficients()
+        if coef is None:
+            return None
+        longest = max(block_size, PREFILL_STEP // block_size * block_size)
+        if coef[0] <= 0:
+            return longest
+        tokens = coef[2] / (SNAPSHOT_OVERHEAD * coef[0])
+        return min(longest, max(1, math.ceil(tokens / block_size)) * block_size)
 
     def _prefill_coefficients(self) -> list[float] | None:
         coef = self.prefill.coefficients()
@@ -344,8 +381,8 @@ class Costs:
         except (KeyError, TypeError, ValueError, AttributeError):
             return False
         with self._lock:
-            self.prefill = Fit(_new_prefill().order, prefill)
-            self.restore = {tier: Fit(_new_restore().order, sums) for tier, sums in restore.items()}
+            self.prefill = _new_prefill(prefill)
+            self.restore = {tier: _new_restore(sums) for tier, sums in restore.items()}
             self.first_forward_seconds = first
             fastest = record.get("fastest_forward")
             self.fastest_forward = None if fastest is None else max(0.0, float(fastest))
@@ -498,6 +535,14 @@ class CostsMixin:
         else:
             self._costs.observe_prefill(tokens, seconds, start=start, forwards=forwards)
         self._saved_costs.maybe_save()
+
+    def resumable_step(self) -> int | None:
+        """Tokens per forward for a prefill that stores after every forward (a model with
+        recurrent or sliding-window layers resumes only where one ended): the shortest run
+        of whole blocks whose per-call cost stays within `SNAPSHOT_OVERHEAD` of its tokens'
+        by the costs measured for this model (`Costs.resumable_step`); None until they are
+        known. `prefill.prefill` asks it before every forward."""
+        return self._costs.resumable_step(self.block_size)
 
     def calibrate(self, model: Any, *, tokens: int = 512, only_if_unknown: bool = False) -> float | None:
         """Measure how fast `model` prefills on this machine, for the cost model (see

@@ -1,11 +1,20 @@
-"""Block-aligned prefill that stores as it goes.
+"""Prefill that restores what the store holds, runs the rest at the model's speed, and
+stores it.
 
-`store()` after a normal generation only sees the final state, so a model with
-recurrent layers (``ArraysCache``) becomes resumable only at that one position.
-`prefill` runs the prompt in chunks that end on block boundaries and stores after each
-chunk, so such prompts become resumable at every block boundary, and also one token
-before the end, which is where an identical later prompt resumes (the model needs at
-least one token to produce logits).
+The forward passes are mlx-lm's own: steps of ``prefill_step_size`` tokens (2,048, as
+``mlx_lm.generate``), the cache evaluated and MLX's buffer cache cleared after each, the
+last token fed alone for the logits. Where blocks are cut is the store's business, not
+the forwards': a model whose layers are all sliced along the sequence (``KVCache``,
+``QuantizedKVCache``) is resumable at every block boundary whatever the forwards were,
+so its prompt is stored once, up to its last token (where an identical prompt resumes),
+as one segment. A model with recurrent or sliding-window layers (``ArraysCache``,
+``RotatingKVCache``, ``ChunkedKVCache``) is resumable only where a forward ended and a
+snapshot was stored: it stores after every forward, and its forwards are the shortest
+runs of whole blocks whose per-call cost stays within `costs.SNAPSHOT_OVERHEAD` of their
+tokens' (`PersistentPrefixCache.resumable_step`): every block on a CPU, where a call costs
+little, 2,048 tokens on a GPU that spends ~10 ms per call. Until the store knows the
+model's costs on this device kind, the forwards grow from one block, doubling, and the
+store learns them from the first two (of different sizes).
 """
 
 from __future__ import annotations
@@ -15,16 +24,19 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
+from .costs import PREFILL_STEP
+from .errors import InvalidArgumentError
 from .keys import as_token_array
-from .store import PersistentPrefixCache
+from .layers import all_sliced
 
 
 def prefill(
     model: Any,
     tokens: Any,
-    store: PersistentPrefixCache,
+    store: Any,
     *,
-    blocks_per_chunk: int = 1,
+    prefill_step_size: int | None = None,
+    blocks_per_chunk: int | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[list, mx.array]:
     """Prefill `tokens`, restoring what the store has and storing the rest.
@@ -32,45 +44,74 @@ def prefill(
     Args:
         model: The mlx-lm model the store was opened with.
         tokens: The prompt (at least one token).
-        store: The store.
-        blocks_per_chunk: Blocks per forward pass; a chunk boundary is where a model with
-            recurrent layers becomes resumable (1: every block).
-        progress: Called with (tokens processed, total) after each chunk.
+        store: The `PersistentPrefixCache` (or an object with its `fetch`, `store`,
+            `make_cache`, `block_size`, `observe_prefill` and `resumable_step`).
+        prefill_step_size: Most tokens per forward pass (mlx-lm's option of that name).
+            Default: 2,048 for a model whose layers are all sliced along the sequence;
+            for one with recurrent or sliding-window layers, which can resume only where
+            a forward ended, the store's `resumable_step` (whole blocks; at most 2,048;
+            one block, then doubling, until the store knows the model's costs).
+        blocks_per_chunk: The same in blocks (``prefill_step_size = blocks_per_chunk *
+            block_size``), as earlier versions took it.
+        progress: Called with (tokens processed, total) after each forward pass.
 
     Returns:
         ``(cache, logits)``: the cache covering all of `tokens`, and the logits for
         the token after them (shape ``[1, vocab]``), ready for generation.
 
     Raises:
-        InvalidArgumentError: If `tokens` is empty or not a sequence of ints.
+        InvalidArgumentError: If `tokens` is empty or not a sequence of ints, or a step
+            is not a positive int.
     """
-    from .errors import InvalidArgumentError
-
     toks = as_token_array(tokens)
     if len(toks) == 0:
         raise InvalidArgumentError("prefill needs at least one token")
-    if not isinstance(blocks_per_chunk, int) or isinstance(blocks_per_chunk, bool) or blocks_per_chunk < 1:
-        raise InvalidArgumentError(f"blocks_per_chunk must be an int >= 1, got {blocks_per_chunk!r}")
+    for name, value in (("prefill_step_size", prefill_step_size), ("blocks_per_chunk", blocks_per_chunk)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise InvalidArgumentError(f"{name} must be an int >= 1, got {value!r}")
+    if prefill_step_size is not None and blocks_per_chunk is not None:
+        raise InvalidArgumentError("give prefill_step_size or blocks_per_chunk, not both")
     ids = toks.tolist()
     cache, remaining = store.fetch(ids)
     if cache is None:
         cache = store.make_cache()
     pos = len(ids) - len(remaining)
+    bs = store.block_size
+    # Stored once at the end (every block boundary resumable), or after every forward.
+    every_forward = not all_sliced(cache)
+    if blocks_per_chunk is not None:
+        prefill_step_size = blocks_per_chunk * bs
+    fixed = prefill_step_size
+    if fixed is None and not every_forward:
+        fixed = PREFILL_STEP
+    if fixed is not None and every_forward:  # forwards end on block boundaries: snapshots resume there
+        fixed = max(bs, fixed // bs * bs)
+    probe = bs  # the next forward while the costs are unknown: one block, then doubling
     restored = pos > 0  # the first forward on a restored cache costs more (mlx-lm grows it by a copy)
-    chunk = store.block_size * blocks_per_chunk
     stop = len(ids) - 1  # the last token is fed below, for the logits
+    stored = pos
     while pos < stop:
-        end = min((pos // chunk + 1) * chunk, stop)
+        step = fixed or store.resumable_step()
+        if step is None:
+            step, probe = probe, min(2 * probe, PREFILL_STEP)
+        end = min(pos + step, stop)
+        if every_forward and end < stop:
+            end = max(end // bs * bs, pos + 1)
         started = time.perf_counter()
         model(mx.array(ids[pos:end])[None], cache=cache)
         mx.eval([c.state for c in cache])
         # For the cost model (kept in the store per model and device kind).
         store.observe_prefill(end - pos, time.perf_counter() - started, start=pos, restored=restored)
         restored = False
-        store.store(ids[:end], cache)
+        if every_forward:
+            store.store(ids[:end], cache)
+            stored = end
         pos = end
+        mx.clear_cache()  # as mlx-lm's prefill: the step's temporaries go back
         if progress is not None:
             progress(pos, len(ids))
+    if stored < stop:
+        store.store(ids[:stop], cache)
     started = time.perf_counter()
     logits = model(mx.array(ids[pos:])[None], cache=cache)[:, -1, :]
     mx.eval(logits)

@@ -50,7 +50,9 @@ def main() -> None:
         if mode == "store":
             # Every other family stores synchronously: written from the caller's buffers.
             with PersistentPrefixCache(path, model, block_size=BLOCK, sync_writes=i % 2 == 1) as store:
-                prefill(model, prompt(), store)
+                # One block per forward: every block boundary a restore point, snapshots
+                # included (the default step follows the measured cost per call).
+                prefill(model, prompt(), store, prefill_step_size=BLOCK)
             continue
         results = {}
         with PersistentPrefixCache(path, model, memory_bytes=0) as store:

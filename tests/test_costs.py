@@ -261,11 +261,33 @@ def test_a_cost_per_forward_call_is_told_apart_from_the_tokens():
     assert b == pytest.approx(0, abs=1e-12)
     # So a prompt of 8,192 tokens prefills (in 2,048-token calls) at ~ 8,192 * 25 us + 4 calls.
     assert costs.prefill_seconds(0, 8192) == pytest.approx(8192 * 25e-6 + 4 * 0.002, rel=1e-3)
-    # Chunks all alike cannot tell a call from its tokens: the tokens explain them.
+    # Chunks all alike cannot tell a call from its tokens. Small ones are explained by their
+    # calls (a caller's 64-token forwards never teach "the model is slow": 16k tokens
+    # then cost 8 calls, not 256 x 4 ms), large ones by their tokens.
     alike = Costs()
     for _ in range(3):
         alike.observe_prefill(64, 0.004)
-    assert alike.prefill.coefficients() == pytest.approx([0.004 / 64, 0.0, 0.0])
+    assert alike.prefill.coefficients() == pytest.approx([0.0, 0.0, 0.004])
+    assert alike.prefill_seconds(0, 16384) == pytest.approx(8 * 0.004)
+    large = Costs()
+    for _ in range(3):
+        large.observe_prefill(2048, 0.2)
+    assert large.prefill.coefficients() == pytest.approx([0.2 / 2048, 0.0, 0.0])
+
+
+def test_small_forwards_then_large_ones_learn_the_model_not_the_caller():
+    # The README's old prefill on an H200: 256 forwards of 64 tokens, each bound by its
+    # launch (10 ms; the model runs 2,048 tokens in 60 ms), then its last token alone. The
+    # fit must not read that as ~6,000 tokens/s; prefill()'s steps then teach the rate.
+    costs = Costs()
+    for k in range(256):
+        costs.observe_prefill(64, 0.010, start=64 * k)
+    costs.observe_prefill(1, 0.0095, start=64 * 256)
+    assert costs.prefill_seconds(0, 16384) <= 16384 / 30000 + 8 * 0.010
+    for start in (0, 2048, 4096):
+        costs.observe_prefill(2048, 0.0082 + 2048 / 40000, start=start)
+    costs.observe_prefill(1, 0.0082, start=6144)
+    assert 30000 < costs.prefill_tokens_per_s < 60000
 
 
 def test_noise_cannot_make_a_call_cost_more_than_the_fastest_call():

@@ -122,7 +122,7 @@ def precompute_figures(
             os.sync()
             started = time.perf_counter()
             for ids in texts:
-                prefill(model, ids, store, blocks_per_chunk=max(1, prefill_step // block_size))
+                prefill(model, ids, store, prefill_step_size=prefill_step)
             store.flush()
             seconds = time.perf_counter() - started
         shutil.rmtree(folder)

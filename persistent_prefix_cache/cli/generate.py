@@ -49,7 +49,6 @@ from .prompting import (
     encode_raw,
     kv_quantization_errors,
     open_checked_store,
-    prefill_step_blocks,
     render_chat,
     template_kwargs,
     uses_chat_template,
@@ -315,8 +314,7 @@ def _generate(args) -> int:
         # feeds the last one, so its sampling and stopping rules apply unchanged.
         with kv_quantization_errors(args):
             if len(ids) > 1:
-                blocks = prefill_step_blocks(store, args.prefill_step_size)
-                cache, _ = prefill(stored_model, ids[:-1], counting, blocks_per_chunk=blocks)
+                cache, _ = prefill(stored_model, ids[:-1], counting, prefill_step_size=args.prefill_step_size)
             else:
                 cache = store.make_cache()
             generated, logprobs, pieces, ttft, last = [], [], [], None, None

@@ -37,6 +37,7 @@ from .prompting import (
     Progress,
     add_block_size_option,
     add_prefill_option,
+    precompute_step,
     add_template_options,
     blocks_of,
     check_positive,
@@ -44,7 +45,6 @@ from .prompting import (
     encode_raw,
     kv_quantization_errors,
     open_checked_store,
-    prefill_step_blocks,
     render_chat,
     template_kwargs,
     uses_chat_template,
@@ -289,7 +289,7 @@ def _precompute(args) -> int:
     with store:
         at_start = store.stats()
         bs = store.block_size
-        blocks_per_chunk = prefill_step_blocks(store, args.prefill_step_size)
+        step = precompute_step(store, args.prefill_step_size)
         total = sum(map(len, order))
         progress = Progress(len(order), total, enabled=not args.no_progress)
         restored = computed = reused = 0
@@ -309,7 +309,7 @@ def _precompute(args) -> int:
                         model,
                         list(ids),
                         counting,
-                        blocks_per_chunk=blocks_per_chunk,
+                        prefill_step_size=step,
                         progress=report,
                     )
                 # prefill stores up to the last token (where an identical prompt resumes);
@@ -389,7 +389,7 @@ def build_parser():
         "stdin when its first line is a JSON prompt object; text otherwise)",
     )
     add_template_options(parser)
-    add_prefill_option(parser)
+    add_prefill_option(parser, precompute=True)
     parser.add_argument("--no-progress", action="store_true", help="do not draw a progress line")
     add_json_option(parser)
     return parser

@@ -59,16 +59,35 @@ def add_template_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_prefill_option(parser: argparse.ArgumentParser) -> None:
-    """``--prefill-step-size N``: tokens per forward pass while prefilling."""
+def add_prefill_option(parser: argparse.ArgumentParser, *, precompute: bool = False) -> None:
+    """``--prefill-step-size N``: tokens per forward pass while prefilling (for
+    `precompute`, one block by default on models with recurrent or sliding-window layers:
+    see `precompute_step`)."""
+    where = (
+        "one block for models with recurrent or sliding-window layers, so that a store built "
+        "ahead of time resumes at every block boundary"
+        if precompute
+        else "models with recurrent or sliding-window layers resume only where a forward ended: "
+        "theirs end on block boundaries, as often as the model's measured cost per call allows"
+    )
     parser.add_argument(
         "--prefill-step-size",
         type=int,
         default=None,
-        help=f"prompt tokens per forward pass, rounded down to whole blocks (default: "
-        f"{DEFAULT_PREFILL_STEP_SIZE}; one block for models with recurrent or sliding-window "
-        "layers, so that they can resume at every block boundary)",
+        help=f"most prompt tokens per forward pass (default: {DEFAULT_PREFILL_STEP_SIZE}, as mlx_lm; {where})",
     )
+
+
+def precompute_step(store: Any, requested: int | None) -> int | None:
+    """The forward size `precompute` gives `prefill`: what was asked for, else one block
+    for a model with recurrent or sliding-window layers (a store built ahead of time is
+    worth a snapshot at every block boundary, where prompts sharing its start can resume),
+    else `prefill`'s own default (None)."""
+    from ..layers import all_sliced
+
+    if requested is not None or all_sliced(store.make_cache()):
+        return requested
+    return store.block_size
 
 
 def template_kwargs(args: argparse.Namespace) -> dict:
@@ -291,22 +310,6 @@ def kv_quantization_errors(args: argparse.Namespace) -> Iterator[None]:
         raise
 
 
-def prefill_step_blocks(store: Any, step_tokens: int | None) -> int:
-    """Blocks per forward pass for `prefill`.
-
-    A model whose layers are all sliced along the sequence (``KVCache``,
-    ``QuantizedKVCache``) can resume at any block boundary whatever the chunking, so
-    it prefills in large steps; any other layer resumes only where a chunk ended, so
-    such models default to one block per step.
-    """
-    from ..layers import all_sliced
-
-    if step_tokens is None:
-        sliceable = all_sliced(store.make_cache())
-        step_tokens = DEFAULT_PREFILL_STEP_SIZE if sliceable else store.block_size
-    return max(1, step_tokens // store.block_size)
-
-
 class CountingStore:
     """A stand-in for the store that `prefill` talks to, counting restored tokens and
     new blocks (prefill returns only the cache and logits).
@@ -352,6 +355,10 @@ class CountingStore:
     def observe_prefill(self, tokens: int, seconds: float, **where: Any) -> None:
         """`PersistentPrefixCache.observe_prefill`."""
         self._store.observe_prefill(tokens, seconds, **where)
+
+    def resumable_step(self) -> int | None:
+        """`PersistentPrefixCache.resumable_step`."""
+        return self._store.resumable_step()
 
 
 def blocks_of(tokens: int, block_size: int) -> int:
