@@ -19,7 +19,9 @@ store learns them from the first two (of different sizes).
 
 from __future__ import annotations
 
+import sys
 import time
+import types
 from typing import Any, Callable
 
 import mlx.core as mx
@@ -119,3 +121,17 @@ def prefill(
     if progress is not None:
         progress(len(ids), len(ids))
     return cache, logits
+
+
+class _CallableModule(types.ModuleType):
+    """This module, callable as `prefill`: importing ``persistent_prefix_cache.prefill``
+    binds the package's attribute ``prefill`` to the module (Python does, after the
+    lazy ``from persistent_prefix_cache import prefill`` had bound the function), so a
+    program that imported both ways would otherwise get a module where the README
+    promises the function."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[list, mx.array]:
+        return prefill(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

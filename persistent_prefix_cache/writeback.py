@@ -28,7 +28,7 @@ from concurrent.futures import Future, wait
 from typing import Any, Callable, Iterable
 
 from .disk.segment import SegmentFiles
-from .disk.compaction import compact_sparse
+from .disk.compaction import compact_sparse, merge_chain
 from .disk.faults import pause_point
 from .disk.index import WRITE_ERRORS, Index, Writer
 from .blocks import Node
@@ -325,8 +325,11 @@ class WriteBack:
                     self.memory.put(node, tensors, origin)
 
     def _write_many(self, groups: list[list[tuple[Node, dict]]]) -> None:
-        """Write each group into its own segment, fsync their folders once, then commit
-        every record in one index transaction."""
+        """Write each group into its own segment (groups that continue one another's chain
+        into one), fsync their folders once, then commit every record in one index
+        transaction; then merge the small segments at the end of each chain written
+        (`disk.compaction.merge_chain`, a job of its own)."""
+        groups = _joined(groups)
         description = self.describe()  # kept in the segment too: the index can be rebuilt
         done = []  # (segment, size, digest, nodes)
         now = time.time_ns()
@@ -392,6 +395,24 @@ class WriteBack:
         self.files.unlink(freed)
         self._forget(removed)
         compact_sparse(self.index, self.files, (n.segment for n in removed))
+        # Behind any write queued meanwhile: a caller waiting for its own never waits for this.
+        self.submit(self.merge, [written[-1].key for _, _, _, written in done])
+
+    def merge(self, ends: list[bytes]) -> int:
+        """Merge the small segments at the end of each chain ending with a block of `ends`
+        (a writer-thread job; see `disk.compaction.merge_chain`).
+
+        Returns:
+            How many segments were merged away.
+        """
+        merged = 0
+        for key in ends:
+            n, segment, moved = merge_chain(self.index, self.files, key)
+            merged += n - 1 if n else 0
+            self.memory.moved(moved, segment)
+        if merged:
+            self.counters.add(segments_merged=merged)
+        return merged
 
     def _failed(self, what: str, nodes: list[Node], exc: Exception) -> None:
         log.warning("could not %s blocks to %s: %s", what, self.files.root, exc)
@@ -439,6 +460,19 @@ def sweep_orphans(index: Index, files: SegmentFiles, *, grace: float) -> int:
     with index.reader() as reader:
         referenced = set(reader.segments())
     return files.sweep_orphans(referenced.__contains__, grace=grace)
+
+
+def _joined(groups: list[list[tuple[Node, Any]]]) -> list[list[tuple[Node, Any]]]:
+    """The groups of a group commit, each that continues the one before it (its first
+    block's parent is that group's last block: one prompt stored a piece at a time, or
+    a turn at a time) joined to it: one segment each, not one per `store()`."""
+    out: list[list[tuple[Node, Any]]] = []
+    for group in groups:
+        if out and group and group[0][0].parent == out[-1][-1][0].key and group[0][0].position == out[-1][-1][0].end:
+            out[-1] = out[-1] + group
+        else:
+            out.append(list(group))
+    return out
 
 
 def _superseded(w: Writer, node: Node) -> list[Node]:

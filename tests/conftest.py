@@ -42,6 +42,15 @@ def other_model(other_model_dir):
 
 
 @pytest.fixture
+def separate_segments(monkeypatch):
+    """Keep every store()'s segment apart (no merge of a chain's small segments): for
+    tests that damage or inspect one block's own segment file."""
+    from persistent_prefix_cache.disk import compaction
+
+    monkeypatch.setattr(compaction, "MERGE_RATIO", 0.0)
+
+
+@pytest.fixture
 def store_dir(tmp_path):
     """A fresh, not yet existing store directory."""
     return tmp_path / "store"

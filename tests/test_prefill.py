@@ -128,3 +128,95 @@ def test_bad_steps_are_refused(store_dir, model, bad):
             prefill(model, [1, 2, 3], store, prefill_step_size=bad)
         with pytest.raises(InvalidArgumentError):
             prefill(model, [1, 2, 3], store, prefill_step_size=16, blocks_per_chunk=1)
+
+
+# -- the layout never depends on how the caller stored ------------------------------------
+
+
+def _stored_piecewise(store, model, tokens, step):
+    """Store `tokens` as a caller that prefills `step` tokens at a time and stores after
+    each forward (as earlier versions of prefill() did, or a server after every turn)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    for end in range(step, len(tokens) + 1, step):
+        model(mx.array(tokens[end - step : end])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        store.store(tokens[:end], cache)
+        store.flush()  # the writer idle between stores: no two writes share a commit
+    return cache
+
+
+def test_a_prompt_stored_block_by_block_ends_in_few_segments(store_dir, model):
+    tokens = random_tokens(64 * BLOCK, seed=45)
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        _stored_piecewise(store, model, tokens, BLOCK)
+        stats = store.stats()
+        # 64 store() calls of one block: a binary counter of merges ends in one segment
+        # (64 is a power of two), every block rewritten at most log2(64) = 6 times.
+        assert stats["blocks"] == 64 and len(segment_files(store_dir)) == 1
+        assert stats["segments_merged"] == 63
+        assert stats["bytes_on_disk"] == sum(segment_files(store_dir).values())
+    more = tokens + random_tokens(7 * BLOCK, seed=46)
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        _stored_piecewise(store, model, more, BLOCK)  # 7 more blocks: 4 + 2 + 1
+        assert len(segment_files(store_dir)) == 4
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK, memory_bytes=0) as store:
+        cache, remaining = store.fetch(more)
+        assert len(more) - len(remaining) == len(more) - 1
+        logits = model(mx.array(remaining)[None], cache=cache)[0, -1]
+        assert_same_logits(logits, cold_logits(model, more))
+
+
+def test_a_chat_stored_turn_by_turn_is_restored_exactly_after_a_restart(store_dir, model):
+    turns = [random_tokens(3 * BLOCK + 5 * k, seed=47 + k) for k in range(8)]
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        chat: list[int] = []
+        for turn in turns:
+            chat += turn
+            prefill(model, chat, store)  # each turn: restore the chat so far, store the rest
+            store.flush()
+        assert len(segment_files(store_dir)) <= 3
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK, memory_bytes=0) as store:
+        cache, remaining = store.fetch(chat)
+        assert len(chat) - len(remaining) == len(chat) - 1
+        logits = model(mx.array(remaining)[None], cache=cache)[0, -1]
+        assert_same_logits(logits, cold_logits(model, chat))
+
+
+def test_a_shared_prefix_is_never_rewritten_by_its_continuations(store_dir, model):
+    system = random_tokens(8 * BLOCK, seed=60, first=1)
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        _stored_piecewise(store, model, system, 8 * BLOCK)
+        shared = set(segment_files(store_dir))
+        for k in range(3):  # three users' questions after the same system prompt
+            _stored_piecewise(store, model, system + random_tokens(BLOCK, seed=61 + k, first=2 + k), 9 * BLOCK)
+        # The prefix's segment holds blocks all three continue: it stays as it was.
+        assert shared <= set(segment_files(store_dir))
+        assert store.stats()["segments_merged"] == 0
+
+
+def test_stores_queued_behind_a_busy_writer_share_one_segment(store_dir, model):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    tokens = random_tokens(6 * BLOCK, seed=62)
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        gate = __import__("threading").Event()
+        store._writeback.submit(gate.wait)  # the writer busy: every store below queues
+        cache = make_prompt_cache(model)
+        for end in range(BLOCK, len(tokens) + 1, BLOCK):
+            model(mx.array(tokens[end - BLOCK : end])[None], cache=cache)
+            mx.eval([c.state for c in cache])
+            store.store(tokens[:end], cache)
+        gate.set()
+        store.flush()
+        assert len(segment_files(store_dir)) == 1 and store.stats()["segments_merged"] == 0
+
+
+def test_the_package_name_prefill_calls_prefill_however_it_was_imported(store_dir, model):
+    import persistent_prefix_cache
+    import persistent_prefix_cache.prefill  # binds the package's attribute to the module
+
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        cache, logits = persistent_prefix_cache.prefill(model, [1, 2, 3], store)
+    assert logits.shape == (1, 512)

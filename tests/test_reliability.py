@@ -196,13 +196,14 @@ def well_formed_but_wrong_shape(data: bytes) -> bytes:
 
 
 @pytest.fixture
-def three_blocks(store_dir, model):
+def three_blocks(store_dir, model, separate_segments):
     """A store holding one prompt of three full blocks, each alone in its segment;
     returns the prompt."""
     tokens = random_tokens(3 * BLOCK, seed=300)
     with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
         for n in (BLOCK, 2 * BLOCK, 3 * BLOCK):
             store.store(tokens[:n], prefill(model, tokens[:n])[1])
+            store.flush()  # else stores queued behind the writer join one segment
     return tokens
 
 

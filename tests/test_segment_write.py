@@ -133,7 +133,7 @@ def test_a_failed_write_in_the_second_thread_fails_the_store_and_leaves_nothing(
     assert nodes == {} and digests == {}
 
 
-def test_block_writes_queued_behind_a_busy_writer_share_one_commit(tmp_path, model):
+def test_block_writes_queued_behind_a_busy_writer_share_one_commit(tmp_path, model, separate_segments):
     """Stores queued while the writer is busy are committed together, in order: a
     prompt extending the one before it (its first new block's parent is in the
     segment written just before) is stored whole, and everything restores."""

@@ -92,7 +92,7 @@ def check_fetch(store, model, query, expected_matched: int):
 PUBLIC_SURFACE = {
     "path", "readonly", "block_size", "fingerprint", "model_name", "namespace", "closed",
     "fetch", "peek", "make_cache", "store", "flush", "close", "stats", "stored_models", "this_model",
-    "forget_fingerprints", "sweep_orphans", "limit_memory", "observe_prefill", "calibrate",
+    "forget_fingerprints", "sweep_orphans", "limit_memory", "observe_prefill", "calibrate", "resumable_step",
 }  # fmt: skip
 
 
@@ -345,7 +345,7 @@ DAMAGE = {
 
 @pytest.mark.parametrize("damaged", [0, 1], ids=["first_block", "middle_block"])
 @pytest.mark.parametrize("kind", list(DAMAGE))
-def test_damaged_block_is_a_miss_and_is_dropped(store_dir, model, kind, damaged):
+def test_damaged_block_is_a_miss_and_is_dropped(store_dir, model, kind, damaged, separate_segments):
     tokens = random_tokens(3 * BLOCK, seed=50)
     query = tokens + [1, 2, 3]
     with open_store(store_dir, model) as store:
@@ -370,7 +370,7 @@ def test_damaged_block_is_a_miss_and_is_dropped(store_dir, model, kind, damaged)
         assert store.stats()["corrupt"] == 1
 
 
-def test_other_blocks_file_under_a_consistent_record_is_a_miss(store_dir, model):
+def test_other_blocks_file_under_a_consistent_record_is_a_miss(store_dir, model, separate_segments):
     # The record's size and checksum describe the file it points to, but the file
     # holds another block's KV: only the key inside the file can tell.
     tokens = random_tokens(3 * BLOCK, seed=52)

@@ -399,6 +399,49 @@ class OpenSegment:
             return None
         return dest if xxhash.xxh3_64_intdigest(dest) == s.digest else None
 
+    def run_tensors(self, nodes: list[Node]) -> list[tuple[Node, dict[str, dict[str, tuple[np.ndarray, str]]]]] | None:
+        """The tensors of consecutive blocks of this segment, as `block_tensors` gives them
+        (views of one buffer per field: its rows for the whole run, read at once), each
+        block verified against its node's checksum; None if one is missing or damaged."""
+        at = [self.block_index(n) for n in nodes]
+        if not at or None in at or at != list(range(at[0], at[0] + len(at))):
+            return None
+        lo, hi = at[0], at[-1] + 1
+        end = self.blocks[hi - 1][1] + self.blocks[hi - 1][2]
+        runs: dict[str, tuple[int, np.ndarray]] = {}
+        for f in self.fields.values():
+            first = max(lo, f.first)
+            if first >= hi:
+                continue
+            start = self.blocks[first][1]
+            buf = np.empty((f.rows, (end - start) * f.row_bytes), dtype=np.uint8)
+            if not self.read_rows(f, first, hi, [memoryview(buf).cast("B")], [0], buf.shape[1]):
+                return None
+            runs[f.name] = (start, buf)
+        out = []
+        for node, i in zip(nodes, at):
+            position, n = self.blocks[i][1], self.blocks[i][2]
+            tensors: dict[str, dict[str, tuple[np.ndarray, str]]] = {}
+            rows = {}
+            for f in self.fields_of(i):
+                start, buf = runs[f.name]
+                a = (position - start) * f.row_bytes
+                rows[f.name] = buf[:, a : a + n * f.row_bytes]
+                lid, _, fld = f.name.rpartition(".")
+                bits = rows[f.name].view(np.dtype(f"<u{f.itemsize}")).reshape(f.batch, f.heads, n, f.width)
+                tensors.setdefault(lid, {})[fld] = (bits, f.dtype)
+            if self.block_digest(i, lambda f, r: memoryview(rows[f.name][r])) != node.checksum:
+                return None
+            for s in self.snaps_of(i):
+                buf = np.empty(s.nbytes, dtype=np.uint8)
+                if self.read_snap(s, memoryview(buf)) is None:
+                    return None
+                lid, _, fld = s.name.rpartition(".")
+                bits = buf.view(np.dtype(f"<u{dtype_info(s.dtype)[1]}")).reshape(s.shape)
+                tensors.setdefault(lid, {})[fld] = (bits, s.dtype)
+            out.append((node, tensors))
+        return out
+
     def block_tensors(self, node: Node) -> dict[str, dict[str, tuple[np.ndarray, str]]] | None:
         """A block's tensors (by leaf, then field) as ``(numpy array of the bits, dtype
         name)``, verified against the node's checksum; None if missing or damaged."""

@@ -77,6 +77,16 @@ class MemoryTier:
         entry = self._entries.get(key)
         return entry[0] if entry else None
 
+    def moved(self, keys: list[bytes], segment: bytes | None) -> None:
+        """Records of these blocks now point at `segment` (a merge moved their bytes):
+        the nodes held here say so too, so that a restore that finds a block evicted
+        between its lookup and its read reads the new file."""
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is not None:
+                    entry[0].segment = segment
+
     def children(self, parent: bytes) -> list[Node]:
         """Nodes held here whose parent is `parent`."""
         with self._lock:
