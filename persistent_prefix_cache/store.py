@@ -49,7 +49,7 @@ HANDLE_COUNTERS = (
     "queries", "hits", "misses", "not_longer", "tokens_saved", "skipped_slower", "tokens_skipped",
     "restored_all", "restored_ram_only", "restored_shorter",
     "corrupt", "evictions", "write_errors", "blocks_written", "bytes_written", "restored_blocks_disk",
-    "segments_merged",
+    "segments_merged", "bytes_rewritten",
 )  # fmt: skip
 
 _OPEN_STORES: "weakref.WeakSet[PersistentPrefixCache]" = weakref.WeakSet()
@@ -502,9 +502,9 @@ class PersistentPrefixCache(OpenedWith, CostsMixin):
             segment files; the RAM tier's are its memory_hits_*), blocks_written and
             bytes_written (blocks this
             handle committed and the bytes of the segment files it wrote for them:
-            another process's blocks are not counted), segments_merged (segments
-            this handle's writer merged away: a chain stored piece by piece, see
-            `disk.compaction.merge_chain`) (this handle);
+            another process's blocks are not counted), segments_merged and
+            bytes_rewritten (segments this handle's writer merged away, a chain stored
+            piece by piece, and the bytes it wrote doing so: see `merging`) (this handle);
             prefill_tokens_per_s (of a 1,024-token prompt), prefill_growth (seconds
             per token per position: attention's share), prefill_per_forward_s,
             restore_bytes_per_s_ram and _disk, restore_fixed_s_ram and _disk,

@@ -28,11 +28,12 @@ from concurrent.futures import Future, wait
 from typing import Any, Callable, Iterable
 
 from .disk.segment import SegmentFiles
-from .disk.compaction import compact_sparse, merge_chain
+from .disk.compaction import compact_sparse
 from .disk.faults import pause_point
 from .disk.index import WRITE_ERRORS, Index, Writer
 from .blocks import Node
 from .counters import Counters
+from .merging import Merges
 from .tiers.memory import MemoryTier
 
 log = logging.getLogger("persistent_prefix_cache")
@@ -162,6 +163,7 @@ class WriteBack:
         self._staged: list[tuple[int, list]] = []
         self._generation = 0
         self._worker = Worker("ppc-writer")
+        self.merges = Merges(index, files, memory, counters, self.submit)
         self.submit(self.sweep)
 
     # -- the queue --------------------------------------------------------------------
@@ -230,6 +232,7 @@ class WriteBack:
             False if bookkeeping was left behind (the writer thread may still be
             waiting for the lock: the caller must then not close the index).
         """
+        self.merges.stop()  # its tidy of the last writes, if any, is a data job: waited for
         self.submit(self._apply_bookkeeping, data=False)
         while True:
             with self._lock:
@@ -327,8 +330,8 @@ class WriteBack:
     def _write_many(self, groups: list[list[tuple[Node, dict]]]) -> None:
         """Write each group into its own segment (groups that continue one another's chain
         into one), fsync their folders once, then commit every record in one index
-        transaction; then merge the small segments at the end of each chain written
-        (`disk.compaction.merge_chain`, a job of its own)."""
+        transaction; then the small segments at the end of each chain written merge
+        (`merging.Merges`, in jobs of their own)."""
         groups = _joined(groups)
         description = self.describe()  # kept in the segment too: the index can be rebuilt
         done = []  # (segment, size, digest, nodes)
@@ -395,24 +398,8 @@ class WriteBack:
         self.files.unlink(freed)
         self._forget(removed)
         compact_sparse(self.index, self.files, (n.segment for n in removed))
-        # Behind any write queued meanwhile: a caller waiting for its own never waits for this.
-        self.submit(self.merge, [written[-1].key for _, _, _, written in done])
-
-    def merge(self, ends: list[bytes]) -> int:
-        """Merge the small segments at the end of each chain ending with a block of `ends`
-        (a writer-thread job; see `disk.compaction.merge_chain`).
-
-        Returns:
-            How many segments were merged away.
-        """
-        merged = 0
-        for key in ends:
-            n, segment, moved = merge_chain(self.index, self.files, key)
-            merged += n - 1 if n else 0
-            self.memory.moved(moved, segment)
-        if merged:
-            self.counters.add(segments_merged=merged)
-        return merged
+        # Jobs behind any write queued meanwhile: a caller waiting for its own never waits for them.
+        self.merges.after_write([segment for segment, _, _, _ in done], [written[-1].key for _, _, _, written in done])
 
     def _failed(self, what: str, nodes: list[Node], exc: Exception) -> None:
         log.warning("could not %s blocks to %s: %s", what, self.files.root, exc)

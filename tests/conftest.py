@@ -41,6 +41,16 @@ def other_model(other_model_dir):
     return load_tiny_model(other_model_dir)
 
 
+@pytest.fixture(autouse=True)
+def no_quiet_merges(monkeypatch):
+    """A writer's tidy of a burst runs at close only, not after a quiet spell: a test's
+    segment layout never depends on how fast the machine ran it (tests/test_prefill.py
+    sets the spell itself where it tests it)."""
+    from persistent_prefix_cache import merging
+
+    monkeypatch.setattr(merging, "QUIET_SECONDS", 0.0)
+
+
 @pytest.fixture
 def separate_segments(monkeypatch):
     """Keep every store()'s segment apart (no merge of a chain's small segments): for
@@ -48,6 +58,7 @@ def separate_segments(monkeypatch):
     from persistent_prefix_cache.disk import compaction
 
     monkeypatch.setattr(compaction, "MERGE_RATIO", 0.0)
+    monkeypatch.setattr(compaction, "TIDY_RATIO", 0.0)
 
 
 @pytest.fixture

@@ -31,11 +31,11 @@ WINGS = [
     ("disk", ["disk", "migrations"]),  # the frozen formats use disk/portable's OS calls
     ("layers", ["layers"]),
     ("tiers", ["tiers"]),
-    ("core", ["store", "counters", "tier_report", "opening", "lookup", "restore", "writeback", "prefill", "options", "costs", "cost_fit", "remote_fill", "remote_sync", "warm"]),
+    ("core", ["store", "counters", "tier_report", "opening", "lookup", "restore", "writeback", "prefill", "options", "costs", "cost_fit", "remote_fill", "remote_sync", "warm", "merging"]),
     ("compat", ["compat", "prefix_cache", "paged_cache", "lru_prompt_cache"]),
     ("cli", ["cli", "__main__"]),
 ]
-INTERNAL = ("disk", "tiers", "lookup", "restore", "writeback", "remote_fill", "remote_sync", "warm")  # not for compat
+INTERNAL = ("disk", "tiers", "lookup", "restore", "writeback", "merging", "remote_fill", "remote_sync", "warm")  # not for compat
 CACHE_CLASSES = {
     "KVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache", "ArraysCache",
     "CacheList", "make_prompt_cache", "can_trim_prompt_cache", "trim_prompt_cache",

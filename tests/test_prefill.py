@@ -161,6 +161,8 @@ def test_a_prompt_stored_block_by_block_ends_in_few_segments(store_dir, model):
     with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
         _stored_piecewise(store, model, more, BLOCK)  # 7 more blocks: 4 + 2 + 1
         assert len(segment_files(store_dir)) == 4
+    # At close the burst's leftovers merge (never the 64 blocks stored before it).
+    assert len(segment_files(store_dir)) == 2
     with PersistentPrefixCache(store_dir, model, block_size=BLOCK, memory_bytes=0) as store:
         cache, remaining = store.fetch(more)
         assert len(more) - len(remaining) == len(more) - 1
@@ -220,3 +222,20 @@ def test_the_package_name_prefill_calls_prefill_however_it_was_imported(store_di
     with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
         cache, logits = persistent_prefix_cache.prefill(model, [1, 2, 3], store)
     assert logits.shape == (1, 512)
+
+
+def test_a_burst_of_small_writes_merges_once_the_writer_is_quiet(store_dir, model, monkeypatch):
+    import time
+
+    from persistent_prefix_cache import merging
+
+    monkeypatch.setattr(merging, "QUIET_SECONDS", 0.2)
+    tokens = random_tokens(7 * BLOCK, seed=63)
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        _stored_piecewise(store, model, tokens, BLOCK)
+        assert len(segment_files(store_dir)) == 3  # 4 + 2 + 1: the binary counter
+        deadline = time.monotonic() + 60  # waits for an event, decides nothing by time
+        while len(segment_files(store_dir)) > 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(segment_files(store_dir)) == 1
+        assert store.stats()["bytes_rewritten"] > 0

@@ -38,6 +38,8 @@ SPARSE = 0.5  # compact a segment once live blocks hold at most this share of it
 # tail's bytes: 1 is a binary counter (log2(n) segments per chain, log2(n) rewrites per
 # block at most); more merges sooner (fewer segments, more rewrites).
 MERGE_RATIO = 1.0
+# The same for segments of a burst of writes, once the writer is quiet (`merging.Merges.tidy`).
+TIDY_RATIO = 4.0
 
 
 def compact_sparse(index: Index, files: SegmentFiles, segments: Iterable[bytes]) -> int:
@@ -90,39 +92,45 @@ def compact(index: Index, files: SegmentFiles, segment: bytes) -> bool:
     return moved
 
 
-def merge_chain(index: Index, files: SegmentFiles, last: bytes) -> tuple[int, bytes | None, list[bytes]]:
+def merge_chain(
+    index: Index, files: SegmentFiles, last: bytes, *, burst: set[bytes] | frozenset = frozenset()
+) -> tuple[int, bytes | None, list[bytes], int]:
     """Merge the segments at the end of the chain that ends with block `last` (see the
     module's docstring for which).
 
+    Args:
+        burst: Segments that may merge up to `TIDY_RATIO` times the tail after them
+            (instead of `MERGE_RATIO`).
+
     Returns:
         (how many segments were merged into one (0: none), the new segment, the keys of
-        the blocks whose records moved there).
+        the blocks whose records moved there, the bytes written).
     """
     with index.reader() as reader:
-        groups = _tail_groups(reader, last)
+        groups = _tail_groups(reader, last, burst)
     if len(groups) < 2:
-        return 0, None, []
+        return 0, None, [], 0
     run: list[tuple[Node, dict]] = []
     root = model = block_size = None
     for segment, nodes in groups:
         seg = files.open(segment)
         if seg is None:
-            return 0, None, []
+            return 0, None, [], 0
         try:
             got = seg.run_tensors(nodes)
             root, model, block_size = seg.root, seg.model, seg.block_size
         finally:
             seg.close()
         if got is None:  # damaged: left for the read path to find and drop
-            return 0, None, []
+            return 0, None, [], 0
         run.extend(got)
-    moved = rewrite(index, files, run, root=root, model=model, block_size=block_size, why="merge segments of")
-    if not moved:
-        return 0, None, []
-    return len(groups), moved[0], moved[1]
+    done = rewrite(index, files, run, root=root, model=model, block_size=block_size, why="merge segments of")
+    if not done or not done[1]:
+        return 0, None, [], 0
+    return len(groups), done[0], done[1], done[2]
 
 
-def _tail_groups(reader, last: bytes) -> list[tuple[bytes, list[Node]]]:
+def _tail_groups(reader, last: bytes, burst: set[bytes] | frozenset) -> list[tuple[bytes, list[Node]]]:
     """The segments to merge at the end of the chain ending with block `last`, root-most
     first, each with the chain's blocks it holds (all of its live ones)."""
     groups: list[tuple[bytes, list[Node]]] = []
@@ -140,7 +148,7 @@ def _tail_groups(reader, last: bytes) -> list[tuple[bytes, list[Node]]]:
         # with other continuations stays where it is, read whole by each of them.
         if held is None or held[0] != len(nodes) or (groups and any(n.child_count != 1 for n in nodes)):
             break
-        if groups and size > MERGE_RATIO * tail_bytes:
+        if groups and size > (TIDY_RATIO if segment in burst else MERGE_RATIO) * tail_bytes:
             break
         groups.append((segment, nodes[::-1]))
         tail_bytes += size
@@ -166,8 +174,8 @@ def rewrite(
         why: What the warning of a failure says was attempted.
 
     Returns:
-        (the new segment, the keys of the records moved there; none: the segment is
-        gone again); None if it could not be written or committed.
+        (the new segment, the keys of the records moved there (none: the segment is
+        gone again), its size); None if it could not be written or committed.
     """
     copies = [(Node(**{k: getattr(node, k) for k in Node.__slots__}), tensors) for node, tensors in run]
     try:
@@ -193,4 +201,4 @@ def rewrite(
         files.unlink([new])
         return None
     files.unlink(freed)
-    return new, moved
+    return new, moved, size

@@ -348,6 +348,20 @@ class OpenSegment:
                     h.update(piece)
                     stage.send([offset + (r + i) * stride for i in range(k)], n)
                 return h.intdigest()
+            if stage is None and 0 < n < HASH_CHUNK // 2:
+                # Short rows (a segment of a few blocks): as many as fit a chunk in one
+                # read, each row to its place; the hash then takes them in order while
+                # they are in cache. One call per row cost ~1 ms per segment of a 128 MiB
+                # prompt stored a block at a time.
+                per = HASH_CHUNK // n
+                for r in range(0, f.rows, per):
+                    k = min(per, f.rows - r)
+                    rows = [dest[offset + (r + i) * stride : offset + (r + i) * stride + n] for i in range(k)]
+                    if preadv(self.fd, rows, self.body + f.at + r * n) != k * n:
+                        return None
+                    for row in rows:
+                        h.update(row)
+                return h.intdigest()
             step = HASH_CHUNK if stage is None else stage.size
             for r in range(f.rows):
                 at, start = self.body + f.at + r * n, offset + r * stride
