@@ -109,7 +109,7 @@ def _calibrated(model, monkeypatch, tokens: int, seconds) -> tuple[list, list]:
     tokens moves by ``seconds(n)``: the forwards run, and those observed."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from persistent_prefix_cache import costs as costs_module
+    from persistent_prefix_cache import calibration as costs_module
 
     seen, calls, clock = [], [], [0.0]
     monkeypatch.setattr(Costs, "observe_prefill", lambda self, n, s, start=0, forwards=1: seen.append((n, start, s)))
@@ -141,7 +141,7 @@ def test_calibrate_grows_the_prompt_while_a_forward_is_bound_by_its_call(model, 
     # An 8B model on an H200 takes ~12 ms for 32 tokens and for 256 alike: from such
     # timings alone a fit put 256 tokens at 22 ms (and restored them from disk at 2 x the
     # prefill). calibrate doubles the prompt until the tokens show, here never (up to 512).
-    from persistent_prefix_cache import costs as costs_module
+    from persistent_prefix_cache import calibration as costs_module
 
     monkeypatch.setattr(costs_module, "MAX_CALIBRATION_TOKENS", 512)
     _, seen = _calibrated(model, monkeypatch, 64, lambda n: 0.012)
