@@ -54,6 +54,17 @@ FILE_NAME = "costs.json"
 SAVE_EVERY = 30.0
 MAX_AGE = 30 * 24 * 3600.0
 TIERS = ("ram", "disk", "remote")
+# Tiers this process has restored from: its first restore from each pays one-off costs
+# (MLX compiling kernels for the shapes met, the reader pool and pinned buffers made), a
+# cost of its own (`Costs.first_restore`), never mixed into the tier's rate.
+_restored_here: set[str] = set()
+
+
+def first_restore_here(tier: str) -> bool:
+    """Whether this process has not restored from `tier` yet (and from now on it has)."""
+    first = tier not in _restored_here
+    _restored_here.add(tier)
+    return first
 
 
 def device_kind() -> str:
@@ -123,6 +134,8 @@ class Costs:
         self.prefill = _new_prefill()  # seconds ~ a·tokens + b·(end² − start²)/2 + c·forwards
         self.restore: dict[str, Fit] = {}  # tier -> seconds ~ fixed·1 + (1/rate)·bytes
         self.first_forward_seconds: float | None = None
+        # Tier -> seconds a process's first restore from it took beyond the tier's fit.
+        self.first_restore: dict[str, float] = {}
         # The fastest single forward call seen: no call's fixed cost can exceed it (a
         # bound on the per-call coefficient, which noise can otherwise inflate).
         self.fastest_forward: float | None = None
@@ -233,13 +246,25 @@ class Costs:
                     self.fastest_forward = min(seconds, self.fastest_forward or seconds)
                 self.changed = True
 
-    def observe_restore(self, tier: str, nbytes: int, seconds: float) -> None:
+    def observe_restore(self, tier: str, nbytes: int, seconds: float, *, first: bool = False) -> None:
         """Record that `nbytes` of KV were restored from `tier` in `seconds` (a restore
-        under `MIN_TIMED_BYTES` teaches only the fixed cost)."""
+        under `MIN_TIMED_BYTES` teaches only the fixed cost).
+
+        Args:
+            first: The process's first restore from `tier`: once the tier's fit is trusted,
+                it teaches only what it took beyond it (`first_restore`).
+        """
         if seconds <= 0 or nbytes < 0:
             return
         with self._lock:
             fit = self.restore.setdefault(tier, _new_restore())
+            coef = fit.coefficients()
+            if first and coef is not None and coef[1] > 0 and fit.weight() >= TRUSTED_WEIGHT:
+                extra = max(0.0, seconds - coef[0] - coef[1] * nbytes)
+                old = self.first_restore.get(tier)
+                self.first_restore[tier] = extra if old is None else (1 - ALPHA) * old + ALPHA * extra
+                self.changed = True
+                return
             if nbytes >= MIN_TIMED_BYTES:
                 fit.add((1.0, nbytes), seconds)
             else:
@@ -318,6 +343,8 @@ class Costs:
                 if coef is not None and coef[1] > 0 and fit.weight() >= TRUSTED_WEIGHT:
                     fixed[tier], slopes[tier] = coef
             first = self.first_forward_seconds or 0.0
+            # A tier this process has not restored from yet costs its first time's extra.
+            once = {t: self.first_restore.get(t, 0.0) if t not in _restored_here else 0.0 for t in ("ram", "disk")}
             if not all(("ram" if r else "disk") in slopes for r in in_ram):
                 return whole  # a tier not timed (twice) yet: restore, and learn its rate
             best, cost, disk = Choice(0, 0, 0.0, "skipped_slower"), 0.0, False
@@ -328,7 +355,8 @@ class Costs:
                 cost += size * slopes["ram" if ram else "disk"]
                 disk = disk or not ram
                 if i in cuts:
-                    saved = whole - self.prefill_seconds(ends[i], total) - (cost + fixed["disk" if disk else "ram"] + first)
+                    tier = "disk" if disk else "ram"
+                    saved = whole - self.prefill_seconds(ends[i], total) - (cost + fixed[tier] + once[tier] + first)
                     if saved > best.saved_seconds:
                         best = Choice(i + 1, ends[i], saved)
         if best.blocks == len(ends):
@@ -349,6 +377,8 @@ class Costs:
             out[f"restore_bytes_per_s_{tier}"] = rates.get(tier)
             out[f"restore_fixed_s_{tier}"] = self.restore_fixed_seconds(tier)
         out["first_forward_s"] = self.first_forward_seconds
+        for tier in ("ram", "disk"):
+            out[f"first_restore_s_{tier}"] = self.first_restore.get(tier)
         out["cost_device"] = self.device
         return out
 
@@ -362,6 +392,7 @@ class Costs:
                 "prefill": list(self.prefill.sums),
                 "restore": {tier: list(fit.sums) for tier, fit in self.restore.items()},
                 "first_forward": self.first_forward_seconds,
+                "first_restore": dict(self.first_restore),
                 "fastest_forward": self.fastest_forward,
             }
 
@@ -378,12 +409,14 @@ class Costs:
             restore = {str(t): [float(v) for v in s] for t, s in record.get("restore", {}).items() if t in TIERS}
             first = record.get("first_forward")
             first = None if first is None else max(0.0, float(first))
+            once = {str(t): max(0.0, float(v)) for t, v in (record.get("first_restore") or {}).items() if t in TIERS}
         except (KeyError, TypeError, ValueError, AttributeError):
             return False
         with self._lock:
             self.prefill = _new_prefill(prefill)
             self.restore = {tier: _new_restore(sums) for tier, sums in restore.items()}
             self.first_forward_seconds = first
+            self.first_restore = once
             fastest = record.get("fastest_forward")
             self.fastest_forward = None if fastest is None else max(0.0, float(fastest))
         return True
@@ -529,4 +562,5 @@ class CostsMixin:
 
     def _timed(self, nodes: list, seconds: float, in_ram: bool) -> None:
         # `in_ram` as it was before the restore: a disk restore admits what it read
-        self._costs.observe_restore("ram" if in_ram else "disk", sum(n.size for n in nodes), seconds)
+        tier = "ram" if in_ram else "disk"
+        self._costs.observe_restore(tier, sum(n.size for n in nodes), seconds, first=first_restore_here(tier))

@@ -508,7 +508,9 @@ class PersistentPrefixCache(OpenedWith, CostsMixin):
             prefill_tokens_per_s (of a 1,024-token prompt), prefill_growth (seconds
             per token per position: attention's share), prefill_per_forward_s,
             restore_bytes_per_s_ram and _disk, restore_fixed_s_ram and _disk,
-            first_forward_s, cost_device (the costs measured for this model on this
+            first_forward_s, first_restore_s_ram and _disk (what a process's first
+            restore from a tier takes beyond its rate: MLX's kernel compiles, buffers
+            made), cost_device (the costs measured for this model on this
             device kind, None until measured, remembered in the store);
             blocks, block_bytes (their tensors' bytes: what ``disk_bytes`` bounds) and
             bytes_on_disk (of the segment files: headers and space not yet reclaimed

@@ -333,3 +333,27 @@ def test_restores_of_one_size_teach_a_rate_even_through_noise():
     costs.set_prefill(1e5)  # 10 us a token: a 1 GB restore (~0.23 s) loses to a 0.1 s prefill of 10k
     choice = costs.choose([10_000], [1_000_000_000], [False], [0])
     assert choice.decision == "skipped_slower"
+
+
+def test_a_process_first_restore_has_its_own_cost(monkeypatch):
+    # A fresh process's first restore from a tier pays one-off costs (kernel compiles, the
+    # reader pool, pinned buffers): learned apart from the tier's rate, and counted in the
+    # choice until this process has paid them (256 tokens of an 8B model on an H200).
+    from persistent_prefix_cache import costs as costs_module
+
+    monkeypatch.setattr(costs_module, "_restored_here", set())
+    costs = Costs()
+    costs.set_prefill(40000.0, per_forward=0.008)  # 256 tokens: 6.4 ms beyond the forward
+    costs.set_restore({"disk": 10e9})  # 32 MiB in 3.4 ms
+    size = 32 << 20
+    choose = lambda: costs.choose([256], [size], [False], [0], total=257)  # noqa: E731
+    assert choose().decision == "restored_all"
+    costs.observe_restore("disk", size, 0.0134, first=True)  # 10 ms beyond the rate
+    assert costs.first_restore["disk"] == pytest.approx(0.010, rel=1e-2)
+    assert costs.restore_bytes_per_s["disk"] == pytest.approx(10e9)  # the rate is untouched
+    assert choose().decision == "skipped_slower"  # this process would pay the 10 ms
+    assert costs_module.first_restore_here("disk") and not costs_module.first_restore_here("disk")
+    assert choose().decision == "restored_all"  # paid: the rate decides
+    # Saved and loaded with the rest.
+    again = Costs()
+    assert again.load(costs.record()) and again.first_restore == costs.first_restore
