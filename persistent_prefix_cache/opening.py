@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 from .blocks import DEFAULT_BLOCK_SIZE
 from .disk.index import Index
@@ -87,6 +88,52 @@ def disk_budget(path: str, disk_bytes: int | str | None, held: int) -> int | Non
         return disk_bytes
     st = os.statvfs(path)
     return held + st.f_bavail * st.f_frsize // 2
+
+
+MIN_MEMORY_BYTES = 512 << 20  # the RAM tier's "auto" budget is never below this
+
+
+def memory_budget(model: Any, memory_bytes: int | str) -> int:
+    """The RAM tier's budget: `memory_bytes` as given, or for ``"auto"`` 1/8 of what the
+    device's memory holds beside the model's weights (at least `MIN_MEMORY_BYTES`): the
+    hot prompts of the model served, sized by its device. An H200 (141 GB) serving an 8B
+    model in bf16 (16 GB) keeps ~15 GB, seven 16k-token prompts of 2 GiB (a fixed 512 MiB
+    held none, and churned); a 16 GB Mac with a 4-bit 8B model ~1.4 GB.
+
+    Args:
+        model: The model (its parameters' bytes are counted).
+        memory_bytes: An int, or ``"auto"``.
+    """
+    if memory_bytes != "auto":
+        return memory_bytes
+    return max(MIN_MEMORY_BYTES, (device_memory() - weight_bytes(model)) // 8)
+
+
+def device_memory() -> int:
+    """Bytes of memory MLX computes in: the GPU's (Apple's unified memory, a CUDA
+    device's) as MLX reports it, else the machine's physical memory (0 if unknown)."""
+    import mlx.core as mx
+
+    try:
+        size = int(mx.device_info().get("memory_size") or 0)
+    except Exception:  # an MLX without device_info
+        size = 0
+    if size > 0:
+        return size
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return 0
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes of a model's parameters (0 for an object that has none)."""
+    from mlx.utils import tree_flatten
+
+    try:
+        return sum(int(v.nbytes) for _, v in tree_flatten(model.parameters()))
+    except (AttributeError, TypeError):
+        return 0
 
 
 def give_back(path: str, opened: OpenedDirectory) -> None:

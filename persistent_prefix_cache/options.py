@@ -24,7 +24,7 @@ def check_options(
         raise InvalidArgumentError(f"shared must be True or False, got {shared!r}")
     for name, value, minimum, optional in (
         ("block_size", block_size, 1, True),
-        ("memory_bytes", memory_bytes, 0, False),
+        ("memory_bytes", None if memory_bytes == "auto" else memory_bytes, 0, memory_bytes == "auto"),
         ("disk_bytes", None if disk_bytes == "auto" else disk_bytes, 0, True),
     ):
         if value is None and optional:

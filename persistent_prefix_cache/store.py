@@ -31,7 +31,7 @@ from .layers.mlx_lm_versions import layout_variant
 from .lookup import Trie, back_off
 from .costs import Costs, CostsMixin, SavedCosts
 from .disk import cuda_pages
-from .opening import disk_budget, give_back, open_directory
+from .opening import disk_budget, give_back, memory_budget, open_directory
 from .options import OpenedWith, check_options, check_remote
 from .paths import expand_path
 from .restore import restore
@@ -44,7 +44,6 @@ from .writeback import WriteBack, sweep_orphans
 
 log = logging.getLogger("persistent_prefix_cache")
 
-DEFAULT_MEMORY_BYTES = 512 * 1024 * 1024
 HANDLE_COUNTERS = (
     "queries", "hits", "misses", "not_longer", "tokens_saved", "skipped_slower", "tokens_skipped",
     "restored_all", "restored_ram_only", "restored_shorter",
@@ -81,7 +80,9 @@ class PersistentPrefixCache(OpenedWith, CostsMixin):
         namespace: Keeps tenants apart: different namespaces never share a block.
         block_size: Tokens per block for a new store (64 if None); an existing store
             keeps its own, and a different explicit value is an error.
-        memory_bytes: Budget of the RAM tier (0 disables it).
+        memory_bytes: Budget of the RAM tier (0 disables it). ``"auto"`` (the
+            default): 1/8 of the device's memory beside the model's weights, at least
+            512 MiB (`opening.memory_budget`).
         disk_bytes: Budget of the blocks' bytes; least recently used leaves are
             evicted past it. ``"auto"`` (the default): what the store holds plus half
             the space free on its file system at open (`opening.disk_budget`). None
@@ -131,7 +132,7 @@ class PersistentPrefixCache(OpenedWith, CostsMixin):
         model_name: str | None = None,
         namespace: str = "",
         block_size: int | None = None,
-        memory_bytes: int = DEFAULT_MEMORY_BYTES,
+        memory_bytes: int | str = "auto",
         disk_bytes: int | str | None = "auto",
         readonly: bool = False,
         kv_bits: int | None = None,
@@ -180,7 +181,7 @@ class PersistentPrefixCache(OpenedWith, CostsMixin):
             )
             self._root = root_key(self._fingerprint, namespace, self._layout.signature + self._layout.variant)
             self._layout.fields = self._recorded_fields()
-            self._memory = MemoryTier(memory_bytes)
+            self._memory = MemoryTier(memory_budget(model, memory_bytes))
             self._trie = Trie(self._index, self._memory, self._root, self._block_size)
             self._counters = Counters(*HANDLE_COUNTERS, *REMOTE_COUNTERS)
             self._costs = Costs(enabled=cost_model)

@@ -17,7 +17,7 @@ writable) stops ``ppc serve`` before the server starts, with exit code 2;
 
 Memory: the KV held in memory (the server's LRU entries and the store's RAM tier
 together) stays within one budget, ``--prompt-cache-bytes`` when given, else 1/8 of
-the machine's memory; a cache the store took lives once, as blocks in the RAM tier
+the memory MLX computes in (`memory_budget`); a cache the store took lives once, as blocks in the RAM tier
 (see `compat.lru_prompt_cache` and docs/serve.md). Startup says the budget in one line.
 
 One behaviour differs from a stock server on purpose: an exact in-memory hit is served
@@ -70,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
         type=parse_size,
         metavar="SIZE",
         default=None,
-        help="most of the in-memory budget (--prompt-cache-bytes, else 1/8 of RAM) the store's "
+        help="most of the in-memory budget (--prompt-cache-bytes, else 1/8 of the GPU's memory or RAM) the store's "
         "RAM tier may take (default: all of it; 0 turns the tier off: the server's LRU keeps every cache)",
     )
     add_disk_budget_option(parser)
@@ -212,8 +212,9 @@ def memory_budget(provider: Any) -> tuple[int, str]:
     """The bytes of KV ``ppc serve`` holds in memory, and where the figure comes from.
 
     ``--prompt-cache-bytes`` (read from the server's parsed options,
-    ``provider.cli_args``) when given, else 1/8 of the machine's physical memory
-    (512 MiB where that cannot be read).
+    ``provider.cli_args``) when given, else 1/8 of the memory MLX computes in: the GPU's
+    where MLX reports it (a CUDA device's own, Apple's unified memory), else the
+    machine's physical memory (512 MiB where neither can be read).
 
     Args:
         provider: mlx_lm.server's ``ModelProvider`` (None: the default).
@@ -221,16 +222,15 @@ def memory_budget(provider: Any) -> tuple[int, str]:
     Returns:
         ``(bytes, a few words saying where they come from)``.
     """
+    from ..opening import device_memory
+
     given = getattr(getattr(provider, "cli_args", None), "prompt_cache_bytes", None)
     if given is not None:
         return max(0, int(given)), "--prompt-cache-bytes"
-    try:
-        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        physical = 0
-    if physical <= 0:
+    memory = device_memory()
+    if memory <= 0:
         return 512 << 20, "default; set --prompt-cache-bytes"
-    return physical // 8, "default: 1/8 of this machine's memory; set --prompt-cache-bytes"
+    return memory // 8, "default: 1/8 of the memory MLX computes in; set --prompt-cache-bytes"
 
 
 def _reach_remote(options: dict[str, Any]) -> None:
