@@ -1,10 +1,13 @@
 """Opening a store directory for a handle: where a store may be, its files and index,
-and taking back a store that a failed open made for nothing."""
+its budgets, taking back a store that a failed open made for nothing, and closing the
+handles still open at exit."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +17,17 @@ from .disk.segment import SegmentFiles
 from .disk.store_dir import check_location, create_root, undo_creation
 from .errors import InvalidArgumentError, StoreNotWritableError
 from .options import existing_but_not_writable
+
+
+# The handles open in this process (`store.PersistentPrefixCache` adds and discards itself).
+OPEN_HANDLES: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_handles() -> None:
+    # Pending writes are durable work the caller already paid for: finish them.
+    for handle in list(OPEN_HANDLES):
+        handle.close()
 
 
 @dataclass

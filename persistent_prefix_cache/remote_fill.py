@@ -18,8 +18,7 @@ import numpy as np
 
 from .blocks import is_sliced, sliced_spec
 from .costs import Costs
-from .disk.buffers import HostBits
-from .disk.read_path import join_on_device
+from .disk.buffers import HostBits, Target
 from .keys import chain_keys
 from .layers import Layout
 from .lookup import Trie
@@ -37,6 +36,7 @@ class RemoteFill:
         trie, memory, layout, writeback, costs: The store's (`writeback` None for a
             read-only store: remote blocks then live in the RAM tier only).
         root: The model's root key; `block_size` the store's.
+        target: The handle's restore target (a GPU's tier holds MLX arrays).
     """
 
     def __init__(
@@ -50,9 +50,11 @@ class RemoteFill:
         costs: Costs,
         root: bytes,
         block_size: int,
+        target: Target,
     ):
         self.remote, self.trie, self.memory, self.layout = remote, trie, memory, layout
         self.writeback, self.costs, self.root, self.block_size = writeback, costs, root, block_size
+        self.target = target
 
     def fill(self, toks: np.ndarray, matched: int = 0) -> list[RemoteBlock] | None:
         """Bring the remote's continuation of the local chain for `toks` into the RAM tier.
@@ -83,7 +85,7 @@ class RemoteFill:
         total = sum(block.node.size for block in blocks)
         # The RAM tier holds the blocks' bits as read (one copy less), unless a GPU
         # joins them with MLX operations.
-        as_mx = join_on_device()
+        as_mx = self.target.join_on_device
         for block in blocks:
             block.node.last_access = now
             tensors = {lid: {} for lid in self.layout.kinds}

@@ -16,9 +16,9 @@ from __future__ import annotations
 import numpy as np
 import mlx.core as mx
 
-from .disk.read_path import array_bits, join_on_device, read_path, reader_pool
+from .disk.read_path import array_bits, read_path, reader_pool
 from .blocks import Node, dtype_info, is_sliced
-from .disk.buffers import allocate, host_bits, reading_to_host
+from .disk.buffers import Target, allocate
 from .disk.segment import SegmentFiles
 from .layers import JoinedSource, Layout
 from .tiers.memory import MemoryTier
@@ -33,10 +33,13 @@ def restore(
     nodes: list[Node],
     position: int,
     digests: dict[bytes, int] | None = None,
+    *,
+    target: Target,
 ) -> tuple[list | None, int]:
     """Rebuild the cache at `position` from `nodes` (the blocks any leaf needs).
 
     Args:
+        target: Where the handle's restores put what they read (`read_path.device_target`).
         layout: The store's layout.
         memory: The RAM tier.
         files: The segment files.
@@ -55,7 +58,7 @@ def restore(
         cached.append(entry[1] if entry is not None else None)
         origins.append(entry[2] if entry is not None else {})
     intact, runs, snaps = read_path(
-        nodes, cached, files, layout.kinds, position, layout.fields, digests, origins
+        nodes, cached, files, layout.kinds, position, layout.fields, digests, origins, target=target
     )
     if intact < len(nodes):
         return None, intact
@@ -67,7 +70,7 @@ def restore(
     cache = layout.rebuild(sources, position)
     if cache is not None:
         memory.count_served([n.key for n, have in zip(nodes, cached) if have is not None])
-        admit(memory, nodes, cached, runs, snaps, files)
+        admit(memory, nodes, cached, runs, snaps, files, target)
     return cache, len(nodes)
 
 
@@ -78,6 +81,7 @@ def admit(
     runs: dict[str, dict[str, list]],
     snaps: dict[str, dict[str, mx.array]],
     files: SegmentFiles,
+    target: Target,
 ) -> int:
     """Put the blocks of a restore that came from disk into the RAM tier, where
     `MemoryTier.admit` says they pay, as views of fresh copies of the joined buffers.
@@ -92,19 +96,20 @@ def admit(
         runs: The joined buffers by leaf, then field, as ``(start, end, array)``.
         snaps: The last block's snapshot tensors by leaf.
         files: The segment files (for the other blocks' snapshots).
+        target: The restore's target (on a GPU the copies are device-side ones).
 
     Returns:
         How many blocks were admitted.
     """
     end = len(nodes) - 1
     candidates = [k for k, have in enumerate(cached) if have is None]
-    on_device = join_on_device()
+    on_device = target.join_on_device
     flags = memory.admit([nodes[k] for k in candidates], cheap_copy=on_device)
     chosen = [k for k, yes in zip(candidates, flags) if yes]
     own_snaps = {end: snaps}
     for k in chosen:
         if k != end and nodes[k].extra.get("snap"):
-            own_snaps[k] = read_snapshots(files, nodes[k])
+            own_snaps[k] = read_snapshots(files, nodes[k], target)
     chosen = [k for k in chosen if own_snaps.get(k, {}) is not None]
     return join_admitted(memory, nodes, chosen, runs, own_snaps, on_device)
 
@@ -202,9 +207,9 @@ def join_admitted(
     return len(chosen)
 
 
-def read_snapshots(files: SegmentFiles, node: Node) -> dict[str, dict[str, mx.array]] | None:
+def read_snapshots(files: SegmentFiles, node: Node, target: Target) -> dict[str, dict[str, mx.array]] | None:
     """The snapshot tensors of one stored block by leaf, each checked against its digest
-    (which the block's checksum covers; `HostBits` in `host_reads`); None if the block
+    (which the block's checksum covers; `HostBits` for a host target); None if the block
     or one of them is not intact."""
     seg = files.open(node.segment)
     if seg is None:
@@ -214,13 +219,13 @@ def read_snapshots(files: SegmentFiles, node: Node) -> dict[str, dict[str, mx.ar
         if i is None:
             return None
         wanted = seg.snaps_of(i)
-        arrays = allocate([(f"s{j}", s.shape, s.dtype) for j, s in enumerate(wanted)])
+        arrays = target.allocate([(f"s{j}", s.shape, s.dtype) for j, s in enumerate(wanted)])
         out: dict[str, dict[str, mx.array]] = {}
         for j, s in enumerate(wanted):
             if seg.read_snap(s, memoryview(arrays[f"s{j}"]).cast("B")) is None:
                 return None
             lid, _, fld = s.name.rpartition(".")
-            out.setdefault(lid, {})[fld] = host_bits(arrays[f"s{j}"], s.dtype) if reading_to_host() else arrays[f"s{j}"]
+            out.setdefault(lid, {})[fld] = target.wrap(arrays[f"s{j}"], s.dtype)
         return out
     finally:
         seg.close()

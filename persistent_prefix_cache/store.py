@@ -15,11 +15,9 @@ verified files read into joined buffers); a damaged block cuts the prefix short 
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import time
-import weakref
 from typing import Any, Sequence
 
 from .blocks import Node
@@ -30,8 +28,8 @@ from .layers import Layout, cache_length, signature_of, template_cache
 from .layers.mlx_lm_versions import layout_variant
 from .lookup import Trie, back_off
 from .costs import Costs, CostsMixin, SavedCosts
-from .disk import cuda_pages
-from .opening import disk_budget, give_back, memory_budget, open_directory
+from .disk.read_path import device_target
+from .opening import OPEN_HANDLES, disk_budget, give_back, memory_budget, open_directory
 from .options import OpenedWith, check_options, check_remote
 from .paths import expand_path
 from .restore import restore
@@ -50,16 +48,6 @@ HANDLE_COUNTERS = (
     "corrupt", "evictions", "write_errors", "blocks_written", "bytes_written", "restored_blocks_disk",
     "segments_merged", "bytes_rewritten",
 )  # fmt: skip
-
-_OPEN_STORES: "weakref.WeakSet[PersistentPrefixCache]" = weakref.WeakSet()
-
-
-@atexit.register
-def _close_open_stores() -> None:
-    # Pending writes are durable work the caller already paid for: finish them.
-    for store in list(_OPEN_STORES):
-        store.close()
-
 
 class PersistentPrefixCache(OpenedWith, CostsMixin):
     """A prefix (KV) cache for one mlx-lm model, kept in a store directory.
@@ -182,6 +170,9 @@ class PersistentPrefixCache(OpenedWith, CostsMixin):
             self._root = root_key(self._fingerprint, namespace, self._layout.signature + self._layout.variant)
             self._layout.fields = self._recorded_fields()
             self._memory = MemoryTier(memory_budget(model, memory_bytes))
+            # Where restored bytes live (MLX's device: CPU, unified memory, a CUDA GPU's),
+            # decided once for the handle, whichever thread calls it.
+            self._target = device_target()
             self._trie = Trie(self._index, self._memory, self._root, self._block_size)
             self._counters = Counters(*HANDLE_COUNTERS, *REMOTE_COUNTERS)
             self._costs = Costs(enabled=cost_model)
@@ -205,14 +196,14 @@ class PersistentPrefixCache(OpenedWith, CostsMixin):
                     raise
                 self._remote_fill = RemoteFill(
                     self._remote, trie=self._trie, memory=self._memory, layout=self._layout, writeback=self._writeback,
-                    costs=self._costs, root=self._root, block_size=self._block_size,
+                    costs=self._costs, root=self._root, block_size=self._block_size, target=self._target,
                 )  # fmt: skip
             # Last: its thread runs from here on (the tier learns what the cost model skips).
-            self._warmer = Warmer(self._layout, self._memory, self._files, self._digests)
+            self._warmer = Warmer(self._layout, self._memory, self._files, self._digests, self._target)
         except BaseException:
             give_back(self._path, opened)
             raise
-        _OPEN_STORES.add(self)
+        OPEN_HANDLES.add(self)
 
     # -- reading ------------------------------------------------------------------------
 
@@ -278,7 +269,10 @@ class PersistentPrefixCache(OpenedWith, CostsMixin):
             from_disk = sum(self._memory.node(n.key) is None for n in path[first:])  # before admission
             in_ram = not from_disk
             started = time.perf_counter()
-            layers, intact = restore(self._layout, self._memory, self._files, path[first:], matched, self._digests(path[first:]))
+            layers, intact = restore(
+                self._layout, self._memory, self._files, path[first:], matched, self._digests(path[first:]),
+                target=self._target,
+            )  # fmt: skip
             if layers is not None:
                 self._timed(path[first:], time.perf_counter() - started, in_ram)
             if intact < len(path) - first:
@@ -404,7 +398,7 @@ class PersistentPrefixCache(OpenedWith, CostsMixin):
         # the caller's cache while the caller waits: no copy before the disk starts. Not
         # on a CUDA GPU: the host reading the caller's cache would move its pages into
         # managed memory and over to the host, and the next forward would fault them back.
-        direct = self._sync_writes and self._remote is None and not cuda_pages.on_cuda()
+        direct = self._sync_writes and self._remote is None and not self._target.device
         new = self._layout.new_blocks(
             cache, keys, data, path, root=self._root, block_size=self._block_size, direct=direct
         )  # fmt: skip
@@ -484,7 +478,7 @@ class PersistentPrefixCache(OpenedWith, CostsMixin):
         self._memory.clear()
         if finished:  # else the writer thread may still wait on the index's lock
             self._index.close()
-        _OPEN_STORES.discard(self)
+        OPEN_HANDLES.discard(self)
 
     def stats(self) -> dict[str, int]:
         """Counters of this handle plus the store's totals.

@@ -14,7 +14,7 @@ What it costs the caller, and what it keeps:
 - The read runs on one thread at low priority (nice 19 where the OS allows), after
   the caller's prefill of what was skipped (as the cost model predicts it), one fill
   at a time (a fill asked for while one runs is dropped and counted), never more bytes
-  than ``memory_bytes``, with the reader pool left to callers (`host_reads`).
+  than ``memory_bytes``, with the reader pool left to callers (`buffers.host_target`).
 - No MLX work runs on that thread (a GPU stream belongs to the caller's thread): it reads
   into numpy buffers, and the tier holds those bits as they are (`HostBits`, as it holds
   the remote's blocks). On a GPU those buffers are carved from an `Arena` of MLX's
@@ -35,9 +35,9 @@ import os
 import threading
 from typing import Any, Callable
 
-from .disk.read_path import join_on_device, read_path
+from .disk.read_path import read_path
 from .disk import cuda_pages
-from .disk.buffers import Arena, HostBits, host_reads
+from .disk.buffers import Arena, HostBits, Target, host_target
 from .blocks import Node, is_sliced
 from .disk.segment import SegmentFiles
 from .layers import Layout
@@ -57,10 +57,14 @@ class Warmer:
         files: The segment files.
         digests: Segment ids -> their whole-segment digests from the index (a segment
             read whole is then verified with one pass per field, not one per block).
+        target: The handle's restore target (on a GPU a fill reads into an `Arena`).
     """
 
-    def __init__(self, layout: Layout, memory: MemoryTier, files: SegmentFiles, digests: Callable[[list], dict]):
+    def __init__(
+        self, layout: Layout, memory: MemoryTier, files: SegmentFiles, digests: Callable[[list], dict], target: Target
+    ):
         self.layout, self.memory, self.files, self.digests = layout, memory, files, digests
+        self.target = target
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -105,7 +109,7 @@ class Warmer:
             # 1.1-3 x the prefill it was to save (H200). Host reads join no buffers
             # with room to grow: the blocks' bytes, and 64-byte alignment per buffer.
             arena = None
-            if join_on_device():
+            if self.target.join_on_device:
                 size = sum(n.size for n in nodes)
                 tensors = len(self.layout.fields or ()) or 256  # per block, at most (snapshots: + 4)
                 try:
@@ -155,8 +159,7 @@ class Warmer:
 
     def _fill(self, nodes: list[Node], arena: Arena | None) -> None:
         try:
-            with host_reads(arena):
-                got = self._read(nodes)
+            got = self._read(nodes, host_target(arena))
         except Exception:  # a fill is a hint: whatever goes wrong, the fetches read the disk
             got = None
         if got is None:
@@ -171,27 +174,30 @@ class Warmer:
             self.memory.put(node, tensors, origin, source="disk")
         self.memory.count_warm(memory_warmed=len(nodes), memory_warmed_bytes=sum(n.size for n in nodes))
 
-    def _read(self, nodes: list[Node]) -> tuple[list[Node], dict, dict] | None:
-        """The blocks' runs and snapshots as host bits, every checksum verified; the
-        intact leading blocks only (None if none is)."""
+    def _read(self, nodes: list[Node], target: Target) -> tuple[list[Node], dict, dict] | None:
+        """The blocks' runs and snapshots as host bits (`target`: a host one), every
+        checksum verified; the intact leading blocks only (None if none is)."""
         kinds, fields = self.layout.kinds, self.layout.fields
         digests = self.digests(nodes)
-        intact, runs, last = read_path(nodes, [None] * len(nodes), self.files, kinds, nodes[-1].end, fields, digests)
+        read = lambda nodes: read_path(  # noqa: E731
+            nodes, [None] * len(nodes), self.files, kinds, nodes[-1].end, fields, digests, target=target
+        )
+        intact, runs, last = read(nodes)
         if intact < len(nodes):
             self.memory.count_warm(memory_warm_damaged=1)
             if intact == 0:
                 return None
             nodes = nodes[:intact]
-            intact, runs, last = read_path(nodes, [None] * len(nodes), self.files, kinds, nodes[-1].end, fields, digests)
+            intact, runs, last = read(nodes)
             if intact < len(nodes):
                 return None
         snaps: dict[int, Any] = {len(nodes) - 1: last}
         for k, node in enumerate(nodes[:-1]):
             if node.extra.get("snap"):
-                own = read_snapshots(self.files, node)
+                own = read_snapshots(self.files, node, target)
                 if own is None:  # a damaged snapshot: keep the blocks before it
                     self.memory.count_warm(memory_warm_damaged=1)
-                    return self._read(nodes[:k]) if k else None
+                    return self._read(nodes[:k], target) if k else None
                 snaps[k] = own
         return nodes, runs, snaps
 

@@ -192,13 +192,13 @@ def test_a_fill_on_the_gpu_route_reads_into_device_memory_and_copies_nothing():
     # prefill on the H200). The same code runs here on the CPU: views, and exact bits.
     import numpy as np
 
-    from persistent_prefix_cache.disk.buffers import Arena, allocate, host_bits, host_reads
+    from persistent_prefix_cache.disk.buffers import Arena, host_target
 
     arena = Arena(1 << 14)
-    with host_reads(arena):
-        got = allocate([("k", (1, 2, 40, 8), "BF16"), ("s", (3, 5), "F32"), ("big", (1 << 14,), "F32")])
-        items = [host_bits(got["k"], "BF16"), host_bits(got["k"], "BF16")[:, :, 5:30, :], host_bits(got["s"], "F32"),
-                 host_bits(got["big"], "F32")]  # fmt: skip
+    target = host_target(arena)
+    got = target.allocate([("k", (1, 2, 40, 8), "BF16"), ("s", (3, 5), "F32"), ("big", (1 << 14,), "F32")])
+    items = [target.wrap(got["k"], "BF16"), target.wrap(got["k"], "BF16")[:, :, 5:30, :], target.wrap(got["s"], "F32"),
+             target.wrap(got["big"], "F32")]  # fmt: skip
     rng = np.random.default_rng(3)
     for name, x in got.items():
         x[...] = rng.integers(0, np.iinfo(x.dtype).max, size=x.shape, dtype=x.dtype)

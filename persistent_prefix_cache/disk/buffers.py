@@ -1,12 +1,11 @@
 """Buffers the read path fills: MLX arrays allocated without a zero-fill, blocks held
-as host bits, and host reads (`host_reads`: a background fill of the RAM tier reads into
-numpy buffers on its own thread, with no MLX work there).
+as host bits, and where a read puts what it reads (`Target`: MLX arrays for a restore, or
+numpy buffers for a background fill of the RAM tier, which does no MLX work on its thread).
 """
 
 from __future__ import annotations
 
 import json
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
@@ -18,30 +17,61 @@ from . import cuda_pages
 _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 # MLX unsigned dtypes by item size: a tensor's bits, viewed without a copy.
 UINT_MX = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
-_local = threading.local()
 
 
-class host_reads:
-    """Within this context, `read_path` on this thread reads into numpy buffers (no
-    MLX work: a GPU's stream belongs to the caller's thread), on this thread alone (the
-    reader pool is the callers'), and hands back `HostBits`: what a background fill of
-    the RAM tier needs.
+class Target:
+    """Where a read puts the bytes it reads, decided once by whoever reads and passed to
+    the read path explicitly: a handle's restores (`read_path.device_target`, chosen
+    once at open from MLX's device) or a background fill (`host_target`).
 
     Args:
-        arena: Where to carve the buffers from, if it holds them (else numpy's own): the
-            bytes of an `Arena` made on a GPU, so that a fill reads straight into device
-            memory, as the disk read path does, and `to_device` copies nothing.
+        host: Numpy buffers, read on the calling thread alone (the reader pool is the
+            callers'), handed back as `HostBits`, no MLX work: a background fill.
+        join_on_device: Join RAM-tier blocks with MLX operations (a GPU, where CPU
+            writes would migrate pages) rather than copying them into host buffers.
+        arena: Where host buffers are carved from, if it holds them (else numpy's own):
+            MLX memory made on a GPU, so that a fill reads straight into it.
+
+    Attributes:
+        device: MLX arrays on a CUDA GPU: made there, restored bytes moved there within
+            the restore (`cuda_pages`).
     """
 
-    def __init__(self, arena: "Arena | None" = None):
-        self.arena = arena
+    def __init__(self, *, host: bool = False, join_on_device: bool = False, arena: "Arena | None" = None):
+        self.host, self.join_on_device, self.arena = host, join_on_device, arena
+        self.device = not host and cuda_pages.on_cuda()
+        self._used = 0  # bytes of the arena handed out
 
-    def __enter__(self) -> "host_reads":
-        _local.host, _local.arena, _local.used = True, self.arena, 0
-        return self
+    def allocate(self, specs: list[tuple[str, tuple[int, ...], str]]) -> dict:
+        """Buffers of these shapes and safetensors dtypes, contents undefined: MLX arrays
+        (`allocate`), or for a host target numpy arrays of the bits (from the arena
+        where they fit; np.empty leaves the pages untouched too)."""
+        if not self.host:
+            return allocate(specs)
+        out = {}
+        for name, shape, dtype in specs:
+            bits = _BITS[dtype_info(dtype)[1]]
+            got = self._take(shape, bits) if self.arena is not None else None
+            out[name] = got if got is not None else np.empty(shape, dtype=bits)
+        return out
 
-    def __exit__(self, *exc) -> None:
-        _local.host, _local.arena = False, None
+    def wrap(self, array, dtype: str):
+        """What a read hands back for a buffer it filled: the array, or host bits."""
+        return HostBits(array, dtype, self.arena) if self.host else array
+
+    def _take(self, shape: tuple[int, ...], bits: type) -> np.ndarray | None:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(bits).itemsize
+        start = -(-self._used // 64) * 64
+        if start + nbytes > len(self.arena.bytes):
+            return None
+        self._used = start + nbytes
+        return self.arena.bytes[start : start + nbytes].view(bits).reshape(shape)
+
+
+def host_target(arena: "Arena | None" = None) -> Target:
+    """The target of a background fill of the RAM tier: numpy buffers (carved from
+    `arena` where it holds them), on the fill's thread alone."""
+    return Target(host=True, arena=arena)
 
 
 # How an `Arena` is made: "cpu" zeros it on MLX's CPU stream, evaluated asynchronously,
@@ -89,15 +119,6 @@ class Arena:
         _ = self.bytes
         return self._base
 
-    def take(self, shape: tuple[int, ...], bits: type) -> np.ndarray | None:
-        """The next free stretch as a numpy array of `shape` (None: it does not fit)."""
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(bits).itemsize
-        start = -(-_local.used // 64) * 64
-        if start + nbytes > len(self.bytes):
-            return None
-        _local.used = start + nbytes
-        return self.bytes[start : start + nbytes].view(bits).reshape(shape)
-
     def view(self, bits: np.ndarray, dtype: mx.Dtype) -> mx.array | None:
         """The MLX array over the same bytes as `bits` (a view of this arena's memory, as
         strided as `bits`), or None where `bits` lies elsewhere."""
@@ -113,11 +134,6 @@ class Arena:
             return None
         words = self.array[first : max(last, first + 1)].view(UINT_MX[size])
         return mx.as_strided(words, bits.shape, [st // size for st in bits.strides], (at - first * 64) // size).view(dtype)
-
-
-def reading_to_host() -> bool:
-    """Whether this thread is inside `host_reads` (reads go to numpy buffers)."""
-    return getattr(_local, "host", False)
 
 
 # -- allocation without a zero-fill ---------------------------------------------------
@@ -188,13 +204,6 @@ def allocate(specs: list[tuple[str, tuple[int, ...], str]]) -> dict[str, mx.arra
     global _UNWRITTEN_WORKS
     if not specs:
         return {}
-    if reading_to_host():  # numpy bits (`host_reads`): np.empty leaves the pages untouched too
-        arena, out = getattr(_local, "arena", None), {}
-        for name, shape, dtype in specs:
-            bits = _BITS[dtype_info(dtype)[1]]
-            got = arena.take(shape, bits) if arena is not None else None
-            out[name] = got if got is not None else np.empty(shape, dtype=bits)
-        return out
     if on_gpu() or not _UNWRITTEN_WORKS or ALLOCATE_ZEROS:
         uint = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
         out = {
@@ -251,11 +260,6 @@ class HostBits:
         x = mx.array(self.bits).view(self.dtype)
         mx.eval(x)
         return x
-
-
-def host_bits(bits: np.ndarray, dtype: str) -> HostBits:
-    """`bits` read inside `host_reads` as `HostBits`, knowing the arena they lie in."""
-    return HostBits(bits, dtype, getattr(_local, "arena", None))
 
 
 _COPIERS: list[ThreadPoolExecutor] = []  # made on first use

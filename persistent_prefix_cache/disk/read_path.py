@@ -27,7 +27,7 @@ import numpy as np
 
 from ..blocks import Node, Tensors, dtype_info, is_sliced
 from . import cuda_pages
-from .buffers import UINT_MX, HostBits, allocate, host_bits, on_gpu, reading_to_host
+from .buffers import UINT_MX, HostBits, Target, on_gpu
 from .segment import OpenSegment, SegmentFiles
 
 KV_STEP = 256  # mlx-lm's KVCache grows in steps of 256 tokens
@@ -44,7 +44,7 @@ KV_STEP = 256  # mlx-lm's KVCache grows in steps of 256 tokens
 _CPUS = os.cpu_count() or 1
 READERS = max(4, min(8, _CPUS))  # threads of the pool (set before the first restore)
 READ_THREADS = 1 if _CPUS <= 1 else min(8, _CPUS)  # threads sharing a restore's reads, the caller's included
-# How RAM-tier blocks are joined: None by device (`join_on_device`), or "mlx" / "numpy"
+# How RAM-tier blocks are joined: None by device (`device_target`), or "mlx" / "numpy"
 # (tests and ``tools/gpu_bench.py --ram-join`` set it, to measure both).
 RAM_JOIN: str | None = None
 _pool: ThreadPoolExecutor | None = None
@@ -70,9 +70,9 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
-def _map(fn, items: list) -> list:
-    """`fn` over `items`: on the reader threads and this one, or here alone
-    (`host_reads`, or a single core).
+def _map(fn, items: list, target: Target) -> list:
+    """`fn` over `items`: on the reader threads and this one, or here alone (a host
+    target: a background fill; or a single core).
 
     Each thread takes the next item as it finishes one: one hand-over per thread, not
     one per item (a restore of 128 MiB has 32 jobs of ~0.5 ms; on a 2-core VM the
@@ -80,7 +80,7 @@ def _map(fn, items: list) -> list:
     takes fewer items. This thread works too, instead of waiting.
     """
     n = len(items)
-    if n <= 1 or READ_THREADS <= 1 or reading_to_host():
+    if n <= 1 or READ_THREADS <= 1 or target.host:
         return [fn(x) for x in items]
     out: list = [None] * n
     taken = itertools.count()  # its next() is atomic: each item goes to one thread
@@ -106,11 +106,13 @@ def _capacity(position: int) -> int:
     return (position // KV_STEP + 1) * KV_STEP
 
 
-def join_on_device() -> bool:
-    """Whether RAM-tier blocks are joined with MLX operations (on the default device)
-    rather than copied into host buffers: on a GPU, where CPU writes would migrate
-    pages (`RAM_JOIN` ``"mlx"`` or ``"numpy"`` overrides, to measure both)."""
-    return RAM_JOIN == "mlx" if RAM_JOIN in ("mlx", "numpy") else on_gpu()
+def device_target() -> Target:
+    """Where a handle's restores put what they read, decided once at open: MLX arrays on
+    MLX's default device, RAM-tier blocks joined with MLX operations on a GPU (where CPU
+    writes would migrate pages) and copied into host buffers on the CPU and Apple's
+    unified memory (`RAM_JOIN` ``"mlx"`` or ``"numpy"`` overrides, to measure both)."""
+    join = RAM_JOIN == "mlx" if RAM_JOIN in ("mlx", "numpy") else on_gpu()
+    return Target(join_on_device=join)
 
 
 def _pieces(nodes, cached, origins) -> list[tuple[str, int, int, mx.array]]:
@@ -214,10 +216,14 @@ def read_path(
     expect: dict[str, list] | None = None,
     digests: dict[bytes, int] | None = None,
     origins: Sequence[dict] | None = None,
+    *,
+    target: Target,
 ) -> tuple[int, dict[str, dict[str, list]], dict[str, Tensors]]:
     """Read a path of blocks into joined buffers, for a restore at `position`.
 
     Args:
+        target: Where the buffers are made and what comes back (`device_target`: MLX
+            arrays with room to grow; `buffers.host_target`: host bits, no MLX work).
         nodes: The blocks, in order.
         cached: For each block, its tensors from the RAM tier, or None to read it.
         files: The store's segment files.
@@ -235,12 +241,12 @@ def read_path(
         the last block's snapshot tensors by leaf). Reading stops before the first
         missing or damaged block: then the runs are empty and only the count matters.
     """
-    if all(have is not None for have in cached) and join_on_device() and not reading_to_host():
+    if all(have is not None for have in cached) and target.join_on_device and not target.host:
         return len(nodes), *_join_on_device(nodes, cached, origins, lid_kind, position)
     segments: dict[bytes, OpenSegment | None] = {}
     runs: list[_Run] = []
     unfit: dict[bytes, int] = {}  # segment -> first block whose fields do not fit
-    again = (nodes, cached, files, lid_kind, position, expect, digests, origins)
+    again = (nodes, cached, files, lid_kind, position, expect, digests, origins, target)
     try:
         where: list[tuple[OpenSegment, int] | None] = []
         for node, have in zip(nodes, cached):
@@ -264,23 +270,23 @@ def read_path(
         for k, r in enumerate(runs):
             b, h, w = r.dims
             rows = r.end - r.start
-            if r.start == 0 and lid_kind.get(r.name.rpartition(".")[0]) == "seq" and not reading_to_host():
+            if r.start == 0 and lid_kind.get(r.name.rpartition(".")[0]) == "seq" and not target.host:
                 rows = max(rows, _capacity(position))  # room for mlx-lm to grow in place
             specs.append((f"r{k}", (b, h, rows, w), r.dtype))
         specs += [(f"s{k}", s.shape, s.dtype) for k, s in enumerate(snaps_wanted)]
-        arrays = allocate(specs)
+        arrays = target.allocate(specs)
         for k, r in enumerate(runs):
             r.array = arrays[f"r{k}"]
             r.view = memoryview(r.array).cast("B")
             r.row_stride = r.array.shape[2] * r.dims[2] * dtype_info(r.dtype)[1]
-        field_digests = _read_segments(nodes, where, runs)
+        field_digests = _read_segments(nodes, where, runs, target)
         if any(r.moving for r in runs):
             # Copies and moves of what was read land before the host looks at any of
             # it again (a block checked one by one, a RAM-tier block copied in).
             cuda_pages.wait()
         if field_digests is None:
             return _intact_before(len(nodes), *again, verify=True), {}, {}
-        bad = _first_bad(nodes, where, runs, _read_whole(where, field_digests, digests or {}))
+        bad = _first_bad(nodes, where, runs, _read_whole(where, field_digests, digests or {}), target)
         if bad is not None:
             return _intact_before(bad, *again), {}, {}
         snaps: dict[str, Tensors] = {}
@@ -295,9 +301,9 @@ def read_path(
                 if seg.read_snap(s, memoryview(arrays[f"s{k}"]).cast("B")) is None:
                     return last, {}, {}
                 lid, _, fld = s.name.rpartition(".")
-                snaps.setdefault(lid, {})[fld] = host_bits(arrays[f"s{k}"], s.dtype) if reading_to_host() else arrays[f"s{k}"]
+                snaps.setdefault(lid, {})[fld] = target.wrap(arrays[f"s{k}"], s.dtype)
         _copy_cached(nodes, cached, origins, runs)
-        if not reading_to_host():
+        if not target.host:
             # Verified, then moved to a CUDA GPU in bulk, inside the timed restore (the
             # first forward would fault the pages over one by one, unseen by the costs).
             # (Buffers read in pieces or moved as read were waited for after the reads.)
@@ -307,7 +313,7 @@ def read_path(
         for r in runs:
             r.view = None  # release every view of the buffers before MLX owns them again
             lid, _, fld = r.name.rpartition(".")
-            array = host_bits(r.array, r.dtype) if reading_to_host() else r.array
+            array = target.wrap(r.array, r.dtype)
             by_leaf.setdefault(lid, {}).setdefault(fld, []).append((r.start, r.end, array))
         return len(nodes), by_leaf, snaps
     finally:
@@ -318,13 +324,13 @@ def read_path(
                 seg.close()
 
 
-def _intact_before(j, nodes, cached, files, lid_kind, position, expect, digests, origins, *, verify: bool = False) -> int:
+def _intact_before(j, nodes, cached, files, lid_kind, position, expect, digests, origins, target, *, verify: bool = False) -> int:
     """How many of the blocks before index `j` are intact (j itself is not, unless
     `verify`: then j is the whole path, which failed to read)."""
     if verify:
         j -= 1
     while j > 0:
-        intact = read_path(nodes[:j], cached[:j], files, lid_kind, nodes[j - 1].end, expect, digests, origins)[0]
+        intact = read_path(nodes[:j], cached[:j], files, lid_kind, nodes[j - 1].end, expect, digests, origins, target=target)[0]
         if intact == j:
             return j
         j = intact
@@ -412,7 +418,7 @@ def _run_of(runs: list[_Run], name: str, start: int, end: int) -> _Run | None:
     return None
 
 
-def _read_segments(nodes, where, runs) -> dict[bytes, dict[str, int]] | None:
+def _read_segments(nodes, where, runs, target: Target) -> dict[bytes, dict[str, int]] | None:
     """Read every (segment, field) the path needs into the runs, on the reader threads.
 
     Returns:
@@ -435,7 +441,7 @@ def _read_segments(nodes, where, runs) -> dict[bytes, dict[str, int]] | None:
             if r is None:
                 return None
             jobs.append([seg, f, first, hi, r, (start - r.start) * f.row_bytes, whole, False])
-    if cuda_pages.moves() and not reading_to_host():
+    if target.device and cuda_pages.moves():
         # A buffer one job fills whole is verified by its field digest as it is read: it
         # can go to the GPU as it is read (`cuda_pages.Stager`: pinned pieces, the copy
         # engine), or move once read while the other jobs read (H200, 1 GiB: 105 ms
@@ -448,7 +454,7 @@ def _read_segments(nodes, where, runs) -> dict[bytes, dict[str, int]] | None:
             for job in jobs:
                 if job[7]:
                     job[4].moving = cuda_pages.prefetch([job[4].view])
-    done = _map(lambda job: _read_job(*job), jobs)
+    done = _map(lambda job: _read_job(*job), jobs, target)
     if not all(ok for ok, _ in done):
         return None
     digests: dict[bytes, dict[str, int]] = {}
@@ -482,7 +488,7 @@ def _read_whole(where, field_digests: dict[bytes, dict[str, int]], digests: dict
     return verified
 
 
-def _first_bad(nodes, where, runs, verified: set[int]) -> int | None:
+def _first_bad(nodes, where, runs, verified: set[int], target: Target) -> int | None:
     """Index of the first block read from disk whose checksum does not hold (blocks in
     `verified` are known to be intact)."""
     todo = [k for k, at in enumerate(where) if at is not None and k not in verified]
@@ -502,7 +508,7 @@ def _first_bad(nodes, where, runs, verified: set[int]) -> int | None:
 
         return seg.block_digest(i, piece) == node.checksum
 
-    ok = _map(check, todo)
+    ok = _map(check, todo, target)
     for k, good in zip(todo, ok):
         if not good:
             return k
