@@ -42,7 +42,8 @@ START_TIMEOUT = 120
 REQUEST_TIMEOUT = 300
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that was free a moment ago (the OS picked it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -63,9 +64,20 @@ def _prompt(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-class _Server:
+class Server:
+    """A server subprocess on a free port of 127.0.0.1, up once ``/health`` answers.
+
+    Args:
+        cmd: The command, without ``--host``/``--port`` (added here).
+        log_path: Where its stdout and stderr go.
+
+    Raises:
+        RuntimeError: If it exits or is not up within ``START_TIMEOUT`` seconds
+            (it is stopped then).
+    """
+
     def __init__(self, cmd: list[str], log_path: Path):
-        self.port = _free_port()
+        self.port = free_port()
         self._log = open(log_path, "w")
         env = {k: v for k, v in os.environ.items() if k != "PPC_STORE"}
         cmd = [*cmd, "--host", "127.0.0.1", "--port", str(self.port)]
@@ -74,6 +86,7 @@ class _Server:
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self.stop()  # closes the log
                 raise RuntimeError(f"server exited {self.proc.returncode}: {log_path.read_text()[-2000:]}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
@@ -84,6 +97,7 @@ class _Server:
         raise RuntimeError(f"server not up after {START_TIMEOUT} s")
 
     def complete(self, prompt: str) -> dict:
+        """``/v1/completions`` of `prompt`, one token, greedy: the reply's JSON."""
         body = {"prompt": prompt, "max_tokens": 1, "temperature": 0.0}
         request = urllib.request.Request(
             f"http://127.0.0.1:{self.port}/v1/completions",
@@ -94,6 +108,7 @@ class _Server:
             return json.loads(r.read())
 
     def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 60 s; closes the log."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -106,7 +121,7 @@ class _Server:
 
 def run_one(name: str, cmd: list[str], prompts: list[str], hot: str, log_path: Path) -> dict[str, Any]:
     """Phase 1 (distinct prompts) and phase 2 (hits of one prompt) against one server."""
-    server = _Server(cmd, log_path)
+    server = Server(cmd, log_path)
     try:
         third = max(1, len(prompts) // 3)
         row: dict[str, Any] = {"server": name, "prompt_tokens": 0, "cached_tokens_hits": []}

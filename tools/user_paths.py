@@ -1,0 +1,568 @@
+#!/usr/bin/env python3
+"""The paths users run, each against no cache in the same run (issue 28, item 6).
+
+Only what users call, as they call it: the public API with default options
+(`PersistentPrefixCache`, `prefill`, `fetch`, `store`), ``ppc`` as subprocesses and
+``ppc serve`` over HTTP. No private attribute, module setting or hand-set rate is
+touched, so the same tool measures any version of the library. Each row is a ratio
+against no cache measured in the same run (mlx-lm's own code: ``generate_step``'s
+prefill in 2048-token steps, ``mlx_lm generate``, ``mlx_lm server``, its
+``save_prompt_cache``, or the disk's limit):
+
+1. the README's library example (its ``<!-- runnable -->`` block, read from README.md
+   and run unchanged in a fresh process, first on an empty store, then again) ÷ the same
+   load + prefill with plain mlx-lm, process wall time;
+2. ``prefill(model, tokens, store)`` on an empty store ÷ mlx-lm's prefill, per length;
+3. ``prefill()`` after a restart (a new process): its 1st, 2nd, 3rd call ÷ a cold
+   mlx-lm prefill timed in that process before the store is opened (and ÷ one right
+   after the open);
+4. a chat growing over 8 turns, ``prefill()`` after each, restored after a restart:
+   the restore ÷ the same KV stored by one ``store()``, ÷ recomputing it, and the
+   restore speed of the prompt stored one ``store()`` per block ÷ stored at once;
+5. ``ppc serve`` restarted: a prompt seen before the restart ÷ a never-seen one, and a
+   never-seen prompt ÷ the same on ``mlx_lm server`` (``tools/user_paths_cli.py``);
+6. ``ppc generate`` ÷ ``mlx_lm generate``, cold store and warm store;
+7. ``ppc precompute`` tokens/s ÷ the disk's limit and ÷ prefill + ``save_prompt_cache``.
+
+Modes: the default runs a small llama (``tiny_model.write_tiny_model``, hidden size
+256, 2 layers) on MLX's default device in a few minutes on a 2-core VM; ``--smoke`` is
+a tiny run for CI; ``--gpu`` runs an 8B-shaped llama in bf16 built in-process
+(``tools/gpu_bench.py``'s ``SHAPE_8B``) for rows 2-4 and a 3B-shaped model folder for
+the others. Every timed figure is the median of ``--repeat`` runs after a warm-up, the
+compared operations interleaved; each ratio is the median of per-round ratios.
+
+    python tools/user_paths.py                 # the small model (CPU: ~5-8 minutes)
+    python tools/user_paths.py --smoke --json  # what CI runs
+    python tools/user_paths.py --gpu --rows 2,3 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import mlx.core as mx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+try:
+    import persistent_prefix_cache  # noqa: F401
+except ImportError:  # run from a checkout without installing the package
+    sys.path.insert(0, str(ROOT))
+from persistent_prefix_cache import PersistentPrefixCache, prefill  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# The small model: a llama the 2-core VM prefills 2k tokens of in ~3 s (4 KiB of KV a token).
+SMALL_SHAPE = dict(family="llama", hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=4, vocab_size=512)
+# The serve rows' model on a GPU (/work/shared/gpu/README.md): a 3B-shaped llama folder.
+SHAPE_3B = dict(family="llama", hidden_size=3072, num_layers=28, num_heads=24, num_kv_heads=8,
+                intermediate_size=8192, dtype="bfloat16")  # fmt: skip
+ROW_NAMES = {
+    1: "README library example",
+    2: "prefill() on an empty store",
+    3: "prefill() after a restart",
+    4: "a chat of 8 turns, restored after a restart",
+    5: "ppc serve restarted",
+    6: "ppc generate",
+    7: "ppc precompute",
+}
+
+
+@dataclass
+class Plan:
+    """The sizes of one mode (tokens are prompt lengths)."""
+
+    prefill_tokens: list[int]  # rows 2 and 3
+    chat_turns: int
+    chat_user: int  # tokens a turn's user text adds
+    chat_answer: int  # and its answer
+    chat_rounds: int  # fresh handles per store in each restarted process
+    serve_tokens: list[int]
+    generate_tokens: int
+    generate_max_tokens: int
+    precompute_prompts: int
+    precompute_tokens: int
+    repeat: int
+    warmup: int
+
+
+PLANS = {
+    "cpu": Plan([256, 1024, 2048], 8, 160, 96, 3, [512, 2048], 1024, 8, 4, 1024, repeat=3, warmup=1),
+    "smoke": Plan([128], 3, 48, 32, 1, [128], 128, 2, 2, 128, repeat=1, warmup=0),
+    "gpu": Plan([256, 512, 1024, 4096, 16384], 8, 384, 128, 3, [2048, 8192], 4096, 8, 8, 4096, repeat=2, warmup=1),
+}
+
+
+# -- measuring ------------------------------------------------------------------------------
+
+
+def clock(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """Seconds `fn` takes (the device synchronized on both sides), and what it returned."""
+    mx.synchronize()
+    started = time.perf_counter()
+    out = fn()
+    mx.synchronize()
+    return time.perf_counter() - started, out
+
+
+def interleave(ops: dict[str, Callable[[], dict[str, float]]], repeat: int, warmup: int) -> dict[str, list[float]]:
+    """Run `ops` round after round, each round in another order (rotated); seconds by name.
+
+    Each op times itself (its setup is not timed) and returns ``{figure: seconds}``: one
+    op may time several figures that must run in sequence (a cold run, then a warm one).
+    The first `warmup` rounds are dropped.
+    """
+    names = list(ops)
+    out: dict[str, list[float]] = {}
+    for round_ in range(warmup + repeat):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            figures = ops[name]()
+            if round_ >= warmup:
+                for key, seconds in figures.items():
+                    out.setdefault(key, []).append(seconds)
+    return out
+
+
+def per_round(num: list[float], den: list[float]) -> float:
+    """Median over rounds of num / den within a round."""
+    return statistics.median(a / b for a, b in zip(num, den))
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def prompt_ids(vocab: int, n: int, seed: int) -> list[int]:
+    """`n` token ids drawn at random (seeded): a prompt no other seed shares a block with."""
+    return np.random.default_rng(seed).integers(0, vocab, size=n).tolist()
+
+
+def mlx_prefill(model: Any, ids: list[int]) -> list:
+    """No cache: mlx-lm's own prefill (``generate_step``, 2048-token steps, as ``mlx_lm
+    generate`` runs it) up to the first token's logits; returns the cache it filled."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    for _ in generate_step(mx.array(ids), model, max_tokens=0, prompt_cache=cache):
+        pass  # max_tokens=0: the prompt and its first token are evaluated, nothing yielded
+    return cache
+
+
+def kv_bytes(cache: list) -> int:
+    """Bytes of KV a llama's cache holds for its tokens (its buffers may be longer)."""
+    return sum(c.keys[..., : c.offset, :].nbytes + c.values[..., : c.offset, :].nbytes for c in cache)
+
+
+# -- the model a row runs --------------------------------------------------------------------
+
+
+def load_library_model(spec: dict) -> tuple[Any, dict]:
+    """The model of rows 2-4 and the options a user passes with it (`model_path` for a folder).
+
+    Args:
+        spec: ``{"folder": path}`` (loaded with ``mlx_lm.load``) or ``{"shape": "SHAPE_8B"}``
+            (``tools/gpu_bench.py``: random weights, seeded, so every process builds the same).
+    """
+    if "folder" in spec:
+        from mlx_lm import load
+
+        model, _ = load(spec["folder"])
+        return model, {"model_path": spec["folder"]}
+    import gpu_bench
+
+    return gpu_bench.build(getattr(gpu_bench, spec["shape"])), {}
+
+
+class Bench:
+    """One run: its mode and plan, scratch folders, models, and the rows measured."""
+
+    def __init__(self, args: argparse.Namespace, work: Path):
+        self.args = args
+        self.mode = "gpu" if args.gpu else "smoke" if args.smoke else "cpu"
+        self.small = bool(args.small)  # --gpu's paths with small shapes and sizes (to check them on a CPU)
+        plan = PLANS["smoke" if self.small else self.mode]
+        if args.tokens:
+            plan = replace(plan, prefill_tokens=[int(t) for t in args.tokens.split(",")])
+        if args.repeat:
+            plan = replace(plan, repeat=args.repeat)
+        self.plan = plan
+        self.work = work
+        self.rows: list[dict] = []
+        self.notes: list[str] = []
+        self.extra: dict[str, Any] = {}
+        self._counter = 0
+        self._folder: Path | None = None
+        self._library: tuple[Any, dict, dict] | None = None
+        self.prefilled: dict[int, Path] = {}  # stores row 2 left, filled by prefill() (for row 3)
+
+    def scratch(self, name: str) -> Path:
+        self._counter += 1
+        return self.work / f"{name}-{self._counter}"
+
+    def log(self, text: str) -> None:
+        print(f"user_paths: {text}", file=sys.stderr, flush=True)
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+        self.log(text)
+
+    @property
+    def folder(self) -> Path:
+        """The model folder of the subprocess rows (1, 5-7); also rows 2-4's model off the GPU."""
+        if self._folder is None:
+            from persistent_prefix_cache.tiny_model import write_tiny_model
+
+            shape = SHAPE_3B if self.mode == "gpu" and not self.small else SMALL_SHAPE
+            self.log(f"writing a model folder {shape} ...")
+            self._folder = write_tiny_model(self.work / "model", seed=0, **shape)
+        return self._folder
+
+    def library(self) -> tuple[Any, dict, dict]:
+        """(model, open options, spec) of rows 2-4."""
+        if self._library is None:
+            if self.mode == "gpu":  # built in-process: no folder, so the default fingerprint (weights hashed)
+                spec = {"shape": "SMALL" if self.small else "SHAPE_8B"}
+            else:
+                spec = {"folder": str(self.folder)}
+            self.log(f"loading the library rows' model {spec} ...")
+            model, options = load_library_model(spec)
+            self._library = (model, options, spec)
+        return self._library
+
+    def add(self, row: int, what: str, figure: float, baseline: float, ratio: float, target: str, *,
+            unit: str = "s", baseline_is: str = "", **detail: Any) -> None:  # fmt: skip
+        """Record one row: ours (`figure`), no cache (`baseline`), their `ratio` (per round)."""
+        entry = {"row": row, "path": ROW_NAMES[row], "what": what, "figure": figure, "baseline": baseline,
+                 "ratio": ratio, "target": target, "unit": unit, "baseline_is": baseline_is, "detail": detail}  # fmt: skip
+        self.rows.append(entry)
+        self.log(f"row {row} {what}: {fmt_value(figure, unit)} vs {fmt_value(baseline, unit)}, ratio {ratio:.3f} ({target})")
+
+    def run_child(self, spec: dict, name: str) -> dict:
+        """Run this file's ``--child`` (a new process: a restart) on `spec`; its JSON."""
+        path = self.scratch(name).with_suffix(".json")
+        path.write_text(json.dumps(spec))
+        log = path.with_suffix(".log")
+        with open(log, "w") as err:
+            proc = subprocess.run([sys.executable, __file__, "--child", str(path)], stdout=subprocess.PIPE,
+                                  stderr=err, text=True, timeout=900)  # fmt: skip
+        if proc.returncode != 0:
+            raise RuntimeError(f"child {name} exited {proc.returncode}: {log.read_text()[-3000:]}")
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def fmt_value(value: float, unit: str) -> str:
+    if unit == "s":
+        return f"{value:.3f} s"
+    return f"{value:,.0f} {unit.replace('tokens', 'tok')}"
+
+
+# -- row 2: prefill() on an empty store ------------------------------------------------------
+
+
+def target_restart(n: int, call: str) -> str:
+    """Issue 28's targets for a restarted process (H200 lengths; never worse elsewhere)."""
+    if n >= 16384:
+        return "<= 0.3" if call == "1st" else "<= 0.1" if call == "3rd" else "<= 1.05"
+    if n >= 4096:
+        return "<= 0.5" if call == "1st" else "<= 0.15" if call == "3rd" else "<= 1.05"
+    return "<= 1.05"
+
+
+def row_prefill_empty(b: Bench) -> None:
+    model, options, _ = b.library()
+    vocab = model.args.vocab_size
+    for n in b.plan.prefill_tokens:
+        ids = prompt_ids(vocab, n, seed=n)
+        kept: list[Path] = []
+        closes: list[float] = []
+
+        def ours() -> dict[str, float]:
+            path = b.scratch(f"prefill-empty-{n}")
+            store = PersistentPrefixCache(path, model, **options)  # the README's open, defaults
+            try:
+                seconds, _ = clock(lambda: prefill(model, ids, store))
+            finally:
+                closes.append(clock(store.close)[0])  # its writes finish outside the timing
+            for old in kept:
+                shutil.rmtree(old, ignore_errors=True)
+            kept[:] = [path]
+            return {"ours": seconds}
+
+        def plain() -> dict[str, float]:
+            return {"plain": clock(lambda: mlx_prefill(model, ids))[0]}
+
+        # A whole warm-up round at the first length (kernels); later lengths warm the
+        # device's buffers with the cheap side only (prefill() can take 20 s at 16k).
+        warmup = b.plan.warmup
+        if n != b.plan.prefill_tokens[0] and warmup:
+            plain()
+            warmup = 0
+        times = interleave({"ours": ours, "plain": plain}, b.plan.repeat, warmup)
+        b.prefilled[n] = kept[0]
+        b.add(2, f"{n} tokens: prefill() ÷ mlx-lm prefill", median(times["ours"]), median(times["plain"]),
+              per_round(times["ours"], times["plain"]), "<= 1.05", baseline_is="mlx-lm generate_step prefill",
+              runs_s=times, close_after_s=closes)  # fmt: skip
+
+
+# -- rows 3 and 4: restarted processes -------------------------------------------------------
+
+
+def chat_tokens(vocab: int, plan: Plan) -> list[list[int]]:
+    """The conversation after each turn: user text and its answer appended (seeded)."""
+    conv: list[int] = []
+    out = []
+    for turn in range(plan.chat_turns):
+        conv = conv + prompt_ids(vocab, plan.chat_user, seed=1000 + turn) + prompt_ids(vocab, plan.chat_answer, seed=2000 + turn)
+        out.append(conv)
+    return out
+
+
+def build_chat_stores(b: Bench) -> dict:
+    """Three stores of one conversation: prefill() after each turn (as an app does), one
+    store() of the whole, and one store() per block (as prefill did up to ed6cf38)."""
+    model, options, _ = b.library()
+    from mlx_lm.models.cache import make_prompt_cache
+
+    turns = chat_tokens(model.args.vocab_size, b.plan)
+    conv = turns[-1]
+    paths = {name: b.scratch(f"chat-{name}") for name in ("turns", "once", "blocks")}
+    started = time.perf_counter()
+    with PersistentPrefixCache(paths["turns"], model, **options) as store:
+        for ids in turns:
+            cache, _ = prefill(model, ids, store)
+    per_turn_s = time.perf_counter() - started
+    with PersistentPrefixCache(paths["once"], model, **options) as store:
+        store.store(conv, cache)
+    with PersistentPrefixCache(paths["blocks"], model, **options) as store:
+        block, part = store.block_size, make_prompt_cache(model)
+        for at in range(0, len(conv), block):
+            end = min(at + block, len(conv))
+            model(mx.array(conv[at:end])[None], cache=part)
+            mx.eval([c.state for c in part])
+            store.store(conv[:end], part)
+    return {"paths": {k: str(v) for k, v in paths.items()}, "tokens": conv, "kv_bytes": kv_bytes(cache),
+            "build_turns_s": per_turn_s}  # fmt: skip
+
+
+def rows_restarted(b: Bench, rows: set[int]) -> None:
+    """Rows 3 and 4: `repeat` restarted processes (``--child``), each measuring both."""
+    model, options, spec = b.library()
+    vocab = model.args.vocab_size
+    job: dict[str, Any] = {"model": spec, "rounds": b.plan.chat_rounds}
+    if 3 in rows:
+        restart = []
+        for n in b.plan.prefill_tokens:
+            if n not in b.prefilled:  # row 2 did not run: fill a store the way it would have
+                path = b.scratch(f"prefill-empty-{n}")
+                with PersistentPrefixCache(path, model, **options) as store:
+                    prefill(model, prompt_ids(vocab, n, seed=n), store)
+                b.prefilled[n] = path
+            restart.append({"tokens": prompt_ids(vocab, n, seed=n), "store": str(b.prefilled[n])})
+        job["restart"] = restart
+        job["warmup"] = prompt_ids(vocab, max(b.plan.prefill_tokens), seed=7)
+    if 4 in rows:
+        chat = build_chat_stores(b)
+        job["chat"] = chat
+    results = [b.run_child(job, f"restarted-{r}") for r in range(b.plan.repeat)]
+    if 3 in rows:
+        for i, n in enumerate(b.plan.prefill_tokens):
+            runs = [r["restart"][i] for r in results]
+            cold = [r["cold_s"] for r in runs]
+            cold_after_open = [r["cold_after_open_s"] for r in runs]
+            for k, call in enumerate(("1st", "2nd", "3rd")):
+                t = [r["calls_s"][k] for r in runs]
+                b.add(3, f"{n} tokens: {call} prefill() in a new process ÷ cold prefill", median(t), median(cold),
+                      per_round(t, cold), target_restart(n, call), baseline_is="mlx-lm prefill in the same process",
+                      vs_cold_after_open=per_round(t, cold_after_open), cold_after_open_s=median(cold_after_open),
+                      restored_tokens=[r["restored"][k] for r in runs], open_s=[r["open_s"] for r in runs],
+                      decisions=[r["decisions"] for r in runs])  # fmt: skip
+                short = [x for x in (r["restored"][k] for r in runs) if x < n - 1]
+                if short:
+                    b.note(f"row 3, {n} tokens, {call} call: restored {short} of {n - 1} stored tokens in "
+                           f"{len(short)} of {len(runs)} processes (the rest computed)")  # fmt: skip
+    if 4 in rows:
+        chats = [r["chat"] for r in results]
+        restore = {k: [t for c in chats for t in c["restore_s"][k]] for k in ("turns", "once", "blocks")}
+        restored = {k: sorted({t for c in chats for t in c["restored"][k]}) for k in restore}
+        n = len(chat["tokens"])
+        detail = dict(tokens=n, kv_bytes=chat["kv_bytes"], restored_tokens=restored, build_turn_by_turn_s=chat["build_turns_s"])
+        # Restore speed: tokens restored per second (the same bytes a token, so bytes/s alike).
+        speed = {k: [max(restored[k]) / t for t in v] for k, v in restore.items()}
+        b.add(4, f"{n} tokens: restore, chat stored every turn ÷ stored at once", median(restore["turns"]),
+              median(restore["once"]), per_round(restore["turns"], restore["once"]), "<= 1.1",
+              baseline_is="the same KV stored by one store()", restore_options="cost_model=False", **detail)  # fmt: skip
+        recompute = [c["recompute_s"] for c in chats]
+        turns_first = [c["restore_s"]["turns"][0] for c in chats]
+        b.add(4, f"{n} tokens: restore, chat stored every turn ÷ recomputing it", median(turns_first),
+              median(recompute), per_round(turns_first, recompute), "<= 1.05",
+              baseline_is="mlx-lm prefill in the same process", restore_options="cost_model=False")  # fmt: skip
+        resume = [c["resume_s"] for c in chats]
+        b.add(4, f"{n} tokens: prefill() of the chat (default options) ÷ recomputing it", median(resume),
+              median(recompute), per_round(resume, recompute), "<= 1.05",
+              baseline_is="mlx-lm prefill in the same process", resumed_tokens=[c["resumed"] for c in chats])  # fmt: skip
+        b.add(4, f"{n} tokens: restore speed, stored block by block ÷ at once", median(speed["blocks"]),
+              median(speed["once"]), per_round(speed["blocks"], speed["once"]), ">= 0.9", unit="tokens/s",
+              baseline_is="the same KV stored by one store()", restore_options="cost_model=False")  # fmt: skip
+
+
+def child(spec_path: str) -> int:
+    """A restarted process: rows 3 and 4 measured on stores a previous process wrote."""
+    from mlx_lm.models.cache import make_prompt_cache  # noqa: F401  (imported before timing)
+
+    job = json.loads(Path(spec_path).read_text())
+    model, options = load_library_model(job["model"])
+    out: dict[str, Any] = {}
+    if "restart" in job:
+        mlx_prefill(model, job["warmup"])  # kernels and buffers, for both sides alike
+        out["restart"] = []
+        for case in job["restart"]:
+            ids = case["tokens"]
+            cold, _ = clock(lambda: mlx_prefill(model, ids))
+            opened, store = clock(lambda: PersistentPrefixCache(case["store"], model, **options))
+            cold_after_open, _ = clock(lambda: mlx_prefill(model, ids))
+            calls, restored = [], []
+            try:
+                for _ in range(3):
+                    before = store.stats()["tokens_saved"]
+                    calls.append(clock(lambda: prefill(model, ids, store))[0])
+                    restored.append(store.stats()["tokens_saved"] - before)
+                stats = store.stats()
+            finally:
+                store.close()
+            decisions = {k: stats[k] for k in ("restored_all", "restored_ram_only", "restored_shorter", "skipped_slower")}
+            out["restart"].append({"cold_s": cold, "cold_after_open_s": cold_after_open, "open_s": opened,
+                                   "calls_s": calls, "restored": restored, "decisions": decisions})  # fmt: skip
+    if "chat" in job:
+        chat = job["chat"]
+        conv, paths = chat["tokens"], chat["paths"]
+        # First what a user does after a restart: resume the conversation (default options).
+        with PersistentPrefixCache(paths["turns"], model, **options) as store:
+            resume, _ = clock(lambda: prefill(model, conv, store))
+            resumed = store.stats()["tokens_saved"]
+        recompute, _ = clock(lambda: mlx_prefill(model, conv))
+        restore: dict[str, list[float]] = {k: [] for k in paths}
+        restored: dict[str, list[int]] = {k: [] for k in paths}
+        names = list(paths)
+        for round_ in range(job["rounds"]):
+            for name in names[round_ % 3 :] + names[: round_ % 3]:
+                # A fresh handle (empty RAM tier) that restores whatever is stored.
+                with PersistentPrefixCache(paths[name], model, cost_model=False, **options) as store:
+
+                    def fetch() -> int:
+                        cache, rest = store.fetch(conv)
+                        if cache is not None:
+                            mx.eval([c.state for c in cache])
+                        return len(conv) - len(rest)
+
+                    seconds, n = clock(fetch)
+                restore[name].append(seconds)
+                restored[name].append(n)
+        out["chat"] = {"resume_s": resume, "resumed": resumed, "recompute_s": recompute,
+                       "restore_s": restore, "restored": restored}  # fmt: skip
+    print(json.dumps(out))
+    return 0
+
+
+# -- the report -------------------------------------------------------------------------------
+
+
+def table(result: dict) -> str:
+    lines = [
+        f"persistent_prefix_cache: the paths users run ({result['mode']}; mlx {result['mlx']} on {result['device']}, "
+        f"mlx-lm {result['mlx_lm']}; median of {result['plan']['repeat']} after {result['plan']['warmup']} warm-up)",
+        f"{'row':<3} {'path':<72} {'ours':>14} {'no cache':>14} {'ratio':>7}  target",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"{r['row']:<3} {r['what']:<72} {fmt_value(r['figure'], r['unit']):>14} "
+            f"{fmt_value(r['baseline'], r['unit']):>14} {r['ratio']:>7.3f}  {r['target']}"
+        )
+    lines += [f"note: {n}" for n in result["notes"]]
+    return "\n".join(lines)
+
+
+def parse_rows(text: str) -> set[int]:
+    rows: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        rows.update(range(int(lo), int(hi or lo) + 1))
+    if not rows <= set(ROW_NAMES):
+        raise SystemExit(f"error: --rows takes numbers 1-7, got {text!r}")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--gpu", action="store_true", help="an 8B-shaped model (rows 2-4) and a 3B folder (the others)")
+    p.add_argument("--smoke", action="store_true", help="a tiny run (CI)")
+    p.add_argument("--small", action="store_true", help="with --gpu: its paths with small shapes (to check them on a CPU)")
+    p.add_argument("--rows", default="1-7", help="which rows, e.g. 2,3 or 5-7 (default: all)")
+    p.add_argument("--repeat", type=int, default=0, help="timed rounds per figure (default: 3; 2 with --gpu; 1 with --smoke)")
+    p.add_argument("--tokens", default="", help="prompt lengths of rows 2 and 3, comma-separated")
+    p.add_argument("--json", action="store_true", help="JSON on stdout (the table goes to stderr)")
+    p.add_argument("--dir", default=None, help="scratch folder's parent (default: the system's temp folder)")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return child(args.child)
+    sys.modules.setdefault("user_paths", sys.modules[__name__])  # one copy of this module, run or imported
+    import user_paths_cli  # tools/user_paths_cli.py: rows 1, 5, 6, 7
+
+    rows = parse_rows(args.rows)
+    started = time.perf_counter()
+    work = Path(tempfile.mkdtemp(prefix="ppc-user-paths-", dir=args.dir))
+    try:
+        b = Bench(args, work)
+        steps: list[tuple[int, Callable[[], None]]] = [
+            (1, lambda: user_paths_cli.row_readme(b)),
+            (2, lambda: row_prefill_empty(b)),
+            (3, lambda: rows_restarted(b, rows & {3, 4})),
+            (5, lambda: user_paths_cli.row_serve(b)),
+            (6, lambda: user_paths_cli.row_generate(b)),
+            (7, lambda: user_paths_cli.row_precompute(b)),
+        ]
+        for row, step in steps:
+            if row in rows or (row == 3 and 4 in rows):
+                step()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    from importlib.metadata import version
+
+    result = {
+        "mode": b.mode + (" (small)" if b.small else ""),
+        "device": str(mx.default_device()),
+        "mlx": mx.__version__,
+        "mlx_lm": version("mlx-lm"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "plan": asdict(b.plan),
+        "rows": b.rows,
+        "notes": b.notes,
+        "wall_s": time.perf_counter() - started,
+        **b.extra,
+    }
+    report = table(result)
+    if args.json:
+        print(report, file=sys.stderr)
+        print(json.dumps(result, indent=1))
+    else:
+        print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
