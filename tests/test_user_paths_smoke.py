@@ -30,7 +30,7 @@ EXPECTED = [
     (3, "3rd prefill() in a new process"),
     (4, "stored every turn ÷ stored at once"),
     (4, "stored every turn ÷ recomputing it"),
-    (4, "prefill() of the chat, default options"),
+    (4, "prefill() of the chat (default options)"),
     (4, "stored block by block ÷ at once"),
     (5, "seen-before ÷ never-seen"),
     (5, "seen-before, asked again"),
