@@ -67,7 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # The small model: a llama the 2-core VM prefills 2k tokens of in ~3 s (4 KiB of KV a token).
 SMALL_SHAPE = dict(family="llama", hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=4, vocab_size=512)
-# The serve rows' model on a GPU (/work/shared/gpu/README.md): a 3B-shaped llama folder.
+# The serve rows' model on a GPU: a 3B-shaped llama folder (the lent H200's recipe uses this shape).
 SHAPE_3B = dict(family="llama", hidden_size=3072, num_layers=28, num_heads=24, num_kv_heads=8,
                 intermediate_size=8192, dtype="bfloat16")  # fmt: skip
 ROW_NAMES = {
