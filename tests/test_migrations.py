@@ -1,7 +1,8 @@
-"""Stores written before schema v4, migrated in place (migration 0004 for a v3 store;
-0003 then 0004 for v2, and 0002 before them for v1). The stores were written by the
-code of their own schema (see data/make_legacy_stores.py and data/make_v3_stores.py);
-every restore is compared bit for bit with a cold prefill.
+"""Stores written before schema v5, migrated in place (migration 0005 for a v4 store;
+0004 before it for v3, 0003 before them for v2, and 0002 before that for v1). The stores
+were written by the code of their own schema (see data/make_legacy_stores.py,
+data/make_v3_stores.py and data/make_v4_stores.py); every restore is compared bit for
+bit with a cold prefill.
 """
 
 from __future__ import annotations
@@ -61,13 +62,13 @@ def test_read_only_open_of_an_older_store_says_to_migrate_and_changes_nothing(le
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schema, pending", [("v1", [2, 3, 4]), ("v2", [3, 4])])
+@pytest.mark.parametrize("schema, pending", [("v1", [2, 3, 4, 5]), ("v2", [3, 4, 5])])
 def test_ppc_migrate_converts_an_older_store_in_place(legacy, schema, pending):
     path = legacy[schema]
     dry = json.loads(ppc("migrate", "--store", path, "--dry-run", "--json").stdout)
     assert [p["version"] for p in dry["pending"]] == pending
     done = json.loads(ppc("migrate", "--store", path, "--json").stdout)
-    assert done["applied"] == pending and done["to_version"] == SCHEMA_VERSION == 4
+    assert done["applied"] == pending and done["to_version"] == SCHEMA_VERSION == 5
     assert json.loads(ppc("migrate", "--store", path, "--json").stdout)["pending"] == []
     # Every block now lives in a segment; the v2 block files are gone.
     assert not (path / "blocks").exists() and any((path / "segments").iterdir())
@@ -75,7 +76,7 @@ def test_ppc_migrate_converts_an_older_store_in_place(legacy, schema, pending):
     nodes = assert_tree_consistent(path)
     assert len(nodes) == 8  # 2 + 1 + 1 + 4 blocks of the three prompts, shared one once
     stats = json.loads(ppc("stats", "--store", path, "--json").stdout)
-    assert stats["schema_version"] == 4
+    assert stats["schema_version"] == 5
     assert stats["hits"] == (1 if schema == "v2" else 0)  # v2's counters came along
     _assert_restores_exactly(path, legacy)
 
@@ -134,7 +135,7 @@ def test_kill9_during_the_migration_leaves_the_old_store(tmp_path, legacy):
     assert ppc_check(path)[1]["clean"]
 
 
-# -- schema v3 -> v4: segment files rewritten as self-describing safetensors files --
+# -- schema v3 -> v5: segment files rewritten as self-describing safetensors files --
 
 
 def _index_records(path) -> tuple[dict, dict, dict]:
@@ -159,26 +160,28 @@ def _v3_records(path) -> tuple[dict, dict, dict]:
 
 
 @pytest.mark.slow
-def test_ppc_migrate_rewrites_v3_segments_as_v4_and_restores_bitwise(legacy_v3):
+def test_ppc_migrate_rewrites_v3_segments_as_v5_and_restores_bitwise(legacy_v3):
     from persistent_prefix_cache.disk.manifest import read_manifest
 
     path = legacy_v3["v3"]
     before, models, hits = _v3_records(path)
     old_files = sorted(str(p) for p in path.glob("segments/*/*.seg"))
     dry = json.loads(ppc("migrate", "--store", path, "--dry-run", "--json").stdout)
-    assert [p["version"] for p in dry["pending"]] == [4]
+    assert [p["version"] for p in dry["pending"]] == [4, 5]
     done = json.loads(ppc("migrate", "--store", path, "--json").stdout)
-    assert done["applied"] == [4] and done["to_version"] == SCHEMA_VERSION
+    assert done["applied"] == [4, 5] and done["to_version"] == SCHEMA_VERSION
     assert ppc_check(path)[1]["clean"]
     after, models_after, hits_after = _index_records(path)
-    # Every record survives, only its segment changed; models and hit counts are kept.
+    # Every record survives, only its segment and checksum (v5: bound to the record)
+    # changed; models and hit counts are kept.
     assert set(after) == set(before) and models_after == models and hits_after == hits and sum(hits.values()) > 0
     for key, node in after.items():
         old = before[key]
-        assert node.segment != old.segment
-        old.segment = node.segment
+        assert node.segment != old.segment and node.checksum != old.checksum
+        old.segment, old.checksum = node.segment, node.checksum
         assert node == old
-    # The v3 files are gone; every file left is v4 and names its blocks and model.
+    # The v3 files are gone (and the v4 files 0004 wrote); every file left is v5 and
+    # names its blocks and model.
     new_files = sorted(str(p) for p in path.glob("segments/*/*.seg"))
     assert not set(old_files) & set(new_files) and not any((path / "tmp").iterdir())
     listed = {}
@@ -252,7 +255,7 @@ def test_kill9_during_the_v4_migration_leaves_the_v3_store(tmp_path, legacy_v3):
     assert _version(path) == SCHEMA_VERSION and ppc_check(path)[1]["clean"]
 
 
-def test_a_v3_export_imports_into_a_v4_store(tmp_path, legacy_v3):
+def test_a_v3_export_imports_into_a_v5_store(tmp_path, legacy_v3):
     from persistent_prefix_cache.disk.manifest import read_manifest
 
     target = tmp_path / "imported"
@@ -263,7 +266,7 @@ def test_a_v3_export_imports_into_a_v4_store(tmp_path, legacy_v3):
 
 
 def _downgrade_to_v3(path) -> None:
-    """Turn a v4 store into the v3 store the v3 code wrote: every segment rewritten by
+    """Turn a store into the v3 store the v3 code wrote: every segment rewritten by
     the frozen v3 writer (`migrations/formats/segment_v3.py`, the v3 code as it was), records moved,
     schema stamped 3 (the v3 test data holds no snapshots: this one does)."""
     from persistent_prefix_cache.migrations.formats import segment_v3
@@ -281,13 +284,13 @@ def _downgrade_to_v3(path) -> None:
             seg.close()
             copies = [(Node(**{k: getattr(n, k) for k in Node.__slots__}), t) for n, t in run]
             new, size, digest = segment_v3.write(str(path), copies)
-            moves.append((new, size, digest, [n for n, _ in run]))
+            moves.append((new, size, digest, [n for n, _ in run], [c.checksum for c, _ in copies]))
             old.add(segment)
 
         def commit(w):
-            for new, size, digest, moved in moves:
+            for new, size, digest, moved, checksums in moves:
                 w.add_segment(new, size, digest)
-                assert all(w.move(n, new) for n in moved)
+                assert all(w.move(n, new, checksum=c) for n, c in zip(moved, checksums))  # v3's rule
             w.put_meta(b"version", b"3")
             return w.freed
 
@@ -326,12 +329,12 @@ def test_a_v3_store_with_snapshots_migrates_exactly(tmp_path):
     assert _version(path) == SCHEMA_VERSION and ppc_check(path)[1]["clean"]
     manifests = [read_manifest(str(p)) for p in path.glob("segments/*/*.seg")]
     with safe_open(str(next(path.glob("segments/*/*.seg"))), "numpy") as f:
-        assert f.metadata()["format"] == "ppc-segment/4"
+        assert f.metadata()["format"] == "ppc-segment/5"
     assert any(json.loads(safe_open(str(p), "numpy").metadata()["snaps"]) for p in path.glob("segments/*/*.seg"))
     assert sum(len(m.nodes) for m in manifests) == 4
 
 
-def test_a_v2_export_imports_into_a_v4_store(tmp_path, legacy):
+def test_a_v2_export_imports_into_a_v5_store(tmp_path, legacy):
     # A ppc-export/1 pack (one file per block) written by the v2 code from the v2 store.
     from pathlib import Path
 
