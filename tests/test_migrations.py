@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from helpers import assert_same_logits, assert_tree_consistent, cold_logits, ppc_check, warm_logits
 from store_worker import Worker, wait_for_pause
@@ -149,7 +150,8 @@ def _index_records(path) -> tuple[dict, dict, dict]:
         index.close()
 
 
-def _v3_records(path) -> tuple[dict, dict, dict]:
+def _old_records(path) -> tuple[dict, dict, dict]:
+    """As `_index_records`, for a store not yet migrated (left as it is)."""
     index = Index(os.path.join(path, "index"), readonly=True, migrate=False)
     try:
         with index.reader() as r:
@@ -164,7 +166,7 @@ def test_ppc_migrate_rewrites_v3_segments_as_v5_and_restores_bitwise(legacy_v3):
     from persistent_prefix_cache.disk.manifest import read_manifest
 
     path = legacy_v3["v3"]
-    before, models, hits = _v3_records(path)
+    before, models, hits = _old_records(path)
     old_files = sorted(str(p) for p in path.glob("segments/*/*.seg"))
     dry = json.loads(ppc("migrate", "--store", path, "--dry-run", "--json").stdout)
     assert [p["version"] for p in dry["pending"]] == [4, 5]
@@ -203,7 +205,7 @@ def test_a_writable_open_migrates_a_v3_store(legacy_v3):
 
 def test_a_damaged_v3_segment_drops_its_blocks_and_what_follows(legacy_v3):
     path = legacy_v3["v3"]
-    before, _, _ = _v3_records(path)
+    before, _, _ = _old_records(path)
     # The long prompt was stored in two steps: damage the last byte of the segment of
     # its first two blocks (the second block's); the later segment's blocks hang below
     # it and go too.
@@ -347,3 +349,227 @@ def test_a_v2_export_imports_into_a_v5_store(tmp_path, legacy):
     manifests = [read_manifest(str(p)) for p in target.glob("segments/*/*.seg")]
     assert sum(len(m.nodes) for m in manifests) == 8 and len({m.root for m in manifests}) == 1
     _assert_restores_exactly(target, legacy)
+
+
+# -- schema v4 -> v5: checksums bound to the field, layer, block and segment of their bytes --
+
+
+def _v4_tensors(path) -> dict:
+    """Every block's tensors as the v4 store holds them, read and verified by the frozen
+    v4 reader (`migrations/formats/segment_v4.py`), by key."""
+    from persistent_prefix_cache.migrations.formats import segment_v4
+
+    nodes, _, _ = _old_records(path)
+    out = {}
+    for key, node in nodes.items():
+        seg = segment_v4.open_segment(str(path), node.segment)
+        out[key] = seg.block_tensors(node)
+        seg.close()
+    assert all(t is not None for t in out.values())
+    return out
+
+
+def _assert_same_tensors(path, expected: dict) -> None:
+    """Every block of the store holds `expected`'s tensors, bit for bit, verified by the
+    live reader (v5 checksums)."""
+    from persistent_prefix_cache.disk.segment import SegmentFiles
+
+    files = SegmentFiles(str(path), readonly=True)
+    nodes, _, _ = _index_records(path)
+    assert set(nodes) == set(expected)
+    for key, node in nodes.items():
+        seg = files.open(node.segment)
+        got = seg.block_tensors(node)
+        seg.close()
+        assert got is not None and got.keys() == expected[key].keys()
+        for lid, part in got.items():
+            assert part.keys() == expected[key][lid].keys()
+            for fld, (bits, dtype) in part.items():
+                want, want_dtype = expected[key][lid][fld]
+                assert dtype == want_dtype and bits.shape == want.shape and (bits == want).all()
+
+
+def _v5_files(path) -> list[str]:
+    from persistent_prefix_cache.disk.manifest import read_manifest
+
+    files = sorted(str(p) for p in path.glob("segments/*/*.seg"))
+    assert all(read_manifest(f).nodes for f in files)  # every one parses as v5
+    return files
+
+
+@pytest.mark.slow
+def test_ppc_migrate_rewrites_v4_segments_as_v5_and_every_block_restores_bitwise(legacy_v4):
+    path = legacy_v4["v4"]
+    before, models, hits = _old_records(path)
+    tensors = _v4_tensors(path)
+    old_files = sorted(str(p) for p in path.glob("segments/*/*.seg"))
+    dry = json.loads(ppc("migrate", "--store", path, "--dry-run", "--json").stdout)
+    assert [p["version"] for p in dry["pending"]] == [5]
+    done = json.loads(ppc("migrate", "--store", path, "--json").stdout)
+    assert done["applied"] == [5] and done["to_version"] == SCHEMA_VERSION == 5
+    assert ppc_check(path)[1]["clean"]
+    after, models_after, hits_after = _index_records(path)
+    # Every record survives with a new segment and its v5 checksum; models and hits kept.
+    assert set(after) == set(before) and models_after == models and hits_after == hits and sum(hits.values()) > 0
+    for key, node in after.items():
+        old = before[key]
+        assert node.segment != old.segment and node.checksum != old.checksum
+        old.segment, old.checksum = node.segment, node.checksum
+        assert node == old
+    new_files = _v5_files(path)
+    assert not set(old_files) & set(new_files) and not any((path / "tmp").iterdir())
+    _assert_same_tensors(path, tensors)
+    _assert_restores_exactly(path, legacy_v4)
+
+
+def test_a_writable_open_migrates_a_v4_store(legacy_v4):
+    _assert_restores_exactly(legacy_v4["v4"], legacy_v4)
+    assert _version(legacy_v4["v4"]) == SCHEMA_VERSION
+    assert ppc_check(legacy_v4["v4"])[1]["clean"]
+    _v5_files(legacy_v4["v4"])
+
+
+def test_a_v4_export_imports_into_a_v5_store(tmp_path, legacy_v4):
+    target = tmp_path / "imported"
+    out = json.loads(ppc("import", legacy_v4["pack"], "--store", target, "--json").stdout)
+    assert out["added"] == 13 and ppc_check(target)[1]["clean"]
+    _v5_files(target)
+    _assert_restores_exactly(target, legacy_v4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["before_rename", "in_write_txn"])
+def test_kill9_during_the_v5_migration_leaves_the_v4_store(tmp_path, legacy_v4, point):
+    # Killed as it renames its first v5 segment, or with every one written and the
+    # index commit pending: the v4 store is as it was, and the next open migrates it.
+    path = legacy_v4["v4"]
+    tensors = _v4_tensors(path)
+    before = _snapshot(path)
+    marker = tmp_path / "paused"
+    worker = Worker(
+        {"model": str(legacy_v4["model_dir"]), "store": str(path), "steps": []},
+        str(tmp_path),
+        env={"PPC_TEST_HOOKS": hooks_value(pause_at=point, pause_file=marker)},
+    )
+    try:
+        wait_for_pause(str(marker), worker, point)
+    finally:
+        worker.reap()
+    assert worker.proc.returncode == -signal.SIGKILL
+    assert _version(path) == 4
+    after = _snapshot(path)
+    assert {k: v for k, v in after.items() if k in before} == before
+    assert set(after) - set(before) and all(k.startswith(("segments", "tmp")) for k in set(after) - set(before))
+    _assert_restores_exactly(path, legacy_v4)  # the rerun finishes the migration
+    assert _version(path) == SCHEMA_VERSION and ppc_check(path)[1]["clean"]
+    _assert_same_tensors(path, tensors)
+
+
+def test_a_v4_segment_whose_header_moved_tensors_is_dropped_not_rebound(legacy_v4):
+    # v4's checksums cannot see 0.k and 0.v swapped in a header (its digest recomputed);
+    # v4's writer never wrote them so, and the migration drops those blocks rather than
+    # binding the wrong labels into v5 checksums.
+    from test_digest_binding import Edit, swap_fields
+
+    path = legacy_v4["v4"]
+    before, _, _ = _old_records(path)
+    long = legacy_v4["prompts"][-1]
+    first = next(n for n in before.values() if n.position == 0 and n.tokens[:4] == long[0].to_bytes(4, "little"))
+    victim = path / "segments" / first.segment.hex()[:2] / f"{first.segment.hex()}.seg"
+    e = Edit.of(victim.read_bytes())
+    swap_fields(e, {})
+    from test_reliability import _join  # the v4 header digest made to fit (the same rule)
+
+    e.meta["blocks"] = json.dumps(e.records, separators=(",", ":"))
+    victim.write_bytes(_join(e.header, bytes(e.body)))
+    ppc("migrate", "--store", path)
+    assert ppc_check(path)[1]["clean"]
+    after = assert_tree_consistent(path)
+    assert len(after) == len(before) - 5  # the long prompt's 2 + 3 blocks
+    model = legacy_v4["model"]
+    with PersistentPrefixCache(path, model, memory_bytes=0) as store:
+        for tokens in legacy_v4["prompts"]:
+            cache, remaining = store.fetch(tokens)
+            assert_same_logits(warm_logits(model, cache, remaining), cold_logits(model, tokens))
+        assert store.stats()["corrupt"] == 0
+
+
+def test_a_v4_store_whose_index_is_lost_is_rebuilt_as_v5(legacy_v4):
+    path = legacy_v4["v4"]
+    tensors = _v4_tensors(path)
+    old_files = sorted(str(p) for p in path.glob("segments/*/*.seg"))
+    import shutil
+
+    shutil.rmtree(path / "index")
+    rc, report = ppc_check(path, "--fix")
+    assert rc == 0 and report["rebuild"]["converted"] == len(old_files) and report["rebuild"]["unusable"] == []
+    assert report["rebuild"]["blocks"] == 13
+    assert not set(old_files) & set(_v5_files(path))
+    assert ppc_check(path)[1]["clean"]
+    _assert_same_tensors(path, tensors)
+    _assert_restores_exactly(path, legacy_v4)
+
+
+def _downgrade_to_v4(path) -> None:
+    """Turn a store into the v4 store the v4 code wrote: every segment rewritten by the
+    frozen v4 writer, records moved with their v4 checksums, schema stamped 4."""
+    from persistent_prefix_cache.disk.segment import SegmentFiles
+    from persistent_prefix_cache.migrations.formats import segment_v4
+
+    files = SegmentFiles(str(path))
+    index = Index(os.path.join(path, "index"))
+    try:
+        with index.reader() as r:
+            nodes = sorted(r.iter_nodes(), key=lambda n: n.position)
+        moves = []
+        for segment in dict.fromkeys(n.segment for n in nodes):
+            seg = files.open(segment)
+            run = [(n, seg.block_tensors(n)) for n in nodes if n.segment == segment]
+            root, model, block_size = seg.root, seg.model, seg.block_size
+            seg.close()
+            copies = [(Node(**{k: getattr(n, k) for k in Node.__slots__}), t) for n, t in run]
+            new, size, digest = segment_v4.write(str(path), copies, root=root, model=model, block_size=block_size)
+            moves.append((new, size, digest, [n for n, _ in run], [c.checksum for c, _ in copies]))
+
+        def commit(w):
+            for new, size, digest, moved, checksums in moves:
+                w.add_segment(new, size, digest)
+                assert all(w.move(n, new, checksum=c) for n, c in zip(moved, checksums))
+            w.put_meta(b"version", b"4")
+            return w.freed
+
+        files.unlink(index.write(commit))
+    finally:
+        index.close()
+    assert _version(path) == 4
+
+
+def test_a_v4_store_with_snapshots_migrates_exactly(tmp_path):
+    from families import build
+    from helpers import prefill, random_tokens
+
+    model = build("mamba2")
+    tokens = [t % 256 for t in random_tokens(3 * 16 + 5, seed=78, first=1)]
+    path = tmp_path / "s"
+    with PersistentPrefixCache(path, model, block_size=16) as store:
+        store.store(tokens[:32], prefill(model, tokens[:32])[1])
+        store.store(tokens, prefill(model, tokens)[1])
+        store.flush()
+
+    def restored(query):
+        with PersistentPrefixCache(path, model, block_size=16, memory_bytes=0) as store:
+            cache, remaining = store.fetch(query)
+            assert cache is not None and store.stats()["corrupt"] == 0
+            return len(query) - len(remaining), [[np.array(x) for x in c.cache] for c in cache]
+
+    queries = [tokens + [9, 8], tokens[:32] + [7]]
+    want = [restored(q) for q in queries]
+    _downgrade_to_v4(path)
+    tensors = _v4_tensors(path)
+    for q, (matched, state) in zip(queries, want):  # a writable open migrates
+        got_matched, got = restored(q)
+        assert got_matched == matched > 0
+        assert all(np.array_equal(a, b) for x, y in zip(got, state) for a, b in zip(x, y))
+    assert _version(path) == SCHEMA_VERSION and ppc_check(path)[1]["clean"]
+    _v5_files(path)
+    _assert_same_tensors(path, tensors)
