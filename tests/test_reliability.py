@@ -150,7 +150,7 @@ def overlapping_offsets(data: bytes) -> bytes:
 
 def metadata_not_an_object(data: bytes) -> bytes:
     header, body = _split(data)
-    header["__metadata__"] = "ppc-segment/4"
+    header["__metadata__"] = "ppc-segment/5"
     return _join(header, body)
 
 
