@@ -437,6 +437,30 @@ def test_a_v4_export_imports_into_a_v5_store(tmp_path, legacy_v4):
     _assert_restores_exactly(target, legacy_v4)
 
 
+def test_a_v4_export_whose_header_moved_tensors_is_refused(tmp_path, legacy_v4):
+    # As for the migration: v4's checksums cannot see 0.k and 0.v swapped in a packed
+    # segment's header, v4's writer never wrote that order, and the import refuses it.
+    import tarfile
+
+    from test_digest_binding import Edit, swap_fields
+    from test_reliability import _join
+
+    work = tmp_path / "unpacked"
+    with tarfile.open(legacy_v4["pack"]) as tar:
+        tar.extractall(work, filter="data")
+    member = sorted((work / "segments").iterdir())[0]
+    e = Edit.of(member.read_bytes())
+    swap_fields(e, {})
+    member.write_bytes(_join(e.header, bytes(e.body)))
+    pack = tmp_path / "edited.ppcpack"
+    with tarfile.open(pack, "w") as tar:
+        for name in ("manifest.json", "nodes.bin", "segments"):
+            tar.add(work / name, arcname=name)
+    err = ppc("import", pack, "--store", tmp_path / "imported", expect=2).stderr
+    assert err.startswith("error: ") and "is damaged" in err and err.count("\n") == 1
+    assert not list((tmp_path / "imported" / "segments").glob("*/*.seg"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("point", ["before_rename", "in_write_txn"])
 def test_kill9_during_the_v5_migration_leaves_the_v4_store(tmp_path, legacy_v4, point):
