@@ -463,7 +463,7 @@ class OpenSegment:
                 lid, _, fld = f.name.rpartition(".")
                 bits = rows[f.name].view(np.dtype(f"<u{f.itemsize}")).reshape(f.batch, f.heads, n, f.width)
                 tensors.setdefault(lid, {})[fld] = (bits, f.dtype)
-            if self.block_digest(i, lambda f, r: memoryview(rows[f.name][r])) != node.checksum:
+            if self.block_digest(i, lambda f, r: memoryview(rows[f.name][r]), node) != node.checksum:
                 return None
             for s in self.snaps_of(i):
                 buf = np.empty(s.nbytes, dtype=np.uint8)
