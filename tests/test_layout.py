@@ -576,7 +576,7 @@ FROZEN = {
     "block_files_v2.py": "5561b8797e160bef",
     "dtypes.py": "fe6097e320b0c772",
     "segment_v3.py": "f0a7f3493bbb491e",
-    "segment_v4.py": "3f245f184e883eda",
+    "segment_v4.py": "7d009b3bf9d53e40",
 }
 
 

@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import xxhash
 
-from persistent_prefix_cache.disk.portable import IOV_MAX, durable_fsync, fsync_dir, preadv, pwritev
+from persistent_prefix_cache.disk.portable import durable_fsync, fsync_dir, preadv, pwritev
 
 from .dtypes import dtype_info
 
@@ -72,10 +72,6 @@ class SegmentField:
         self.width, self.first, self.at = width, first, at
         self.start, self.tokens = start, tokens
         self.row_bytes = width * itemsize
-
-    @property
-    def nbytes(self) -> int:
-        return self.rows * self.tokens * self.row_bytes
 
 
 class Snap:
@@ -422,17 +418,14 @@ def _rows(x: Any, rows: int) -> np.ndarray:
     return a.reshape(rows, a.shape[-2] * a.shape[-1]).view(np.uint8)
 
 
-def _pwritev_all(fd: int, chunks: list, offset: int) -> int:
-    views = [memoryview(c).cast("B") if not isinstance(c, memoryview) or c.format != "B" else c for c in chunks]
+def _pwrite_all(fd: int, data: Any, offset: int) -> int:
+    view = memoryview(data).cast("B")
     done = 0
-    for view in views:
-        at = 0
-        while at < view.nbytes:
-            n = pwritev(fd, [view[at:]], offset + done)
-            if n <= 0:
-                raise OSError("a write made no progress")
-            at += n
-            done += n
+    while done < view.nbytes:
+        n = pwritev(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise OSError("a write made no progress")
+        done += n
     return done
 
 
@@ -586,9 +579,9 @@ def write(
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         os.fchmod(fd, file_mode)
-        size = _pwritev_all(fd, [head], 0)
-        for j in range(0, len(chunks), IOV_MAX):
-            size += _pwritev_all(fd, chunks[j : j + IOV_MAX], size)
+        size = _pwrite_all(fd, head, 0)
+        for chunk in chunks:
+            size += _pwrite_all(fd, chunk, size)
         durable_fsync(fd)
     except BaseException:
         os.close(fd)
