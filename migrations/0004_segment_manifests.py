@@ -19,10 +19,9 @@ leaves the v3 store as it was (and unreferenced v4 files, swept later). The v3 f
 are unlinked only after the commit (`after_commit`; if the process dies first, they
 are unreferenced and swept later).
 
-This migration writes with the live segment writer (`SegmentFiles.write`, format v4),
-declared in `LIVE`: the change that next alters the segment format (or the records, or
-the tables) must first freeze the v4 writer into migrations/formats/ for it, as v3 was
-frozen for migration 0003; tests/test_layout.py fails until it does.
+It writes v4 with the frozen v4 writer (`migrations/formats/segment_v4.py`, the v4
+code as it was), so that it does what it did when v4 was current; migration 0005 then
+rewrites those segments as v5 in the same transaction.
 """
 
 import os
@@ -31,7 +30,7 @@ VERSION = 4
 DESCRIPTION = "segment format v4: safetensors files holding their own index records"
 
 # The live formats this migration reads and writes through, at the versions it was written for.
-LIVE = {"record": 2, "tables": 3, "segment": 4}
+LIVE = {"record": 2, "tables": 3}
 _FREED = "_0004_freed"  # params key: segments to unlink once the transaction committed
 
 
@@ -45,8 +44,8 @@ def upgrade(env, txn, params):
     """
     from persistent_prefix_cache.blocks import Node
     from persistent_prefix_cache.disk.index_tables import Writer
-    from persistent_prefix_cache.disk.segment import SegmentFiles
     from persistent_prefix_cache.migrations.formats import segment_v3  # frozen: v3 as it was written
+    from persistent_prefix_cache.migrations.formats import segment_v4  # frozen: v4 as this migration wrote it
 
     store = params["store"]
     w = Writer(txn)
@@ -54,7 +53,6 @@ def upgrade(env, txn, params):
     roots = _roots(nodes)
     old_segments = set(w.segments())
     block_size = int(w.meta(b"block_size") or b"64")  # stamped as ASCII digits since schema v1
-    files = SegmentFiles(store)
     by_segment = {}
     for n in nodes.values():
         by_segment.setdefault(n.segment, []).append(n)
@@ -83,7 +81,7 @@ def upgrade(env, txn, params):
         for run in filter(None, runs):
             root = roots[run[0][0].key]
             try:
-                new, size, digest = files.write(run, root=root, model=w.model(root) or b"{}", block_size=block_size)
+                new, size, digest = segment_v4.write(store, run, root=root, model=w.model(root) or b"{}", block_size=block_size)
             except ValueError:  # tensors that do not make a segment: damaged
                 doomed.extend(nodes[copy.key] for copy, _ in run)
                 continue

@@ -118,6 +118,30 @@ def legacy_v3(tmp_path, legacy):
     }
 
 
+@pytest.fixture
+def legacy_v4(tmp_path, legacy):
+    """A schema v4 store (segment format v4, checksums over bytes alone) and a
+    ``ppc-export/3`` pack of it, written by the v4 code (see data/make_v4_stores.py) with
+    the model of `legacy`: a dict with ``model``, ``model_dir``, ``v4`` (store path),
+    ``pack``, ``prompts`` and ``block_size``."""
+    import json
+    import tarfile
+    from pathlib import Path
+
+    root = tmp_path / "legacy_v4"
+    with tarfile.open(Path(__file__).parent / "data" / "v4_stores.tar.gz") as tar:
+        tar.extractall(root, filter="data")
+    spec = json.loads((root / "v4_prompts.json").read_text())
+    return {
+        "model": legacy["model"],
+        "model_dir": legacy["model_dir"],
+        "v4": root / "v4",
+        "pack": root / "v4.ppcpack",
+        "prompts": spec["prompts"],
+        "block_size": spec["block_size"],
+    }
+
+
 @pytest.fixture(scope="session", params=["redis", "valkey"])
 def redis_engine(request):
     """Each server engine the remote tests run against ("redis", "valkey"): skipped

@@ -316,6 +316,10 @@ def test_another_model_on_that_store_gets_the_lanes_value_and_nothing_of_theirs(
 
 def test_a_read_only_open_finds_the_older_value_and_writes_nothing(old):
     model = load_tiny_model(old["model"])
+    # The store was written at schema v4: migrated first (a read-only open refuses an
+    # older schema), which remembers no fingerprint.
+    Index(os.path.join(old["store"], "index")).close()
+    assert _remembered(old["store"]) == []
     with PersistentPrefixCache(old["store"], model, readonly=True) as s:
         assert s.fingerprint == old["spec"]["fingerprint"]
         _continues_like_cold(model, s, old["spec"]["prompts"][0])

@@ -540,9 +540,10 @@ def test_migrations_import_only_frozen_formats_or_live_ones_they_declare():
 
 
 def test_the_migrations_rule_finds_an_unfrozen_migration(tmp_path, monkeypatch):
-    # The rule as the next format change meets it: 0004 as shipped, once segments are v5.
+    # The rule as the next format change meets it: 0005 as shipped, once segments are v6
+    # (as 0004 met it when segments moved to v5, and froze segment_v4).
     later = {**_current_versions(), "segment": _current_versions()["segment"] + 1}
-    shipped = MIGRATIONS / "0004_segment_manifests.py"
+    shipped = MIGRATIONS / "0005_bound_checksums.py"
     assert any("freeze the code" in f for f in _migration_findings([shipped], later))
     # A migration importing live code it does not declare, or code that is no format.
     monkeypatch.setattr(sys.modules[__name__], "MIGRATIONS", tmp_path)
@@ -575,6 +576,7 @@ FROZEN = {
     "block_files_v2.py": "5561b8797e160bef",
     "dtypes.py": "fe6097e320b0c772",
     "segment_v3.py": "f0a7f3493bbb491e",
+    "segment_v4.py": "7d009b3bf9d53e40",
 }
 
 

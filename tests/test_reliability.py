@@ -150,7 +150,7 @@ def overlapping_offsets(data: bytes) -> bytes:
 
 def metadata_not_an_object(data: bytes) -> bytes:
     header, body = _split(data)
-    header["__metadata__"] = "ppc-segment/4"
+    header["__metadata__"] = "ppc-segment/5"
     return _join(header, body)
 
 
@@ -228,7 +228,7 @@ def _damage(store_dir, node, damage, *, rewrite_record: bool) -> None:
         for f in seg.fields_of(i):
             assert seg.read_rows(f, i, i + 1, [memoryview(pieces[f.name])], [0], f.nbytes // f.rows)
         step = {name: len(b) // seg.fields[name].rows for name, b in pieces.items()}
-        node.checksum = seg.block_digest(i, lambda f, r: memoryview(pieces[f.name])[r * step[f.name] : (r + 1) * step[f.name]])
+        node.checksum = seg.block_digest(i, lambda f, r: memoryview(pieces[f.name])[r * step[f.name] : (r + 1) * step[f.name]], node)
         size_before, node.size = node.size, sum(len(b) for b in pieces.values())
     finally:
         seg.close()

@@ -1,4 +1,4 @@
-"""Segment format v4: every segment is a safetensors file the ecosystem opens, and it
+"""Segment format v5: every segment is a safetensors file the ecosystem opens, and it
 describes itself well enough to rebuild the index (`read_manifest`); a damaged header
 is a counted miss, never an exception and never wrong KV.
 
@@ -77,7 +77,7 @@ def _check_opens_everywhere(path) -> int:
             loaded = mx.load(seg_path, format="safetensors")
             with safe_open(seg_path, "numpy") as f:
                 meta = f.metadata()
-                assert meta["format"] == "ppc-segment/4" and meta["segment"] == segment.hex()
+                assert meta["format"] == "ppc-segment/5" and meta["segment"] == segment.hex()
                 assert set(f.keys()) == set(loaded)
                 firsts, snaps = json.loads(meta["fields"]), json.loads(meta["snaps"])
                 for name in f.keys():

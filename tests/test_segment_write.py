@@ -1,6 +1,6 @@
 """The segment writer (`disk.segment_writer`): data first, hashed once as it goes,
 written in batches (from a second thread for large segments), the header last at offset
-0. Whatever the batching, threading or short writes, the file is the same v4 segment:
+0. Whatever the batching, threading or short writes, the file is the same v5 segment:
 safetensors opens it, every block checksum and the whole-segment digest verify, a fresh
 handle restores the exact KV. A write that fails in the second thread fails the store
 (counted), leaving no file behind. A synchronous store writes from the caller's cache

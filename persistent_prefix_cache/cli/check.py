@@ -28,6 +28,8 @@ def _render(r: dict) -> str:
             f"rebuilt the index from {b['segments']} segment file(s): {b['blocks']} block(s) of "
             f"{b['models']} model(s); recency and hit counts were reset"
         )
+        if b.get("converted"):
+            lines.append(f"rewrote {b['converted']} segment file(s) of format v4 as v5 (checksums bound to their blocks)")
         if b["dropped"]:
             lines.append(f"left out {b['dropped']} intact block(s) whose earlier blocks are missing")
         for u in b["unusable"]:

@@ -317,8 +317,12 @@ class Writer(Reader):
         self._put(node)
         self.txn.put(_lru_key(now, key), b"")
 
-    def move(self, node: Node, segment: bytes) -> bool:
+    def move(self, node: Node, segment: bytes, *, checksum: int | None = None) -> bool:
         """Point a stored node at a copy of its bytes in another (referenced) segment.
+
+        Args:
+            checksum: The copy's checksum where the new segment computes it by another
+                rule (a format migration); None: the same checksum.
 
         Returns:
             False (nothing changed) if the node is gone or no longer the one given.
@@ -328,6 +332,8 @@ class Writer(Reader):
             return False
         self._segment_add(current.segment, -1, -current.size)
         current.segment = segment
+        if checksum is not None:
+            current.checksum = checksum
         self._put(current)
         self._segment_add(segment, 1, current.size)
         return True

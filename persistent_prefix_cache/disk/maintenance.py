@@ -17,7 +17,7 @@ from typing import Iterator
 from ..errors import InvalidArgumentError, StoreVersionError
 from ..keys import block_key
 from ..paths import expand_path
-from ..migrations.formats import block_files_v2, segment_v3
+from ..migrations.formats import block_files_v2, segment_v3, segment_v4
 from . import store_guard
 from .compaction import compact_sparse
 from .segment import SegmentFiles
@@ -28,7 +28,8 @@ from .pack_members import RECORD_HEAD, add_bytes, read_json, read_member, unpack
 from .portable import durable_fsync
 from .store_dir import check_location, check_readable, create_file, create_root, make_dirs, require_writable
 
-EXPORT_FORMAT = "ppc-export/3"  # segment files of format v4
+EXPORT_FORMAT = "ppc-export/4"  # segment files of format v5
+V4_EXPORT_FORMAT = "ppc-export/3"  # segment files of format v4 (rewritten on import)
 V3_EXPORT_FORMAT = "ppc-export/2"  # segment files of format v3 (rewritten on import)
 LEGACY_EXPORT_FORMAT = "ppc-export/1"  # schema v1-v2: one file per block
 WRITE_HINT = (
@@ -424,7 +425,7 @@ class StoreAdmin:
             raise InvalidArgumentError(f"{in_path} is not a ppc export: {exc}") from None
         with tar:
             manifest = read_json(tar, "manifest.json", in_path)
-            if manifest.get("format") not in (EXPORT_FORMAT, V3_EXPORT_FORMAT, LEGACY_EXPORT_FORMAT):
+            if manifest.get("format") not in (EXPORT_FORMAT, V4_EXPORT_FORMAT, V3_EXPORT_FORMAT, LEGACY_EXPORT_FORMAT):
                 raise InvalidArgumentError(f"{in_path}: unknown export format {manifest.get('format')!r}")
             if manifest["block_size"] != self.index.block_size:
                 raise InvalidArgumentError(
@@ -440,8 +441,9 @@ class StoreAdmin:
             try:
                 if manifest["format"] == LEGACY_EXPORT_FORMAT:
                     self._import_legacy(tar, in_path, todo, written, _models_of(self.index, nodes, manifest, in_path))
-                elif manifest["format"] == V3_EXPORT_FORMAT:
-                    self._import_v3(tar, in_path, todo, written, _models_of(self.index, nodes, manifest, in_path))
+                elif manifest["format"] in (V3_EXPORT_FORMAT, V4_EXPORT_FORMAT):
+                    older = segment_v3 if manifest["format"] == V3_EXPORT_FORMAT else segment_v4
+                    self._import_older(tar, in_path, todo, written, _models_of(self.index, nodes, manifest, in_path), older)
                 else:
                     self._import_segments(tar, in_path, todo, known, written)
             except BaseException:
@@ -496,13 +498,13 @@ class StoreAdmin:
                 tensors = block_files_v2.decode_block(data, n)
             except ValueError:
                 raise InvalidArgumentError(f"{in_path}: block {n.key.hex()} is damaged") from None
-            # v1-v2 checksums were over whole files: the segment's are new.
-            seg, size, digest = self._rewrite([(n, tensors)], models, in_path, same_checksums=False)
+            seg, size, digest = self._rewrite([(n, tensors)], models, in_path)
             written[seg] = (size, digest)
 
-    def _import_v3(self, tar, in_path: str, todo: list[Node], written: dict, models: dict) -> None:
-        # An export of segment format v3: each segment read (frozen v3 reader) and its
-        # blocks rewritten as v4, run by run of one chain.
+    def _import_older(self, tar, in_path: str, todo: list[Node], written: dict, models: dict, older) -> None:
+        # An export of segment format v3 or v4: each segment read (the frozen reader
+        # `older`, whose rule verifies each block) and its blocks rewritten, run by run
+        # of one chain.
         for old in dict.fromkeys(n.segment for n in todo):
             data = read_member(tar, f"segments/{old.hex()}.seg", in_path)
             tmp = os.path.join(self.files.tmp, f"{old.hex()}.{os.getpid()}.0.tmp")
@@ -511,7 +513,7 @@ class StoreAdmin:
             fd = os.open(tmp, os.O_RDONLY)
             try:
                 try:
-                    seg = segment_v3.OpenSegment(fd, old)
+                    seg = older.OpenSegment(fd, old)
                 except ValueError:
                     raise InvalidArgumentError(f"{in_path}: segment {old.hex()} is damaged") from None
                 runs: list[list] = []
@@ -526,21 +528,16 @@ class StoreAdmin:
                 os.close(fd)
                 os.unlink(tmp)
             for run in runs:
-                seg_id, size, digest = self._rewrite(run, models, in_path, same_checksums=True)
+                seg_id, size, digest = self._rewrite(run, models, in_path)
                 written[seg_id] = (size, digest)
 
-    def _rewrite(self, run: list, models: dict, in_path: str, *, same_checksums: bool) -> tuple[bytes, int, int]:
-        # Blocks of an older format into a new segment; from v3 the checksums come out
-        # the same (they are over the same bytes), or the pack is damaged.
-        checksums = [n.checksum for n, _ in run]
+    def _rewrite(self, run: list, models: dict, in_path: str) -> tuple[bytes, int, int]:
+        # Blocks of an older format into a new segment, once their own format's rule has
+        # verified them: the checksums are new (v5 binds them to the records).
         try:
-            out = self.files.write(run, **models[run[0][0].key], block_size=self.index.block_size)
+            return self.files.write(run, **models[run[0][0].key], block_size=self.index.block_size)
         except ValueError as exc:
             raise InvalidArgumentError(f"{in_path}: damaged blocks: {exc}") from None
-        if same_checksums and checksums != [n.checksum for n, _ in run]:
-            self.files.unlink([out[0]])
-            raise InvalidArgumentError(f"{in_path}: blocks do not match their records' checksums")
-        return out
 
 
 def _models_of(index: Index, nodes: list[Node], manifest: dict, path: str) -> dict[bytes, dict]:

@@ -506,7 +506,7 @@ def _first_bad(nodes, where, runs, verified: set[int], target: Target) -> int | 
             at = row * r.row_stride + (node.position - r.start) * f.row_bytes
             return r.view[at : at + n]
 
-        return seg.block_digest(i, piece) == node.checksum
+        return seg.block_digest(i, piece, node) == node.checksum
 
     ok = _map(check, todo, target)
     for k, good in zip(todo, ok):

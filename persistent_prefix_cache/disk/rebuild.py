@@ -1,9 +1,11 @@
 """Rebuild a store's index from its segment files (``ppc check --fix`` on a damaged index).
 
-The segments are the truth and the index is a cache of them: every v4 segment names
+The segments are the truth and the index is a cache of them: every segment names
 its model (root key and record) and holds its blocks' complete index records (see
 `manifest`). `rebuild_index` reads every segment (`read_manifest`, the whole-segment
-digest and every block's checksum verified), keeps each block whose parent chain is
+digest and every block's checksum verified; a segment of format v4, whose checksums
+were bound to nothing, is verified by the v4 rule and rewritten as v5 first, the v4
+file unlinked once the new index is in), keeps each block whose parent chain is
 complete back to its model's root, and writes a fresh index beside the damaged one,
 then swaps it in. Only bookkeeping is lost: recency (a block's last access becomes its
 segment file's modification time, so eviction still goes oldest first), hit counts,
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 
 from ..errors import ReadOnlyStoreError
 from ..keys import block_key
+from ..migrations.formats import segment_v4
 from . import store_guard
 from .faults import pause_point
 from .index import Index
@@ -46,7 +49,8 @@ class RebuildReport:
 
     Attributes:
         segments: Segment files found.
-        unusable: Segment files set aside (``(file, why)``: damaged, or not format v4).
+        unusable: Segment files set aside (``(file, why)``: damaged, or of format v3).
+        converted: Intact segment files of format v4 rewritten as v5.
         blocks: Blocks in the new index.
         dropped: Intact blocks left out because a block before them is missing.
         models: Models in the new index.
@@ -57,6 +61,7 @@ class RebuildReport:
 
     segments: int = 0
     unusable: list[tuple[str, str]] = field(default_factory=list)
+    converted: int = 0
     blocks: int = 0
     dropped: int = 0
     models: int = 0
@@ -69,6 +74,7 @@ class RebuildReport:
         return {
             "segments": self.segments,
             "unusable": [{"file": f, "why": w} for f, w in self.unusable],
+            "converted": self.converted,
             "blocks": self.blocks,
             "dropped": self.dropped,
             "models": self.models,
@@ -101,6 +107,30 @@ def _read_intact(files: SegmentFiles, path: str) -> tuple[Manifest | None, str]:
         if problem is not None:
             return None, f"block {node.key.hex()}: {problem}"
     return m, ""
+
+
+def _convert_v4(files: SegmentFiles, path: str) -> Manifest | None:
+    """A segment file of format v4, every block verified by the v4 rule (its bytes
+    alone), rewritten as one v5 segment: the new segment's manifest; None if the file
+    is not an intact v4 segment."""
+    seg = segment_v4.open_path(path)
+    if seg is None:
+        return None
+    try:
+        nodes = [Node(**kw) for kw in segment_v4.records_of(seg)]
+        blocks = [(node, seg.block_tensors(node)) for node in nodes]
+        root, model, block_size = seg.root, seg.model, seg.block_size
+    except ValueError:
+        return None
+    finally:
+        seg.close()
+    if any(tensors is None for _, tensors in blocks):
+        return None
+    try:
+        new, _, _ = files.write(blocks, root=root, model=model, block_size=block_size)
+    except ValueError:
+        return None
+    return read_manifest(files.path_of(new))
 
 
 def _chained(manifests: list[tuple[Manifest, int]]) -> tuple[dict[bytes, Node], int]:
@@ -193,10 +223,14 @@ def rebuild_index(store: str, *, block_size: int | None = None) -> RebuildReport
             return report
         shutil.rmtree(building, ignore_errors=True)
         files = SegmentFiles(store)
-        manifests, unusable = [], []
+        manifests, unusable, converted = [], [], []
         for path in _segment_paths(store):
             report.segments += 1
             m, why = _read_intact(files, path)
+            if m is None and why.startswith("header:"):
+                m = _convert_v4(files, path)
+                if m is not None:
+                    converted.append(path)
             if m is None:
                 unusable.append(path)
                 report.unusable.append((os.path.relpath(path, store), why))
@@ -240,4 +274,10 @@ def rebuild_index(store: str, *, block_size: int | None = None) -> RebuildReport
         fsync_dir(store)
         shutil.rmtree(building, ignore_errors=True)
         report.aside = _finish_swap(store, stamp) or (aside if unusable else None)
+        for path in converted:  # their blocks live in the v5 copies the new index names
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        report.converted = len(converted)
     return report

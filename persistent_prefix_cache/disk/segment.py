@@ -1,4 +1,4 @@
-"""Segment files (format v4): the one owner of the bytes of stored blocks.
+"""Segment files (format v5): the one owner of the bytes of stored blocks.
 
 One segment holds the new blocks of one `store()` (consecutive blocks of one prompt,
 so of one model), laid out so that a run of blocks reads in few, large I/Os straight
@@ -21,15 +21,19 @@ segment self-describing, so the index can be rebuilt from the segments alone:
   extra]`` (keys hex, checksum 16 hex digits): the index record less its bookkeeping;
   ``tokens``: every block's token ids, int32 LE, joined, base64;
 - ``fields``: JSON, each sliced field's first block; ``snaps``: JSON, each snapshot's
-  xxh3-64 digest; ``digest``: the whole-segment digest (xxh3-64 over each field's
-  xxh3-64, then the snapshots' digests), as the index keeps it;
+  digest; ``digest``: the whole-segment digest (over the blocks' checksums, each
+  field's digest, then the snapshots' digests), as the index keeps it;
 - ``header_digest``: xxh3-64 of the whole header with these 16 digits as zeros: a
   flipped byte anywhere in the header makes the segment fail to open (a miss).
 
 A block's checksum (kept in its index record and the header, verified on every read)
-is xxh3-64 over its piece of every sliced field (data order, row by row), then the
-digests of its snapshots: a damaged byte, a damaged header or a file of another block
-is a miss.
+is xxh3-64 over its record (key, parent, position, tokens, flags, extra), then per
+sliced field the field's name, dtype and shape and the block's piece (row by row),
+then the digests of its snapshots (each bound to its block and tensor name); every
+other digest likewise starts with what it covers (`digest_tags`). A damaged byte, a
+damaged header, a file of another block or a tensor relabelled in the header (swapped
+offsets, another field's, layer's, block's or model's bytes) is a miss. Format v4
+hashed the bytes alone (`migrations/formats/segment_v4.py`, converted by migration 0005).
 
 Write order: write under ``tmp/`` (the data first, hashed as it goes, then the header
 that records its digests; see `disk.segment_writer`), fsync, rename into ``segments/``,

@@ -1,11 +1,12 @@
 """Reading a segment file (see `segment`): its header, parsed strictly and checked
 against the file, and its blocks' pieces, checksums and snapshots.
 
-A v4 segment is a safetensors file (``safe_open`` and ``mx.load`` read every tensor),
+A v5 segment is a safetensors file (``safe_open`` and ``mx.load`` read every tensor),
 but we never trust a parser that accepts overlapping offsets, trailing bytes or a
 damaged header: `parse_header` checks the safetensors schema itself, then our own
 metadata (covered byte for byte by the header digest), and that the header describes
-the file exactly.
+the file exactly. Every digest computed here starts with the tag of what its bytes are
+(`digest_tags`): a tensor relabelled in the header fails its block's checksum.
 """
 
 from __future__ import annotations
@@ -20,15 +21,16 @@ import numpy as np
 import xxhash
 
 from ..blocks import Node, dtype_info
+from .digest_tags import block_tag, field_tag, run_tag, segment_tag, snapshot_tag, tagged_digest
 from .portable import IOV_MAX, preadv
 
 # Bytes read and hashed at a time by `read_field_hashed`: small enough to stay in a
 # core's L2 cache between the read's copy and the hash.
 HASH_CHUNK = 512 * 1024
 
-SEGMENT_FORMAT = "ppc-segment/4"
+SEGMENT_FORMAT = "ppc-segment/5"
 MAX_HEADER = 16 * 1024 * 1024  # ~1M tokens in one segment: a header no reader should take
-# The metadata keys of a v4 segment (all values are strings, as safetensors requires).
+# The metadata keys of a segment (all values are strings, as safetensors requires).
 META_KEYS = frozenset(
     {"format", "segment", "root", "model", "block_size", "blocks", "tokens", "fields", "snaps", "digest", "header_digest"}
 )
@@ -41,7 +43,10 @@ _TENSOR_KEYS = frozenset({"dtype", "shape", "data_offsets"})
 class SegmentField:
     """A sliced field of a segment: where each row (batch x head) of its tokens lies."""
 
-    __slots__ = ("name", "dtype", "itemsize", "batch", "heads", "rows", "width", "first", "at", "start", "tokens", "row_bytes")
+    __slots__ = (
+        "name", "dtype", "itemsize", "batch", "heads", "rows", "width", "first", "at", "start", "tokens", "row_bytes",
+        "tag", "run_tag",
+    )  # fmt: skip
 
     def __init__(self, name, dtype, itemsize, batch, heads, width, first, at, start, tokens):
         self.name, self.dtype, self.itemsize = name, dtype, itemsize
@@ -49,6 +54,9 @@ class SegmentField:
         self.width, self.first, self.at = width, first, at
         self.start, self.tokens = start, tokens  # first position held, tokens per row
         self.row_bytes = width * itemsize  # bytes of one token in one row
+        # What a block's piece and the whole field are (see `digest_tags`).
+        self.tag = field_tag(name, dtype, batch, heads, width)
+        self.run_tag = run_tag(name, dtype, batch, heads, width, start, tokens)
 
     @property
     def nbytes(self) -> int:
@@ -56,17 +64,18 @@ class SegmentField:
 
 
 class Snap:
-    """A snapshot of one block: a whole tensor and the digest of its bytes."""
+    """A snapshot of one block: a whole tensor and the digest of its bytes (bound to its
+    block's key and position and its own name, dtype and shape by `tag`)."""
 
-    __slots__ = ("block", "name", "dtype", "shape", "at", "digest", "nbytes")
+    __slots__ = ("block", "name", "dtype", "shape", "at", "digest", "nbytes", "tag")
 
-    def __init__(self, block, name, dtype, shape, at, digest, nbytes):
+    def __init__(self, block, name, dtype, shape, at, digest, nbytes, tag):
         self.block, self.name, self.dtype, self.shape = block, name, dtype, tuple(shape)
-        self.at, self.digest, self.nbytes = at, digest, nbytes
+        self.at, self.digest, self.nbytes, self.tag = at, digest, nbytes, tag
 
 
 class Header:
-    """A v4 segment header, parsed and checked (see `parse_header`).
+    """A segment header, parsed and checked (see `parse_header`).
 
     Attributes:
         segment: The segment id.
@@ -108,7 +117,7 @@ def header_digest(head: bytes) -> int:
 
 
 def parse_header(head: bytes, size: int, segment: bytes | None = None) -> Header:
-    """Parse a v4 segment's header strictly and check that it describes the file.
+    """Parse a segment's header strictly (format v5) and check that it describes the file.
 
     Args:
         head: The file's first ``8 + n`` bytes (length prefix and header).
@@ -116,7 +125,7 @@ def parse_header(head: bytes, size: int, segment: bytes | None = None) -> Header
         segment: The id the file must have (None: any).
 
     Raises:
-        ValueError: If anything is damaged, inconsistent, or not v4.
+        ValueError: If anything is damaged, inconsistent, or not v5.
     """
     n = int.from_bytes(head[:8], "little") if len(head) >= 8 else -1
     if n < 2 or n > MAX_HEADER or 8 + n > size or len(head) < 8 + n:
@@ -180,7 +189,8 @@ def parse_header(head: bytes, size: int, segment: bytes | None = None) -> Header
                 i = int(tag[1:]) if tag[:1] == "b" and tag[1:].isdigit() else -1
                 if not 0 <= i < len(blocks) or not rest or len(digests[name]) != 16:
                     raise ValueError("snapshot name")
-                snaps.append(Snap(i, rest, dtype, shape, a, int(digests[name], 16), b - a))
+                tag = snapshot_tag(blocks[i][0], blocks[i][1], rest, dtype, shape)
+                snaps.append(Snap(i, rest, dtype, shape, a, int(digests[name], 16), b - a, tag))
         cursor = 0
         for a, b in sorted(spans):
             if a != cursor:
@@ -248,7 +258,7 @@ class OpenSegment:
     """An open segment file whose header was parsed and checked against its size.
 
     Raises:
-        ValueError: If the header is damaged, not v4, or does not describe the file.
+        ValueError: If the header is damaged, not v5, or does not describe the file.
     """
 
     def __init__(self, fd: int, segment: bytes):
@@ -261,6 +271,7 @@ class OpenSegment:
         self.fields: dict[str, SegmentField] = {f.name: f for f in h.fields}
         self.snaps: list[Snap] = h.snaps
         self._by_key = {k: i for i, (k, _, _) in enumerate(self.blocks)}
+        self._segment_tag = segment_tag(h.segment, h.root, [int(r[6], 16) for r in h.records])
 
     def close(self) -> None:
         """Close the file."""
@@ -335,6 +346,7 @@ class OpenSegment:
         """
         n = f.tokens * f.row_bytes
         h = xxhash.xxh3_64()
+        h.update(f.run_tag)
         try:
             if stage is not None and 0 < n <= stage.size:
                 # Rows shorter than a stage: as many whole rows per piece as fit (they follow
@@ -381,23 +393,30 @@ class OpenSegment:
     def field_digest(f: SegmentField, row: Callable[[SegmentField, int], memoryview]) -> int:
         """The digest of one field's data, given its rows (already read)."""
         h = xxhash.xxh3_64()
+        h.update(f.run_tag)
         for r in range(f.rows):
             h.update(row(f, r))
         return h.intdigest()
 
     def whole_digest(self, field_digests: dict[str, int]) -> int:
-        """The digest of the whole segment, given each field's (`field_digest`)."""
+        """The digest of the whole segment, given each field's (`field_digest`); it binds
+        the blocks' checksums as the header lists them."""
         h = xxhash.xxh3_64()
+        h.update(self._segment_tag)
         for f in self.fields.values():
             h.update(field_digests[f.name].to_bytes(8, "little"))
         for s in self.snaps:
             h.update(s.digest.to_bytes(8, "little"))
         return h.intdigest()
 
-    def block_digest(self, i: int, piece: Callable[[SegmentField, int], memoryview]) -> int:
-        """The checksum of block `i`, given its piece of each field's row (already read)."""
+    def block_digest(self, i: int, piece: Callable[[SegmentField, int], memoryview], node: Node) -> int:
+        """The checksum of block `i`, given its piece of each field's row (already read)
+        and the record it must belong to (`node`: its key, position, tokens, ... are hashed
+        first, then each field's tag before its pieces)."""
         h = xxhash.xxh3_64()
+        h.update(block_tag(node))
         for f in self.fields_of(i):
+            h.update(f.tag)
             for r in range(f.rows):
                 h.update(piece(f, r))
         for s in self.snaps_of(i):
@@ -411,7 +430,7 @@ class OpenSegment:
                 return None
         except OSError:
             return None
-        return dest if xxhash.xxh3_64_intdigest(dest) == s.digest else None
+        return dest if tagged_digest(s.tag, dest) == s.digest else None
 
     def run_tensors(self, nodes: list[Node]) -> list[tuple[Node, dict[str, dict[str, tuple[np.ndarray, str]]]]] | None:
         """The tensors of consecutive blocks of this segment, as `block_tensors` gives them
@@ -444,7 +463,7 @@ class OpenSegment:
                 lid, _, fld = f.name.rpartition(".")
                 bits = rows[f.name].view(np.dtype(f"<u{f.itemsize}")).reshape(f.batch, f.heads, n, f.width)
                 tensors.setdefault(lid, {})[fld] = (bits, f.dtype)
-            if self.block_digest(i, lambda f, r: memoryview(rows[f.name][r])) != node.checksum:
+            if self.block_digest(i, lambda f, r: memoryview(rows[f.name][r]), node) != node.checksum:
                 return None
             for s in self.snaps_of(i):
                 buf = np.empty(s.nbytes, dtype=np.uint8)
@@ -474,7 +493,7 @@ class OpenSegment:
             bits = buf.view(np.dtype(f"<u{f.itemsize}")).reshape(f.batch, f.heads, n, f.width)
             out.setdefault(lid, {})[fld] = (bits, f.dtype)
         step = {name: len(b) // self.fields[name].rows for name, b in pieces.items()}
-        digest = self.block_digest(i, lambda f, r: memoryview(pieces[f.name])[r * step[f.name] : (r + 1) * step[f.name]])
+        digest = self.block_digest(i, lambda f, r: memoryview(pieces[f.name])[r * step[f.name] : (r + 1) * step[f.name]], node)
         if digest != node.checksum:
             return None
         for s in self.snaps_of(i):

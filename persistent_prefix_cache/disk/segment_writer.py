@@ -1,11 +1,11 @@
 """The segment writer (the write side of `disk.segment`): place every tensor, then write.
 
-`plan_segment` checks the blocks of one ``store()`` and places every tensor (format v4, see
+`plan_segment` checks the blocks of one ``store()`` and places every tensor (format v5, see
 `disk.segment`) before a byte is hashed: the header's length is then known (each digest
 in it is 16 hex digits), so the data can go to the disk first and the header last, at
 offset 0. `SegmentPlan.stream` hands the data to a `Sink` in file order, hashing each piece
 once into both its field's digest and its block's checksum while it is in the CPU's
-cache; the sink writes batches with ``pwritev`` from a second thread and starts their
+cache (each digest tagged with what it covers: `digest_tags`); the sink writes batches with ``pwritev`` from a second thread and starts their
 writeback at once (``sync_file_range``), so hashing, the kernel's copy and the disk
 overlap and the final fsync finds little left to do.
 """
@@ -23,6 +23,7 @@ import numpy as np
 import xxhash
 
 from ..blocks import Node, dtype_info, is_sliced, sliced_spec
+from .digest_tags import block_tag, field_tag, run_tag, segment_tag, snapshot_tag, tagged_digest
 from .portable import IOV_MAX, pwritev, start_writeback
 from .segment_reader import DIGEST_MARK, MAX_HEADER, SEGMENT_FORMAT, header_digest
 
@@ -210,15 +211,21 @@ class SegmentPlan:
 
     def stream(self, put: Callable[[Any], None]) -> tuple[list[int], list[int], int]:
         """Hand every chunk of data to `put` in file order, hashing each once into both
-        its field's digest and its block's checksum (while it is in the CPU's cache).
+        its field's digest and its block's checksum (while it is in the CPU's cache);
+        each digest starts with the tag of what it covers (`digest_tags`).
 
         Returns:
             (each block's checksum, each snapshot's digest, the whole-segment digest).
         """
         per_block = [xxhash.xxh3_64() for _ in self.blocks]
-        whole = xxhash.xxh3_64()
-        for rows, first, runs in self.fields:
+        for h, (node, _) in zip(per_block, self.blocks):
+            h.update(block_tag(node))
+        field_digests = []
+        for rows, first, runs, tag, whole_tag in self.fields:
+            for i in range(first, len(self.blocks)):
+                per_block[i].update(tag)  # before block i's pieces of this field
             h = xxhash.xxh3_64()
+            h.update(whole_tag)
             for r in range(rows):
                 for run, widths in runs:
                     row = run[r]
@@ -228,15 +235,21 @@ class SegmentPlan:
                     for i, width in widths:  # block i's piece of this row: the order a read sees
                         per_block[i].update(view[at : at + width])
                         at += width
-            whole.update(h.intdigest().to_bytes(8, "little"))
+            field_digests.append(h.intdigest())
         digests = []
-        for i, _, view in self.snaps:
+        for i, _, view, tag in self.snaps:
             put(view)
-            d = xxhash.xxh3_64_intdigest(view)
+            d = tagged_digest(tag, view)
             digests.append(d)
-            whole.update(d.to_bytes(8, "little"))
             per_block[i].update(d.to_bytes(8, "little"))
-        return [h.intdigest() for h in per_block], digests, whole.intdigest()
+        checksums = [h.intdigest() for h in per_block]
+        # The whole-segment digest stands in for the blocks' checksums on a whole read:
+        # it binds them (and so the blocks' records), then the fields' and snapshots' digests.
+        whole = xxhash.xxh3_64()
+        whole.update(segment_tag(self.segment, self.root, checksums))
+        for d in field_digests + digests:
+            whole.update(d.to_bytes(8, "little"))
+        return checksums, digests, whole.intdigest()
 
     def header(self, checksums: list[int] | None, digests: list[int] | None, whole: int | None) -> bytes:
         """The header bytes; digests None: zeros (same length: every digest is 16 hex
@@ -250,7 +263,7 @@ class SegmentPlan:
                 [node.key.hex(), node.parent.hex(), node.position, node.n_tokens, node.flags, self.sizes[i],
                  f"{checksum:016x}", node.extra or {}]
             )  # fmt: skip
-        snaps = {f"b{i}.{name}": f"{digests[j] if digests is not None else 0:016x}" for j, (i, name, _) in enumerate(self.snaps)}
+        snaps = {f"b{i}.{name}": f"{digests[j] if digests is not None else 0:016x}" for j, (i, name, *_) in enumerate(self.snaps)}
         metadata = {
             "format": SEGMENT_FORMAT,
             "segment": self.segment.hex(),
@@ -304,7 +317,7 @@ def plan_segment(segment: bytes, blocks: Sequence[tuple[Node, dict]], root: byte
         if any(name not in t for t in flat[first:]):
             raise ValueError(f"{name}: a block after the first holding it lacks it")
     sizes = [0] * len(blocks)
-    fields = []  # (rows, first block, [(run, [(block, bytes of its piece of a row)])])
+    fields = []  # (rows, first block, [(run, [(block, bytes of its piece of a row)])], field tag, run tag)
     tensors_of: dict[str, dict] = {}  # safetensors entries, in data order
     firsts: dict[str, int] = {}
     at = 0
@@ -315,19 +328,22 @@ def plan_segment(segment: bytes, blocks: Sequence[tuple[Node, dict]], root: byte
         for i, piece in enumerate(pieces, first):
             sizes[i] += piece.nbytes
         runs = _joined_rows(pieces, first)
-        fields.append((rows, first, runs))
         tokens = sum(node.n_tokens for node, _ in blocks[first:])
+        start = blocks[first][0].position
+        fields.append((rows, first, runs, field_tag(name, dtype, batch, heads, width),
+                       run_tag(name, dtype, batch, heads, width, start, tokens)))  # fmt: skip
         nbytes = sum(p.nbytes for p in pieces)
         tensors_of[name] = {"dtype": dtype, "shape": [batch, heads, tokens, width], "data_offsets": [at, at + nbytes]}
         firsts[name] = first
         at += nbytes
-    snaps: list[tuple[int, str, memoryview]] = []  # (block, "<leaf>.<field>", bytes)
+    snaps: list[tuple[int, str, memoryview, bytes]] = []  # (block, "<leaf>.<field>", bytes, tag)
     for i, tensors in enumerate(flat):
         for name in sorted(tensors):
             if name in sliced and i >= sliced[name][4]:
                 continue
             view = _bytes(tensors[name])
-            snaps.append((i, name, view))
+            node = blocks[i][0]
+            snaps.append((i, name, view, snapshot_tag(node.key, node.position, name, _dtype(tensors[name]), _shape(tensors[name]))))
             sizes[i] += view.nbytes
             tensors_of[f"b{i}.{name}"] = {
                 "dtype": _dtype(tensors[name]),
