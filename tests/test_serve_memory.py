@@ -189,7 +189,7 @@ def test_ppc_serve_stays_within_prompt_cache_bytes(serve_model_dir, tmp_path):
     assert f"in-memory KV at most {SERVER_BUDGET / 1e6:.1f} MB (--prompt-cache-bytes)" in log
     peak, budget = map(int, PEAK.search(log).groups())
     assert budget == SERVER_BUDGET and 0 < peak <= budget, log
-    served = re.findall(r"Restored \d+ of \d+ prompt tokens .* served by (.*)\)", log)
+    served = re.findall(r"Restored \d+ of \d+ prompt tokens .* served by (.*); [\d.]+ ms\)", log)
     # The hot prompt's hits: its blocks live once, in the tier (not read from disk).
     assert len(served) >= 5 and all(re.fullmatch(r"RAM \d+ blocks", s) for s in served[-5:]), log
     # Hits from the second on, each answering exactly as the first (a miss) did.

@@ -45,6 +45,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+import time
 from typing import Any, Callable, Hashable, Sequence, Union
 
 from mlx_lm.models.cache import LRUPromptCache
@@ -173,7 +174,9 @@ class PersistentLRUPromptCache(LRUPromptCache):
         # What the LRU keeps the store rarely covers further (then it loads nothing); what
         # the store took, the LRU does not hold: the store restores it from its RAM tier.
         before = store.stats()
+        started = time.perf_counter()
         restored, remaining = self._link(model, store).read(tokens, in_memory)
+        took = time.perf_counter() - started
         self._note_memory()  # a restore may admit disk blocks into the tier (within its budget)
         from_store = len(tokens) - len(remaining)
         if restored is None or from_store <= in_memory:
@@ -183,12 +186,13 @@ class PersistentLRUPromptCache(LRUPromptCache):
             self._counters["restored_tokens"] += from_store
         # Tests and operators read this line: keep its wording stable.
         log.info(
-            "Restored %d of %d prompt tokens from the persistent store %s (memory had %d; served by %s)",
+            "Restored %d of %d prompt tokens from the persistent store %s (memory had %d; served by %s; %.1f ms)",
             from_store,
             len(tokens),
             store.path,
             in_memory,
             describe_tiers(blocks_by_tier(before, store.stats())),
+            1000 * took,
         )
         return restored, tokens[from_store:]
 
