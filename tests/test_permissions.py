@@ -36,7 +36,7 @@ from persistent_prefix_cache import (
     StorePathError,
 )
 from persistent_prefix_cache.disk.maintenance import StoreAdmin
-from persistent_prefix_cache.disk.store_dir import exposed
+from persistent_prefix_cache.disk.store_audit import exposed
 
 BLOCK = 16
 NOBODY = 65534
