@@ -55,6 +55,7 @@ from .faults import pause_point
 from .portable import durable_fsync
 from .segment_writer import Sink, plan_segment, pwritev_all
 from .segment_reader import OpenSegment
+from .store_guard import unsafe_entry
 from .store_dir import TempFile, folder, folder_fd, make_dirs, remove_entry, subfolder
 
 HEX = frozenset("0123456789abcdef")
@@ -75,7 +76,10 @@ class SegmentFiles:
         self.legacy = os.path.join(root, "blocks")  # schema v1-v2: one file per block
         if not readonly:
             for sub in (self.segments, self.tmp):
-                make_dirs(sub, root)  # the store's modes, not the umask's; no link followed
+                try:
+                    make_dirs(sub, root)  # the store's modes, not the umask's; no link followed
+                except NotRegularFileError:
+                    raise unsafe_entry(root, f"{os.path.basename(sub)} is a symbolic link or a file, not a folder") from None
 
     def path_of(self, segment: bytes) -> str:
         """Absolute path of a segment's file."""
