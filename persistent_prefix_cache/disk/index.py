@@ -348,7 +348,7 @@ def walk_index(path: str, *, trial_write: bool, say: Callable[[dict], None]) -> 
     Raises:
         lmdb.Error: What LMDB says of a damaged page (the caller reports it).
     """
-    from .index_env import open_env
+    from .index_env import close_env, open_env
 
     say({"stage": "open"})
     env = open_env(path, readonly=not trial_write)
@@ -393,4 +393,4 @@ def walk_index(path: str, *, trial_write: bool, say: Callable[[dict], None]) -> 
                 txn.abort()
         say({"done": True, "records": records, "problems": problems, "block_size": block_size})
     finally:
-        env.close()
+        close_env(env)

@@ -73,6 +73,7 @@ class Gate:
 
 
 _ENVS: dict[tuple[int, str], list] = {}  # (pid, path) -> [env, refcount, gate]
+_PINS: dict[int, tuple[str, str | None]] = {}  # id(env) -> (index path, its private folder)
 _ENVS_LOCK = threading.Lock()
 
 
@@ -89,10 +90,11 @@ def open_env(path: str, readonly: bool) -> lmdb.Environment:
     store = store_guard.store_of(path)
     # A read-only handle opens the environment read-only: then even a writer
     # paused inside its transaction in another process never blocks it.
-    with index_files.checked(path, readonly=readonly, writable=writable) as lmdb_path:
+    with index_files.checked(path, readonly=readonly, writable=writable) as files:
         try:
             env = lmdb.open(
-                lmdb_path,
+                files.path,
+                subdir=files.subdir,
                 map_size=INITIAL_MAP_SIZE,
                 max_dbs=MAX_DBS,
                 readonly=readonly,
@@ -112,9 +114,18 @@ def open_env(path: str, readonly: bool) -> lmdb.Environment:
             if not _is_permission_error(exc):
                 raise
             raise StoreNotWritableError(f"store index {path} cannot be opened for writing: {exc}") from None
+    _PINS[id(env)] = (path, files.pin)
     if not readonly:
         env.reader_check()
     return env
+
+
+def close_env(env: lmdb.Environment) -> None:
+    """Close an environment `open_env` opened, and remove its private folder."""
+    path, pin = _PINS.pop(id(env), (None, None))
+    env.close()
+    if path is not None:
+        index_files.remove_pin(path, pin)
 
 
 def _is_permission_error(exc: Exception) -> bool:
@@ -169,6 +180,7 @@ def _forget_inherited_envs() -> None:
             except lmdb.Error:
                 pass
     _ENVS.clear()
+    _PINS.clear()  # the parent's private folders are the parent's to remove
     store_guard.forget_inherited()
 
 
@@ -185,5 +197,5 @@ def release_env(path: str) -> None:
         held[1] -= 1
         if held[1] == 0:
             del _ENVS[ident]
-            held[0].close()
+            close_env(held[0])
             store_guard.unshare(store_guard.store_of(path))

@@ -8,13 +8,16 @@ truncate and write the file it points to. So, before LMDB opens anything:
 
 - the index folder is opened by descriptor without following a link
   (`store_dir.folder_fd`), and the files are created here, exclusively, when missing;
-- each file is linked (a hard link, not following a link) into a folder of this
-  process's own (mode 0700, made inside the index folder: the same file system), where
-  nobody else can change an entry; there each must be a regular file owned by the
-  store's owner, this user, or (a group store) the store's group;
-- LMDB opens that private folder through ``/proc/self/fd/<descriptor>`` (so not even a
-  folder renamed meanwhile can redirect it), that is the very files just checked; the
-  private folder is removed as soon as LMDB has them open.
+- each file is hard-linked (the entry itself, never a link's target) into a folder of
+  this user's own in the index folder (``lmdb-open-<uid>``, mode 0700: the same file
+  system, and nobody else can change an entry in it); there each must be a regular file
+  owned by the store's owner, this user, or (a group store) the store's group;
+- LMDB opens those links through ``/proc/self/fd/<folder>/<name>`` (``subdir=False``: so
+  not even a folder renamed meanwhile can redirect it), that is the very files just
+  checked; the links are removed as soon as LMDB has the files open. The folder stays
+  for the next open (one made for a single open, where somebody else holds that name,
+  goes once LMDB has closed the files: `remove_pin`; a process that died leaves it, and
+  its links, to `sweep_pins`).
 
 Where a private folder cannot be made (a store this user cannot write, a system
 without ``/proc``, a file system without hard links), the checks run on the index
@@ -29,8 +32,10 @@ on read).
 from __future__ import annotations
 
 import os
+import secrets
 import stat
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator
 
 from ..files import (
@@ -41,7 +46,9 @@ from .index_pages import DamagedPages, pages_in_use, read_meta
 from .store_dir import file_mode, folder_fd, segment_file_count
 
 LMDB_FILES = ("data.mdb", "lock.mdb")
-PIN_STEM = "lmdb-open"  # the private folders: ``lmdb-open.<pid>.<random>.tmp``
+# The private folders: ``lmdb-open-<uid>`` (this user's, kept), or for one open where
+# that name is somebody else's, ``lmdb-open-<uid>.<pid>.<random>.tmp``.
+PIN_STEM = "lmdb-open"
 _PROC_FD = "/proc/self/fd"
 # A writer in another process may reuse a page while the walk reads it: read the
 # meta page again and walk again this many times before calling the file damaged.
@@ -79,47 +86,125 @@ def _check(dir_fd: int, name: str, store_st: os.stat_result, where: str, store: 
     return True
 
 
-def _pin(idx: int, present: list[str]) -> tuple[int, str] | None:
-    """A private folder in the index folder holding a hard link to each present file;
-    None where that cannot be done here."""
+@dataclass
+class Pin:
+    """This process's hard links to LMDB's files in a private folder: the folder's
+    descriptor and name, the links' name (``<name>`` for ``data.mdb``, ``<name>-lock``
+    for ``lock.mdb``), and whether the folder is made for this open alone (removed once
+    LMDB closes the files: `remove_pin`)."""
+
+    fd: int
+    folder: str
+    name: str
+    own_folder: bool
+
+
+def _private_folder(idx: int) -> tuple[int, str, bool] | None:
+    """This user's private folder in the index folder (kept for later opens), or one
+    made for this open alone where that name holds somebody else's; None if none can
+    be made here."""
+    name = f"{PIN_STEM}-{os.geteuid()}"
+    for attempt in (name, None):
+        fresh = attempt is None
+        folder = temp_name(f"{PIN_STEM}-{os.geteuid()}") if fresh else attempt
+        try:
+            os.mkdir(folder, 0o700, dir_fd=idx)
+        except FileExistsError:
+            if fresh:
+                return None
+        except OSError:
+            return None  # a store this user cannot write: the checks run in place
+        try:
+            fd = open_folder(folder, dir_fd=idx)
+        except OSError:
+            continue  # not a folder (a link, a file somebody put there): one of our own
+        if os.fstat(fd).st_uid == os.geteuid():
+            # Ours: private again if somebody (root, `chmod -R`) opened it up; from here on
+            # nobody else can change an entry in it (our links get fresh random names).
+            os.fchmod(fd, 0o700)
+            return fd, folder, fresh
+        os.close(fd)  # somebody else's under our name: it could change under us
+    return None
+
+
+def _pin(idx: int) -> Pin | None:
+    """Hard links to ``data.mdb`` and ``lock.mdb`` in a folder nobody else can change
+    (`_private_folder`); None where that cannot be done here."""
     if not os.path.isdir(_PROC_FD):
         return None
-    name = temp_name(PIN_STEM)
+    found = _private_folder(idx)
+    if found is None:
+        return None
+    fd, folder, fresh = found
+    if not fresh:
+        _sweep_links(fd)
+    pin = Pin(fd, folder, f"{os.getpid()}.{secrets.token_hex(8)}", fresh)
     try:
-        os.mkdir(name, 0o700, dir_fd=idx)
+        os.link("data.mdb", pin.name, src_dir_fd=idx, dst_dir_fd=fd, follow_symlinks=False)
+        os.link("lock.mdb", pin.name + "-lock", src_dir_fd=idx, dst_dir_fd=fd, follow_symlinks=False)
     except OSError:
-        return None  # a store this user cannot write: the checks run in place
-    fd = open_folder(name, dir_fd=idx)
-    try:
-        for f in present:
-            os.link(f, f, src_dir_fd=idx, dst_dir_fd=fd, follow_symlinks=False)
-    except OSError:
-        _unpin(idx, (fd, name))
+        _unpin(idx, pin)
         return None  # no hard links here (a file system without them, or not ours to link)
-    return fd, name
+    return pin
 
 
-def _unpin(idx: int, pin: tuple[int, str] | None) -> None:
+def _unpin(idx: int, pin: Pin | None, *, remove: bool = True) -> None:
+    """Remove the links (at once: LMDB has the files open), and the folder if it was made
+    for this open and `remove` (else once LMDB has closed them: `remove_pin`)."""
     if pin is None:
         return
-    fd, name = pin
-    for f in LMDB_FILES:
+    for name in (pin.name, pin.name + "-lock"):
         try:
-            os.unlink(f, dir_fd=fd)
+            os.unlink(name, dir_fd=pin.fd)
         except OSError:
             pass
-    os.close(fd)
+    os.close(pin.fd)
+    if remove and pin.own_folder:
+        try:
+            os.rmdir(pin.folder, dir_fd=idx)
+        except OSError:
+            pass
+
+
+def _sweep_links(fd: int) -> None:
+    # Links a process of this user left when it died between linking and opening.
     try:
-        os.rmdir(name, dir_fd=idx)
+        names = os.listdir(fd)
+    except OSError:
+        return
+    for name in names:
+        pid = name.split(".")[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            try:
+                os.unlink(name, dir_fd=fd)
+            except OSError:
+                pass
+
+
+def remove_pin(index_path: str, folder: str | None) -> None:
+    """Remove the (empty) private folder `checked` made for one open, once LMDB has
+    closed its files (removed before, LMDB's close of the lock file takes milliseconds
+    on ext4)."""
+    if folder is None:
+        return
+    store, rel = anchor(index_path)
+    try:
+        fd = folder_fd(store, rel)
+    except OSError:
+        return
+    try:
+        os.rmdir(folder, dir_fd=fd)
     except OSError:
         pass
+    finally:
+        os.close(fd)
 
 
 def sweep_pins(idx: int) -> None:
-    """Remove the private folders of processes that died while opening (best effort:
-    another user's is theirs, or root's, to remove)."""
+    """Remove the folders made for one open by processes that died while opening (best
+    effort: another user's is theirs, or root's, to remove)."""
     try:
-        names = [n for n in os.listdir(idx) if n.startswith(PIN_STEM + ".")]
+        names = [n for n in os.listdir(idx) if n.startswith(PIN_STEM + "-")]
     except OSError:
         return
     for name in names:
@@ -130,7 +215,12 @@ def sweep_pins(idx: int) -> None:
             fd = open_folder(name, dir_fd=idx)
         except OSError:
             continue
-        _unpin(idx, (fd, name))
+        _sweep_links(fd)
+        os.close(fd)
+        try:
+            os.rmdir(name, dir_fd=idx)
+        except OSError:
+            pass
 
 
 def _check_size(fd: int, store: str, where: str) -> None:
@@ -160,8 +250,20 @@ def _check_size(fd: int, store: str, where: str) -> None:
     raise store_guard.corrupt_index(store, f"{where}/data.mdb keeps changing under a walk of its pages")
 
 
+@dataclass
+class Checked:
+    """What `checked` hands LMDB: the path to open (valid inside the context), whether it
+    is a folder (``subdir``: else the data file, its lock file beside it as
+    ``<path>-lock``), and a private folder to remove with `remove_pin` once the
+    environment is closed (None: nothing to remove)."""
+
+    path: str
+    subdir: bool = True
+    pin: str | None = None
+
+
 @contextmanager
-def checked(index_path: str, *, readonly: bool, writable: bool) -> Iterator[str]:
+def checked(index_path: str, *, readonly: bool, writable: bool) -> Iterator[Checked]:
     """The path LMDB opens for an index folder, its files checked (see the module).
 
     Args:
@@ -170,7 +272,8 @@ def checked(index_path: str, *, readonly: bool, writable: bool) -> Iterator[str]
         writable: This process may write the index folder (``lock.mdb`` is created).
 
     Yields:
-        The path to hand ``lmdb.open``, valid until the context exits (open LMDB inside).
+        A `Checked`: open LMDB on its path inside the context; once the environment is
+        closed, `remove_pin` its private folder.
 
     Raises:
         StoreCorruptError: If a file is a link, a special file or a foreign one (the
@@ -182,7 +285,7 @@ def checked(index_path: str, *, readonly: bool, writable: bool) -> Iterator[str]
         idx = folder_fd(store, rel)
     except NotRegularFileError:
         raise store_guard.unsafe_entry(store, f"{rel} is a symbolic link or a file, not a folder") from None
-    pin = None
+    pin, opened = None, False
     try:
         store_st = os.stat(store)
         mode, exact = file_mode(store)
@@ -199,13 +302,16 @@ def checked(index_path: str, *, readonly: bool, writable: bool) -> Iterator[str]
         if writable:
             sweep_pins(idx)
         present = [name for name in LMDB_FILES if _check(idx, name, store_st, rel, store)]
-        pin = _pin(idx, present) if writable else None
-        where = idx if pin is None else pin[0]
-        for name in present:  # the files LMDB will open, as they are now
-            _check(where, name, store_st, rel, store)
+        pin = _pin(idx) if writable and len(present) == 2 else None
+        if pin is not None:  # the files LMDB will open, as they are now: nobody can swap them
+            where, names = pin.fd, {"data.mdb": pin.name, "lock.mdb": pin.name + "-lock"}
+        else:
+            where, names = idx, {name: name for name in present}
+        for name in present:
+            _check(where, names[name], store_st, rel, store)
         if "data.mdb" in present:
             try:
-                data = open_regular("data.mdb", dir_fd=where)
+                data = open_regular(names["data.mdb"], dir_fd=where)
             except NotRegularFileError as exc:
                 raise store_guard.unsafe_entry(store, f"{rel}/data.mdb: {exc.strerror}") from None
             try:
@@ -213,11 +319,14 @@ def checked(index_path: str, *, readonly: bool, writable: bool) -> Iterator[str]
             finally:
                 os.close(data)
         if pin is not None:
-            yield f"{_PROC_FD}/{pin[0]}"
+            yield Checked(f"{_PROC_FD}/{pin.fd}/{pin.name}", subdir=False, pin=pin.folder if pin.own_folder else None)
         elif os.path.isdir(_PROC_FD):
-            yield f"{_PROC_FD}/{idx}"  # the folder at least cannot be swapped
+            yield Checked(f"{_PROC_FD}/{idx}")  # the folder at least cannot be swapped
         else:
-            yield index_path
+            yield Checked(index_path)
+        opened = True
     finally:
-        _unpin(idx, pin)
+        # The hard links go at once; the empty folder stays until `remove_pin` (unless
+        # LMDB did not open: then it goes now).
+        _unpin(idx, pin, remove=not opened)
         os.close(idx)

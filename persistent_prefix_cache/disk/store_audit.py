@@ -95,14 +95,20 @@ def _foreign(st: os.stat_result, root: os.stat_result) -> bool:
     return not (root.st_mode & 0o070 and st.st_gid == root.st_gid)
 
 
-def _stale_pin(entry: Entry) -> bool:
-    pid = pid_of_temp(entry.name)
-    return (
-        entry.rel.startswith("index/")
-        and entry.name.startswith(PIN_STEM + ".")
-        and pid is not None
-        and not pid_alive(pid)
-    )
+def _pin_entry(e: Entry) -> str | None:
+    """``"folder"`` for a private folder of `index_files` (``index/lmdb-open-<uid>...``),
+    ``"link"`` for an entry in one, None otherwise."""
+    parts = e.rel.split("/")
+    if len(parts) in (2, 3) and parts[0] == "index" and parts[1].startswith(PIN_STEM + "-"):
+        return "folder" if len(parts) == 2 else "link"
+    return None
+
+
+def _stale_pin(e: Entry, kind: str) -> bool:
+    """A private folder made for one open, or a link, of a process that is gone."""
+    pid = pid_of_temp(e.name) if kind == "folder" else e.name.split(".")[0]
+    pid = int(pid) if isinstance(pid, str) and pid.isdigit() else pid
+    return isinstance(pid, int) and not pid_alive(pid)
 
 
 def entry_findings(root: str, *, fix: bool = False) -> tuple[list[tuple[str, str]], list[str], int]:
@@ -139,10 +145,13 @@ def entry_findings(root: str, *, fix: bool = False) -> tuple[list[tuple[str, str
             if fix:
                 fixed += _try(lambda: os.unlink(e.name, dir_fd=e.parent), e.rel, left)
             continue
-        if stat.S_ISDIR(mode) and _stale_pin(e):
-            problems.append(("leftover temporary folder", e.rel))
-            if fix:
-                fixed += _try(lambda: _remove_pin(e), e.rel, left)
+        pin = _pin_entry(e)
+        if pin is not None:  # this user's or another's: never the store's owner's to judge
+            if _stale_pin(e, pin):
+                problems.append((f"leftover temporary {'folder' if pin == 'folder' else 'file'}", e.rel))
+                if fix:
+                    fixed += _try(lambda: _remove_pin(e) if pin == "folder" else os.unlink(e.name, dir_fd=e.parent),
+                                  e.rel, left)  # fmt: skip
             continue
         if root_st is not None and _foreign(e.st, root_st):
             problems.append(
@@ -234,8 +243,9 @@ def make_private(root: str, *, shared: bool = False) -> tuple[int, list[str]]:
     changed, refused = 0, []
     for e in walk(root):
         is_dir = stat.S_ISDIR(e.st.st_mode)
-        if not (is_dir or stat.S_ISREG(e.st.st_mode)):
-            continue  # links and special files: never chmod-ed (entry_findings removes them)
+        if not (is_dir or stat.S_ISREG(e.st.st_mode)) or _pin_entry(e):
+            continue  # links and special files: never chmod-ed (entry_findings removes them);
+            # the private folders of `index_files` stay private
         want = folder_mode if is_dir else file_mode
         if stat.S_IMODE(e.st.st_mode) == want:
             continue
