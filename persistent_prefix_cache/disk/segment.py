@@ -270,19 +270,20 @@ class SegmentFiles:
         try:
             with os.scandir(fd) as it:
                 entries = sorted(it, key=lambda e: e.name)
+            yield from entries  # their stat() is relative to the folder: it stays open meanwhile
         finally:
             os.close(fd)
-        yield from entries
 
     def stale_tmp(self) -> list[str]:
-        """Temporary files whose writing process is gone (ours in flight are not): regular
-        files with a temporary name (see `files.temp_name`)."""
+        """Temporary files whose writing process is gone (ours in flight are not): the
+        regular files of ``tmp/`` (a name without a writer's pid, see `files.temp_name`,
+        is nobody's in flight); links and special files are left to ``ppc check``."""
         stale = []
         for entry in self._entries("tmp"):
+            if not entry.is_file(follow_symlinks=False):
+                continue
             pid = pid_of_temp(entry.name)
-            if pid is None or not entry.is_file(follow_symlinks=False):
-                continue  # not a file the store makes: `ppc check` reports it
-            if pid == os.getpid() or pid_alive(pid):
+            if pid is not None and (pid == os.getpid() or pid_alive(pid)):
                 continue  # a live writer (this process or another) is still at work
             stale.append(entry.name)
         return stale
@@ -293,10 +294,13 @@ class SegmentFiles:
         Returns:
             How many were removed.
         """
-        stale = self.stale_tmp()
-        for name in stale:
-            self._remove(f"tmp/{name}")
-        return len(stale)
+        removed = 0
+        for name in self.stale_tmp():
+            try:
+                removed += remove_entry(self.root, f"tmp/{name}", regular_only=True)
+            except OSError:
+                continue  # not ours to remove (another user's file in a shared store)
+        return removed
 
     def orphans(self, is_referenced: Callable[[bytes], bool], *, grace: float, every: bool = False) -> list[str]:
         """Segment files (paths relative to the store) no index entry references, and

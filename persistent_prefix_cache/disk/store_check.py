@@ -56,7 +56,7 @@ def check_store(path: str, *, fix: bool = False, grace: float = 60.0) -> CheckRe
     stuck = [d for k, d in found if blocks_opening(k, d)] if not fix else [u for u in report.unfixed if blocks_opening("", u)]
     if stuck:
         report.notes.append(
-            f"the index was not opened: {stuck[0].split(' (')[0]} is not the store's (`ppc check --fix` removes it)"
+            f"the index was not opened: {stuck[0].split(':')[0]} is not the store's (`ppc check --fix` removes it)"
         )
         return report
     pending = store_guard.pending_repair(path)
@@ -71,6 +71,9 @@ def check_store(path: str, *, fix: bool = False, grace: float = 60.0) -> CheckRe
         damage = f"a repair was interrupted (found {pending}/)"
     else:
         health = probe_index(index)
+        if health.refused:  # an entry put there since the walk above: say so, open nothing
+            report.problems.append(("not the store's", health.refused))
+            return report
         report.notes += health.notes
         damage, block_size = health.damaged, health.block_size
         report.problems += [(INDEX_DAMAGED, p) for p in health.problems]

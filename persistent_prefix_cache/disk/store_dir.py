@@ -423,7 +423,8 @@ def undo_creation(path: str, *, made_folder: bool) -> None:
     for top in ("segments", "index", "tmp"):
         try:
             with folder(path, top) as fd:
-                subs = os.listdir(fd) if top == "segments" else []
+                # segments/ab/ folders; the private folder LMDB's files were pinned in
+                subs = os.listdir(fd) if top in ("segments", "index") else []
                 for sub in subs:
                     try:
                         os.rmdir(sub, dir_fd=fd)  # only an empty folder: never somebody's files
