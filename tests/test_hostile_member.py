@@ -397,22 +397,22 @@ def test_check_reports_links_special_and_foreign_files_and_fix_never_follows(sto
         s = socket.socket(socket.AF_UNIX)
         s.bind(str(sock_path))
         s.close()
-        (store / "tmp" / "mine").write_bytes(b"x")  # the member's file, given another group below
-        os.chown(store / "tmp" / "mine", -1, os.getgid())
+        (store / "segments" / "mine").write_bytes(b"x")  # the member's file, given another group below
+        os.chown(store / "segments" / "mine", -1, os.getgid())
 
     as_member(member, plant)
-    os.chown(store / "tmp" / "mine", member[0], 0)  # a file of neither the owner nor the group
+    os.chown(store / "segments" / "mine", member[0], 0)  # a file of neither the owner nor the group
     code, report = check_json(store)
     found = {(p["kind"], p["detail"].split(":")[0]) for p in report["problems"]}
     assert code == 1
     assert {("link", "tmp/link"), ("link", "segments/ab.seg"), ("special file", "index/fifo"),
-            ("special file", "segments/sock"), ("foreign owner", "tmp/mine")} <= found  # fmt: skip
+            ("special file", "segments/sock"), ("foreign owner", "segments/mine")} <= found  # fmt: skip
     code, report = check_json(store, "--fix", "--store-shared")
     assert code == 0, report
     assert snapshot(outside) == before
     for name in ("tmp/link", "segments/ab.seg", "index/fifo", "segments/sock"):
         assert not os.path.lexists(store / name)
-    st = os.stat(store / "tmp" / "mine")
+    st = os.stat(store / "segments" / "mine")
     assert (st.st_uid, st.st_gid) == (os.stat(store).st_uid, os.stat(store).st_gid)
     assert check_json(store)[0] == 0
 
