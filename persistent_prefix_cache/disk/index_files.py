@@ -223,10 +223,10 @@ def sweep_pins(idx: int) -> None:
             pass
 
 
-def _check_size(fd: int, store: str, where: str) -> None:
+def _check_size(fd: int, store: str, where: str, *, new: bool) -> None:
     size = os.fstat(fd).st_size
-    if size == 0:
-        return  # made just now: LMDB writes the first meta pages
+    if size == 0 and (new or not segment_file_count(store)):
+        return  # a new index (made here, or by an open beside this one): LMDB writes its meta pages
     if size < 2 * 4096:
         raise store_guard.corrupt_index(store, f"{where}/data.mdb is truncated ({size} bytes)")
     for _ in range(WALK_TRIES):
@@ -315,7 +315,7 @@ def checked(index_path: str, *, readonly: bool, writable: bool) -> Iterator[Chec
             except NotRegularFileError as exc:
                 raise store_guard.unsafe_entry(store, f"{rel}/data.mdb: {exc.strerror}") from None
             try:
-                _check_size(data, store, rel)
+                _check_size(data, store, rel, new=rel != "index")
             finally:
                 os.close(data)
         if pin is not None:
