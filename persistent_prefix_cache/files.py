@@ -155,8 +155,8 @@ def open_regular(path: str, flags: int = os.O_RDONLY, *, dir_fd: int | None = No
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             raise NotRegularFileError(errno.EINVAL, f"not a regular file ({kind_of(mode)})", path)
-        if NONBLOCK:
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~NONBLOCK)
+        if NONBLOCK:  # blocking again; F_SETFL ignores the access mode in `flags`
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~NONBLOCK)
     except BaseException:
         os.close(fd)
         raise

@@ -14,6 +14,12 @@ following the umask as they always did until the user asks (``ppc check --fix``,
 `make_private`). So changing a store is one ``chmod`` of its folder, and no two
 writers can disagree.
 
+Nothing the store does leaves it (a group store's members can put links anywhere in
+it): its folders are opened by descriptor, the store folder where the user's path leads
+and each folder inside without following a link (`folder_fd`); files are created
+exclusively under names nobody can predict (`TempFile`, see `files`) and renamed or
+unlinked relative to those descriptors (`TempFile.move_to`, `remove_entry`).
+
 Where a store may be made (`check_location`, the one rule the library and ``ppc``
 share): a new path whose nearest existing folder this process can write, an empty
 folder (or what a creation killed midway left: ``segments/``, ``tmp/``), or a store.
