@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .cost_fit import ALPHA, TRUSTED_WEIGHT, Fit
+from .files import open_regular
 
 # Restores smaller than this teach the fixed cost only (the rate would be noise).
 MIN_TIMED_BYTES = 1 << 20
@@ -51,6 +52,7 @@ PREFILL_STEP = 2048
 # layers resume only there) cuts its forwards short: by at most this share of their time.
 SNAPSHOT_OVERHEAD = 0.05
 FILE_NAME = "costs.json"
+MAX_FILE_BYTES = 1 << 20  # a costs file holds a few records per model and device: more is not one
 SAVE_EVERY = 30.0
 MAX_AGE = 30 * 24 * 3600.0
 TIERS = ("ram", "disk", "remote")
@@ -444,10 +446,14 @@ class SavedCosts:
 
     def _read(self) -> dict:
         try:
-            with open(self.path, encoding="utf-8") as f:
-                data = json.load(f)
+            # Never through a link, never blocked by a FIFO, never more than a costs file holds.
+            with os.fdopen(open_regular(self.path), "rb") as f:
+                raw = f.read(MAX_FILE_BYTES + 1)
+            if len(raw) > MAX_FILE_BYTES:
+                return {}
+            data = json.loads(raw)
         except (OSError, ValueError):
-            return {}  # none yet, or damaged: rates are hints, measured again
+            return {}  # none yet, damaged, or not a file: rates are hints, measured again
         models = data.get("models") if isinstance(data, dict) else None
         return models if isinstance(models, dict) else {}
 
@@ -468,23 +474,25 @@ class SavedCosts:
             return
         self._saved_at = time.monotonic()
         self.costs.changed = False
-        from .disk.store_dir import create_file
+        from .disk.store_dir import TempFile, folder
 
-        tmp = f"{self.path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        tmp = None
         try:
             models = self._read()  # another process's models and devices are kept
             entry = models.get(self.key)
             models[self.key] = entry = entry if isinstance(entry, dict) else {}
             entry[self.device] = self.costs.record()
-            fd = create_file(tmp, self.root)
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
+            # Exclusively, under a random name, in the store folder; renamed by descriptor.
+            tmp = TempFile(self.root, "", FILE_NAME.replace(".", "_"))
+            with os.fdopen(tmp.fd, "w", encoding="utf-8", closefd=False) as f:
                 json.dump({"version": 1, "models": models}, f)
-            os.replace(tmp, self.path)
+            with folder(self.root) as root:
+                tmp.move_to(root, FILE_NAME)
         except OSError:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            pass
+        finally:
+            if tmp is not None:
+                tmp.discard()
 
 
 class CostsMixin:

@@ -18,6 +18,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, load_model
 
+from .files import replace_beside
+
 DEMO_TEXT = """\
 A cache is a promise that the second time will be cheaper than the first.
 When a program keeps an answer it has already worked out, it trades memory for time.
@@ -93,8 +95,13 @@ def _train_tokenizer(vocab_size: int) -> str:
     return tokenizer.to_str(pretty=True)
 
 
+def _write_text(path: Path, text: str) -> None:
+    # Never through a link somebody put in the folder: a new file, renamed into place.
+    replace_beside(str(path), lambda f: f.write(text.encode("utf-8")), mode=0o644)
+
+
 def _write_json(path: Path, data: Mapping[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", "utf-8")
+    _write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 # The shape the tests, the soak tool and the server tests share: 1 KV head of width 32,
@@ -195,12 +202,14 @@ def write_tiny_model(
     weights = {k: v.astype(target) for k, v in tree_flatten(model.parameters())}
     weights = dict(sorted(weights.items()))
     mx.eval(weights)
-    mx.save_safetensors(
-        str(folder / "model.safetensors"), weights, metadata={"format": "mlx"}
+    replace_beside(
+        str(folder / "model.safetensors"),
+        lambda f: mx.save_safetensors(f, weights, metadata={"format": "mlx"}),
+        mode=0o644,
     )
 
     _write_json(folder / "config.json", config)
-    (folder / "tokenizer.json").write_text(tokenizer_json, "utf-8")
+    _write_text(folder / "tokenizer.json", tokenizer_json)
     _write_json(
         folder / "tokenizer_config.json",
         {

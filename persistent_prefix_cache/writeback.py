@@ -33,6 +33,7 @@ from .disk.faults import pause_point
 from .disk.index import WRITE_ERRORS, Index, Writer
 from .blocks import Node
 from .counters import Counters
+from .errors import StoreCorruptError
 from .merging import Merges
 from .tiers.memory import MemoryTier
 
@@ -206,6 +207,9 @@ class WriteBack:
     def _guarded(self, fn, *args):
         try:
             return fn(*args)
+        except StoreCorruptError as exc:  # a damaged index: one line per handle, naming the repair
+            self.index.write_damaged(exc)
+            self.counters.add(write_errors=1)
         except Exception:  # never let a failed background write reach the caller
             log.exception("background work failed in store %s", self.files.root)
             self.counters.add(write_errors=1)
@@ -402,7 +406,10 @@ class WriteBack:
         self.merges.after_write([segment for segment, _, _, _ in done], [written[-1].key for _, _, _, written in done])
 
     def _failed(self, what: str, nodes: list[Node], exc: Exception) -> None:
-        log.warning("could not %s blocks to %s: %s", what, self.files.root, exc)
+        if isinstance(exc, StoreCorruptError):
+            self.index.write_damaged(exc)  # said once per handle, with the repair to run
+        else:
+            log.warning("could not %s blocks to %s: %s", what, self.files.root, exc)
         self.counters.add(write_errors=1)
         for node in nodes:
             self.memory.discard(node.key)

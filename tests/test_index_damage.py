@@ -490,3 +490,62 @@ def test_a_serving_process_on_a_damaged_index_gets_hits_or_misses(source, tiny_m
     assert figures["fetch_errors"] == 0, [s["errors"] for s in served if s["errors"]][:3]
     assert figures["wrong_kv"] == 0
     assert figures["fetches_exact"] > 0  # the sweep means something: most pages leave most prompts
+
+
+@pytest.mark.slow
+def test_damage_that_only_breaks_writes_is_one_line_not_a_traceback(source, tiny_model_dir, tmp_path):
+    """Issue 29, item 11: a page whose damage only a write meets (``check``: "a write
+    would fail"). ``ppc generate`` restores, then its writes (the new blocks, recency and
+    hit counts, the fingerprint) fail: one line naming ``ppc check --fix``, counted in
+    write_errors, exit 0; never a traceback."""
+    import random
+    import shutil
+
+    from persistent_prefix_cache.disk.index_probe import probe_index
+
+    clean = tmp_path / "clean"
+    shutil.copytree(source["store"], clean)
+    prompt = "A cache is a promise that the second time will be cheaper than the first."
+    generate = ["generate", "--model", str(tiny_model_dir), "--prompt", prompt, "--max-tokens", "2", "--json"]
+    _ppc(*generate, "--store", str(clean))  # stores the prompt, remembers the model's fingerprint
+    store, found = tmp_path / "store", None
+    for page in range(2, os.path.getsize(clean / "index" / "data.mdb") // PAGE):
+        shutil.rmtree(store, ignore_errors=True)
+        shutil.copytree(clean, store)
+        with open(store / "index" / "data.mdb", "r+b") as f:
+            f.seek(page * PAGE)
+            f.write(random.Random(page).randbytes(PAGE))
+        damage = probe_index(str(store / "index")).damaged or ""
+        if damage.startswith("a write would fail"):
+            found = page
+            break
+    assert found is not None, "no page of this index breaks only writes: the case is not exercised"
+    proc = _ppc(*generate, "--store", str(store))
+    assert proc.returncode == 0, proc.stderr
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if "index damaged" in line]
+    assert len(said) == 1 and "ppc check --fix" in said[0] and "write" in said[0], proc.stderr
+    result = json.loads(proc.stdout[proc.stdout.index("{") :])
+    assert result["restored_tokens"] > 0 and result["new_blocks"] == 0
+    # The library's handle counts it, and says it once however many writes fail.
+    counts = run_python(
+        """
+        import json, sys
+        sys.path.insert(0, sys.argv[3])
+        from persistent_prefix_cache import PersistentPrefixCache
+        from persistent_prefix_cache.tiny_model import load_tiny_model
+        from helpers import prefill, random_tokens
+        model = load_tiny_model(sys.argv[2])
+        with PersistentPrefixCache(sys.argv[1], model, model_path=sys.argv[2]) as store:
+            for seed in range(3):
+                tokens = random_tokens(40, seed=9000 + seed, first=7)
+                store.store(tokens, prefill(model, tokens)[1])
+                store.flush()
+            print(json.dumps(store.stats()))
+        """,
+        str(store),
+        str(tiny_model_dir),
+        str(HERE),
+    )
+    assert json.loads(counts.stdout.splitlines()[-1])["write_errors"] >= 3
+    lines = [line for line in counts.stderr.splitlines() if line.strip()]
+    assert "Traceback" not in counts.stderr and len([l for l in lines if "index damaged" in l]) == 1, counts.stderr

@@ -36,7 +36,7 @@ from persistent_prefix_cache import (
     StorePathError,
 )
 from persistent_prefix_cache.disk.maintenance import StoreAdmin
-from persistent_prefix_cache.disk.store_dir import exposed
+from persistent_prefix_cache.disk.store_audit import exposed
 
 BLOCK = 16
 NOBODY = 65534
@@ -47,9 +47,12 @@ CHECKOUT = Path(__file__).resolve().parent.parent
 
 
 def tree(root) -> dict[str, tuple[int, str]]:
-    """Every entry under `root` (itself included): (mode, sha1 of a file's bytes)."""
+    """Every entry under `root` (itself included): (mode, sha1 of a file's bytes); each
+    user's private folder ``index/lmdb-open-<uid>`` left out (see `modes`)."""
     out = {}
     for folder, dirs, files in os.walk(root):
+        if os.path.basename(folder).startswith("lmdb-open-"):
+            continue
         out[os.path.relpath(folder, root)] = (os.lstat(folder).st_mode, "")
         for name in files:
             p = os.path.join(folder, name)
@@ -58,9 +61,14 @@ def tree(root) -> dict[str, tuple[int, str]]:
 
 
 def modes(root) -> set[tuple[str, str]]:
-    """The distinct (kind, octal mode) of a store's entries."""
+    """The distinct (kind, octal mode) of a store's entries (less each user's private,
+    empty folder ``index/lmdb-open-<uid>``, where LMDB's files are pinned while it opens
+    them: made 0700 by every open, see disk/index_files.py)."""
     out = set()
     for folder, dirs, files in os.walk(root):
+        if os.path.basename(folder).startswith("lmdb-open-"):
+            assert not files  # empty: the links go as soon as LMDB has the files open
+            continue
         out.add(("dir", f"{stat.S_IMODE(os.stat(folder).st_mode):04o}"))
         out |= {("file", f"{stat.S_IMODE(os.stat(os.path.join(folder, f)).st_mode):04o}") for f in files}
     return out

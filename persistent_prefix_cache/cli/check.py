@@ -8,7 +8,7 @@ Exit codes: 0 clean (or repaired with ``--fix``), 1 problems remain (run ``--fix
 from __future__ import annotations
 
 from ..disk.store_check import check_store
-from ..disk.store_dir import describe_finding, permissions_finding
+from ..disk.store_audit import describe_entries, describe_finding, permissions_finding
 from .common import (
     add_json_option, add_store_option, add_store_shared_option, emit, make_parser, run, store_path, table,
 )  # fmt: skip
@@ -40,6 +40,7 @@ def _render(r: dict) -> str:
         lines.append(f"fixed: removed {r['removed_nodes']} block(s) from the index and {r['removed_files']} file(s)")
     elif not r["clean"]:
         lines.append("run again with --fix to repair")
+    lines += describe_entries(r["unfixed"])
     lines += describe_finding(r["permissions"])
     return "\n".join(lines)
 
@@ -67,6 +68,6 @@ def main(argv: list[str]) -> int:
         # Who else can read the prompts: a warning (exit status unchanged); --fix makes it private.
         permissions = permissions_finding(path, fix=args.fix, shared=args.store_shared)
         emit({**report.to_dict(), "permissions": permissions}, args.json, _render)
-        return 0 if report.clean or report.fixed else 1
+        return 0 if (report.clean or report.fixed) and not report.unfixed else 1
 
     return run(work)

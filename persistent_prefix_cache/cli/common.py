@@ -195,6 +195,8 @@ def store_path(args: argparse.Namespace, *, must_exist: bool = False, walk: bool
         from ..disk.store_guard import corrupt_index
 
         health = probe_index(os.path.join(path, "index"), trial_write=False)
+        if health.refused:  # a link or a special file among LMDB's: not damage, nothing opened
+            raise UserError(health.refused)
         if health.damaged:
             raise corrupt_index(os.path.abspath(path), health.damaged)
     return path

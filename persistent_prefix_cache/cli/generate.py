@@ -372,7 +372,8 @@ def _generate(args) -> int:
         # restoring, prefilling and the last token's forward pass).
         "prompt_tps": round(len(ids) / ttft, 1) if ttft else 0.0,
         "peak_memory_gb": round(mx.get_peak_memory() / 1e9, 3),
-        "new_blocks": counting.new_blocks + new_after,
+        # Handed to the store; where writes failed (a damaged index, a full disk), committed.
+        "new_blocks": stats["blocks_written"] if stats.get("write_errors") else counting.new_blocks + new_after,
         "blocks_in_store": stats["blocks"],
         "bytes_on_disk": stats["bytes_on_disk"],
         "store": store.path,

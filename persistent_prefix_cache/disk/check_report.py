@@ -18,6 +18,7 @@ class CheckReport:
     fixed: bool = False
     notes: list[str] = field(default_factory=list)  # what was not checked, and why
     rebuild: dict | None = None  # what a rebuild of the index did (`rebuild.RebuildReport`)
+    unfixed: list[str] = field(default_factory=list)  # what --fix could not settle here, and why
 
     @property
     def clean(self) -> bool:
@@ -36,4 +37,5 @@ class CheckReport:
             "removed_files": self.removed_files,
             "notes": self.notes,
             "rebuild": self.rebuild,
+            "unfixed": self.unfixed,
         }

@@ -10,13 +10,14 @@ open never waits behind another process's commit.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from contextlib import contextmanager
 from typing import Callable, Iterator, TypeVar
 
 import lmdb
 
-from ..errors import ReadOnlyStoreError, StoreVersionError
+from ..errors import ReadOnlyStoreError, StoreCorruptError, StoreVersionError
 from .faults import pause_point
 from .index_env import acquire_env, release_env
 from .store_guard import corrupt_index, store_of
@@ -27,10 +28,13 @@ from ..blocks import Node
 from .schema import MIGRATIONS, SCHEMA_VERSION
 
 T = TypeVar("T")
-# What a failed write transaction raises (a full disk, say): the index is then as it was.
-WRITE_ERRORS = (lmdb.Error, OSError)
-# What LMDB raises for a damaged page (a read of one becomes StoreCorruptError).
-_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError)
+log = logging.getLogger("persistent_prefix_cache")
+# What LMDB raises for a damaged page (a read or a write that meets one becomes
+# StoreCorruptError; after one, LMDB refuses every later write with PanicError).
+_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.PanicError)
+# What a failed write transaction raises (a full disk, a damaged page): the index is
+# then as it was.
+WRITE_ERRORS = (lmdb.Error, OSError, StoreCorruptError)
 # Schemas up to this one kept their tables in named databases (migrations 0001, 0002).
 _LAST_NAMED_SCHEMA = 2
 
@@ -73,6 +77,7 @@ class Index:
         self.readonly = readonly
         self.env, self._gate = acquire_env(path, readonly)
         self._closed = False
+        self.said_write_damage = False  # `write_damaged` says it once per handle
         self._commits = 0
         try:
             self._retrying(lambda: (self._migrate(block_size) if migrate else None, self._read_block_size()))
@@ -170,7 +175,14 @@ class Index:
     # -- transactions ------------------------------------------------------------------
 
     def _write_txn(self, fn: Callable[[lmdb.Transaction], T]) -> T:
-        # Retry after growing a full map, or after another process grew it.
+        # Retry after growing a full map, or after another process grew it; a damaged
+        # page met on the way is StoreCorruptError, with what `ppc check --fix` will do.
+        try:
+            return self._write_retrying(fn)
+        except _DAMAGE as exc:
+            raise corrupt_index(store_of(self.path), f"a write failed: {type(exc).__name__}: {exc}") from None
+
+    def _write_retrying(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         while True:
             try:
                 with self._gate.transaction(), self.env.begin(write=True) as txn:
@@ -222,7 +234,17 @@ class Index:
         """Remember a fingerprint entry under its weight files' signature (a read-only
         handle remembers nothing)."""
         if not self.readonly:
-            self.write(lambda w: w.remember_fingerprint(signature, entry))
+            try:
+                self.write(lambda w: w.remember_fingerprint(signature, entry))
+            except StoreCorruptError as exc:  # a nicety: the next open hashes the model again
+                self.write_damaged(exc)
+
+    def write_damaged(self, exc: StoreCorruptError) -> None:
+        """Say once per handle that a write met a damaged index (the error names
+        ``ppc check --fix``); the caller counts it and goes on without the write."""
+        if not self.said_write_damage:
+            self.said_write_damage = True
+            log.warning("%s; writes that meet the damage are skipped (counted in write_errors)", exc)
 
     def remembered_fingerprints(self) -> list[dict]:
         """Every remembered fingerprint entry, with its ``signature`` in hex."""
@@ -326,7 +348,7 @@ def walk_index(path: str, *, trial_write: bool, say: Callable[[dict], None]) -> 
     Raises:
         lmdb.Error: What LMDB says of a damaged page (the caller reports it).
     """
-    from .index_env import open_env
+    from .index_env import close_env, open_env
 
     say({"stage": "open"})
     env = open_env(path, readonly=not trial_write)
@@ -371,4 +393,4 @@ def walk_index(path: str, *, trial_write: bool, say: Callable[[dict], None]) -> 
                 txn.abort()
         say({"done": True, "records": records, "problems": problems, "block_size": block_size})
     finally:
-        env.close()
+        close_env(env)

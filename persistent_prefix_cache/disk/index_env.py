@@ -23,8 +23,8 @@ except ImportError:  # older py-lmdb: nothing imported lazily
     pass
 
 from ..errors import ReadOnlyStoreError, StoreNotWritableError
-from . import store_guard
-from .store_dir import LEGACY_FILE, make_dirs, modes_of, require_writable, set_file_mode
+from . import index_files, store_guard
+from .store_dir import LEGACY_FILE, make_dirs, modes_of, require_writable
 
 # The map grows on demand (doubling); the start is small so tiny stores stay tiny.
 INITIAL_MAP_SIZE = 64 * 1024 * 1024  # tests set it smaller (module setting) to reach the growth path
@@ -73,66 +73,59 @@ class Gate:
 
 
 _ENVS: dict[tuple[int, str], list] = {}  # (pid, path) -> [env, refcount, gate]
+_PINS: dict[int, tuple[str, str | None]] = {}  # id(env) -> (index path, its private folder)
 _ENVS_LOCK = threading.Lock()
 
 
-def _check_data_file(path: str) -> None:
-    # A truncated data.mdb can SIGBUS the interpreter on first read: check that the
-    # file holds at least the two meta pages before LMDB maps it.
-    data = os.path.join(path, "data.mdb")
-    if os.path.exists(data) and os.path.getsize(data) < 2 * 4096:
-        raise store_guard.corrupt_index(
-            store_guard.store_of(path), f"{data} is truncated ({os.path.getsize(data)} bytes)"
-        )
-
-
 def open_env(path: str, readonly: bool) -> lmdb.Environment:
-    """Open an index's LMDB environment, checked against truncation (no sharing, no
-    store lock: `acquire_env` adds those; the index walk in a child uses this alone).
+    """Open an index's LMDB environment, its files checked first (`index_files`: no
+    link, no special or foreign file, no page in use missing), without sharing or the
+    store lock (`acquire_env` adds those; the index walk in a child uses this alone).
 
     Raises:
-        StoreCorruptError: If the files are not a valid, complete environment.
+        StoreCorruptError: If the files are not a valid, complete environment, or one
+            of them is a link, a special file or another user's.
     """
-    _check_data_file(path)
     writable = os.access(path, os.W_OK)
     store = store_guard.store_of(path)
-    created = [f for f in ("data.mdb", "lock.mdb") if not os.path.exists(os.path.join(path, f))]
     # A read-only handle opens the environment read-only: then even a writer
     # paused inside its transaction in another process never blocks it.
-    try:
-        env = lmdb.open(
-            path,
-            map_size=INITIAL_MAP_SIZE,
-            max_dbs=MAX_DBS,
-            readonly=readonly,
-            create=not readonly,
-            max_readers=512,
-            # A reader of a directory it cannot write cannot take LMDB's reader
-            # lock either; no writer can be at work there (same permissions).
-            lock=writable or not readonly,
-            # The store's file mode (0600 unless shared); the umask may narrow it,
-            # so the files LMDB creates are given it below.
-            mode=modes_of(store).file or (LEGACY_FILE | 0o111),
-        )
-    except (lmdb.InvalidError, lmdb.CorruptedError) as exc:
-        raise store_guard.corrupt_index(store, f"not a valid LMDB environment: {exc}")
-    except lmdb.VersionMismatchError as exc:
-        raise store_guard.corrupt_index(store, f"written by another LMDB: {exc}")
-    except lmdb.Error as exc:
-        if not _is_permission_error(exc):
-            raise
-        raise StoreNotWritableError(f"store index {path} cannot be opened for writing: {exc}") from None
-    if not readonly:
-        for name in created:
-            set_file_mode(os.path.join(path, name), store)
-    info = env.info()
-    data = os.path.join(path, "data.mdb")
-    if os.path.exists(data) and (info["last_pgno"] + 1) * env.stat()["psize"] > os.path.getsize(data):
-        env.close()
-        raise store_guard.corrupt_index(store, f"{data} is shorter than its last page")
+    with index_files.checked(path, readonly=readonly, writable=writable) as files:
+        try:
+            env = lmdb.open(
+                files.path,
+                subdir=files.subdir,
+                map_size=INITIAL_MAP_SIZE,
+                max_dbs=MAX_DBS,
+                readonly=readonly,
+                create=not readonly,
+                max_readers=512,
+                # A reader of a directory it cannot write cannot take LMDB's reader
+                # lock either; no writer can be at work there (same permissions).
+                lock=writable or not readonly,
+                # The files exist already, made by `index_files` with the store's mode.
+                mode=modes_of(store).file or (LEGACY_FILE | 0o111),
+            )
+        except (lmdb.InvalidError, lmdb.CorruptedError) as exc:
+            raise store_guard.corrupt_index(store, f"not a valid LMDB environment: {exc}")
+        except lmdb.VersionMismatchError as exc:
+            raise store_guard.corrupt_index(store, f"written by another LMDB: {exc}")
+        except lmdb.Error as exc:
+            if not _is_permission_error(exc):
+                raise
+            raise StoreNotWritableError(f"store index {path} cannot be opened for writing: {exc}") from None
+    _PINS[id(env)] = (path, files.pin)
     if not readonly:
         env.reader_check()
     return env
+
+
+def close_env(env: lmdb.Environment) -> None:
+    """Close an environment `open_env` opened, and remove its private folder."""
+    path, pin = _PINS.pop(id(env), (None, None))
+    env.close()
+    if path is not None:
+        index_files.remove_pin(path, pin)
 
 
 def _is_permission_error(exc: Exception) -> bool:
@@ -167,7 +160,7 @@ def acquire_env(path: str, readonly: bool) -> tuple[lmdb.Environment, Gate]:
         try:
             store_guard.check_no_pending_repair(store)
             if not readonly:
-                make_dirs(path, store)  # the store's folder mode, not the umask's
+                make_dirs(path, index_files.anchor(path)[0])  # the store's folder mode; no link followed
             env = open_env(path, readonly)
         except BaseException:
             store_guard.unshare(store)
@@ -187,6 +180,7 @@ def _forget_inherited_envs() -> None:
             except lmdb.Error:
                 pass
     _ENVS.clear()
+    _PINS.clear()  # the parent's private folders are the parent's to remove
     store_guard.forget_inherited()
 
 
@@ -203,5 +197,5 @@ def release_env(path: str) -> None:
         held[1] -= 1
         if held[1] == 0:
             del _ENVS[ident]
-            held[0].close()
+            close_env(held[0])
             store_guard.unshare(store_guard.store_of(path))

@@ -34,9 +34,12 @@ class IndexHealth:
         block_size: The block size stamped in the index, if it could be read.
         notes: What was not checked, and why (a read-only store skips the trial write;
             a writer holding LMDB's write lock made it wait too long).
+        refused: The index was not opened: one of its files is a link, a special file or
+            a foreign one (the error's text, with its hint: ``ppc check --fix``).
     """
 
     damaged: str | None = None
+    refused: str | None = None
     problems: list[str] = field(default_factory=list)
     records: int = 0
     block_size: int | None = None
@@ -90,11 +93,15 @@ def probe_index(index_path: str, *, trial_write: bool = True, timeout: float | N
             stage = item["stage"]
         elif "problem" in item:
             health.problems.append(item["problem"])
+        elif "refused" in item:
+            health.refused = item["refused"]
         elif "error" in item:
             # Every page read fine, but a write would fail (the free list, say).
             health.damaged = ("a write would fail: " if stage == "write" else "") + item["error"]
         elif item.get("done"):
             done = item
+    if health.refused is not None:
+        return health  # not damage: nothing was read
     if done is not None:
         health.records, health.block_size = done["records"], done["block_size"]
     if rc is None:
@@ -124,7 +131,10 @@ def _main(argv: list[str]) -> int:
     try:
         walk_index(argv[0], trial_write="--write" in argv[1:], say=say)
     except PrefixCacheError as exc:
-        say({"error": exc.message.split("index damaged: ", 1)[-1]})
+        if "index damaged: " in exc.message:
+            say({"error": exc.message.split("index damaged: ", 1)[-1]})
+        else:  # an entry that is not the store's: LMDB was never given it
+            say({"refused": str(exc)})
     except Exception as exc:  # an LMDB error (CorruptedError, PageNotFoundError, ...) is the finding
         say({"error": f"{type(exc).__name__}: {exc}"})
     return 0

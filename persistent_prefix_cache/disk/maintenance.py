@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import tarfile
 import time
 from typing import Iterator
@@ -25,8 +26,10 @@ from .index import SCHEMA_VERSION, Index, Reader, Writer
 from .check_report import CheckReport
 from ..blocks import Node
 from .pack_members import RECORD_HEAD, add_bytes, read_json, read_member, unpack_records
+from ..files import open_regular, replace_beside
 from .portable import durable_fsync
-from .store_dir import check_location, check_readable, create_file, create_root, make_dirs, require_writable
+from .segment_writer import pwritev_all
+from .store_dir import TempFile, check_location, check_readable, create_root, file_mode, require_writable
 
 EXPORT_FORMAT = "ppc-export/4"  # segment files of format v5
 V4_EXPORT_FORMAT = "ppc-export/3"  # segment files of format v4 (rewritten on import)
@@ -242,18 +245,18 @@ class StoreAdmin:
                 report.problems.append(("segment count", f"{seg.hex()}: {blocks} blocks recorded"))
             path = self.files.path_of(seg)
             damaged = any(n.segment == seg for k, n in nodes.items() if k in broken)
-            if not damaged and os.path.exists(path) and os.path.getsize(path) != size:
+            if not damaged and _regular_size(path) not in (None, size):
                 report.problems.append(("segment size", f"{seg.hex()}: {size} recorded"))
         if file_bytes != sum(size for _, _, size in segments.values()):
             report.problems.append(("totals", f"recorded {file_bytes} segment bytes"))
-        for rel in self.files.orphans(segments.__contains__, grace=grace):
+        for rel in self.files.orphans(segments.__contains__, grace=grace, every=True):
             report.problems.append(("unreferenced file", rel))
         for name in self.files.stale_tmp():
             report.problems.append(("leftover temporary file", name))
         if fix and report.problems:
             report.removed_nodes, freed = self._repair(alive, doomed)
             kept = {n.segment for n in alive.values()}
-            report.removed_files = len(freed) + self.files.sweep_orphans(kept.__contains__, grace=grace)
+            report.removed_files = len(freed) + self.files.sweep_orphans(kept.__contains__, grace=grace, every=True)
             report.removed_files += self.files.sweep_tmp()
             report.fixed = True
         return report
@@ -380,10 +383,9 @@ class StoreAdmin:
             nodes = [n for root in models for n in self.walk(reader, root)]
         nodes.sort(key=lambda n: n.position)  # parents before children
         out_path = expand_path(out_path, what="out_path")
-        tmp = f"{out_path}.{os.getpid()}.tmp"
-        try:
-            # The store's file mode (0600 unless shared): a pack holds the prompts too.
-            with os.fdopen(create_file(tmp, self.path), "wb") as raw, tarfile.open(fileobj=raw, mode="w") as tar:
+
+        def write(raw) -> None:
+            with tarfile.open(fileobj=raw, mode="w") as tar:
                 manifest = {
                     "format": EXPORT_FORMAT,
                     "block_size": self.index.block_size,
@@ -394,13 +396,13 @@ class StoreAdmin:
                 records = b"".join(RECORD_HEAD.pack(n.key, len(n.pack())) + n.pack() for n in nodes)
                 add_bytes(tar, "nodes.bin", records)
                 for seg in dict.fromkeys(n.segment for n in nodes):
-                    tar.add(self.files.path_of(seg), arcname=f"segments/{seg.hex()}.seg")
-            with open(tmp, "rb") as f:
-                durable_fsync(f.fileno())
-            os.replace(tmp, out_path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+                    # A regular file only: a link or a FIFO put there is refused, not followed.
+                    with os.fdopen(open_regular(self.files.path_of(seg)), "rb") as f:
+                        tar.addfile(tar.gettarinfo(arcname=f"segments/{seg.hex()}.seg", fileobj=f), f)
+
+        # Beside OUT under a name nobody can predict, created exclusively (its folder may
+        # be shared), with the store's file mode: a pack holds the prompts too.
+        replace_beside(out_path, write, mode=file_mode(self.path)[0], sync=durable_fsync)
         return {"models": len(models), "blocks": len(nodes), "bytes": sum(n.size for n in nodes)}
 
     def import_pack(self, in_path: str) -> dict:
@@ -474,14 +476,15 @@ class StoreAdmin:
             if seg in known:
                 continue  # imported before: the file is there
             data = read_member(tar, f"segments/{seg.hex()}.seg", in_path)
-            tmp = os.path.join(self.files.tmp, f"{seg.hex()}.{os.getpid()}.0.tmp")
-            with os.fdopen(create_file(tmp, self.path), "wb") as f:
-                f.write(data)
-                f.flush()
-                durable_fsync(f.fileno())
-            final = self.files.path_of(seg)
-            make_dirs(os.path.dirname(final), self.path)
-            os.replace(tmp, final)
+            tmp = TempFile(self.path, "tmp", seg.hex())  # exclusive, a random name: see files.temp_name
+            try:
+                with os.fdopen(tmp.fd, "wb", closefd=False) as f:
+                    f.write(data)
+                    f.flush()
+                    durable_fsync(f.fileno())
+                self.files.publish(tmp, seg)
+            finally:
+                tmp.discard()
             digest = self.files.digest_of(seg)
             written[seg] = (len(data), digest)
             if digest is None:
@@ -507,11 +510,10 @@ class StoreAdmin:
         # of one chain.
         for old in dict.fromkeys(n.segment for n in todo):
             data = read_member(tar, f"segments/{old.hex()}.seg", in_path)
-            tmp = os.path.join(self.files.tmp, f"{old.hex()}.{os.getpid()}.0.tmp")
-            with open(tmp, "wb") as f:
-                f.write(data)
-            fd = os.open(tmp, os.O_RDONLY)
+            tmp = TempFile(self.path, "tmp", old.hex(), flags=os.O_RDWR)  # read back through its descriptor
+            fd = tmp.fd
             try:
+                pwritev_all(fd, [data], 0)
                 try:
                     seg = older.OpenSegment(fd, old)
                 except ValueError:
@@ -525,8 +527,7 @@ class StoreAdmin:
                         runs.append([])
                     runs[-1].append((n, tensors))
             finally:
-                os.close(fd)
-                os.unlink(tmp)
+                tmp.discard()
             for run in runs:
                 seg_id, size, digest = self._rewrite(run, models, in_path)
                 written[seg_id] = (size, digest)
@@ -567,6 +568,15 @@ def _models_of(index: Index, nodes: list[Node], manifest: dict, path: str) -> di
                 root = up.parent if up is not None else bytes(16)
                 out[n.key] = {"root": root, "model": reader.model(root) or b"{}"}
     return out
+
+
+def _regular_size(path: str) -> int | None:
+    """The size of a regular file (None: missing, or not a regular file)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
 def _rate(hits: int, misses: int) -> float | None:

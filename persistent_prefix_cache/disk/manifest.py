@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 
 from ..blocks import Node
+from ..files import open_regular
 from .segment_reader import decode_tokens, parse_header, read_head
 
 
@@ -64,7 +65,7 @@ def read_manifest(path: str) -> Manifest:
             expect = bytes.fromhex(name[:32])
         except ValueError:
             expect = None
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_regular(path)  # a link or a FIFO is refused, never followed or waited on
     try:
         head, size = read_head(fd)
     finally:

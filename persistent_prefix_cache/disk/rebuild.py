@@ -27,6 +27,7 @@ store open while its index moves.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from .manifest import Manifest, read_manifest
 from ..blocks import DEFAULT_BLOCK_SIZE, Node
 from .segment import SegmentFiles
 from .portable import fsync_dir
+from .store_dir import folder, make_dirs, remove_entry
 
 
 @dataclass
@@ -82,16 +84,6 @@ class RebuildReport:
             "aside": self.aside,
             "resumed": self.resumed,
         }
-
-
-def _segment_paths(store: str) -> list[str]:
-    top = os.path.join(store, "segments")
-    out = []
-    if os.path.isdir(top):
-        for sub in sorted(os.scandir(top), key=lambda e: e.name):
-            if sub.is_dir():
-                out += [e.path for e in sorted(os.scandir(sub.path), key=lambda e: e.name) if e.name.endswith(".seg")]
-    return out
 
 
 def _read_intact(files: SegmentFiles, path: str) -> tuple[Manifest | None, str]:
@@ -174,20 +166,56 @@ def _superseded(kept: dict[bytes, Node], block_size: int) -> set[bytes]:
     return out
 
 
-def _finish_swap(store: str, stamp: str) -> str | None:
+def _remove_tree(store: str, name: str) -> None:
+    """Remove a folder of the store's top level and what it holds; a link there is
+    removed itself (``shutil.rmtree`` never follows one, nor walks through one)."""
+    path = os.path.join(store, name)
+    if os.path.islink(path):
+        os.unlink(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class _Aside:
+    """The folder a repair sets things aside in, ``damaged-<time>-<pid>-<random>``: made
+    when first needed, exclusively (nobody can have put a link at that name), and filled
+    by descriptor."""
+
+    def __init__(self, store: str):
+        self.store = store
+        self.name = store_guard.ASIDE_PREFIX + time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        self.name += f"-{os.getpid()}-{secrets.token_hex(3)}"
+        self.made = False
+
+    def move(self, rel: str) -> None:
+        """Move the entry `rel` of the store (``index``, ``segments/ab/<id>.seg``) into
+        the folder, at the same relative path."""
+        if not self.made:
+            with folder(self.store) as root:
+                os.mkdir(self.name, 0o700, dir_fd=root)
+            make_dirs(os.path.join(self.store, self.name), self.store)  # the store's folder mode
+            self.made = True
+        parent, name = os.path.split(rel)
+        make_dirs(os.path.join(self.store, self.name, parent), self.store)
+        with folder(self.store, parent) as src, folder(self.store, os.path.join(self.name, parent)) as dst:
+            os.rename(name, name, src_dir_fd=src, dst_dir_fd=dst)
+
+    @property
+    def path(self) -> str | None:
+        """Where it is (None if nothing was set aside)."""
+        return os.path.join(self.store, self.name) if self.made else None
+
+
+def _finish_swap(store: str, aside: _Aside) -> str | None:
     """Swap a complete ``index.new/`` in; returns where the old index went."""
-    new = os.path.join(store, store_guard.COMPLETE)
-    index = os.path.join(store, "index")
-    aside = None
-    if os.path.isdir(index):
-        aside = os.path.join(store, store_guard.ASIDE_PREFIX + stamp)
-        os.makedirs(aside, exist_ok=True)
-        os.rename(index, os.path.join(aside, "index"))
+    if os.path.lexists(os.path.join(store, "index")):
+        aside.move("index")
         fsync_dir(store)
         pause_point("rebuild_swap")
-    os.rename(new, index)
+    with folder(store) as root:
+        os.rename(store_guard.COMPLETE, "index", src_dir_fd=root, dst_dir_fd=root)
     fsync_dir(store)
-    return aside
+    return aside.path
 
 
 def rebuild_index(store: str, *, block_size: int | None = None) -> RebuildReport:
@@ -213,34 +241,34 @@ def rebuild_index(store: str, *, block_size: int | None = None) -> RebuildReport
             hint="run `ppc check --fix` with write access to the store, or on a writable copy of it",
         )
     report = RebuildReport()
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + f"-{os.getpid()}"
-    building = os.path.join(store, store_guard.BUILDING)
+    aside = _Aside(store)
     with store_guard.exclusive(store):
-        if os.path.isdir(os.path.join(store, store_guard.COMPLETE)):
-            shutil.rmtree(building, ignore_errors=True)
-            report.aside = _finish_swap(store, stamp)  # an interrupted run got this far
+        if os.path.isdir(os.path.join(store, store_guard.COMPLETE)) and not os.path.islink(
+            os.path.join(store, store_guard.COMPLETE)
+        ):
+            _remove_tree(store, store_guard.BUILDING)
+            report.aside = _finish_swap(store, aside)  # an interrupted run got this far
             report.resumed = True
             return report
-        shutil.rmtree(building, ignore_errors=True)
+        for name in (store_guard.BUILDING, store_guard.COMPLETE):
+            _remove_tree(store, name)  # what an earlier run (or somebody) left there
         files = SegmentFiles(store)
         manifests, unusable, converted = [], [], []
-        for path in _segment_paths(store):
+        for rel in files.listed():  # regular files only, in folders that are not links
+            path = os.path.join(store, rel)
             report.segments += 1
             m, why = _read_intact(files, path)
             if m is None and why.startswith("header:"):
                 m = _convert_v4(files, path)
                 if m is not None:
-                    converted.append(path)
+                    converted.append(rel)
             if m is None:
-                unusable.append(path)
-                report.unusable.append((os.path.relpath(path, store), why))
+                unusable.append(rel)
+                report.unusable.append((rel, why))
             else:
-                manifests.append((m, os.stat(path).st_mtime_ns))
-        aside = os.path.join(store, store_guard.ASIDE_PREFIX + stamp)
-        for path in unusable:  # kept for a closer look, out of the sweeps' way (before the swap)
-            target = os.path.join(aside, os.path.relpath(path, store))
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            os.rename(path, target)
+                manifests.append((m, os.lstat(path).st_mtime_ns))
+        for rel in unusable:  # kept for a closer look, out of the sweeps' way (before the swap)
+            aside.move(rel)
         kept, report.dropped = _chained(manifests)
         recorded = {m.block_size for m, _ in manifests}
         if recorded:
@@ -264,20 +292,18 @@ def rebuild_index(store: str, *, block_size: int | None = None) -> RebuildReport
 
         # The new index sits one folder down: migrations clean the folder above the
         # index they stamp (0003 empties its segments/), which must not be the store.
-        index = Index(os.path.join(building, "index"), block_size=block_size)
+        index = Index(os.path.join(store, store_guard.BUILDING, "index"), block_size=block_size)
         try:
             index.write(fill)
         finally:
             index.close()
         pause_point("rebuild_built")
-        os.rename(os.path.join(building, "index"), os.path.join(store, store_guard.COMPLETE))
+        with folder(store, store_guard.BUILDING) as src, folder(store) as root:
+            os.rename("index", store_guard.COMPLETE, src_dir_fd=src, dst_dir_fd=root)
         fsync_dir(store)
-        shutil.rmtree(building, ignore_errors=True)
-        report.aside = _finish_swap(store, stamp) or (aside if unusable else None)
-        for path in converted:  # their blocks live in the v5 copies the new index names
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        _remove_tree(store, store_guard.BUILDING)
+        report.aside = _finish_swap(store, aside)
+        for rel in converted:  # their blocks live in the v5 copies the new index names
+            remove_entry(store, rel, regular_only=True)
         report.converted = len(converted)
     return report

@@ -46,26 +46,19 @@ or an unreferenced segment, both swept later.
 from __future__ import annotations
 
 import os
-import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from ..blocks import Node
+from ..files import NotRegularFileError, open_regular, pid_alive, pid_of_temp
 from .faults import pause_point
-from .portable import durable_fsync, fsync_dir
+from .portable import durable_fsync
 from .segment_writer import Sink, plan_segment, pwritev_all
 from .segment_reader import OpenSegment
-from .store_dir import create_file, make_dirs
+from .store_guard import unsafe_entry
+from .store_dir import TempFile, folder, folder_fd, make_dirs, remove_entry, subfolder
 
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+HEX = frozenset("0123456789abcdef")
 
 
 class SegmentFiles:
@@ -82,8 +75,11 @@ class SegmentFiles:
         self.tmp = os.path.join(root, "tmp")
         self.legacy = os.path.join(root, "blocks")  # schema v1-v2: one file per block
         if not readonly:
-            for folder in (self.segments, self.tmp):
-                make_dirs(folder, root)  # the store's modes, not the umask's
+            for sub in (self.segments, self.tmp):
+                try:
+                    make_dirs(sub, root)  # the store's modes, not the umask's; no link followed
+                except NotRegularFileError:
+                    raise unsafe_entry(root, f"{os.path.basename(sub)} is a symbolic link or a file, not a folder") from None
 
     def path_of(self, segment: bytes) -> str:
         """Absolute path of a segment's file."""
@@ -133,9 +129,10 @@ class SegmentFiles:
         segment = os.urandom(16)
         plan = plan_segment(segment, blocks, root, model, block_size)
         skeleton = len(plan.header(None, None, None))  # the data starts after it
-        tmp = os.path.join(self.tmp, f"{segment.hex()}.{os.getpid()}.{threading.get_ident()}.tmp")
-        fd = create_file(tmp, self.root)  # the store's file mode (0600 unless shared), not the umask's
+        # Created exclusively in tmp/ under a random name, with the store's file mode.
+        tmp = TempFile(self.root, "tmp", segment.hex())
         try:
+            fd = tmp.fd
             # The data first (hashed as it goes, written from a second thread), then the
             # header that records its digests, at offset 0: until the fsync and the
             # rename below, the file is a temporary one no reader ever opens.
@@ -149,25 +146,36 @@ class SegmentFiles:
                 raise ValueError("a segment header changed length once its digests were known")
             pwritev_all(fd, [head], 0)
             durable_fsync(fd)
-        except BaseException:
-            os.close(fd)
-            self._remove(tmp)
-            raise
-        os.close(fd)
-        pause_point("before_rename")
-        final = self.path_of(segment)
-        try:
-            folder = os.path.dirname(final)
-            if not os.path.isdir(folder):
-                make_dirs(folder, self.root)
-                fsync_dir(self.segments)
-            os.replace(tmp, final)
-            if sync_folder:
-                fsync_dir(folder)
-        except BaseException:
-            self._remove(tmp)
-            raise
+            tmp.close_file()
+            pause_point("before_rename")
+            self.publish(tmp, segment, sync_folder=sync_folder)
+        finally:
+            tmp.discard()  # removes the file unless it was renamed into place
         return segment, size, digest
+
+    def publish(self, tmp: TempFile, segment: bytes, *, sync_folder: bool = True) -> None:
+        """Rename a complete, fsynced temporary file into place as a segment's file, by
+        descriptor: a link put among the store's folders is never followed.
+
+        Args:
+            tmp: The temporary file (closed and released here).
+            segment: The segment id.
+            sync_folder: Fsync the folder it was renamed into.
+
+        Raises:
+            OSError: If the rename fails (`TempFile.discard` then removes the file).
+        """
+        h = segment.hex()
+        with folder(self.root, "segments", create=True) as top:
+            sub, made = subfolder(top, h[:2], self.root)
+            try:
+                if made:
+                    durable_fsync(top)  # the new folder's name is durable before a file in it
+                tmp.move_to(sub, f"{h}.seg")
+                if sync_folder:
+                    durable_fsync(sub)
+            finally:
+                os.close(sub)
 
     def sync_folders(self, segments: Sequence[bytes]) -> None:
         """Fsync, once each, the folders these segments were renamed into (what
@@ -176,8 +184,9 @@ class SegmentFiles:
         Raises:
             OSError: If a folder cannot be synced.
         """
-        for folder in sorted({os.path.dirname(self.path_of(s)) for s in segments}):
-            fsync_dir(folder)
+        for sub in sorted({s.hex()[:2] for s in segments}):
+            with folder(self.root, f"segments/{sub}") as fd:
+                durable_fsync(fd)
 
     # -- reading --------------------------------------------------------------------
 
@@ -187,7 +196,7 @@ class SegmentFiles:
         The caller closes the handle (`OpenSegment.close`).
         """
         try:
-            fd = os.open(self.path_of(segment), os.O_RDONLY)
+            fd = open_regular(self.path_of(segment))  # a link or a FIFO here is a miss, never a hang
         except OSError:
             return None
         try:
@@ -199,7 +208,7 @@ class SegmentFiles:
     def verify(self, node: Node) -> str | None:
         """What is wrong with a node's bytes (None if nothing): every piece is read
         and checksummed, every snapshot checked against its digest."""
-        if not os.path.exists(self.path_of(node.segment)):
+        if not os.path.lexists(self.path_of(node.segment)):
             return "missing file"
         seg = self.open(node.segment)
         if seg is None:
@@ -239,30 +248,44 @@ class SegmentFiles:
     # -- removing -------------------------------------------------------------------
 
     def unlink(self, segments: Sequence[bytes]) -> None:
-        """Remove the files of segments the index no longer references (commit first)."""
+        """Remove the files of segments the index no longer references (commit first);
+        by descriptor, so a link among the store's folders never leads elsewhere."""
         for segment in segments:
-            self._remove(self.path_of(segment))
+            h = segment.hex()
+            self._remove(f"segments/{h[:2]}/{h}.seg")
 
-    @staticmethod
-    def _remove(path: str) -> None:
+    def _remove(self, rel: str) -> None:
         try:
-            os.unlink(path)
+            remove_entry(self.root, rel)
         except FileNotFoundError:
             pass
 
-    def stale_tmp(self) -> list[str]:
-        """Temporary files whose writing process is gone (ours in flight are not)."""
+    def _entries(self, rel: str) -> Iterator[os.DirEntry]:
+        """The entries of a folder of the store, opened without following a link (none
+        if it is missing or a link)."""
         try:
-            names = sorted(os.listdir(self.tmp))
-        except FileNotFoundError:
-            return []
+            fd = folder_fd(self.root, rel)
+        except (FileNotFoundError, NotRegularFileError):
+            return
+        try:
+            with os.scandir(fd) as it:
+                entries = sorted(it, key=lambda e: e.name)
+            yield from entries  # their stat() is relative to the folder: it stays open meanwhile
+        finally:
+            os.close(fd)
+
+    def stale_tmp(self) -> list[str]:
+        """Temporary files whose writing process is gone (ours in flight are not): the
+        regular files of ``tmp/`` (a name without a writer's pid, see `files.temp_name`,
+        is nobody's in flight); links and special files are left to ``ppc check``."""
         stale = []
-        for name in names:
-            parts = name.split(".")
-            pid = int(parts[1]) if len(parts) == 4 and parts[1].isdigit() else None
-            if pid == os.getpid() or (pid is not None and _pid_alive(pid)):
+        for entry in self._entries("tmp"):
+            if not entry.is_file(follow_symlinks=False):
+                continue
+            pid = pid_of_temp(entry.name)
+            if pid is not None and (pid == os.getpid() or pid_alive(pid)):
                 continue  # a live writer (this process or another) is still at work
-            stale.append(name)
+            stale.append(entry.name)
         return stale
 
     def sweep_tmp(self) -> int:
@@ -271,49 +294,77 @@ class SegmentFiles:
         Returns:
             How many were removed.
         """
-        stale = self.stale_tmp()
-        for name in stale:
-            self._remove(os.path.join(self.tmp, name))
-        return len(stale)
+        removed = 0
+        for name in self.stale_tmp():
+            try:
+                removed += remove_entry(self.root, f"tmp/{name}", regular_only=True)
+            except OSError:
+                continue  # not ours to remove (another user's file in a shared store)
+        return removed
 
-    def orphans(self, is_referenced: Callable[[bytes], bool], *, grace: float) -> list[str]:
+    def orphans(self, is_referenced: Callable[[bytes], bool], *, grace: float, every: bool = False) -> list[str]:
         """Segment files (paths relative to the store) no index entry references, and
         files left by schema v1-v2 (``blocks/``, which nothing references any more).
+        Folders that are links are not followed; only regular files are listed.
 
         Args:
             is_referenced: Whether the index references a segment id.
             grace: Leave out segments younger than this many seconds (a writer in
                 another process may be about to commit them).
+            every: Also list regular files whose names the store does not make
+                (``ppc check``; a sweep at open removes only the store's own).
         """
-        out = []
+        out = [rel for rel, _, _ in self._files_in("blocks")]
         cutoff = time.time() - grace
-        for top, legacy in ((self.segments, False), (self.legacy, True)):
-            subs = sorted(os.scandir(top), key=lambda e: e.name) if os.path.isdir(top) else ()
-            for sub in subs:
-                if not sub.is_dir():
-                    continue
-                for entry in sorted(os.scandir(sub.path), key=lambda e: e.name):
-                    rel = os.path.relpath(entry.path, self.root)
-                    if legacy:
-                        out.append(rel)
-                        continue
-                    try:
-                        if is_referenced(bytes.fromhex(entry.name.removesuffix(".seg"))):
-                            continue
-                        if entry.stat().st_mtime > cutoff:
-                            continue
-                    except (ValueError, FileNotFoundError):
-                        pass
+        for rel, entry, segment in self._files_in("segments"):
+            if segment is None:
+                if every:
                     out.append(rel)
+                continue
+            if is_referenced(segment):
+                continue
+            try:
+                if entry.stat(follow_symlinks=False).st_mtime > cutoff:
+                    continue
+            except FileNotFoundError:
+                continue
+            out.append(rel)
         return out
 
-    def sweep_orphans(self, is_referenced: Callable[[bytes], bool], *, grace: float) -> int:
-        """Remove the files `orphans` lists.
+    def listed(self) -> list[str]:
+        """Every segment file (paths relative to the store): regular files with the
+        names the store gives them, in folders that are not links."""
+        return [rel for rel, _, segment in self._files_in("segments") if segment is not None]
+
+    def _files_in(self, top: str) -> Iterator[tuple[str, os.DirEntry, bytes | None]]:
+        """(relative path, entry, segment id or None) of each regular file one folder
+        below `top`; links and special files are left to ``ppc check``."""
+        for sub in self._entries(top):
+            if sub.is_dir(follow_symlinks=False):
+                for entry in self._entries(f"{top}/{sub.name}"):
+                    if entry.is_file(follow_symlinks=False):
+                        yield f"{top}/{sub.name}/{entry.name}", entry, _segment_id(sub.name, entry.name)
+
+    def sweep_orphans(self, is_referenced: Callable[[bytes], bool], *, grace: float, every: bool = False) -> int:
+        """Remove the files `orphans` lists (regular files only, by descriptor).
 
         Returns:
             How many were removed.
         """
-        found = self.orphans(is_referenced, grace=grace)
+        found = self.orphans(is_referenced, grace=grace, every=every)
+        removed = 0
         for rel in found:
-            self._remove(os.path.join(self.root, rel))
-        return len(found)
+            try:
+                removed += remove_entry(self.root, rel, regular_only=True)
+            except OSError:
+                continue  # not ours to remove (another user's file in a shared store)
+        return removed
+
+
+def _segment_id(sub: str, name: str) -> bytes | None:
+    """The segment id a file name in ``segments/<sub>/`` stands for (None: a name the
+    store never makes)."""
+    h = name[:-4] if name.endswith(".seg") else ""
+    if len(h) != 32 or not set(h) <= HEX or h[:2] != sub:
+        return None
+    return bytes.fromhex(h)

@@ -17,6 +17,7 @@ from .index_probe import probe_index
 from .check_report import CheckReport
 from .maintenance import StoreAdmin
 from .rebuild import rebuild_index
+from .store_audit import blocks_opening, entry_findings
 
 INDEX_DAMAGED = "index damaged"
 
@@ -43,11 +44,23 @@ def check_store(path: str, *, fix: bool = False, grace: float = 60.0) -> CheckRe
     """
     path = os.path.abspath(expand_path(path, what="path"))
     index = os.path.join(path, "index")
-    pending = store_guard.pending_repair(path)
-    missing = pending is None and not os.path.isdir(index)
-    if missing and not store_guard.segment_count(path):
+    if not os.path.lexists(index) and not store_guard.pending_repair(path) and not store_guard.segment_count(path):
         raise InvalidArgumentError(f"no store at {path}")
     report = CheckReport()
+    # Links, special and foreign files first, before anything opens through them (LMDB's
+    # files, the lock): found, and with --fix removed (never followed) or handed back.
+    found, report.unfixed, fixed = entry_findings(path, fix=fix)
+    report.problems += found
+    if fixed:
+        report.fixed = True
+    stuck = [d for k, d in found if blocks_opening(k, d)] if not fix else [u for u in report.unfixed if blocks_opening("", u)]
+    if stuck:
+        report.notes.append(
+            f"the index was not opened: {stuck[0].split(':')[0]} is not the store's (`ppc check --fix` removes it)"
+        )
+        return report
+    pending = store_guard.pending_repair(path)
+    missing = pending is None and not os.path.isdir(index)
     block_size = None
     if missing:  # segment files without an index: it can be rebuilt from them
         damage = "index/ is missing"
@@ -58,6 +71,9 @@ def check_store(path: str, *, fix: bool = False, grace: float = 60.0) -> CheckRe
         damage = f"a repair was interrupted (found {pending}/)"
     else:
         health = probe_index(index)
+        if health.refused:  # an entry put there since the walk above: say so, open nothing
+            report.problems.append(("not the store's", health.refused))
+            return report
         report.notes += health.notes
         damage, block_size = health.damaged, health.block_size
         report.problems += [(INDEX_DAMAGED, p) for p in health.problems]
@@ -76,5 +92,5 @@ def check_store(path: str, *, fix: bool = False, grace: float = 60.0) -> CheckRe
     report.segments_verified = after.segments_verified
     report.problems += after.problems
     report.removed_nodes, report.removed_files = after.removed_nodes, after.removed_files
-    report.fixed = after.fixed or report.rebuild is not None
+    report.fixed = report.fixed or after.fixed or report.rebuild is not None
     return report

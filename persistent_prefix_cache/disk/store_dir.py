@@ -14,6 +14,12 @@ following the umask as they always did until the user asks (``ppc check --fix``,
 `make_private`). So changing a store is one ``chmod`` of its folder, and no two
 writers can disagree.
 
+Nothing the store does leaves it (a group store's members can put links anywhere in
+it): its folders are opened by descriptor, the store folder where the user's path leads
+and each folder inside without following a link (`folder_fd`); files are created
+exclusively under names nobody can predict (`TempFile`, see `files`) and renamed or
+unlinked relative to those descriptors (`TempFile.move_to`, `remove_entry`).
+
 Where a store may be made (`check_location`, the one rule the library and ``ppc``
 share): a new path whose nearest existing folder this process can write, an empty
 folder (or what a creation killed midway left: ``segments/``, ``tmp/``), or a store.
@@ -24,9 +30,12 @@ from __future__ import annotations
 
 import os
 import stat
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 from ..errors import StoreNotWritableError, StorePathError
+from ..files import NotRegularFileError, create_temp, open_folder
 from .store_guard import corrupt_index
 
 PRIVATE_FOLDER, PRIVATE_FILE = 0o700, 0o600
@@ -64,54 +73,194 @@ def modes_of(root: str) -> Modes:
     return Modes(PRIVATE_FOLDER | group | (mode & stat.S_ISGID), PRIVATE_FILE | (group & 0o060))
 
 
-def make_dirs(path: str, root: str) -> None:
-    """``os.makedirs(path, exist_ok=True)`` for a folder inside the store at `root`, each
-    folder it creates given the store's folder mode (the umask does not narrow it); a
-    missing store folder is made private (`create_root`)."""
-    if not os.path.isdir(root):
-        create_root(root)
-    modes = modes_of(root)
-    missing = []
-    p = os.path.abspath(path)
-    stop = os.path.abspath(root)
-    while p != stop and not os.path.isdir(p):
-        missing.append(p)
-        p = os.path.dirname(p)
-    for folder in reversed(missing):
+def _subfolder(parent: int, name: str, modes: Modes | None) -> tuple[int, bool]:
+    """Open the folder `name` in `parent` without following a link; with `modes`, make
+    it first if it is missing. Returns (descriptor, whether it was made here)."""
+    try:
+        return open_folder(name, dir_fd=parent), False
+    except FileNotFoundError:
+        if modes is None:
+            raise
+    try:
+        os.mkdir(name, 0o700 if modes.folder is not None else 0o777, dir_fd=parent)
+        made = True
+    except FileExistsError:
+        made = False  # another writer made it: its mode is the same
+    fd = open_folder(name, dir_fd=parent)
+    if made and modes.folder is not None:
         try:
-            os.mkdir(folder, 0o700 if modes.folder is not None else 0o777)
-        except FileExistsError:
-            continue  # another writer made it: its mode is the same
-        if modes.folder is not None:
-            os.chmod(folder, modes.folder)
-
-
-def create_file(path: str, root: str, flags: int = os.O_WRONLY | os.O_CREAT | os.O_TRUNC) -> int:
-    """Open (create) a file in the store at `root` with the store's file mode.
-
-    Returns:
-        The file descriptor (the caller closes it).
-    """
-    mode = modes_of(root).file
-    fd = os.open(path, flags, PRIVATE_FILE if mode is not None else LEGACY_FILE)
-    if mode is not None:
-        try:
-            os.fchmod(fd, mode)  # the umask may have taken group bits away
+            os.fchmod(fd, modes.folder)  # by descriptor: never a link put there meanwhile
         except BaseException:
             os.close(fd)
             raise
+    return fd, made
+
+
+def folder_fd(root: str, rel: str = "", *, create: bool = False) -> int:
+    """Open a folder of the store at `root` by descriptor: the store folder where the
+    user's path leads, then each component of `rel` without following a link, so that
+    what is done relative to the descriptor happens inside the store.
+
+    Args:
+        root: The store directory.
+        rel: A folder inside it (``"segments/ab"``; ``""``: the store folder itself).
+        create: Make missing folders with the store's folder mode (a missing store
+            folder is made private, `create_root`).
+
+    Returns:
+        The descriptor (the caller closes it).
+
+    Raises:
+        NotRegularFileError: If a component is a link or a file (somebody put it
+            there: ``ppc check --fix`` removes it).
+        OSError: If a folder is missing (and not `create`) or cannot be opened.
+    """
+    if create and not os.path.isdir(root):
+        create_root(root)
+    modes = modes_of(root) if create else None
+    fd = open_folder(root, follow=True)
+    try:
+        for part in rel.split("/"):
+            if part and part != ".":
+                sub, _ = _subfolder(fd, part, modes)
+                os.close(fd)
+                fd = sub
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 
-def set_file_mode(path: str, root: str) -> None:
-    """Give a file the store's file mode (for files created by others: LMDB's). Best
-    effort: a file another user of a shared store made first is theirs to set."""
-    mode = modes_of(root).file
+@contextmanager
+def folder(root: str, rel: str = "", *, create: bool = False) -> Iterator[int]:
+    """`folder_fd` as a context manager (the descriptor is closed on exit)."""
+    fd = folder_fd(root, rel, create=create)
     try:
-        if mode is not None and stat.S_IMODE(os.stat(path).st_mode) != mode:
-            os.chmod(path, mode)
-    except OSError:
-        pass
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def make_dirs(path: str, root: str) -> None:
+    """``os.makedirs(path, exist_ok=True)`` for a folder inside the store at `root`, each
+    folder it creates given the store's folder mode (the umask does not narrow it); a
+    missing store folder is made private (`create_root`). No link is followed.
+
+    Raises:
+        NotRegularFileError: If a component of `path` inside the store is a link or a file.
+    """
+    os.close(folder_fd(root, os.path.relpath(os.path.abspath(path), os.path.abspath(root)), create=True))
+
+
+def subfolder(parent: int, name: str, root: str) -> tuple[int, bool]:
+    """Open (or make, with the store's folder mode) the folder `name` in the store
+    folder open as `parent`, without following a link.
+
+    Returns:
+        (descriptor, whether it was made here: the caller fsyncs `parent` then).
+    """
+    return _subfolder(parent, name, modes_of(root))
+
+
+def file_mode(root: str) -> tuple[int, bool]:
+    """The mode a new file of the store at `root` gets: (bits, exact). Exact: set as
+    is; else the umask narrows it (a store from before stores were private)."""
+    mode = modes_of(root).file
+    return (mode, True) if mode is not None else (LEGACY_FILE, False)
+
+
+class TempFile:
+    """A temporary file of a store, created exclusively in one of its folders under a
+    name nobody can predict (`files.temp_name`) with the store's file mode, and moved
+    into place (`move_to`) or removed (`discard`) by descriptor: inside the store.
+
+    Args:
+        root: The store directory.
+        folder: The folder it is made in (``"tmp"``; ``""``: the store folder).
+        stem: What it will become (a segment id in hex, a file name), without dots.
+        flags: ``os.O_WRONLY`` or ``os.O_RDWR``.
+
+    Attributes:
+        fd: The open file (None once closed).
+        path: Its path (for messages).
+    """
+
+    def __init__(self, root: str, folder: str, stem: str, *, flags: int = os.O_WRONLY):
+        self.root = root
+        self.dir_fd: int | None = folder_fd(root, folder, create=True)
+        mode, exact = file_mode(root)
+        try:
+            fd, name = create_temp("", stem, mode, dir_fd=self.dir_fd, flags=flags, exact=exact)
+        except BaseException:
+            os.close(self.dir_fd)
+            raise
+        self.fd: int | None = fd
+        self.name: str | None = name
+        self.path = os.path.join(root, folder, name)
+
+    def close_file(self) -> None:
+        """Close the file (it stays where it is)."""
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            os.close(fd)
+
+    def move_to(self, dst_fd: int, name: str) -> None:
+        """Close the file and rename it to `name` in the store folder open as `dst_fd`
+        (replacing what is there, a link itself and never its target); then `discard`
+        closes the rest.
+
+        Raises:
+            OSError: If the rename fails (then the caller's `discard` removes the file).
+        """
+        self.close_file()
+        os.replace(self.name, name, src_dir_fd=self.dir_fd, dst_dir_fd=dst_fd)
+        self.name = None
+        self.discard()
+
+    def discard(self) -> None:
+        """Close and remove the file (unless it was moved), and close its folder."""
+        self.close_file()
+        if self.name is not None:
+            try:
+                os.unlink(self.name, dir_fd=self.dir_fd)
+            except OSError:
+                pass
+            self.name = None
+        if self.dir_fd is not None:
+            fd, self.dir_fd = self.dir_fd, None
+            os.close(fd)
+
+
+def remove_entry(root: str, rel: str, *, regular_only: bool = False) -> bool:
+    """Unlink an entry of the store at `root` by descriptor: a link is removed itself,
+    never followed, and a link among the folders on the way stops it.
+
+    Args:
+        root: The store directory.
+        rel: The entry (``"segments/ab/<id>.seg"``).
+        regular_only: Remove it only if it is a regular file.
+
+    Returns:
+        Whether it was removed (False: missing, not a regular file with
+        `regular_only`, or a link on the way).
+
+    Raises:
+        OSError: If it cannot be removed (permissions).
+    """
+    parent, name = os.path.split(rel)
+    try:
+        fd = folder_fd(root, parent)
+    except (FileNotFoundError, NotRegularFileError):
+        return False
+    try:
+        if regular_only and not stat.S_ISREG(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+            return False
+        os.unlink(name, dir_fd=fd)
+        return True
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def store_exists(path: str) -> bool:
@@ -274,100 +423,24 @@ def undo_creation(path: str, *, made_folder: bool) -> None:
         return  # another process has begun to use the store meanwhile: leave it
     for name in ("index/data.mdb", "index/lock.mdb", "lock"):
         try:
-            os.unlink(os.path.join(path, name))
+            remove_entry(path, name)  # by descriptor: a link put in the way is not followed
         except OSError:
             pass
-    tops = ["index", "tmp", "segments"] + ([""] if made_folder else [])
-    for top in tops:
-        folder = os.path.join(path, top)
-        subs = [os.path.join(folder, e) for e in os.listdir(folder)] if top == "segments" and os.path.isdir(folder) else []
-        for sub in subs + [folder]:
-            try:
-                os.rmdir(sub)  # only an empty folder: never somebody's files
-            except OSError:
-                pass
-
-
-# -- the permissions finding of ``ppc check`` -----------------------------------------------
-
-
-def exposed(root: str) -> list[tuple[str, int]]:
-    """What in the store at `root` other users can read, write or enter.
-
-    Returns:
-        (path relative to `root` ("." for the folder itself), mode) per entry.
-    """
-    out = []
-    for folder, dirs, files in os.walk(root):
-        for p in [folder] + [os.path.join(folder, f) for f in files]:
-            try:
-                mode = stat.S_IMODE(os.lstat(p).st_mode)
-            except OSError:
-                continue  # removed meanwhile (a writer at work)
-            if mode & 0o007 and not os.path.islink(p):
-                out.append((os.path.relpath(p, root), mode))
-    return out
-
-
-def make_private(root: str, *, shared: bool = False) -> tuple[int, list[str]]:
-    """Give everything in the store at `root` the modes of a new store: 0700/0600, or
-    2770/0660 if `shared` or the store folder already grants its group write (a group
-    store stays one). Others lose every bit.
-
-    Returns:
-        (how many folders and files changed mode, paths relative to `root` that could
-        not be changed: another user's files, whose owner must run it).
-    """
-    shared = shared or bool(os.stat(root).st_mode & stat.S_IWGRP)
-    folder_mode, file_mode = (SHARED_FOLDER, SHARED_FILE) if shared else (PRIVATE_FOLDER, PRIVATE_FILE)
-    changed, refused = 0, []
-    for folder, dirs, files in os.walk(root):
-        for p, want in [(folder, folder_mode)] + [(os.path.join(folder, f), file_mode) for f in files]:
-            try:
-                st = os.lstat(p)
-                if stat.S_ISLNK(st.st_mode) or stat.S_IMODE(st.st_mode) == want:
-                    continue
-                os.chmod(p, want)
-            except FileNotFoundError:
-                continue  # removed meanwhile (a writer at work)
-            except PermissionError:
-                refused.append(os.path.relpath(p, root))
-                continue
-            changed += 1
-    return changed, refused
-
-
-def permissions_finding(root: str, *, fix: bool = False, shared: bool = False) -> dict:
-    """``ppc check``'s finding on who else can open the store (see `exposed`); with
-    `fix`, the store made private (`make_private`; `shared`: kept for its group).
-
-    Returns:
-        ``exposed`` (how many entries others could read, write or enter), ``examples``
-        (up to 3 ``"path 0644"``), ``made_private`` (entries changed) and ``refused``
-        (entries this user could not change).
-    """
-    # Files first: they hold the prompts.
-    found = sorted(exposed(root), key=lambda e: (os.path.isdir(os.path.join(root, e[0])), e[0]))
-    out = {"exposed": len(found), "examples": [f"{p} {m:04o}" for p, m in found[:3]], "made_private": 0, "refused": []}
-    if fix and (found or shared):
-        out["made_private"], out["refused"] = make_private(root, shared=shared)
-    return out
-
-
-def describe_finding(finding: dict) -> list[str]:
-    """`permissions_finding` as lines for ``ppc check``'s text output (none if nothing)."""
-    lines = []
-    if finding["exposed"] and not finding["made_private"] and not finding["refused"]:
-        lines.append(
-            f"warning: {finding['exposed']} file(s)/folder(s) of the store are open to other users "
-            f"({', '.join(finding['examples'])}): they can read the stored prompts; run with --fix to make "
-            "them private (0700/0600; with --store-shared the group keeps read/write), or `chmod -R go-rwx STORE`"
-        )
-    if finding["made_private"]:
-        lines.append(f"made {finding['made_private']} file(s)/folder(s) private to their owner (or group)")
-    if finding["refused"]:
-        lines.append(
-            f"warning: {len(finding['refused'])} entries could not be changed (another user's files, e.g. "
-            f"{finding['refused'][0]}): their owner must run `ppc check --fix`"
-        )
-    return lines
+    for top in ("segments", "index", "tmp"):
+        try:
+            with folder(path, top) as fd:
+                # segments/ab/ folders; the private folder LMDB's files were pinned in
+                subs = os.listdir(fd) if top in ("segments", "index") else []
+                for sub in subs:
+                    try:
+                        os.rmdir(sub, dir_fd=fd)  # only an empty folder: never somebody's files
+                    except OSError:
+                        pass
+            os.rmdir(os.path.join(path, top))
+        except OSError:
+            pass
+    if made_folder:
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass

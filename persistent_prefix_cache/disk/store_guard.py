@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from ..errors import StoreBusyError, StoreCorruptError
+from ..files import NotRegularFileError, create_exclusive, open_folder, open_regular
 
 LOCK_NAME = "lock"
 BUILDING = "index.rebuild"  # a rebuild writing its new index (incomplete)
@@ -42,30 +43,41 @@ _LOCK = threading.Lock()
 
 
 def store_of(index_path: str) -> str:
-    """The store directory of an index folder (``<store>/index`` or a rebuild's)."""
-    return os.path.dirname(os.path.realpath(index_path))
+    """The store directory of an index folder: the folder above ``<store>/index``, two
+    above a rebuild's ``<store>/index.rebuild/index``; where the user's path leads
+    (the folders inside the store are never followed: a link there is not the store)."""
+    parent = os.path.dirname(os.path.abspath(index_path))
+    if os.path.basename(parent) == BUILDING:
+        parent = os.path.dirname(parent)
+    return os.path.realpath(parent)
 
 
 def _open_lock_file(store: str, *, create: bool) -> int | None:
     # Read-only is enough for flock (either kind): a member of a shared store's group
-    # who may not write the lock file still takes it.
-    path = os.path.join(store, LOCK_NAME)
+    # who may not write the lock file still takes it. Never through a link, never a
+    # FIFO (that open would block), and only a file this open made gets its mode.
+    try:
+        root = open_folder(store, follow=True)
+    except OSError:
+        return None
     try:
         try:
-            return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            return open_regular(LOCK_NAME, dir_fd=root)
         except FileNotFoundError:
             if not create:
                 raise
-        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:  # readable by whoever may list the store (the owner alone unless it is shared)
-            os.fchmod(fd, os.stat(store).st_mode & 0o660 | 0o400)
-        except OSError:
-            pass
-        return fd
+            return create_exclusive(LOCK_NAME, os.fstat(root).st_mode & 0o660 | 0o400, dir_fd=root, flags=os.O_RDONLY)
+        except FileExistsError:
+            return open_regular(LOCK_NAME, dir_fd=root)  # another process made it meanwhile
+    except NotRegularFileError as exc:
+        raise unsafe_entry(store, f"{LOCK_NAME} is not a file ({exc.strerror})") from None
     except OSError as exc:
         if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT):
             return None  # a store nobody can write: no repair can run there either
         raise
+    finally:
+        os.close(root)
 
 
 def share(store: str, *, create: bool) -> None:
@@ -175,13 +187,15 @@ def forget_inherited() -> None:
 
 
 def segment_count(store: str) -> int:
-    """How many segment files a store holds (what a rebuild would read)."""
-    top = os.path.join(store, "segments")
+    """How many segment files a store holds (what a rebuild would read); folders that
+    are links are not followed."""
     n = 0
     try:
-        for sub in os.scandir(top):
-            if sub.is_dir():
-                n += sum(1 for e in os.scandir(sub.path) if e.name.endswith(".seg"))
+        with os.scandir(os.path.join(store, "segments")) as subs:
+            for sub in subs:
+                if sub.is_dir(follow_symlinks=False):
+                    with os.scandir(sub.path) as entries:
+                        n += sum(1 for e in entries if e.name.endswith(".seg") and e.is_file(follow_symlinks=False))
     except OSError:
         pass
     return n
@@ -193,6 +207,16 @@ def rebuild_hint(store: str) -> str:
     return (
         f"run `ppc check --fix --store {store}`: it rebuilds the index from the {n} segment "
         f"file{'s' if n != 1 else ''} (every intact block is kept; recency and hit counts are lost)"
+    )
+
+
+def unsafe_entry(store: str, detail: str) -> StoreCorruptError:
+    """The error for a link, a special file or a foreign file where the store keeps one
+    of its own (`detail` says which): nothing was opened through it."""
+    return StoreCorruptError(
+        f"store {store}: {detail}: refused to open it",
+        hint=f"run `ppc check --fix --store {store}`: it removes links and special files from the store "
+        "(never what they point to)",
     )
 
 

@@ -25,7 +25,6 @@ in both versions, their ``state``/``from_state`` are not), checking every layer;
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +41,7 @@ from mlx_lm.models.cache import (
 )
 
 from ..errors import PromptCacheFileError
+from ..files import replace_beside
 from .adapters import leaves
 
 LAYOUT_031, LAYOUT_032 = "0.31", "0.32"
@@ -334,21 +334,8 @@ def write_prompt_cache(path: str, cache: list, metadata: dict[str, str]) -> int:
     """
     from mlx_lm.models.cache import save_prompt_cache
 
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".ppc-export-", suffix=".safetensors", dir=folder)
-    os.close(fd)
-    try:
-        save_prompt_cache(tmp, [_compact(layer) for layer in cache], metadata)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    layers = [_compact(layer) for layer in cache]
+    # Beside `path`, created exclusively under a random name (its folder may be shared),
+    # written through that descriptor (mlx writes to a file object as to a path).
+    replace_beside(path, lambda f: save_prompt_cache(f, layers, metadata), mode=0o600)  # it holds the prompt
     return os.path.getsize(path)
