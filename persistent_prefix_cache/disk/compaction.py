@@ -164,7 +164,7 @@ def rewrite(
     model: bytes,
     block_size: int,
     why: str,
-) -> tuple[bytes, list[bytes]] | None:
+) -> tuple[bytes, list[bytes], int] | None:
     """Write one chain of stored blocks, read from their segments, into a new segment and
     move their records there in one commit (a record that changed meanwhile stays).
 
