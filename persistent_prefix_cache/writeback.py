@@ -27,6 +27,9 @@ import time
 from concurrent.futures import Future, wait
 from typing import Any, Callable, Iterable
 
+import numpy as np
+
+from .disk import cuda_pages
 from .disk.segment import SegmentFiles
 from .disk.compaction import compact_sparse
 from .disk.faults import pause_point
@@ -351,6 +354,8 @@ class WriteBack:
             except (OSError, ValueError) as exc:
                 self._failed("write", written, exc)  # nothing was renamed into place
                 continue
+            finally:
+                self._give_back(new)
             done.append((segment, size, digest, written))
         if not done:
             return
@@ -404,6 +409,24 @@ class WriteBack:
         compact_sparse(self.index, self.files, (n.segment for n in removed))
         # Jobs behind any write queued meanwhile: a caller waiting for its own never waits for them.
         self.merges.after_write([segment for segment, _, _, _ in done], [written[-1].key for _, _, _, written in done])
+
+    def _give_back(self, new: list[tuple[Node, dict]]) -> None:
+        """On a CUDA GPU, the RAM tier's copy of these blocks back on the device: the writer
+        read its pages on the host (managed memory moves to whoever touches it), and the
+        tier's next restore would fault them back one by one (`cuda_pages.give_back`; a
+        no-op elsewhere, and for blocks the tier did not keep)."""
+        if not cuda_pages.on_cuda() or not any(self.memory.node(node.key) is node for node, _ in new):
+            return
+        owners = {}
+        for _, bits in new:
+            for part in bits.values():
+                for x in part.values():
+                    owner = x[0] if isinstance(x, tuple) else None
+                    while isinstance(owner, np.ndarray) and owner.base is not None:
+                        owner = owner.base
+                    if isinstance(owner, memoryview):  # a field's copy (`Layout.new_blocks`)
+                        owners[id(owner)] = owner
+        cuda_pages.give_back(list(owners.values()))
 
     def _failed(self, what: str, nodes: list[Node], exc: Exception) -> None:
         if isinstance(exc, StoreCorruptError):

@@ -210,3 +210,35 @@ def test_a_damaged_segment_is_checked_after_the_copies_land(monkeypatch, store_d
         assert store.stats()["corrupt"] == 1
     assert driver.copies > 0
     assert len(rest) == len(tokens) + 1 - 2 * BLOCK  # the two blocks before the damaged one
+
+
+def test_the_writer_hands_the_ram_tiers_copy_back_to_the_gpu(monkeypatch, store_dir):
+    # On a CUDA GPU the writer reads a store's copy on the host, and managed memory moves
+    # to whoever touches it: the RAM tier's copy of the blocks would then be faulted back
+    # page by page by its next restore. The writer starts moving it back once written.
+    from families import build
+    from helpers import BLOCK, prefill, random_tokens
+
+    from persistent_prefix_cache import PersistentPrefixCache
+
+    moved = []
+
+    class Driver(_HostDriver):
+        def prefetch(self, address, nbytes):
+            moved.append(nbytes)
+
+    model = build("llama")
+    tokens = [t % 256 for t in random_tokens(5 * BLOCK, seed=4243)]
+    monkeypatch.setattr(cuda_pages, "on_cuda", lambda: True)
+    monkeypatch.setattr(cuda_pages, "_get_driver", lambda: Driver())
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK, fingerprint="back") as store:
+        store.store(tokens, prefill(model, tokens)[1])
+        store.flush()
+        kv = store.stats()["block_bytes"]
+    # Every field's copy, once (its blocks are views of it): the tier keeps them all.
+    assert sum(moved) == kv
+    moved.clear()
+    with PersistentPrefixCache(store_dir / "none", model, block_size=BLOCK, fingerprint="back", memory_bytes=0) as store:
+        store.store(tokens, prefill(model, tokens)[1])
+        store.flush()
+    assert moved == []  # the tier kept nothing: nothing to move back
