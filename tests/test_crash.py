@@ -168,6 +168,42 @@ def test_kill9_during_a_write(tmp_path, store_dir, committed, model, tiny_model_
     )
 
 
+@pytest.mark.slow
+def test_kill9_during_a_merge_of_a_chains_segments(tmp_path, store_dir, model, tiny_model_dir):
+    # A prompt stored a block at a time: the second write's merge job writes one segment
+    # of both blocks, then moves their records there. Killed before the move, the old
+    # segments still serve, and the merged file is an orphan that check --fix removes.
+    tokens = random_tokens(2 * BLOCK, seed=210, first=5)
+    steps = [["store", tokens[:BLOCK]], ["flush"], ["store", tokens], ["flush"]]
+    marker = tmp_path / "paused"
+    writer = Worker(
+        spec(tiny_model_dir, store_dir, steps, block_size=BLOCK), str(tmp_path), env=pause_env("before_move", marker)
+    )
+    try:
+        wait_for_pause(str(marker), writer, "before_move")
+        nodes = read_index(store_dir)["nodes"]
+        in_index = {n.segment.hex() for n in nodes.values()}
+        on_disk = {os.path.basename(f).split(".")[0] for f in segment_files(store_dir)}
+        assert len(nodes) == 2 and len(in_index) == 2  # the records still name the old files
+        assert len(on_disk - in_index) == 1 and in_index <= on_disk  # the merged file: written, unreferenced
+    finally:
+        writer.reap()
+    assert writer.proc.returncode == -signal.SIGKILL
+    code, report = ppc_check(store_dir, "--fix", "--grace", "0")
+    assert code == 0 and report["removed_files"] == 1, report
+    code, report = ppc_check(store_dir)
+    assert code == 0 and report["clean"], report
+    assert_tree_consistent(store_dir)
+    assert {os.path.basename(f).split(".")[0] for f in segment_files(store_dir)} == in_index
+    assert_restores(store_dir, model, {tuple(tokens + [7]): 2 * BLOCK})
+    # The next write of the chain merges it (the store heals by itself).
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        more = tokens + random_tokens(2 * BLOCK, seed=211)
+        store.store(more, prefill(model, more)[1])
+    assert len(segment_files(store_dir)) == 1
+    assert_restores(store_dir, model, {tuple(more + [7]): len(more)})
+
+
 # -- 2. kill -9 inside the LMDB write transaction -------------------------------------------
 
 

@@ -28,6 +28,7 @@ import logging
 from typing import Iterable
 
 from ..blocks import Node
+from .faults import pause_point
 from .index import WRITE_ERRORS, Index, Writer
 from .segment import SegmentFiles
 
@@ -194,6 +195,7 @@ def rewrite(
             w.free_segment(new)
         return moved, w.freed
 
+    pause_point("before_move")
     try:
         moved, freed = index.write(commit)
     except WRITE_ERRORS as exc:

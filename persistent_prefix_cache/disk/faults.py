@@ -14,7 +14,8 @@ Points: ``before_rename`` (segment file written and fsynced under ``tmp/``),
 transaction, before it commits), ``remote_publish`` (the publisher has sent the
 first block of a batch to the remote, not the rest), ``rebuild_built`` (an index rebuild
 has committed its new index under ``index.rebuild/``), ``rebuild_swap`` (the damaged
-index is set aside, the new one not yet in place).
+index is set aside, the new one not yet in place), ``before_move`` (a merge or compaction
+has written and renamed its new segment, the records not yet moved there).
 
 The suite's own (read by ``tests/``): ``require=redis:valkey`` (CI: a remote-tier test
 whose server is not installed fails instead of skipping) and ``linux_calls_hidden=...``
