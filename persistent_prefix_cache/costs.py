@@ -51,6 +51,15 @@ PREFILL_STEP = 2048
 # A prefill that stores a snapshot at the end of every forward (recurrent or sliding-window
 # layers resume only there) cuts its forwards short: by at most this share of their time.
 SNAPSHOT_OVERHEAD = 0.05
+# A first forward on a restored cache teaches its extra cost only up to this many tokens:
+# a longer one's difference from the predicted prefill is mostly the prediction's error
+# (a 2,048-token prompt 5 tokens of which were restored, predicted 20 % low by a
+# calibration on a CPU, put 1.5 s on every later restore, which then skipped 512-token
+# prompts it would have restored 80 x faster than their prefill).
+FIRST_FORWARD_TOKENS = 256
+# Saved records of this version and later hold a first forward learned as above (older
+# ones' is ignored, the rest of them kept).
+RECORD_VERSION = 2
 FILE_NAME = "costs.json"
 MAX_FILE_BYTES = 1 << 20  # a costs file holds a few records per model and device: more is not one
 SAVE_EVERY = 30.0
@@ -278,8 +287,12 @@ class Costs:
     def observe_first_forward(self, tokens: int, seconds: float, *, start: int) -> None:
         """Record a forward of `tokens` tokens right after a restore of `start`
         tokens: what it took beyond a forward on a grown cache is the first forward's
-        cost (ignored until the prefill is known)."""
-        expected = self.prefill_seconds(start, start + tokens) if tokens > 0 else None
+        cost (ignored until the prefill is known, and for forwards over
+        `FIRST_FORWARD_TOKENS`: there the prefill's own prediction error, not the restore,
+        decides the difference)."""
+        if not 0 < tokens <= FIRST_FORWARD_TOKENS:
+            return
+        expected = self.prefill_seconds(start, start + tokens)
         if expected is None or seconds <= 0:
             return
         extra = max(0.0, seconds - expected)
@@ -390,6 +403,7 @@ class Costs:
         """What `load` takes back: the fits' sums and the first forward's cost."""
         with self._lock:
             return {
+                "version": RECORD_VERSION,
                 "saved": time.time(),
                 "prefill": list(self.prefill.sums),
                 "restore": {tier: list(fit.sums) for tier, fit in self.restore.items()},
@@ -409,7 +423,7 @@ class Costs:
                 return False
             prefill = [float(v) for v in record["prefill"]]
             restore = {str(t): [float(v) for v in s] for t, s in record.get("restore", {}).items() if t in TIERS}
-            first = record.get("first_forward")
+            first = record.get("first_forward") if record.get("version", 1) >= RECORD_VERSION else None
             first = None if first is None else max(0.0, float(first))
             once = {str(t): max(0.0, float(v)) for t, v in (record.get("first_restore") or {}).items() if t in TIERS}
         except (KeyError, TypeError, ValueError, AttributeError):

@@ -357,3 +357,20 @@ def test_a_process_first_restore_has_its_own_cost(monkeypatch):
     # Saved and loaded with the rest.
     again = Costs()
     assert again.load(costs.record()) and again.first_restore == costs.first_restore
+
+
+def test_a_long_first_forward_teaches_no_first_forward_cost():
+    # A forward of 2,000 tokens after a 5-token restore differs from its prediction by the
+    # prediction's own error: blamed on the restore, it made every later one look slow.
+    costs = Costs()
+    costs.set_prefill(1000.0)
+    costs.observe_first_forward(2000, 3.0, start=5)  # 1 s over the prediction
+    assert costs.first_forward_seconds is None
+    costs.observe_first_forward(16, 0.021, start=500)  # a short one: 5 ms over
+    assert costs.first_forward_seconds == pytest.approx(0.005, rel=1e-3)
+    # Records saved before this rule keep their rates, not their first forward.
+    old = dict(costs.record(), first_forward=1.5)
+    old.pop("version")
+    again = Costs()
+    assert again.load(old) and again.first_forward_seconds is None
+    assert again.prefill_tokens_per_s == pytest.approx(1000.0)

@@ -8,7 +8,9 @@ become one warning per cause, never a failed request.
 The link also feeds the store's cost model what it can observe: a write of a prefix of
 the prompt last read (a server saving the cache at the end of a prompt segment, before
 any token is generated) took the prefill of the tokens since that read. A write that
-holds generated tokens also holds their decoding, and teaches nothing. Where the model
+holds generated tokens also holds their decoding, and teaches nothing; nor does one after
+a read that restored something: the time since holds the server's whole request (merging
+the cache into its batch, sampling), which a first forward's own cost would be blamed for. Where the model
 is known, the first read of a model whose prefill the store has never measured on this
 device kind calibrates it (once, remembered in the store), on the reading thread: the
 one that runs the model, as MLX wants.
@@ -163,9 +165,10 @@ class StoreLink:
             )
         except (TypeError, ValueError):
             same = False
-        if same:
+        if same and not restored:
             calls = -(-(written - held) // PREFILL_STEP)  # the server's forward calls (its default step)
-            self.store.observe_prefill(written - held, now - when, start=held, restored=restored, forwards=calls)
+            self.store.observe_prefill(written - held, now - when, start=held, forwards=calls)
+        if same:
             self._last_read = (now, prompt, written, False)  # the next segment starts here
 
     def close(self) -> None:
