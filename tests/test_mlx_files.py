@@ -217,6 +217,53 @@ def test_another_models_or_prompts_file_is_refused(in_fixtures, tmp_path, capsys
     assert code == 0 and store.is_dir(), capsys.readouterr().err
 
 
+def test_another_prompts_file_of_the_same_length_is_refused(in_fixtures, tmp_path, capsys):
+    """The length agrees, the tokens do not: spans computed again from the file's own
+    prefix differ from the file where the tokens differ (issue 29, item 6)."""
+    fixtures = in_fixtures
+    tokens = cases(fixtures)["llama"]["tokens"]
+    llama = fixtures / "files" / "0.32.2" / "llama.safetensors"
+    variants = {
+        "last token": tokens[:-1] + [(tokens[-1] + 1) % 512],
+        "first token": [(tokens[0] + 1) % 512] + tokens[1:],
+        "another prompt": [(t * 7 + 3) % 512 for t in tokens],
+    }
+    for name, ids in variants.items():
+        given = tmp_path / f"{name}.json"
+        given.write_text(json.dumps(ids))
+        code, store = _bad_import(fixtures, tmp_path, llama, "--tokens-file", str(given))
+        line = _one_error_line(capsys)
+        assert code == 2 and "is not this model's KV of this prompt" in line, (name, line)
+        assert not store.exists(), name
+    # A token in a block no span computes again is not seen (the documented limit); a span
+    # per block computes the whole prompt again and sees it.
+    middle = tmp_path / "middle.json"
+    middle.write_text(json.dumps(tokens[:12] + [(tokens[12] + 1) % 512] + tokens[13:]))
+    code, store = _bad_import(fixtures, tmp_path, llama, "--tokens-file", str(middle), "--block-size", "4",
+                              "--check-spans", "8")  # fmt: skip
+    assert code == 2 and "positions 12..16 differs by" in _one_error_line(capsys)
+    assert not store.exists()
+
+
+def test_another_models_file_is_refused_even_when_its_name_is_ignored(in_fixtures, tmp_path, capsys):
+    """Model A's file for model B of the same shape (other weights): --ignore-recorded-model
+    skips the name comparison only; the recompute refuses the KV (issue 29, item 8)."""
+    fixtures = in_fixtures
+    case = cases(fixtures)["llama"]
+    twin = fixtures / "models" / "llama_twin"
+    if not twin.exists():
+        write_tiny_model(twin, family=case["family"], seed=1, **case["model"])
+    llama = fixtures / "files" / "0.32.2" / "llama.safetensors"
+    code, store = _bad_import(fixtures, tmp_path, llama, model="llama_twin")
+    assert code == 2 and "was written for model 'models/llama'" in _one_error_line(capsys)
+    code, store = _bad_import(fixtures, tmp_path, llama, "--ignore-recorded-model", model="llama_twin")
+    line = _one_error_line(capsys)
+    assert code == 2 and "is not this model's KV of this prompt" in line and "differs by" in line, line
+    assert not store.exists()
+    code, store = _bad_import(fixtures, tmp_path, llama, "--ignore-recorded-model", "--json")  # its own model
+    assert code == 0 and json.loads(capsys.readouterr().out)["checked"]["difference"] == 0.0
+
+
 # -- export-mlx and generate --prompt-cache-file ----------------------------------------------
 
 
@@ -332,8 +379,9 @@ def test_a_store_named_relative_to_the_working_folder(fixtures, tmp_path):
     assert (tmp_path / "kv" / "index").is_dir()
 
 
-def test_a_file_without_a_length_needs_to_be_vouched_for(tmp_path, capsys):
-    """Mamba's cache is recurrent state only: no offset to compare the prompt with."""
+def test_a_file_without_a_length_is_checked_by_a_full_recompute(tmp_path, capsys):
+    """Mamba's cache is recurrent state only: no offset to compare the prompt with, and no
+    earlier position to cut it back to, so the whole prompt is computed again and compared."""
     from persistent_prefix_cache.cli import main
 
     model = tmp_path / "mamba2"
@@ -344,17 +392,23 @@ def test_a_file_without_a_length_needs_to_be_vouched_for(tmp_path, capsys):
     file, prompt = tmp_path / "m.safetensors", "A cache is a promise"
     made = mlx_lm("cache_prompt", "--model", model, "--prompt", prompt, "--prompt-cache-file", file, cwd=tmp_path)
     assert made.returncode == 0, made.stderr
-    argv = ["import-mlx", str(file), "--store", str(tmp_path / "store"), "--model", str(model), "--prompt", prompt]
-    assert main(argv) == 2 and "records no length" in _one_error_line(capsys)
-    assert not (tmp_path / "store").exists()
-    assert main([*argv, "--unchecked-length", "--json"]) == 0
-    tokens = json.loads(capsys.readouterr().out)["tokens"]
     from mlx_lm import load
 
     _, tokenizer = load(str(model))
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], continue_final_message=True)
-    assert tokens == len(ids)
-    assert_same(stored(tmp_path / "store", model, list(ids)), read_prompt_cache(str(file)).cache)
+    ids = list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], continue_final_message=True))
+    store = tmp_path / "store"
+    argv = ["import-mlx", str(file), "--store", str(store), "--model", str(model)]
+    # another prompt (its last token changed): the recurrent state the model computes differs
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(ids[:-1] + [(ids[-1] + 1) % 512]))
+    assert main([*argv, "--tokens-file", str(other)]) == 2
+    assert "is not this model's KV of this prompt" in _one_error_line(capsys)
+    assert not store.exists()
+    assert main([*argv, "--prompt", prompt, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["tokens"] == len(ids) and result["checked"]["full_recompute"] is False  # shorter than a block
+    assert result["checked"]["spans"] == [[0, len(ids)]] and result["checked"]["difference"] < 1e-5
+    assert_same(stored(store, model, ids), read_prompt_cache(str(file)).cache)
 
 
 @pytest.mark.parametrize("case", ["llama_kv8", "gemma3_text", "falcon_h1"])

@@ -3,8 +3,9 @@
 ``mlx_lm.cache_prompt`` writes one file per prompt, without its tokens. ``import-mlx``
 stores such a file's cache under the prompt's tokens (given again, tokenized as
 cache_prompt does), after checking that the file is whole, of a layout we read (mlx-lm
-0.31 or 0.32), as long as the prompt, and that its layers fit the model; a bad file is
-one ``error:`` line and the store is not touched. ``export-mlx`` writes the store's KV
+0.31 or 0.32), as long as the prompt, that its layers fit the model, and that the model
+computes the same KV for the prompt where some spans are computed again from the file's
+own prefix (`layers.recompute`); a bad file is one ``error:`` line and the store is not touched. ``export-mlx`` writes the store's KV
 of a prompt as a file the installed mlx-lm opens (``load_prompt_cache``,
 ``mlx_lm generate --prompt-cache-file``). ``ppc generate --prompt-cache-file`` does what
 ``mlx_lm generate --prompt-cache-file`` does, with files of either layout.
@@ -12,6 +13,7 @@ of a prompt as a file the installed mlx-lm opens (``load_prompt_cache``,
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -92,6 +94,16 @@ def cache_prompt_tokens(args, tokenizer, vocab_size: int) -> list[int]:
     return ids
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
 def _vocab_size(model) -> int:
     # Where the model says it (most do, as args.vocab_size); else any id the tokenizer gave.
     return int(getattr(getattr(model, "args", None), "vocab_size", None) or 1 << 31)
@@ -112,7 +124,8 @@ def _check_recorded_model(file, given: str, path: str, allow: bool) -> None:
 
     raise PromptCacheFileError(
         f"{path} was written for model {recorded!r}, not {given!r}",
-        hint="pass that --model, or --ignore-recorded-model if it is the same model moved; nothing was written",
+        hint="pass that --model, or --ignore-recorded-model if it is the same model moved (its KV is still "
+        "checked against the model); nothing was written",
     )
 
 
@@ -177,17 +190,13 @@ def _import(args) -> int:
     _check_recorded_model(file, args.model, args.file, args.ignore_recorded_model)
     model, tokenizer, local_path = load_model(args.model)
     tokens = cache_prompt_tokens(args, tokenizer, _vocab_size(model))
-    if length is None and not args.unchecked_length:
-        raise PromptCacheFileError(
-            f"{args.file} records no length (every layer is recurrent state): the prompt cannot be checked against it",
-            hint="pass --unchecked-length if the file was written from exactly this prompt; nothing was written",
-        )
     if length is not None and length != len(tokens):
         raise PromptCacheFileError(
             f"{args.file} holds the KV of {length} tokens, the prompt has {len(tokens)}: not this prompt's file",
             hint="give the prompt exactly as mlx_lm.cache_prompt got it (or --tokens-file); nothing was written",
         )
     _fit(file, model, args.file, args)
+    checked = _recompute(file, model, tokens, args)
     with open_checked_store(args, model, local_path, need_write=True) as store:
         added = store.store(tokens, file.cache)
         store.flush()
@@ -195,12 +204,37 @@ def _import(args) -> int:
     result = {
         "file": args.file, "layout": f"mlx-lm {file.layout}", "tokens": len(tokens), "new_blocks": added,
         "blocks_in_store": stats["blocks"], "bytes_on_disk": stats["bytes_on_disk"], "store": store.path,
+        "checked": {"spans": checked.spans, "full_recompute": checked.full, "difference": checked.error,
+                    "tolerance": checked.tolerance},
     }  # fmt: skip
     emit(result, args.json, lambda r: (
         f"imported {r['file']} ({r['layout']} layout): {r['tokens']:,} tokens, "
-        f"{r['new_blocks']:,} new block(s); the store holds {r['bytes_on_disk']:,} bytes"
+        f"{r['new_blocks']:,} new block(s); the store holds {r['bytes_on_disk']:,} bytes\n"
+        f"checked against the model: {checked.describe()}"
     ))  # fmt: skip
     return 0
+
+
+def _recompute(file, model, tokens: list[int], args):
+    """Compute spans of the prompt again from the file's own prefix (`layers.recompute`):
+    another prompt's or another model's KV differs there. Returns the `CacheCheck`.
+
+    Raises:
+        PromptCacheFileError: If the KV differs from the model's beyond the tolerance.
+    """
+    from ..errors import PromptCacheFileError
+    from ..layers.recompute import check_cache
+
+    checked = check_cache(model, tokens, file.cache, block_size=args.block_size or 64, spans=args.check_spans)
+    if not checked.passed:
+        raise PromptCacheFileError(
+            f"{args.file} is not this model's KV of this prompt: computed again from the file's own prefix, "
+            f"{checked.where} differs by {checked.error:.2g} (the right prompt and model stay within "
+            f"{checked.tolerance:g})",
+            hint="give the prompt exactly as mlx_lm.cache_prompt got it (or --tokens-file) and the model it was "
+            "written with; nothing was written",
+        )
+    return checked
 
 
 def import_main(argv: list[str]) -> int:
@@ -217,8 +251,11 @@ def import_main(argv: list[str]) -> int:
     _add_prompt_options(parser)
     parser.add_argument("--ignore-recorded-model", action="store_true",
                         help="accept a file whose recorded model differs from --model (a moved folder)")  # fmt: skip
-    parser.add_argument("--unchecked-length", action="store_true",
-                        help="store a file that records no length (a model of recurrent layers only) unchecked")  # fmt: skip
+    parser.add_argument("--check-spans", type=_positive, default=4, metavar="N",
+                        help="spans of the prompt computed again and compared with the file (default: 4: the first "
+                        "block, the last, two between); a model whose layers cannot be cut back computes it all")  # fmt: skip
+    # Once needed for recurrent-only files (they record no length); the recompute checks them now.
+    parser.add_argument("--unchecked-length", action="store_true", help=argparse.SUPPRESS)
     add_json_option(parser)
     args = parser.parse_args(argv)
     return run(lambda: _import(args))
