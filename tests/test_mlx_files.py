@@ -193,6 +193,44 @@ def test_bad_files_are_one_line_and_write_nothing(in_fixtures, tmp_path, capsys)
         assert not store.exists(), file
 
 
+def test_hostile_headers_are_one_line(in_fixtures, tmp_path, capsys):
+    """Names nested 3,000 parts deep (mlx-lm's tree_unflatten recursed once per part), JSON
+    nested 3,000 levels, a header larger than the file or than any mlx-lm file's (issue 29,
+    item 13): one error line each, nothing written, no RecursionError."""
+    import struct
+
+    fixtures = in_fixtures
+    deep = ".".join(["0"] * 3000)
+    kv = {"0.0": mx.zeros((1, 1, 4, 16)), "0.1": mx.zeros((1, 1, 4, 16))}
+    meta = {"0.model": "models/llama", "1.0": "KVCache", "2.0": ""}
+    named = tmp_path / "deep_metadata.safetensors"
+    mx.save_safetensors(str(named), kv, {**meta, deep: "x"})
+    tensor = tmp_path / "deep_tensor.safetensors"
+    mx.save_safetensors(str(tensor), {"0.0": kv["0.0"], deep: kv["0.1"]}, meta)
+
+    def raw(name: str, header: bytes, length: int | None = None) -> Path:
+        path = tmp_path / name
+        path.write_bytes(struct.pack("<Q", len(header) if length is None else length) + header)
+        return path
+
+    nested = raw("nested.safetensors", b'{"__metadata__": {"x": ' + b"[" * 3000 + b"]" * 3000 + b"}}")
+    huge = raw("huge.safetensors", b"{}" + b" " * 64, length=1 << 40)
+    expect = {
+        named: "a path of more than 8 parts",
+        tensor: "a path of more than 8 parts",
+        nested: "nests deeper than 4 levels",
+        huge: "not a readable safetensors file (truncated or another format)",
+    }
+    for file, words in expect.items():
+        code, store = _bad_import(fixtures, tmp_path, file, "--ignore-recorded-model")
+        line = _one_error_line(capsys)
+        assert code == 2 and words in line, (file, line)
+        assert not store.exists()
+    proc = ppc("import-mlx", named, "--store", tmp_path / "s", "--model", "models/llama", "--prompt", "x", cwd=fixtures)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
 def test_another_models_or_prompts_file_is_refused(in_fixtures, tmp_path, capsys):
     fixtures = in_fixtures
     gemma = fixtures / "files" / "0.31.3" / "gemma3_text.safetensors"

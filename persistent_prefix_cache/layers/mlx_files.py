@@ -41,10 +41,18 @@ from mlx_lm.models.cache import (
 )
 
 from ..errors import PromptCacheFileError
+<<<<<<< HEAD
 from ..files import replace_beside
+=======
+from ..untrusted import dotted_depth, load_json
+>>>>>>> 6054503 (import-mlx: a file's header bounded before parsing (untrusted.py: JSON size and depth, dotted names); docs say what the recompute checks and the measured margin)
 from .adapters import leaves
 
 LAYOUT_031, LAYOUT_032 = "0.31", "0.32"
+# Bounds on a file's safetensors header: mlx-lm writes a few entries per layer, names a few
+# parts deep (``2.<k>.0``, ``<layer>.<child>.<i>``); a header past these is not mlx-lm's.
+MAX_HEADER = 16 * 1024 * 1024
+MAX_NAME_DEPTH = 8
 SUPPORTED = ("KVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache", "ArraysCache", "CacheList")
 
 
@@ -201,6 +209,35 @@ def _layer(name: str, state: Any, meta: Any, layout: str, path: str, where: str)
     return obj
 
 
+def _check_header(path: str) -> None:
+    """Bound the safetensors header before a parser builds it: its length, JSON nesting and
+    the depth of every dotted name (`tree_unflatten` recurses once per part)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            size = os.fstat(f.fileno()).st_size
+            if n < 2 or 8 + n > size:
+                raise _bad(path, "not a readable safetensors file (truncated or another format)")
+            if n > MAX_HEADER:
+                raise _bad(path, f"its header is {n:,} bytes, more than the {MAX_HEADER:,} an mlx-lm file may have")
+            header = load_json(f.read(n), what="its header", max_bytes=MAX_HEADER, max_depth=4)
+    except OSError as exc:
+        raise _bad(path, f"cannot be read: {exc.strerror}") from None
+    except ValueError as exc:
+        if isinstance(exc, PromptCacheFileError):
+            raise
+        raise _bad(path, f"not a readable safetensors file: {exc}") from None
+    if not isinstance(header, dict):
+        raise _bad(path, "not a readable safetensors file (its header is not a JSON object)")
+    meta = header.get("__metadata__") or {}
+    try:
+        dotted_depth(header, what="its header", max_depth=MAX_NAME_DEPTH)
+        dotted_depth(meta if isinstance(meta, dict) else (), what="its metadata", max_depth=MAX_NAME_DEPTH)
+    except ValueError as exc:
+        raise _bad(path, f"not an mlx-lm prompt-cache file: {exc}") from None
+
+
 def read_prompt_cache(path: str) -> PromptCacheFile:
     """Read a prompt-cache file written by mlx-lm 0.31 or 0.32 (see the module's docstring).
 
@@ -212,11 +249,13 @@ def read_prompt_cache(path: str) -> PromptCacheFile:
 
     Raises:
         PromptCacheFileError: If the file is missing, not a safetensors file, truncated,
-            not a prompt-cache file, of a layout this version cannot read, or holds a
-            layer class that cannot be stored (one line saying which).
+            not a prompt-cache file (a header larger or nested deeper than mlx-lm writes
+            included), of a layout this version cannot read, or holds a layer class that
+            cannot be stored (one line saying which).
     """
     if not os.path.isfile(path):
         raise _bad(path, "no such file")
+    _check_header(path)
     try:
         arrays, meta = mx.load(path, format="safetensors", return_metadata=True)
         mx.eval(list(arrays.values()))  # a short read surfaces here, not later in a restore
