@@ -179,8 +179,11 @@ def test_gc_by_model_and_by_age(store_dir, model, other_model, tiny_model_dir, o
 
 
 @pytest.mark.slow
-def test_export_import_roundtrip(filled, model, other_model, tmp_path):
+def test_export_import_roundtrip(filled, model, other_model, tmp_path, monkeypatch):
+    """A pack moves between two stores with a secret both hold ($PPC_PACK_SECRET): signed
+    by it, verified by it; the other store's key alone proves nothing there."""
     store_dir, prompts = filled
+    monkeypatch.setenv("PPC_PACK_SECRET", "the fleet's pack secret")
     # A second model in the same store: export must be able to take one model only.
     with PersistentPrefixCache(store_dir, other_model) as store:
         prefill(other_model, prompts[0], store)
@@ -192,9 +195,14 @@ def test_export_import_roundtrip(filled, model, other_model, tmp_path):
     out = ppc_json("export", "--store", store_dir, pack, "--model", root[:12])
     assert out["models"] == 1 and pack.stat().st_size > out["bytes"]
 
+    assert out["signed_by"] == ["store", "secret"]
     target = tmp_path / "copy"
+    monkeypatch.setenv("PPC_PACK_SECRET", "another secret")
+    refused = ppc("import", "--store", target, pack, expect=2).stderr
+    assert "is signed by another store" in refused and "not with your secret" in refused and not target.exists()
+    monkeypatch.setenv("PPC_PACK_SECRET", "the fleet's pack secret")
     first = ppc_json("import", "--store", target, pack)
-    assert first["added"] == out["blocks"]
+    assert first["added"] == out["blocks"] and first["verified"] == "secret"
     assert ppc_json("import", "--store", target, pack)["skipped"] == out["blocks"]
     assert ppc_json("check", "--store", target)["clean"]
     with PersistentPrefixCache(target, model, memory_bytes=0) as store:

@@ -261,8 +261,14 @@ def test_a_v3_export_imports_into_a_v5_store(tmp_path, legacy_v3):
     from persistent_prefix_cache.disk.manifest import read_manifest
 
     target = tmp_path / "imported"
-    out = json.loads(ppc("import", legacy_v3["pack"], "--store", target, "--json").stdout)
+    # Packs of older versions carry no signature: checked against the model, or trusted.
+    refused = ppc("import", legacy_v3["pack"], "--store", target, expect=2).stderr
+    assert "is not signed" in refused and "--model M" in refused and not target.exists()
+    out = json.loads(ppc("import", legacy_v3["pack"], "--store", target, "--model", legacy_v3["model_dir"],
+                         "--check-chains", "all", "--json").stdout)  # fmt: skip
     assert out["added"] == 13 and ppc_check(target)[1]["clean"]
+    assert out["verified"] == "model" and out["checked"]["chains"] == out["checked"]["of"] > 0
+    assert out["checked"]["blocks"] == 13 and out["checked"]["difference"] < 1e-5
     assert all(read_manifest(str(p)).nodes for p in target.glob("segments/*/*.seg"))
     _assert_restores_exactly(target, legacy_v3)
 
@@ -344,8 +350,8 @@ def test_a_v2_export_imports_into_a_v5_store(tmp_path, legacy):
 
     pack = Path(__file__).parent / "data" / "v2_export.ppcpack"
     target = tmp_path / "imported"
-    out = json.loads(ppc("import", pack, "--store", target, "--json").stdout)
-    assert out["added"] == 8 and ppc_check(target)[1]["clean"]
+    out = json.loads(ppc("import", pack, "--store", target, "--trust", "--json").stdout)
+    assert out["added"] == 8 and ppc_check(target)[1]["clean"] and out["verified"] == "trust"
     manifests = [read_manifest(str(p)) for p in target.glob("segments/*/*.seg")]
     assert sum(len(m.nodes) for m in manifests) == 8 and len({m.root for m in manifests}) == 1
     _assert_restores_exactly(target, legacy)

@@ -226,9 +226,19 @@ def test_hostile_headers_are_one_line(in_fixtures, tmp_path, capsys):
         line = _one_error_line(capsys)
         assert code == 2 and words in line, (file, line)
         assert not store.exists()
+
+
+@pytest.mark.slow
+def test_a_hostile_header_is_one_line_from_ppc(fixtures, tmp_path):
+    """The same, as a real ``ppc`` process (a RecursionError would be a traceback there)."""
+    deep = ".".join(["0"] * 3000)
+    named = tmp_path / "deep_metadata.safetensors"
+    mx.save_safetensors(str(named), {"0.0": mx.zeros((1, 1, 4, 16)), "0.1": mx.zeros((1, 1, 4, 16))},
+                        {"0.model": "models/llama", "1.0": "KVCache", "2.0": "", deep: "x"})  # fmt: skip
     proc = ppc("import-mlx", named, "--store", tmp_path / "s", "--model", "models/llama", "--prompt", "x", cwd=fixtures)
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "a path of more than 8 parts" in proc.stderr
+    assert not (tmp_path / "s").exists()
 
 
 def test_another_models_or_prompts_file_is_refused(in_fixtures, tmp_path, capsys):

@@ -114,10 +114,10 @@ def test_maintenance_paths(home, model):
         prefill(model, random_tokens(40, seed=3), store)
     with StoreAdmin("~/kv", readonly=True) as admin:
         assert admin.path == str(home["home"] / "kv")
-        admin.export_pack("~/pack.tar")
+        admin.export_pack("~/pack.tar", secret=b"s")
     assert (home["home"] / "pack.tar").is_file()
     with StoreAdmin("$KVROOT/copy", create=True, block_size=BLOCK) as admin:
-        assert admin.import_pack("~/pack.tar")["added"] > 0
+        assert admin.import_pack("~/pack.tar", secret=b"s")["added"] > 0
     _nothing_literal(home)
 
 
@@ -139,7 +139,7 @@ def test_cli_store_flags(home, model, argv, capsys):
     assert ppc_main(argv) == 0, capsys.readouterr().err
     if argv[0] == "export":
         assert (home["home"] / "out.tar").is_file()
-        assert ppc_main(["import", "--store=$KVROOT/imported", "~/out.tar"]) == 0
+        assert ppc_main(["import", "--store=$KVROOT/imported", "~/out.tar", "--trust"]) == 0
         assert _is_store(home["root"] / "imported")
     _nothing_literal(home)
 

@@ -102,6 +102,24 @@ def add_remote_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_pack_secret_option(parser: argparse.ArgumentParser) -> None:
+    """``--secret-file F``: a pack secret from a file (``$PPC_PACK_SECRET`` otherwise)."""
+    parser.add_argument(
+        "--secret-file", type=path_arg, default=None,
+        help="a file holding the secret packs are signed with (default: $PPC_PACK_SECRET; never on the command line)",
+    )  # fmt: skip
+
+
+def pack_secret(args: argparse.Namespace) -> bytes | None:
+    """The pack secret: ``--secret-file``'s, else ``$PPC_PACK_SECRET``'s, else None."""
+    from ..disk.pack_sign import SECRET_ENV, read_secret_file
+
+    if args.secret_file is not None:
+        return read_secret_file(args.secret_file)
+    value = os.environ.get(SECRET_ENV)
+    return value.encode() if value else None
+
+
 def remote_options(args: argparse.Namespace) -> dict[str, Any]:
     """``remote``, ``remote_secret`` (``$PPC_REMOTE_SECRET``) and ``remote_timeout``
     (``$PPC_REMOTE_TIMEOUT``, seconds) for `PersistentPrefixCache` from ``--remote`` and

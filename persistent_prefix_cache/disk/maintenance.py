@@ -11,30 +11,20 @@ from __future__ import annotations
 import json
 import os
 import stat
-import tarfile
 import time
 from typing import Iterator
 
 from ..errors import InvalidArgumentError, StoreVersionError
 from ..keys import block_key
 from ..paths import expand_path
-from ..migrations.formats import block_files_v2, segment_v3, segment_v4
-from . import store_guard
+from . import packs, store_guard
 from .compaction import compact_sparse
 from .segment import SegmentFiles
 from .index import SCHEMA_VERSION, Index, Reader, Writer
 from .check_report import CheckReport
 from ..blocks import Node
-from .pack_members import RECORD_HEAD, add_bytes, read_json, read_member, unpack_records
-from ..files import open_regular, replace_beside
-from .portable import durable_fsync
-from .segment_writer import pwritev_all
-from .store_dir import TempFile, check_location, check_readable, create_root, file_mode, require_writable
+from .store_dir import check_location, check_readable, create_root, require_writable
 
-EXPORT_FORMAT = "ppc-export/4"  # segment files of format v5
-V4_EXPORT_FORMAT = "ppc-export/3"  # segment files of format v4 (rewritten on import)
-V3_EXPORT_FORMAT = "ppc-export/2"  # segment files of format v3 (rewritten on import)
-LEGACY_EXPORT_FORMAT = "ppc-export/1"  # schema v1-v2: one file per block
 WRITE_HINT = (
     "this writes the store: run it as the store's owner, make the store writable (its permissions, a "
     "read-write mount), or copy it to a directory you can write; stats, inspect, export and check "
@@ -359,18 +349,18 @@ class StoreAdmin:
 
     # -- packing ----------------------------------------------------------------------------
 
-    def export_pack(self, out_path: str, *, model: str | None = None) -> dict:
-        """Write the store (or the part for one model) into one tar file.
-
-        The tar holds a manifest, the node records and the segment files they use.
+    def export_pack(self, out_path: str, *, model: str | None = None, secret: bytes | None = None) -> dict:
+        """Write the store (or the part for one model) into one tar file (`packs.export_pack`),
+        signed by the store's key and by `secret` if given.
 
         Args:
             out_path: The file to write (replaced atomically).
             model: A model's folder or hub id, or a prefix of its root key or
                 fingerprint (see ``ppc inspect``); None exports every model.
+            secret: A secret to sign it with too (another store verifies it with the same secret).
 
         Returns:
-            Counts of models, blocks and bytes exported.
+            Counts of models, blocks and bytes exported, and the keys that signed it.
 
         Raises:
             InvalidArgumentError: If `model` matches no model, or several.
@@ -381,193 +371,24 @@ class StoreAdmin:
                 chosen = self.find_model(reader, model)
                 models = {chosen: models[chosen]}
             nodes = [n for root in models for n in self.walk(reader, root)]
-        nodes.sort(key=lambda n: n.position)  # parents before children
-        out_path = expand_path(out_path, what="out_path")
+        return packs.export_pack(self.files, self.index, nodes, models, out_path, root=self.path, secret=secret)
 
-        def write(raw) -> None:
-            with tarfile.open(fileobj=raw, mode="w") as tar:
-                manifest = {
-                    "format": EXPORT_FORMAT,
-                    "block_size": self.index.block_size,
-                    "models": {r.hex(): d for r, d in models.items()},
-                    "blocks": len(nodes),
-                }
-                add_bytes(tar, "manifest.json", json.dumps(manifest, indent=1).encode())
-                records = b"".join(RECORD_HEAD.pack(n.key, len(n.pack())) + n.pack() for n in nodes)
-                add_bytes(tar, "nodes.bin", records)
-                for seg in dict.fromkeys(n.segment for n in nodes):
-                    # A regular file only: a link or a FIFO put there is refused, not followed.
-                    with os.fdopen(open_regular(self.files.path_of(seg)), "rb") as f:
-                        tar.addfile(tar.gettarinfo(arcname=f"segments/{seg.hex()}.seg", fileobj=f), f)
-
-        # Beside OUT under a name nobody can predict, created exclusively (its folder may
-        # be shared), with the store's file mode: a pack holds the prompts too.
-        replace_beside(out_path, write, mode=file_mode(self.path)[0], sync=durable_fsync)
-        return {"models": len(models), "blocks": len(nodes), "bytes": sum(n.size for n in nodes)}
-
-    def import_pack(self, in_path: str) -> dict:
-        """Load a file written by `export_pack` (this version or an older one) into
-        this store.
-
-        Every block is verified against its record before it is added; blocks already
-        stored are skipped. Segment files are written (and fsynced) before the index
-        records that name them, as for any store write.
+    def import_pack(
+        self, in_path: str, *, secret: bytes | None = None, trust: bool = False, check: packs.Check | None = None
+    ) -> dict:
+        """Load a file written by `export_pack` (this version or an older one) into this
+        store: see `packs.import_pack` (a pack this store or `secret` did not sign needs
+        `check` or `trust`).
 
         Returns:
-            Counts of blocks added and skipped, and bytes added.
+            Counts of blocks added and skipped, bytes added, and how the pack was verified.
 
         Raises:
-            InvalidArgumentError: If the file is not an export, a damaged one, or was
-                made with another block size.
+            InvalidArgumentError: If the file is not an export, a damaged or altered one,
+                was made with another block size, or `check` refuses it.
+            UnverifiedPackError: If nothing verifies it.
         """
-        try:
-            in_path = expand_path(in_path, what="in_path")
-            tar = tarfile.open(in_path, "r")
-        except (tarfile.TarError, OSError) as exc:
-            raise InvalidArgumentError(f"{in_path} is not a ppc export: {exc}") from None
-        with tar:
-            manifest = read_json(tar, "manifest.json", in_path)
-            if manifest.get("format") not in (EXPORT_FORMAT, V4_EXPORT_FORMAT, V3_EXPORT_FORMAT, LEGACY_EXPORT_FORMAT):
-                raise InvalidArgumentError(f"{in_path}: unknown export format {manifest.get('format')!r}")
-            if manifest["block_size"] != self.index.block_size:
-                raise InvalidArgumentError(
-                    f"{in_path} has block_size {manifest['block_size']}, the store {self.index.block_size}",
-                    hint="import into a new store directory",
-                )
-            nodes = list(unpack_records(read_member(tar, "nodes.bin", in_path), in_path))
-            with self.index.reader() as reader:
-                present = {n.key for n in nodes if reader.get(n.key) is not None}
-                known = set(reader.segments())
-            todo = [n for n in nodes if n.key not in present]
-            written: dict[bytes, tuple[int, int]] = {}  # segment -> (file size, digest) written here
-            try:
-                if manifest["format"] == LEGACY_EXPORT_FORMAT:
-                    self._import_legacy(tar, in_path, todo, written, _models_of(self.index, nodes, manifest, in_path))
-                elif manifest["format"] in (V3_EXPORT_FORMAT, V4_EXPORT_FORMAT):
-                    older = segment_v3 if manifest["format"] == V3_EXPORT_FORMAT else segment_v4
-                    self._import_older(tar, in_path, todo, written, _models_of(self.index, nodes, manifest, in_path), older)
-                else:
-                    self._import_segments(tar, in_path, todo, known, written)
-            except BaseException:
-                self.files.unlink(list(written))
-                raise
-            now = time.time_ns()
-            for n in todo:
-                n.child_count, n.last_access = 0, now
-
-            def commit(w: Writer):
-                for root_hex, desc in manifest["models"].items():
-                    w.register_model(bytes.fromhex(root_hex), json.dumps(desc).encode())
-                for seg, (size, digest) in written.items():
-                    w.add_segment(seg, size, digest)
-                inserted = sum(w.insert(n) for n in todo)
-                for seg in written:
-                    held = w.segment(seg)
-                    if held is not None and held[0] == 0:
-                        w.free_segment(seg)
-                return inserted, w.freed
-
-            inserted, freed = self.index.write(commit)
-            self.files.unlink(freed)
-        return {"added": inserted, "skipped": len(nodes) - len(todo), "bytes": sum(n.size for n in todo)}
-
-    def _import_segments(self, tar, in_path: str, todo: list[Node], known: set, written: dict) -> None:
-        for seg in dict.fromkeys(n.segment for n in todo):
-            if seg in known:
-                continue  # imported before: the file is there
-            data = read_member(tar, f"segments/{seg.hex()}.seg", in_path)
-            tmp = TempFile(self.path, "tmp", seg.hex())  # exclusive, a random name: see files.temp_name
-            try:
-                with os.fdopen(tmp.fd, "wb", closefd=False) as f:
-                    f.write(data)
-                    f.flush()
-                    durable_fsync(f.fileno())
-                self.files.publish(tmp, seg)
-            finally:
-                tmp.discard()
-            digest = self.files.digest_of(seg)
-            written[seg] = (len(data), digest)
-            if digest is None:
-                raise InvalidArgumentError(f"{in_path}: segment {seg.hex()} is damaged")
-        for n in todo:
-            if self.files.verify(n) is not None:
-                raise InvalidArgumentError(f"{in_path}: block {n.key.hex()} is damaged")
-
-    def _import_legacy(self, tar, in_path: str, todo: list[Node], written: dict, models: dict) -> None:
-        # An export of schema v1-v2: one block file each, rewritten as one segment each.
-        for n in todo:
-            data = read_member(tar, f"blocks/{block_files_v2.file_name(n)}", in_path)
-            try:
-                tensors = block_files_v2.decode_block(data, n)
-            except ValueError:
-                raise InvalidArgumentError(f"{in_path}: block {n.key.hex()} is damaged") from None
-            seg, size, digest = self._rewrite([(n, tensors)], models, in_path)
-            written[seg] = (size, digest)
-
-    def _import_older(self, tar, in_path: str, todo: list[Node], written: dict, models: dict, older) -> None:
-        # An export of segment format v3 or v4: each segment read (the frozen reader
-        # `older`, whose rule verifies each block) and its blocks rewritten, run by run
-        # of one chain.
-        for old in dict.fromkeys(n.segment for n in todo):
-            data = read_member(tar, f"segments/{old.hex()}.seg", in_path)
-            tmp = TempFile(self.path, "tmp", old.hex(), flags=os.O_RDWR)  # read back through its descriptor
-            fd = tmp.fd
-            try:
-                pwritev_all(fd, [data], 0)
-                try:
-                    seg = older.OpenSegment(fd, old)
-                except ValueError:
-                    raise InvalidArgumentError(f"{in_path}: segment {old.hex()} is damaged") from None
-                runs: list[list] = []
-                for n in sorted((n for n in todo if n.segment == old), key=lambda n: n.position):
-                    tensors = seg.block_tensors(n)
-                    if tensors is None:
-                        raise InvalidArgumentError(f"{in_path}: block {n.key.hex()} is damaged")
-                    if not runs or runs[-1][-1][0].key != n.parent:
-                        runs.append([])
-                    runs[-1].append((n, tensors))
-            finally:
-                tmp.discard()
-            for run in runs:
-                seg_id, size, digest = self._rewrite(run, models, in_path)
-                written[seg_id] = (size, digest)
-
-    def _rewrite(self, run: list, models: dict, in_path: str) -> tuple[bytes, int, int]:
-        # Blocks of an older format into a new segment, once their own format's rule has
-        # verified them: the checksums are new (v5 binds them to the records).
-        try:
-            return self.files.write(run, **models[run[0][0].key], block_size=self.index.block_size)
-        except ValueError as exc:
-            raise InvalidArgumentError(f"{in_path}: damaged blocks: {exc}") from None
-
-
-def _models_of(index: Index, nodes: list[Node], manifest: dict, path: str) -> dict[bytes, dict]:
-    """Block key -> ``root`` and ``model`` record (as the import registers it) for
-    `SegmentFiles.write`, found by walking each block's parents up to its root."""
-    roots: dict[bytes, bytes] = {}
-    by_key = {n.key: n for n in nodes}
-    for n in sorted(nodes, key=lambda n: n.position):
-        root = n.parent if n.position == 0 else roots.get(n.parent)
-        if root is None and n.parent in by_key:
-            raise InvalidArgumentError(f"{path}: damaged node records")  # a parent after its child
-        if root is not None:
-            roots[n.key] = root
-    models = manifest.get("models") or {}
-    out = {}
-    for key, root in roots.items():
-        if root.hex() not in models:
-            raise InvalidArgumentError(f"{path}: a block of a model the export does not describe")
-        out[key] = {"root": root, "model": json.dumps(models[root.hex()]).encode()}
-    orphans = [n for n in nodes if n.key not in out]
-    if orphans:  # a parent outside the export: this store may hold it (else it is skipped)
-        with index.reader() as reader:
-            for n in orphans:
-                up, seen = reader.get(n.parent), 0
-                while up is not None and up.position > 0 and seen < 1 << 20:
-                    up, seen = reader.get(up.parent), seen + 1
-                root = up.parent if up is not None else bytes(16)
-                out[n.key] = {"root": root, "model": reader.model(root) or b"{}"}
-    return out
+        return packs.import_pack(self.files, self.index, in_path, secret=secret, trust=trust, check=check)
 
 
 def _regular_size(path: str) -> int | None:

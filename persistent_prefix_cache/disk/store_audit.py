@@ -23,6 +23,7 @@ from typing import Iterator
 
 from ..files import NotRegularFileError, kind_of, open_folder, open_regular, pid_alive, pid_of_temp
 from .index_files import PIN_STEM
+from .pack_sign import KEY_FILE
 from .store_dir import PRIVATE_FILE, PRIVATE_FOLDER, SHARED_FILE, SHARED_FOLDER
 
 MAX_DEPTH = 16  # a store is a few folders deep; deeper nests are not walked (and reported)
@@ -246,7 +247,8 @@ def make_private(root: str, *, shared: bool = False) -> tuple[int, list[str]]:
         if not (is_dir or stat.S_ISREG(e.st.st_mode)) or _pin_entry(e):
             continue  # links and special files: never chmod-ed (entry_findings removes them);
             # the private folders of `index_files` stay private
-        want = folder_mode if is_dir else file_mode
+        want = folder_mode if is_dir else PRIVATE_FILE if e.rel == KEY_FILE else file_mode  # `pack_sign`: the
+        # pack key stays its owner's in a group store too (its members may not sign)
         if stat.S_IMODE(e.st.st_mode) == want:
             continue
         try:
