@@ -43,19 +43,35 @@ def check_options(
         raise InvalidArgumentError(f"model_path {model_path!r} is not a folder")
 
 
-def check_remote(*, remote, secret, ttl, timeout) -> None:
-    """Raise `InvalidArgumentError` for a malformed remote option (the URL included)."""
+INSECURE_HINT = (
+    "a remote without a secret trusts whoever can write to the server (values are checked like the local disk: "
+    "damage is caught, a forged value with a correct checksum is not)"
+)
+
+
+def check_remote(*, remote, secret, ttl, timeout, insecure=False) -> None:
+    """Raise `InvalidArgumentError` for a malformed remote option (the URL included), and
+    for a remote without a secret that `insecure` does not choose explicitly."""
     from .tiers.remote_client import parse_url
 
+    if not isinstance(insecure, bool):
+        raise InvalidArgumentError(f"remote_insecure must be True or False, got {insecure!r}")
     if remote is None:
-        if secret is not None or ttl is not None:
-            raise InvalidArgumentError("remote_secret and remote_ttl need remote=URL")
+        if secret is not None or ttl is not None or insecure:
+            raise InvalidArgumentError("remote_secret, remote_ttl and remote_insecure need remote=URL")
         return
     if not isinstance(remote, str):
         raise InvalidArgumentError(f"remote must be a URL string, got {type(remote).__name__}")
     parse_url(remote)
     if secret is not None and (not isinstance(secret, (str, bytes)) or not secret):
         raise InvalidArgumentError("remote_secret must be a non-empty str or bytes")
+    if secret is None and not insecure:
+        raise InvalidArgumentError(
+            "remote= needs remote_secret= (the fleet's secret), or remote_insecure=True to share blocks without one",
+            hint=INSECURE_HINT,
+        )
+    if secret is not None and insecure:
+        raise InvalidArgumentError("remote_insecure=True and remote_secret= contradict each other: give one")
     for name, value in (("remote_ttl", ttl), ("remote_timeout", timeout)):
         if value is None and name == "remote_ttl":
             continue

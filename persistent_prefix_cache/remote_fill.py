@@ -155,4 +155,5 @@ def remote_counters(counters: Any, remote: RemoteTier | None) -> dict[str, Any]:
     out: dict[str, Any] = {name: snap.get(name, 0) for name in REMOTE_COUNTERS}
     out["remote"] = remote.url if remote is not None else None
     out["remote_pending"] = remote.pending if remote is not None else 0
+    out["remote_key_id"] = remote.kid if remote is not None else None  # whose key space (`remote_wire`)
     return out

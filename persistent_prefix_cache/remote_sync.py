@@ -18,6 +18,7 @@ import json
 import os
 from typing import Any, Callable
 
+from .disk.faults import hold_point
 from .disk.index import Index
 from .blocks import Node
 from .disk.segment import SegmentFiles
@@ -65,14 +66,22 @@ def _roots_of(nodes: dict[bytes, Node], roots: set[bytes]) -> dict[bytes, bytes]
 
 
 def push_store(
-    path: str, url: str, *, secret: str | bytes | None, ttl: float | None, progress: Progress | None = None
-) -> dict[str, int]:
+    path: str, url: str, *, secret: str | bytes | None, ttl: float | None, progress: Progress | None = None,
+    replace_unauthenticated: bool = False,
+) -> dict[str, int]:  # fmt: skip
     """Publish every block of the store at `path` to the remote at `url`.
 
+    Args:
+        replace_unauthenticated: Read the values the server already holds for these
+            blocks (in this secret's key space) and write over those that fail their
+            checks (a MAC another secret made, a forged or damaged value): first-writer-wins
+            never replaces them otherwise.
+
     Returns:
-        blocks, pushed, already (held by the server), damaged (failed their checksum
-        here, not sent), failed (the server did not take them); with failures, also
-        why: the server's words (a refusal, or why it could not be reached).
+        blocks, pushed, already (held by the server), replaced (held, failing their
+        checks, written over), damaged (failed their checksum here, not sent), failed
+        (the server did not take them); with failures, also why: the server's words
+        (a refusal, or why it could not be reached).
 
     Raises:
         InvalidArgumentError: If there is no store at `path`, or on a malformed URL.
@@ -85,7 +94,7 @@ def push_store(
     index = Index(os.path.join(path, "index"), readonly=True)
     files = SegmentFiles(path, readonly=True)
     counters = Counters(*REMOTE_COUNTERS)
-    out = dict.fromkeys(("blocks", "pushed", "already", "damaged", "failed"), 0)
+    out = dict.fromkeys(("blocks", "pushed", "already", "replaced", "damaged", "failed"), 0)
     tiers: dict[bytes, RemoteTier] = {}
     try:
         with index.reader() as reader:
@@ -107,6 +116,14 @@ def push_store(
             out["already"] += sum(1 for h in held if h == 1)
             out["failed"] += sum(1 for h in held if h is UNAVAILABLE)
             missing = [n for n, h in zip(batch, held) if h == 0]
+            if replace_unauthenticated:
+                held_here = [n for n, h in zip(batch, held) if h == 1]
+                bad = [n for n in held_here if not _holds_good(tiers[root_of[n.key]], n)]
+                for root in {root_of[n.key] for n in bad}:
+                    blocks = [(n, b) for n in bad if root_of[n.key] == root and (b := _read_block(files, n)) is not None]
+                    written, _ = tiers[root].put(blocks, replace=True) if blocks else (0, 0)
+                    out["replaced"] += written
+                    out["already"] -= written
             for root in {root_of[n.key] for n in missing}:
                 blocks = []
                 for node in (n for n in missing if root_of[n.key] == root):
@@ -133,6 +150,21 @@ def push_store(
     return out
 
 
+def _holds_good(tier: RemoteTier, node: Node) -> bool:
+    """Whether the server's value of `node` passes every check of a read (True where it
+    cannot be read: only a value seen to fail is replaced)."""
+    skey = tier.key(node.key)
+    value = tier.bulk.get_values([skey])[0]
+    if value is None or value is UNAVAILABLE:
+        return True
+    try:
+        wire.decode(value, skey, key=node.key, parent=node.parent, position=node.position, tokens=node.tokens,
+                    mac=tier.mac)  # fmt: skip
+    except wire.BadValue:
+        return False
+    return True
+
+
 def _read_block(files: SegmentFiles, node: Node) -> dict | None:
     seg = files.open(node.segment)
     if seg is None:
@@ -143,23 +175,49 @@ def _read_block(files: SegmentFiles, node: Node) -> dict | None:
         seg.close()
 
 
+def remote_key_spaces(store: Any) -> dict[str | None, list[bytes]]:
+    """`key_spaces` of `store`'s remote tier (opened with ``remote=``)."""
+    return key_spaces(store._remote)  # the facade's collaborator: this module is its part
+
+
 def count_unauthenticated(store: Any) -> None:
     """Make `store`'s remote tier count values that fail authentication without a warning
     per value (``ppc pull`` says it once, with the count)."""
     store._remote.warn_unauthenticated = False  # the facade's collaborator: this module is its part
 
 
+def key_spaces(tier: RemoteTier) -> dict[str | None, list[bytes]]:
+    """The server keys of `tier`'s model by key space: the key id of the secret that
+    wrote them (None: written without a secret; see `remote_wire`).
+
+    Raises:
+        RemoteUnreachableError: If the server cannot be scanned.
+    """
+    out: dict[str | None, list[bytes]] = {}
+    for skey in set(tier.bulk.scan(wire.key_pattern(tier.root))):
+        try:
+            kid, _ = wire.split_key(skey)
+        except ValueError:
+            continue  # not a key of this scheme (another tool's, under our prefix)
+        out.setdefault(kid, []).append(skey)
+    return out
+
+
 def pull_model(store: Any, progress: Progress | None = None) -> dict[str, int]:
     """Fill `store` (opened with ``remote=``) with every block the server holds for
-    its model, namespace and layout.
+    its model, namespace and layout, in its secret's key space.
 
     Returns:
-        found (on the server), pulled (committed locally by this pull), present (there
-        already), rejected (failed a check, counted as the store's remote_corrupt or
-        remote_unauthenticated), orphans (their parent is neither here nor there),
-        replaced (pulled blocks that took the place of others or were replaced: a
-        prompt's partial last block gives way to a longer one, eviction under a disk
-        budget), so that the store grew by pulled - replaced blocks.
+        found (on the server, in this secret's key space), other_secrets (blocks of the
+        model in other key spaces: written with another secret, or without one), pulled
+        (committed locally by this pull), present (there already), rejected (failed a
+        check, counted as the store's remote_corrupt or remote_unauthenticated), unread
+        (found, but the server did not answer for them: counted in remote_errors),
+        waiting (read, but a block before them was unread: not stored), orphans
+        (their parent is neither here nor there), replaced (pulled
+        blocks that took the place of others or were replaced: a prompt's partial last
+        block gives way to a longer one, eviction under a disk budget), so that the
+        store grew by pulled - replaced blocks.
 
     Raises:
         InvalidArgumentError: If the store has no remote, or is read-only.
@@ -170,21 +228,33 @@ def pull_model(store: Any, progress: Progress | None = None) -> dict[str, int]:
     tier, fill, writeback = store._remote, store._remote_fill, store._writeback
     if tier is None or writeback is None:
         raise InvalidArgumentError("pull needs a writable store opened with remote=URL")
-    keys = sorted(set(tier.bulk.scan(wire.key_pattern(store._root))))
-    out = dict.fromkeys(("found", "pulled", "present", "rejected", "orphans", "replaced"), 0)
+    spaces = key_spaces(tier)
+    keys = sorted(spaces.pop(tier.kid, []))
+    names = ("found", "other_secrets", "pulled", "present", "rejected", "unread", "waiting", "orphans", "replaced")
+    out = dict.fromkeys(names, 0)
+    out["other_secrets"] = sum(len(v) for v in spaces.values())
     before = store.stats()
+    errors = tier.bulk.errors
     out["found"] = len(keys)
     blocks: list[wire.RemoteBlock] = []
+    unread: set[bytes] = set()
     for lo in range(0, len(keys), BATCH):
         batch = keys[lo : lo + BATCH]
         for skey, value in zip(batch, tier.bulk.get_values(batch)):
+            if value is UNAVAILABLE:  # the server stopped answering (or skips, backing off)
+                unread.add(wire.split_key(skey)[1])
+                continue
             block = _verified(tier, fill, store._root, skey, value)
             if block is None:
-                out["rejected"] += value is not None and value is not UNAVAILABLE
+                out["rejected"] += value is not None
                 continue
             blocks.append(block)
         if progress is not None:
             progress(min(lo + BATCH, len(keys)), len(keys))
+        if lo == 0:
+            hold_point("pull_batch")  # tests: the server is stopped here
+    out["unread"] = len(unread)
+    tier.counters.add(remote_errors=tier.bulk.errors - errors)
     with store._index.reader() as reader:
         local = {b.node.key for b in blocks if reader.get(b.node.key) is not None}
         known = local | {store._root}
@@ -196,7 +266,11 @@ def pull_model(store: Any, progress: Progress | None = None) -> dict[str, int]:
             out["present"] += 1
             continue
         if node.parent not in known:
-            out["orphans"] += 1
+            if node.parent in unread:  # a block before it was not read: it waits for the next pull
+                unread.add(node.key)
+                out["waiting"] += 1
+            else:
+                out["orphans"] += 1
             continue
         known.add(node.key)
         run = runs.pop(node.parent, None)
@@ -218,8 +292,9 @@ def pull_model(store: Any, progress: Progress | None = None) -> dict[str, int]:
 def _verified(tier: RemoteTier, fill: Any, root: bytes, skey: bytes, value: Any) -> wire.RemoteBlock | None:
     if value is None or value is UNAVAILABLE:
         return None
+    tier.note_unchecked(value)
     try:
-        key = bytes.fromhex(skey.rsplit(b":", 1)[1].decode())
+        key = wire.split_key(skey)[1]
         head = wire.header_of(value)
         parent, position, tokens = bytes.fromhex(head["parent"]), int(head["pos"]), wire.tokens_of(value)
         if position == 0 and parent != root:
@@ -234,22 +309,37 @@ def _verified(tier: RemoteTier, fill: Any, root: bytes, skey: bytes, value: Any)
     return block if fill.fits(block) else None
 
 
-def remote_summary(url: str, roots: list[bytes]) -> dict[str, Any]:
+def remote_summary(url: str, roots: list[bytes], secret: str | bytes | None = None) -> dict[str, Any]:
     """What the server holds for a store's models, and its memory figures.
 
+    Args:
+        url: The remote URL.
+        roots: The models' root keys.
+        secret: The remote secret (None: a fleet without one), whose key space is this host's.
+
     Returns:
-        reachable, blocks (keys of these models' roots) and nodes (used_memory,
-        maxmemory, maxmemory_policy, evicted_keys per node), or reachable False
-        and the error.
+        reachable, secret (this host's key id, or None), blocks (keys of these models'
+        roots in this host's key space), other_secrets (in other key spaces: written with
+        another secret, or without one) and nodes (used_memory, maxmemory,
+        maxmemory_policy, evicted_keys per node), or reachable False and the error.
     """
     from .tiers.remote_client import Servers
 
+    kid = wire.key_id(wire.mac_key(secret)) if secret else None
     servers = Servers(url, timeout=BULK_TIMEOUT)
     try:
         nodes = servers.info()
-        blocks = sum(1 for root in roots for _ in servers.scan(wire.key_pattern(root)))
+        spaces: dict[str | None, int] = {}
+        for root in roots:
+            for skey in servers.scan(wire.key_pattern(root)):
+                try:
+                    space = wire.split_key(skey)[0]
+                except ValueError:
+                    continue
+                spaces[space] = spaces.get(space, 0) + 1
     except PrefixCacheError as exc:  # cannot reach it, or it refuses the URL: said plainly
         return {"reachable": False, "error": exc.message}
     finally:
         servers.close()
-    return {"reachable": True, "blocks": blocks, "nodes": nodes}
+    mine = spaces.pop(kid, 0)
+    return {"reachable": True, "secret": kid, "blocks": mine, "other_secrets": sum(spaces.values()), "nodes": nodes}

@@ -88,7 +88,8 @@ class PersistentPrefixCache(OpenedWith, CostsMixin):
             ``redis+cluster://h:p,h:p``): the fleet's shared block tier, read after
             the local store and published to in the background (see `tiers.remote`).
         remote_secret: MAC every published value with this secret and accept only
-            values carrying a valid MAC.
+            values carrying a valid MAC (each secret's blocks have keys of their own).
+        remote_insecure: Share blocks without a secret (then required: it trusts whoever can write to the server).
         remote_ttl: Seconds a published block lives on the server (None: until the
             server evicts it).
         remote_timeout: Seconds one round trip to the server may take; a server that
@@ -131,6 +132,7 @@ class PersistentPrefixCache(OpenedWith, CostsMixin):
         remote_secret: str | bytes | None = None,
         remote_ttl: float | None = None,
         remote_timeout: float = DEFAULT_REMOTE_TIMEOUT,
+        remote_insecure: bool = False,
         shared: bool = False,
     ):
         path = expand_path(path, what="path")
@@ -139,7 +141,8 @@ class PersistentPrefixCache(OpenedWith, CostsMixin):
         if model_name is not None and not isinstance(model_name, str):
             raise InvalidArgumentError(f"model_name must be a string, got {type(model_name).__name__}")
         self._model_name = model_name or (None if model_path is None else os.path.abspath(model_path))
-        check_remote(remote=remote, secret=remote_secret, ttl=remote_ttl, timeout=remote_timeout)
+        check_remote(remote=remote, secret=remote_secret, ttl=remote_ttl, timeout=remote_timeout,
+                     insecure=remote_insecure)  # fmt: skip
         check_options(
             fingerprint=fingerprint, model_path=model_path, namespace=namespace, block_size=block_size,
             memory_bytes=memory_bytes, disk_bytes=disk_bytes, kv_bits=kv_bits, kv_group_size=kv_group_size,
@@ -523,7 +526,8 @@ class PersistentPrefixCache(OpenedWith, CostsMixin):
             server: reading them was slower than a prefill, by the cost model; their
             tokens count in tokens_skipped), remote_published, remote_bytes_published,
             remote_already (held by the server before), remote_dropped (publish queue
-            full), remote_publish_failed, remote_pending, restore_bytes_per_s_remote.
+            full), remote_publish_failed, remote_pending, remote_key_id (the secret's
+            key id; None: no secret), restore_bytes_per_s_remote.
         """
         self._check_open()
         out = self._counters.snapshot()

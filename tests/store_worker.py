@@ -14,7 +14,7 @@ line ``RESULT <json>`` with what each step returned. Steps:
   ignored, so writes past it fail with EFBIG instead of killing the process.
 
 Options besides the steps: ``block_size``, ``readonly``, ``memory_bytes`` (0 unless
-given), ``sync_writes``, ``cost_model``, ``remote``, ``remote_secret``, ``remote_timeout``,
+given), ``sync_writes``, ``cost_model``, ``remote``, ``remote_secret``, ``remote_insecure``, ``remote_timeout``,
 ``initial_map_size`` (the LMDB map a new environment starts with), and ``uid``: drop to that user before opening the store.
 
 Crash tests add the ``pause_at`` / ``pause_file`` test hooks (``PPC_TEST_HOOKS``) to the environment and SIGKILL
@@ -72,7 +72,7 @@ def _run(spec: dict) -> dict:
             memory_bytes=spec.get("memory_bytes", 0),
             sync_writes=spec.get("sync_writes", False),
             cost_model=spec.get("cost_model", True),
-            **{k: spec[k] for k in ("remote", "remote_secret", "remote_timeout") if k in spec},
+            **{k: spec[k] for k in ("remote", "remote_secret", "remote_insecure", "remote_timeout") if k in spec},
         )
         for step in spec["steps"]:
             op, args = step[0], step[1:]

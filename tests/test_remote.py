@@ -7,6 +7,8 @@ fetch is checked bitwise: the next-token logits after a restore equal a cold pre
 
 from __future__ import annotations
 
+import logging
+
 import socket
 import subprocess
 import sys
@@ -31,8 +33,11 @@ TIMEOUT = 10.0
 
 
 def open_host(path, model, url, **kw):
+    """A host of the fleet; without a `remote_secret`, one that chose to share blocks without one."""
     kw.setdefault("memory_bytes", 64 << 20)
     kw.setdefault("remote_timeout", TIMEOUT)
+    if kw.get("remote_secret") is None:
+        kw.setdefault("remote_insecure", True)
     return PersistentPrefixCache(path, model, block_size=BS, remote=url, **kw)
 
 
@@ -69,7 +74,19 @@ def test_secret_and_ttl_need_a_remote(tmp_path, model):
     with pytest.raises(InvalidArgumentError):
         PersistentPrefixCache(tmp_path / "s", model, remote_secret="x")
     with pytest.raises(InvalidArgumentError):
-        PersistentPrefixCache(tmp_path / "s", model, remote="redis://h:1", remote_ttl=0)
+        PersistentPrefixCache(tmp_path / "s", model, remote="redis://h:1", remote_ttl=0, remote_insecure=True)
+
+
+def test_a_remote_without_a_secret_is_an_explicit_choice(tmp_path, model):
+    """Code written before the choice was asked for gets one clear error naming the option."""
+    with pytest.raises(InvalidArgumentError, match=r"remote_insecure=True to share blocks without one") as err:
+        PersistentPrefixCache(tmp_path / "s", model, remote="redis://h:1")
+    assert "trusts whoever can write to the server" in str(err.value)
+    with pytest.raises(InvalidArgumentError, match="contradict"):
+        PersistentPrefixCache(tmp_path / "s", model, remote="redis://h:1", remote_secret="x", remote_insecure=True)
+    with pytest.raises(InvalidArgumentError, match="need remote=URL"):
+        PersistentPrefixCache(tmp_path / "s", model, remote_insecure=True)
+    assert not (tmp_path / "s").exists()
 
 
 @pytest.mark.slow
@@ -84,7 +101,7 @@ m = load_tiny_model({str(tiny_model_dir)!r})
 s = PersistentPrefixCache({str(tmp_path / 'local')!r}, m)
 s.close()
 try:
-    PersistentPrefixCache({str(tmp_path / 'r')!r}, m, remote='redis://127.0.0.1:1')
+    PersistentPrefixCache({str(tmp_path / 'r')!r}, m, remote='redis://127.0.0.1:1', remote_insecure=True)
 except MissingDependencyError as e:
     print('MISSING', e)
 """
@@ -287,7 +304,7 @@ def test_garbage_value_is_a_counted_miss(tmp_path, model, redis_server):
         h.close()
 
 
-def test_forged_value_is_rejected_with_a_secret(tmp_path, model, redis_server):
+def test_forged_value_is_rejected_with_a_secret(tmp_path, model, redis_server, caplog):
     toks = random_tokens(64, 14, first=14)
     a = open_host(tmp_path / "a", model, redis_server.url, remote_secret="fleet-secret")
     publish(a, model, toks)
@@ -309,11 +326,21 @@ def test_forged_value_is_rejected_with_a_secret(tmp_path, model, redis_server):
     c = open_host(tmp_path / "c", model, redis_server.url, remote_secret="fleet-secret")
     assert fetch_exact(c, model, toks + [1]) == BS
     assert c.stats()["remote_unauthenticated"] == 1
-    # Without a secret the server is trusted like a disk: the forgery is well-formed.
-    d = open_host(tmp_path / "d", model, redis_server.url)
-    cache, rest = d.fetch(toks + [1])
-    assert len(toks) + 1 - len(rest) == 64 and d.stats()["remote_unauthenticated"] == 0
-    for h in (a, b, c, d):
+    # A host without a secret reads the key space of values without one: the fleet's
+    # values are not there (a miss); values it finds there are trusted like a disk.
+    d = open_host(tmp_path / "d", model, redis_server.url, memory_bytes=0)
+    assert fetch_exact(d, model, toks + [1]) == 0 and d.stats()["remote_unauthenticated"] == 0
+    for k, plain in zip(keys, chain_keys(a._root, np.asarray(toks, "<i4"), BS)):
+        client.set(wire.server_key(a._root, plain), client.get(k))  # MAC-carrying values where d reads
+    client.set(wire.server_key(a._root, chain[1]), wire.encode(keys[1], good.node, forged, mac=None))
+    e = open_host(tmp_path / "e", model, redis_server.url, memory_bytes=0)
+    with caplog.at_level(logging.WARNING, logger="persistent_prefix_cache"):
+        cache, rest = e.fetch(toks + [1])
+        e.fetch(toks + [2])
+    assert len(toks) + 1 - len(rest) == 64 and e.stats()["remote_unauthenticated"] == 0  # the forgery is used
+    said = [r.getMessage() for r in caplog.records if "carry a MAC this host cannot check" in r.getMessage()]
+    assert len(said) == 1, said  # said once
+    for h in (a, b, c, d, e):
         h.close()
 
 

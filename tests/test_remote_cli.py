@@ -15,6 +15,7 @@ from persistent_prefix_cache.cli import main as ppc_main
 @pytest.fixture
 def ppc(capsys, monkeypatch):
     monkeypatch.setenv("PPC_REMOTE_TIMEOUT", "10")  # a loaded machine must not make a fetch miss
+    monkeypatch.setenv("PPC_REMOTE_SECRET", "the fleet's secret")  # a fleet has one
 
     def call(*args, env=None):
         capsys.readouterr()

@@ -20,10 +20,13 @@ from persistent_prefix_cache.keys import chain_keys
 from persistent_prefix_cache.tiers import remote_wire as wire
 
 
+FLEET = "the fleet's secret"  # the secret every host of these fleets holds
+
+
 def host(tmp_path, store, tiny_model_dir, url, steps, *, name=None, env=None):
     """A host process with its own store directory (``tmp_path / store``)."""
     spec = {"model": str(tiny_model_dir), "store": str(tmp_path / store), "block_size": BS, "remote": url,
-            "remote_timeout": TIMEOUT, "steps": steps}  # fmt: skip
+            "remote_secret": FLEET, "remote_timeout": TIMEOUT, "steps": steps}  # fmt: skip
     return Worker(spec, str(tmp_path), name=name or store, env=env)
 
 
@@ -68,12 +71,12 @@ def test_publisher_killed_mid_batch_leaves_whole_values_only(tmp_path, tiny_mode
     finally:
         w.reap()
     client = redis_server.client()
-    b = open_host(tmp_path / "b", model, redis_server.url)
+    b = open_host(tmp_path / "b", model, redis_server.url, remote_secret=FLEET)
     keys = server_keys(b, toks)
     assert [bool(client.exists(k)) for k in keys] == [True] + [False] * 4
     chain = chain_keys(b._root, np.asarray(toks, "<i4"), BS)
     block = wire.decode(client.get(keys[0]), keys[0], key=chain[0], parent=b._root, position=0,
-                        tokens=np.asarray(toks[:BS], "<i4").tobytes(), mac=None)  # fmt: skip
+                        tokens=np.asarray(toks[:BS], "<i4").tobytes(), mac=b._remote.mac)  # fmt: skip
     assert block.node.n_tokens == BS
     assert fetch_exact(b, model, toks + [1]) == BS
     b.close()
@@ -96,7 +99,7 @@ def test_two_hosts_store_one_prompt_at_once(tmp_path, tiny_model_dir, model, red
     # SET NX: each block was written by exactly one host; the other found it there.
     assert sum(s["remote_published"] for s in stats) == 6
     assert sum(s["remote_already"] for s in stats) == 6
-    b = open_host(tmp_path / "b", model, redis_server.url)
+    b = open_host(tmp_path / "b", model, redis_server.url, remote_secret=FLEET)
     assert fetch_exact(b, model, toks + [1]) == 96
     b.close()
 

@@ -92,7 +92,8 @@ def add_model_option(parser: argparse.ArgumentParser, *, required: bool = True) 
 
 def add_remote_option(parser: argparse.ArgumentParser) -> None:
     """``--remote URL``, defaulting to ``$PPC_REMOTE``; the secret comes from
-    ``$PPC_REMOTE_SECRET`` only (a command line is visible to every user)."""
+    ``$PPC_REMOTE_SECRET`` only (a command line is visible to every user), and a remote
+    without one needs ``--remote-insecure``."""
     parser.add_argument(
         "--remote",
         default=os.environ.get("PPC_REMOTE") or None,
@@ -100,6 +101,10 @@ def add_remote_option(parser: argparse.ArgumentParser) -> None:
         help="the fleet's shared block tier: redis://host:port, rediss://..., unix:///path or "
         "redis+cluster://h:p,h:p (default: $PPC_REMOTE; secret: $PPC_REMOTE_SECRET)",
     )
+    parser.add_argument(
+        "--remote-insecure", action="store_true",
+        help="share blocks on --remote without a secret: whoever can write to the server is trusted",
+    )  # fmt: skip
 
 
 def add_pack_secret_option(parser: argparse.ArgumentParser) -> None:
@@ -121,12 +126,13 @@ def pack_secret(args: argparse.Namespace) -> bytes | None:
 
 
 def remote_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``remote``, ``remote_secret`` (``$PPC_REMOTE_SECRET``) and ``remote_timeout``
-    (``$PPC_REMOTE_TIMEOUT``, seconds) for `PersistentPrefixCache` from ``--remote`` and
-    the environment (empty without a remote).
+    """``remote``, ``remote_secret`` (``$PPC_REMOTE_SECRET``), ``remote_insecure``
+    (``--remote-insecure``) and ``remote_timeout`` (``$PPC_REMOTE_TIMEOUT``, seconds) for
+    `PersistentPrefixCache` from ``--remote`` and the environment (empty without a remote).
 
     Raises:
         InvalidArgumentError: If the URL is malformed (exit 2, one line).
+        UserError: If there is neither a secret nor ``--remote-insecure``, or both.
     """
     url = getattr(args, "remote", None)
     if not url:
@@ -134,7 +140,16 @@ def remote_options(args: argparse.Namespace) -> dict[str, Any]:
     from ..tiers.remote_client import parse_url
 
     parse_url(url)
-    options = {"remote": url, "remote_secret": os.environ.get("PPC_REMOTE_SECRET") or None}
+    secret = os.environ.get("PPC_REMOTE_SECRET") or None
+    insecure = bool(getattr(args, "remote_insecure", False))
+    if secret is None and not insecure:
+        raise UserError(
+            "--remote without $PPC_REMOTE_SECRET would trust whoever can write to the server: set "
+            "$PPC_REMOTE_SECRET to the fleet's secret, or pass --remote-insecure to share blocks without one"
+        )
+    if secret is not None and insecure:
+        raise UserError("--remote-insecure and $PPC_REMOTE_SECRET contradict each other: give one")
+    options = {"remote": url, "remote_secret": secret, "remote_insecure": insecure}
     timeout = os.environ.get("PPC_REMOTE_TIMEOUT")
     if timeout:
         try:

@@ -44,7 +44,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     def work() -> int:
-        from ..remote_sync import BULK_TIMEOUT, count_unauthenticated, pull_model, reach
+        from ..remote_sync import BULK_TIMEOUT, count_unauthenticated, pull_model, reach, remote_key_spaces
         from .precompute import read_inputs, tokenize
 
         options = require_remote(args)
@@ -69,6 +69,9 @@ def main(argv: list[str]) -> int:
                 store.flush()
                 st = store.stats()
                 out = {"prompts": len(prompts), "tokens_restored": restored, "blocks_pulled": st["remote_blocks"]}
+                if not restored and not st["remote_errors"]:  # nothing here: is it under another secret?
+                    spaces = remote_key_spaces(store)
+                    out["other_secrets"] = sum(len(v) for k, v in spaces.items() if k != st["remote_key_id"])
             else:
                 out = pull_model(store, progress_line("pulled", not args.no_progress))
                 st = store.stats()
@@ -77,13 +80,27 @@ def main(argv: list[str]) -> int:
                 remote_errors=st["remote_errors"],
             )  # fmt: skip
             emit({"store": store.path, "remote": st["remote"], **out}, args.json, _render)
-        failed = st["remote_unauthenticated"]
-        if failed:
-            print(f"error: {failed} block{'s' * (failed != 1)} failed authentication: "
-                  "is $PPC_REMOTE_SECRET the one they were pushed with?",
-                  file=sys.stderr)  # fmt: skip
-        if out["remote_errors"]:
-            print(f"error: {out['remote_errors']} round trips to the server failed; run ppc pull again", file=sys.stderr)
-        return 1 if failed or out["remote_errors"] else 0
+        return 1 if _say_failures(out, st) else 0
 
     return run(work)
+
+
+def _say_failures(out: dict, st: dict) -> bool:
+    """One ``error:`` line per kind of failure of a pull; whether there was one."""
+    said = []
+    bad = st["remote_unauthenticated"]
+    if bad:
+        said.append(f"{bad} block{'s' * (bad != 1)} under your secret's key id failed authentication: written with "
+                    "another secret (forged) or damaged, not by a host holding yours; `ppc push "
+                    "--replace-unauthenticated` from a host that holds them writes over them")  # fmt: skip
+    if out.get("other_secrets") and not out.get("found", out.get("tokens_restored")):
+        said.append(f"the server holds {out['other_secrets']} block(s) of this model written with other secrets (or "
+                    "none) and none under yours: your $PPC_REMOTE_SECRET differs from the writers'")  # fmt: skip
+    if out.get("unread"):
+        said.append(f"the server stopped answering: {out['unread']} of the {out['found']} blocks found were not read "
+                    f"({out['waiting']} more wait for them); {out['pulled']} pulled; run ppc pull again")  # fmt: skip
+    elif out["remote_errors"]:
+        said.append(f"{out['remote_errors']} round trips to the server failed; run ppc pull again")
+    for line in said:
+        print(f"error: {line}", file=sys.stderr)
+    return bool(said)

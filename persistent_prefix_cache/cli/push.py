@@ -53,6 +53,9 @@ def main(argv: list[str]) -> int:
     add_remote_option(parser)
     parser.add_argument("--ttl", type=float, default=None, help="seconds the blocks live on the server")
     parser.add_argument("--no-progress", action="store_true", help="do not draw a progress line")
+    parser.add_argument("--replace-unauthenticated", action="store_true",
+                        help="read the values the server already holds for this store's blocks and write over those "
+                        "that fail their checks (another secret's MAC, forged or damaged)")  # fmt: skip
     add_json_option(parser)
     args = parser.parse_args(argv)
 
@@ -66,7 +69,7 @@ def main(argv: list[str]) -> int:
             raise UserError(f"--ttl must be a number of seconds > 0, got {args.ttl}")
         out = push_store(
             path, options["remote"], secret=options["remote_secret"], ttl=args.ttl,
-            progress=progress_line("pushed", not args.no_progress),
+            progress=progress_line("pushed", not args.no_progress), replace_unauthenticated=args.replace_unauthenticated,
         )  # fmt: skip
         why = out.pop("why", None)
         emit({"store": os.path.abspath(path), "remote": redact(options["remote"]), **out}, args.json, _render)

@@ -244,6 +244,11 @@ def _reach_remote(options: dict[str, Any]) -> None:
     """
     if not options.get("remote"):
         return
+    from ..tiers.remote_client import redact
+
+    if options.get("remote_insecure"):  # the operator's choice, said once where the server logs
+        log.warning("remote tier %s without a secret (--remote-insecure): whoever can write to the server is trusted",
+                    redact(options["remote"]))  # fmt: skip
     from ..errors import RemoteUnreachableError
     from ..tiers.remote import LOCAL_ONLY, PUBLISH_TIMEOUT
     from ..tiers.remote_client import Voice, contact, shown

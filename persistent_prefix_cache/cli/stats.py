@@ -40,7 +40,12 @@ def _render(s: dict) -> str:
         if not remote["reachable"]:
             rows.append(("remote reachable", f"no: {remote['error']}"))
         else:
+            secret = remote.get("secret")
+            rows.append(("remote secret", f"key id {secret}" if secret else
+                         "none (--remote-insecure: whoever can write to the server is trusted)"))  # fmt: skip
             rows.append(("blocks on the remote", remote["blocks"]))
+            if remote.get("other_secrets"):
+                rows.append(("  under other secrets", f"{remote['other_secrets']} (not this host's: another secret, or none)"))
             for n in remote["nodes"]:
                 if "error" in n:
                     rows.append((f"  {n['node']}", f"error: {n['error']}"))
@@ -81,7 +86,8 @@ def main(argv: list[str]) -> int:
             from ..tiers.remote_client import redact
 
             roots = [bytes.fromhex(m["root"]) for m in summary["models"]]
-            summary["remote"] = {"url": redact(options["remote"]), **remote_summary(options["remote"], roots)}
+            found = remote_summary(options["remote"], roots, options["remote_secret"])
+            summary["remote"] = {"url": redact(options["remote"]), **found}
         emit(summary, args.json, _render)
         return 0
 

@@ -8,6 +8,10 @@ docs/environment.md). `hook` reads one. The library's own hooks:
   point it writes the point's name to the file and sleeps, so that the test can kill it
   with SIGKILL exactly there. Without the variable a pause point costs one lookup.
 
+- ``hold_at=<point>`` with ``pause_file=<path>``: the same, but the process goes on once
+  the test removes the file (``pull_batch``: ``ppc pull`` has read its first batch of
+  blocks; the test stops the server there).
+
 Points: ``before_rename`` (segment file written and fsynced under ``tmp/``),
 ``before_commit`` (segment renamed into ``segments/``, index not yet committed),
 ``after_commit`` (index committed), ``in_write_txn`` (inside an open LMDB write
@@ -70,3 +74,16 @@ def pause_point(name: str) -> None:
             f.write(name)
     while True:
         time.sleep(3600)
+
+
+def hold_point(name: str) -> None:
+    """Wait here, while the ``pause_file`` exists, if the ``hold_at`` test hook names this point."""
+    if hook("hold_at") != name:
+        return
+    marker = hook("pause_file")
+    if not marker:
+        return
+    with open(marker, "w") as f:
+        f.write(name)
+    while os.path.exists(marker):
+        time.sleep(0.05)

@@ -116,6 +116,7 @@ class RemoteTier:
         self.bulk = Servers(url, timeout=max(timeout, PUBLISH_TIMEOUT), tail=tail)
         self.root = root
         self.mac = wire.mac_key(secret) if secret else None
+        self.kid = wire.key_id(self.mac) if self.mac else None  # this secret's key space (`remote_wire`)
         self.ttl_ms = None if ttl is None else max(1, int(ttl * 1000))
         self.queue_bytes = queue_bytes
         self.counters = counters
@@ -129,6 +130,7 @@ class RemoteTier:
         self._check_pool: ThreadPoolExecutor | None = None
         self._check_pid = 0
         self._said_unauthenticated = False
+        self._said_unchecked_macs = False
         self.warn_unauthenticated = True  # False: the caller says it (ppc pull, with a count)
         if contact:
             try:
@@ -160,8 +162,8 @@ class RemoteTier:
         return True
 
     def key(self, key: bytes) -> bytes:
-        """The server key of one of this model's blocks."""
-        return wire.server_key(self.root, key)
+        """The server key of one of this model's blocks (in this secret's key space)."""
+        return wire.server_key(self.root, key, self.kid)
 
     # -- reading ------------------------------------------------------------------------
 
@@ -333,9 +335,20 @@ class RemoteTier:
         elif self.warn_unauthenticated and not self._said_unauthenticated:
             self._said_unauthenticated = True
             log.warning(
-                "blocks from %s fail authentication (%s): is the remote secret ($PPC_REMOTE_SECRET, remote_secret=) "
-                "the one they were published with? They are read as misses (counted: remote_unauthenticated)",
+                "blocks from %s under this secret's key id fail authentication (%s): they were written with another "
+                "secret (forged, or damaged), not by a host holding this one. They are read as misses (counted: "
+                "remote_unauthenticated); `ppc push --replace-unauthenticated` replaces those a store holds",
                 self.url, exc,
+            )  # fmt: skip
+
+    def note_unchecked(self, value: Any) -> None:
+        """Say once that values carry a MAC this handle cannot check (it has no secret)."""
+        if self.mac is None and not self._said_unchecked_macs and wire.carries_mac(value):
+            self._said_unchecked_macs = True
+            log.warning(
+                "blocks from %s carry a MAC this host cannot check (it has no remote secret: remote_insecure): they "
+                "are used unauthenticated; give the fleet's secret ($PPC_REMOTE_SECRET, remote_secret=) to check them",
+                self.url,
             )  # fmt: skip
 
     def _decode(self, values: list[tuple[tuple, Any]]) -> tuple[list[wire.RemoteBlock], tuple | None]:
@@ -343,6 +356,7 @@ class RemoteTier:
         the first that does not (None if all do)."""
         out = []
         for (k, p, pos, toks), value in values:
+            self.note_unchecked(value)
             try:
                 out.append(wire.decode(value, self.key(k), key=k, parent=p, position=pos, tokens=toks, mac=self.mac))
             except wire.BadValue as exc:
@@ -409,8 +423,13 @@ class RemoteTier:
                 self._queued_bytes -= sum(size for *_, size in batch)
                 self._cond.notify_all()
 
-    def put(self, blocks: Sequence[tuple[Node, dict]]) -> tuple[int, int]:
+    def put(self, blocks: Sequence[tuple[Node, dict]], *, replace: bool = False) -> tuple[int, int]:
         """Write blocks now (``SET NX``), on the calling thread.
+
+        Args:
+            blocks: ``(node, tensors)`` per block.
+            replace: Write over what the server holds (``SET``): for values that failed
+                their checks (``ppc push --replace-unauthenticated``).
 
         Returns:
             (blocks written, blocks the server already held); the rest failed and
@@ -421,7 +440,7 @@ class RemoteTier:
             return 0, 0
         errors = self.bulk.errors
         values = [(self.key(node.key), wire.encode(self.key(node.key), node, t, self.mac)) for node, t in blocks]
-        commands = [("SET", k, v, self.ttl_ms) for k, v in values]
+        commands = [("REPLACE" if replace else "SET", k, v, self.ttl_ms) for k, v in values]
         if hook("pause_at") == "remote_publish" and len(commands) > 1:
             # Crash tests: stop (to be killed) with the first block published, the rest not.
             results = self.bulk.call(commands[:1])

@@ -86,7 +86,7 @@ class _Node:
 
 
 UNAVAILABLE = type("Unavailable", (), {"__repr__": lambda self: "UNAVAILABLE"})()
-# ("EXISTS", key) / ("SET", key, value, ttl_ms) / ("COUNT", key, keys):
+# ("EXISTS", key) / ("SET", key, value, ttl_ms) (NX) / ("REPLACE", key, value, ttl_ms) / ("COUNT", key, keys):
 # how many of `keys` exist, in one command (one server only: a cluster refuses keys of
 # several slots in one command).
 Command = tuple
@@ -244,6 +244,8 @@ class Servers:
                 c = commands[i]
                 if c[0] == "SET":
                     pipe.set(c[1], c[2], nx=True, px=c[3])
+                elif c[0] == "REPLACE":  # ppc push --replace-unauthenticated: over a value that failed its checks
+                    pipe.set(c[1], c[2], px=c[3])
                 elif c[0] == "COUNT":  # one server only: keys of many slots
                     pipe.exists(*c[2])
                 else:

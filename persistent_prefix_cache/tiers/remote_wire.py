@@ -1,9 +1,15 @@
 """The remote tier's key scheme and the wire form of one block (a self-contained value).
 
-One server key per block: ``ppc:b1:<root hex>:<block key hex>``. ``b1`` is the wire
-format's version and the root key binds the model fingerprint, namespace and cache
-layout, so two models, tenants or formats never meet. There are no curly braces in a
-key (Redis Cluster would read them as a hash tag and put every block on one node).
+One server key per block: ``ppc:b1:<root hex>:k<key id>:<block key hex>`` for a fleet
+with a secret, ``ppc:b1:<root hex>:<block key hex>`` for one without (``remote_insecure``).
+``b1`` is the wire format's version and the root key binds the model fingerprint,
+namespace and cache layout, so two models, tenants or formats never meet. The key id
+(16 hex digits of a hash of the MAC key, which reveals nothing of it) keeps the blocks of
+each secret apart: writes are first-writer-wins (``SET NX``), so a host with a mistyped
+secret, sharing keys with the others, would hold every block it wrote first against them
+(values no one else accepts, never replaced); under its own key id it fills only its own
+space, and the fleet's values are never its to block. There are no curly braces in a key
+(Redis Cluster would read them as a hash tag and put every block on one node).
 
 A value is, in order::
 
@@ -46,20 +52,44 @@ HAS_MAC = 1
 _BITS = {1: "u1", 2: "<u2", 4: "<u4", 8: "<u8"}
 
 
-def server_key(root: bytes, key: bytes) -> bytes:
-    """The server key of block `key` of the chain rooted at `root`."""
-    return KEY_PREFIX + root.hex().encode() + b":" + key.hex().encode()
+def server_key(root: bytes, key: bytes, kid: str | None = None) -> bytes:
+    """The server key of block `key` of the chain rooted at `root`, in the space of key
+    id `kid` (`key_id`; None: the space of values without a MAC)."""
+    space = b"" if kid is None else b"k" + kid.encode() + b":"
+    return KEY_PREFIX + root.hex().encode() + b":" + space + key.hex().encode()
 
 
 def key_pattern(root: bytes) -> bytes:
-    """A SCAN pattern matching every block of one root."""
+    """A SCAN pattern matching every block of one root, of every key id (see `split_key`)."""
     return KEY_PREFIX + root.hex().encode() + b":*"
+
+
+def split_key(skey: bytes) -> tuple[str | None, bytes]:
+    """(key id or None, block key) of a server key `key_pattern` matched.
+
+    Raises:
+        ValueError: If it is not a key of this scheme.
+    """
+    parts = skey[len(KEY_PREFIX) :].split(b":")
+    if not skey.startswith(KEY_PREFIX) or len(parts) not in (2, 3) or (len(parts) == 3 and parts[1][:1] != b"k"):
+        raise ValueError("not a block key of this scheme")
+    return (parts[1][1:].decode() if len(parts) == 3 else None), bytes.fromhex(parts[-1].decode())
 
 
 def mac_key(secret: str | bytes) -> bytes:
     """The 64-byte BLAKE2b key derived from a secret of any length."""
     raw = secret.encode() if isinstance(secret, str) else bytes(secret)
     return hashlib.blake2b(raw, digest_size=64, person=b"ppc-remote-mac").digest()
+
+
+def key_id(mac: bytes) -> str:
+    """The key id of a MAC key: 16 hex digits that reveal nothing of it."""
+    return hashlib.blake2b(mac, digest_size=8, person=b"ppc-remote-kid").hexdigest()
+
+
+def carries_mac(value: Any) -> bool:
+    """Whether a value says it carries a MAC (unchecked: for a reader without a secret)."""
+    return len(value) >= _HEAD.size and bytes(memoryview(value)[:4]) == MAGIC and bool(_HEAD.unpack_from(value)[2] & HAS_MAC)
 
 
 def _mac(key: bytes, skey: bytes, data: memoryview | bytes) -> bytes:
