@@ -256,3 +256,35 @@ def test_one_size_parser_for_every_command():
         with pytest.raises(argparse.ArgumentTypeError):
             parse_size(bad)
     assert gc.parse_size is parse_size and serve.parse_size is parse_size
+
+
+def test_check_fix_settles_a_wrong_segment_size(filled, capsys):
+    """Issue 29, item 15: a segment whose recorded size is not its file's (every block of it
+    verifies): ``--fix`` records the file's size, and the next ``check`` is clean (before,
+    --fix said "fixed" and the next check found it again)."""
+    from persistent_prefix_cache.cli import main
+    from persistent_prefix_cache.disk.index_tables import SEGMENTS
+
+    store_dir, prompts = filled
+
+    def wrong_size(w):
+        seg, (blocks, nbytes, size) = next(iter(w.segments().items()))
+        record = b"".join(int(x).to_bytes(8, "little") for x in (blocks, nbytes, size + 100))
+        w.txn.put(SEGMENTS + seg, record)
+        return seg, size
+
+    with StoreAdmin(str(store_dir)) as admin:
+        seg, size = admin.index.write(wrong_size)
+    assert main(["check", "--store", str(store_dir), "--json"]) == 1
+    found = json.loads(capsys.readouterr().out)["problems"]
+    assert {"kind": "segment size", "detail": f"{seg.hex()}: {size + 100} recorded, the file has {size}"} in found
+    assert main(["check", "--store", str(store_dir), "--fix", "--json"]) == 0
+    fixed = json.loads(capsys.readouterr().out)
+    assert fixed["fixed"] and fixed["remaining"] == [] and fixed["unfixed"] == []
+    assert f"recorded the size of segment {seg.hex()}: {size} bytes" in fixed["notes"]
+    assert main(["check", "--store", str(store_dir), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["clean"]
+    with StoreAdmin(str(store_dir)) as admin:
+        with admin.index.reader() as reader:
+            recorded = reader.segments()
+            assert recorded[seg][2] == size and reader.file_bytes() == sum(v[2] for v in recorded.values())

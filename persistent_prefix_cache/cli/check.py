@@ -1,7 +1,8 @@
 """``ppc check [--fix]``: verify the index (walked in a child process), every segment file
 and the index's invariants; ``--fix`` rebuilds a damaged index from the segment files.
 
-Exit codes: 0 clean (or repaired with ``--fix``), 1 problems remain (run ``--fix``),
+Exit codes: 0 clean (or repaired with ``--fix``), 1 problems remain (run ``--fix``; or
+found again after it, listed as ``not fixed``),
 2 an error line (no store, the store is open elsewhere during a rebuild, not writable).
 """
 
@@ -38,6 +39,8 @@ def _render(r: dict) -> str:
         lines.append(f"the damaged index was kept in {b['aside']} (delete it when you like)")
     if r["fixed"]:
         lines.append(f"fixed: removed {r['removed_nodes']} block(s) from the index and {r['removed_files']} file(s)")
+        for p in r["remaining"]:  # looked at again after the fix: what --fix cannot settle
+            lines.append(f"not fixed: {p['kind']}: {p['detail']}")
     elif not r["clean"]:
         lines.append("run again with --fix to repair")
     lines += describe_entries(r["unfixed"])
@@ -68,6 +71,6 @@ def main(argv: list[str]) -> int:
         # Who else can read the prompts: a warning (exit status unchanged); --fix makes it private.
         permissions = permissions_finding(path, fix=args.fix, shared=args.store_shared)
         emit({**report.to_dict(), "permissions": permissions}, args.json, _render)
-        return 0 if (report.clean or report.fixed) and not report.unfixed else 1
+        return 0 if (report.clean or report.fixed) and not report.unfixed and not report.remaining else 1
 
     return run(work)

@@ -16,6 +16,7 @@ class CheckReport:
     removed_nodes: int = 0
     removed_files: int = 0
     fixed: bool = False
+    remaining: list[tuple[str, str]] = field(default_factory=list)  # problems found again after the fix
     notes: list[str] = field(default_factory=list)  # what was not checked, and why
     rebuild: dict | None = None  # what a rebuild of the index did (`rebuild.RebuildReport`)
     unfixed: list[str] = field(default_factory=list)  # what --fix could not settle here, and why
@@ -33,6 +34,7 @@ class CheckReport:
             "segments_verified": self.segments_verified,
             "problems": [{"kind": k, "detail": d} for k, d in self.problems],
             "fixed": self.fixed,
+            "remaining": [{"kind": k, "detail": d} for k, d in self.remaining],
             "removed_nodes": self.removed_nodes,
             "removed_files": self.removed_files,
             "notes": self.notes,

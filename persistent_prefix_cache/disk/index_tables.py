@@ -439,13 +439,15 @@ class Writer(Reader):
             yield int.from_bytes(key[:8], "big"), key[8:]
             start = key + b"\x00"
 
-    def rebuild(self, alive: dict[bytes, Node], doomed: Iterable[bytes]) -> None:
+    def rebuild(self, alive: dict[bytes, Node], doomed: Iterable[bytes], *, sizes: dict[bytes, int] | None = None) -> None:
         """Rewrite nodes, edges, LRU order, segments and totals from the nodes in `alive`.
 
         Child counts and segment counts are recomputed from `alive`; hit counts of
-        `doomed` keys go; segments no node of `alive` uses are freed. Used by repairs
+        `doomed` keys go; segments no node of `alive` uses are freed; `sizes` replaces
+        the recorded file size of segments (their files' own). Used by repairs
         (``ppc check --fix``).
         """
+        sizes = sizes or {}
         child_counts: dict[bytes, int] = {}
         for n in alive.values():
             child_counts[n.parent] = child_counts.get(n.parent, 0) + 1
@@ -466,6 +468,7 @@ class Writer(Reader):
             counts[1] += n.size
         file_bytes = 0
         for seg, (_, _, size) in segments.items():
+            size = sizes.get(seg, size)
             if seg in live:
                 self.txn.put(SEGMENTS + seg, _SEG.pack(live[seg][0], live[seg][1], size))
                 file_bytes += size

@@ -169,13 +169,15 @@ class StoreAdmin:
         Checks: each node's parent exists (or is a model root), its position follows
         the parent, its key follows from parent and tokens, its segment is referenced
         and holds it with the recorded checksum; child counts, trie edges, LRU entries
-        and segment counts agree with the nodes; the recorded totals equal the nodes'
-        sum; no segment file is unreferenced and no temporary file is left by a dead
-        writer.
+        and segment counts agree with the nodes; each segment file has its recorded
+        size; the recorded totals equal the nodes' sum; no segment file is unreferenced
+        and no temporary file is left by a dead writer.
 
         Args:
             fix: Drop broken nodes (and everything below them), rebuild counts, edges,
-                LRU entries and totals, and remove leftover files.
+                LRU entries and totals, record the size of segment files whose blocks
+                all verify, and remove leftover files; then look again (without
+                reading the blocks a second time): what is still found is `remaining`.
             grace: Leave unreferenced segment files younger than this (seconds): a
                 writer in another process may be about to commit them.
 
@@ -185,6 +187,27 @@ class StoreAdmin:
         if not isinstance(grace, (int, float)) or grace < 0:
             raise InvalidArgumentError(f"grace must be a number of seconds >= 0, got {grace!r}")
         report = CheckReport()
+        alive, doomed, sizes = self._examine(report, grace=grace, verify=True)
+        if fix and report.problems:
+            report.removed_nodes, freed = self._repair(alive, doomed, sizes)
+            kept = {n.segment for n in alive.values()}
+            report.removed_files = len(freed) + self.files.sweep_orphans(kept.__contains__, grace=grace)
+            report.removed_files += self.files.sweep_tmp()
+            report.fixed = True
+            report.notes += [f"recorded the size of segment {seg.hex()}: {size} bytes" for seg, size in sizes.items()]
+            again = CheckReport()
+            self._examine(again, grace=grace, verify=False)
+            report.remaining = again.problems
+        return report
+
+    def _examine(self, report: CheckReport, *, grace: float, verify: bool) -> tuple[dict, set, dict]:
+        """Add what `check` finds to `report`; `verify`: read and verify every block
+        (else only the index's invariants and the files' presence and sizes).
+
+        Returns:
+            (the nodes that stay, the keys that go, segment -> its file's size where
+            the index records another and every block in it verified).
+        """
         with self.index.reader() as reader:
             nodes = {n.key: n for n in reader.iter_nodes()}
             roots = set(reader.models())
@@ -199,7 +222,7 @@ class StoreAdmin:
             problem = self._node_problem(node, nodes, roots)
             if problem is None and node.segment not in segments:
                 problem = "segment not referenced"
-            if problem is None:
+            if problem is None and verify:
                 problem = self.files.verify(node)
                 report.files_verified += problem is None
                 if problem is None:
@@ -230,26 +253,23 @@ class StoreAdmin:
         for n in nodes.values():
             blocks, nbytes = live.get(n.segment, (0, 0))
             live[n.segment] = (blocks + 1, nbytes + n.size)
+        sizes: dict[bytes, int] = {}
         for seg, (blocks, nbytes, size) in segments.items():
             if live.get(seg, (0, 0)) != (blocks, nbytes):
                 report.problems.append(("segment count", f"{seg.hex()}: {blocks} blocks recorded"))
             path = self.files.path_of(seg)
             damaged = any(n.segment == seg for k, n in nodes.items() if k in broken)
-            if not damaged and _regular_size(path) not in (None, size):
-                report.problems.append(("segment size", f"{seg.hex()}: {size} recorded"))
+            actual = _regular_size(path) if not damaged else None
+            if actual not in (None, size):
+                report.problems.append(("segment size", f"{seg.hex()}: {size} recorded, the file has {actual}"))
+                sizes[seg] = actual  # its blocks verify: the file is right, the record is not
         if file_bytes != sum(size for _, _, size in segments.values()):
             report.problems.append(("totals", f"recorded {file_bytes} segment bytes"))
         for rel in self.files.orphans(segments.__contains__, grace=grace, every=True):
             report.problems.append(("unreferenced file", rel))
         for name in self.files.stale_tmp():
             report.problems.append(("leftover temporary file", name))
-        if fix and report.problems:
-            report.removed_nodes, freed = self._repair(alive, doomed)
-            kept = {n.segment for n in alive.values()}
-            report.removed_files = len(freed) + self.files.sweep_orphans(kept.__contains__, grace=grace, every=True)
-            report.removed_files += self.files.sweep_tmp()
-            report.fixed = True
-        return report
+        return alive, doomed, sizes
 
     @staticmethod
     def _node_problem(node: Node, nodes: dict, roots: set) -> str | None:
@@ -277,15 +297,18 @@ class StoreAdmin:
                 stack.extend(children.get(k, ()))
         return out
 
-    def _repair(self, alive: dict[bytes, Node], doomed: set[bytes]) -> tuple[int, list[bytes]]:
-        """Rewrite the index from the surviving nodes, then unlink segments none uses.
+    def _repair(
+        self, alive: dict[bytes, Node], doomed: set[bytes], sizes: dict[bytes, int]
+    ) -> tuple[int, list[bytes]]:
+        """Rewrite the index from the surviving nodes (with the segment file sizes
+        `sizes` corrects), then unlink segments none uses.
 
         Returns:
             (nodes removed, segments unlinked).
         """
 
         def rewrite(w: Writer):
-            w.rebuild(alive, doomed)
+            w.rebuild(alive, doomed, sizes=sizes)
             return w.freed
 
         freed = self.index.write(rewrite)

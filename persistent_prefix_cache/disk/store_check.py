@@ -93,4 +93,5 @@ def check_store(path: str, *, fix: bool = False, grace: float = 60.0) -> CheckRe
     report.problems += after.problems
     report.removed_nodes, report.removed_files = after.removed_nodes, after.removed_files
     report.fixed = report.fixed or after.fixed or report.rebuild is not None
+    report.remaining, report.notes = after.remaining, report.notes + after.notes
     return report
