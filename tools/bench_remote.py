@@ -92,7 +92,7 @@ def remote_figures(bench: Any, shape: Any, helpers: dict) -> dict | None:
         tokens = np.random.default_rng(99).integers(0, 32000, shape.tokens).astype(np.int32)
         query = np.concatenate([tokens, np.array([7], dtype=np.int32)])
         big = 2 * shape.kv_bytes + (64 << 20)
-        with bench.open_store(bench.scratch("publisher"), shape, remote=server.url, remote_timeout=10) as a:
+        with bench.open_store(bench.scratch("publisher"), shape, remote=server.url, remote_secret="bench", remote_timeout=10) as a:
             a.store(tokens, cache)
             a.flush()
             published = a.stats()["remote_published"]
@@ -108,7 +108,7 @@ def remote_figures(bench: Any, shape: Any, helpers: dict) -> dict | None:
         def fresh_remote():
             # A generous timeout: a stall of this loaded machine must not end a restore
             # (the timeout bounds stalls only; it does not change the throughput).
-            return bench.open_store(bench.scratch("host"), shape, remote=server.url, memory_bytes=big, remote_timeout=10)
+            return bench.open_store(bench.scratch("host"), shape, remote=server.url, remote_secret="bench", memory_bytes=big, remote_timeout=10)
 
         def drop(s) -> None:
             s.close()
@@ -166,7 +166,7 @@ def remote_figures(bench: Any, shape: Any, helpers: dict) -> dict | None:
         # The probe of a 32k-token prompt whose every block the server holds.
         bs = bench.args.block_size
         long = np.random.default_rng(5).integers(0, 32000, 32768).astype(np.int32)
-        with bench.open_store(bench.scratch("probe"), shape, remote=server.url, remote_timeout=10) as p:
+        with bench.open_store(bench.scratch("probe"), shape, remote=server.url, remote_secret="bench", remote_timeout=10) as p:
             from persistent_prefix_cache.keys import chain_keys
 
             keys = chain_keys(p._root, long, bs)
