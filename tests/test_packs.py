@@ -226,6 +226,8 @@ def test_signatures_and_the_model_check_in_process(tmp_path, model, tiny_model_d
         assert admin.summary()["blocks"] == 0 and not list((tmp_path / "t" / "segments").rglob("*.seg"))
         out = admin.import_pack(str(good) + ".tar", check=check)
         assert out["verified"] == "model" and out["checked"]["difference"] == 0.0
+        again = admin.import_pack(str(good) + ".tar", check=check)  # all present: nothing to check
+        assert (again["added"], again["checked"]["chains"]) == (0, 0)
         assert admin.import_pack(str(bad) + ".tar", secret=b"s")["verified"] == "secret"  # a secret vouches
     with StoreAdmin(str(good)) as admin:
         assert admin.import_pack(str(good) + ".tar")["verified"] == "store"

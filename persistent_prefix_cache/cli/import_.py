@@ -48,7 +48,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--check-chains", type=_chains, default=8, metavar="N",
                         help="with --model: chains of blocks checked, sampled at random (default 8; 'all')")  # fmt: skip
     parser.add_argument("--trust", action="store_true",
-                        help="import a pack that nothing verifies (another store's, an older version's) unchecked")  # fmt: skip
+                        help="import a pack that nothing verifies (another store's, an older version's) "
+                        "unchecked")  # fmt: skip
     add_json_option(parser)
     args = parser.parse_args(argv)
 

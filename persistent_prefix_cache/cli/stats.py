@@ -45,7 +45,8 @@ def _render(s: dict) -> str:
                          "none (--remote-insecure: whoever can write to the server is trusted)"))  # fmt: skip
             rows.append(("blocks on the remote", remote["blocks"]))
             if remote.get("other_secrets"):
-                rows.append(("  under other secrets", f"{remote['other_secrets']} (not this host's: another secret, or none)"))
+                others = f"{remote['other_secrets']} (not this host's: another secret, or none)"
+                rows.append(("  under other secrets", others))
             for n in remote["nodes"]:
                 if "error" in n:
                     rows.append((f"  {n['node']}", f"error: {n['error']}"))

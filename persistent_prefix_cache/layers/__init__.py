@@ -3,7 +3,8 @@
 `adapters` turns one cache layer into the tensors of one block and back, per class;
 `layout` applies them to a model's whole layout (cutting caches into blocks, deciding
 where a path of blocks can be resumed, rebuilding fresh caches); `cache_ops` holds the
-few operations on whole cache lists the compat layers and the CLI need. The store, the
+few operations on whole cache lists the compat layers and the CLI need; `recompute`
+checks a cache against the model by computing some of it again. The store, the
 read path and the compat layers see cache layers only through these names.
 """
 

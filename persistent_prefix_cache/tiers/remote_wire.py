@@ -89,7 +89,9 @@ def key_id(mac: bytes) -> str:
 
 def carries_mac(value: Any) -> bool:
     """Whether a value says it carries a MAC (unchecked: for a reader without a secret)."""
-    return len(value) >= _HEAD.size and bytes(memoryview(value)[:4]) == MAGIC and bool(_HEAD.unpack_from(value)[2] & HAS_MAC)
+    if len(value) < _HEAD.size or bytes(memoryview(value)[:4]) != MAGIC:
+        return False
+    return bool(_HEAD.unpack_from(value)[2] & HAS_MAC)
 
 
 def _mac(key: bytes, skey: bytes, data: memoryview | bytes) -> bytes:
