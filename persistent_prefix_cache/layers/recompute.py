@@ -9,9 +9,9 @@ weights or a transplanted tensor change those rows completely (relative error ne
 the same arithmetic in another order, dtype or backend changes them in the last bits
 (`TOLERANCE` lies between the two, measured in docs/mlx-lm-files.md).
 
-Which spans: the first block (from an empty cache), the last (from the latest block
-boundary where every layer of the cache can be cut back), and evenly spaced blocks
-between, `spans` in all. Layers that cannot be cut back to an earlier position (recurrent
+Which spans: the prompt's last `block_size` tokens (from further back, in steps of a
+block, where a layer of the cache cannot be cut back there), the first block (from an
+empty cache), and evenly spaced blocks between, `spans` in all. Layers that cannot be cut back to an earlier position (recurrent
 state, a sliding window that has dropped its oldest tokens, a chunk that moved on) leave
 only position 0: then the last span is the whole prompt, a full recompute, whose final
 state (recurrent state and windows included) is compared whole.
@@ -208,7 +208,9 @@ def check_cache(
     result = CacheCheck(tolerance=tolerance_for(cache) if tolerance is None else tolerance)
     if n == 0:
         return result
-    last = next((s for s in range(n - block_size, 0, -block_size) if _at(cache, s) is not None), 0)
+    recurrent = any(isinstance(layer, ArraysCache) for _, layer in leaves(cache))  # never cut back: no search
+    candidates = () if recurrent else range(n - block_size, 0, -block_size)
+    last = next((s for s in candidates if _at(cache, s) is not None), 0)
     result.full = last == 0 and n > block_size
     starts = _starts(last, block_size, max(1, spans) - 1)
     chosen = [(s, min(s + block_size, last)) for s in starts] + [(last, n)]
