@@ -109,23 +109,30 @@ class PackReader:
         return InvalidArgumentError(f"{self.path} is not a complete ppc export: {why}")
 
     def next(self) -> tarfile.TarInfo | None:
-        """The next member (None at the end); only plain files are accepted."""
+        """The next member (None at the end); folders are passed over, anything else but
+        a plain file is refused."""
         if self._pending is not None:
             member, self._pending = self._pending, None
             return member
         if self._ended:
             return None  # a stream cannot be asked again past its end
+        member = self._next()
+        while member is not None and member.isdir():  # a pack tarred by hand lists its folders: no data
+            member = self._next()
+        self._ended = member is None
+        if member is not None and not member.isfile():
+            raise self._bad(f"member {member.name} is not a plain file")
+        if member is not None and member.name in self.digests:
+            raise self._bad(f"member {member.name} appears twice")
+        return member
+
+    def _next(self) -> tarfile.TarInfo | None:
         try:
             member = self._tar.next()
             # Stream mode keeps every member it has read: a pack of many members would grow it.
             self._tar.members.clear()
         except (tarfile.TarError, OSError, EOFError, ValueError) as exc:
             raise self._bad(f"its tar structure is damaged ({exc})") from None
-        self._ended = member is None
-        if member is not None and not member.isfile():
-            raise self._bad(f"member {member.name} is not a plain file")
-        if member is not None and member.name in self.digests:
-            raise self._bad(f"member {member.name} appears twice")
         return member
 
     def push_back(self, member: tarfile.TarInfo) -> None:

@@ -4,8 +4,9 @@ A pack's ``signature.json`` lists the BLAKE2b-256 digest of every member before 
 MAC (keyed BLAKE2b-256) over them per key that signed it:
 
 - ``store``: the store's own key, ``<store>/pack.key`` (32 random bytes), made on its first
-  export, exclusively and never through a link, 0600 whatever the store's mode (a group
-  store's members can read its files, never its key). A pack imported back into the store
+  export (written under a temporary name, then linked into place exclusively: never through
+  a link, never over another key), 0600 whatever the store's mode (a group store's members
+  can read its files, never its key). A pack imported back into the store
   that wrote it is verified by it (a backup, a copy moved between two folders of one host).
 - ``secret``: a key derived from a secret the user gives (``$PPC_PACK_SECRET``, or a file
   named by ``--secret-file``): the way to move packs between stores and hosts.
@@ -19,10 +20,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import stat
 from dataclasses import dataclass
 
 from ..errors import InvalidArgumentError
+from ..files import create_temp, open_regular
+from .portable import durable_fsync
+from .store_dir import folder_fd
 
 KEY_FILE = "pack.key"
 SIGNATURE_FORMAT = "ppc-pack-signature/1"
@@ -70,13 +73,10 @@ def read_secret_file(path: str) -> bytes:
         InvalidArgumentError: If it cannot be read, is not a regular file, or is empty.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = open_regular(path)  # a FIFO would block a plain open; a link is refused
     except OSError as exc:
         raise InvalidArgumentError(f"--secret-file {path}: {exc.strerror}") from None
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise InvalidArgumentError(f"--secret-file {path}: not a regular file")
         data = os.read(fd, MAX_SECRET_FILE + 1)
     finally:
         os.close(fd)
@@ -96,39 +96,48 @@ def store_key(root: str, *, create: bool) -> Key | None:
         The `Key`, or None (no key and not `create`, or one that cannot be trusted, or
         a store this process cannot write a key into).
     """
-    path = os.path.join(root, KEY_FILE)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = open_regular(os.path.join(root, KEY_FILE))
     except FileNotFoundError:
-        return _create(path) if create else None
+        return _create(root) if create else None
     except OSError:
-        return None  # a link, or not ours to read
+        return None  # a link, a FIFO, or not ours to read
     try:
         info = os.fstat(fd)
-        trusted = stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and not info.st_mode & 0o077
+        trusted = info.st_uid == os.geteuid() and not info.st_mode & 0o077
         data = os.read(fd, 64) if trusted else b""
     finally:
         os.close(fd)
     return Key("store", data) if len(data) == 32 else None
 
 
-def _create(path: str) -> Key | None:
+def _create(root: str) -> Key | None:
+    """A new key, written whole under a temporary name in ``tmp/`` and then linked into
+    place exclusively: it appears complete or not at all, and never over another."""
     key = os.urandom(32)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    except FileExistsError:
-        return store_key(os.path.dirname(path), create=False)  # another export made it first
+        tmp_fd, root_fd = folder_fd(root, "tmp", create=True), folder_fd(root)
     except OSError:
-        return None  # a store this user cannot write: the pack goes unsigned by it
+        return None  # a store this user cannot write: packs go unsigned by it
     try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, key)
-        os.fsync(fd)
+        fd, name = create_temp("", "pack_key", 0o600, dir_fd=tmp_fd)
+        try:
+            os.write(fd, key)
+            durable_fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(name, KEY_FILE, src_dir_fd=tmp_fd, dst_dir_fd=root_fd, follow_symlinks=False)
+            durable_fsync(root_fd)
+        except FileExistsError:
+            return store_key(root, create=False)  # another export made it first
+        finally:
+            os.unlink(name, dir_fd=tmp_fd)
     except OSError:
-        os.close(fd)
-        os.unlink(path)
         return None
-    os.close(fd)
+    finally:
+        os.close(tmp_fd)
+        os.close(root_fd)
     return Key("store", key)
 
 

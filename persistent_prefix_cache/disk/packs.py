@@ -27,7 +27,8 @@ from typing import Any, Callable
 from ..blocks import Node
 from ..errors import InvalidArgumentError
 from ..keys import block_key
-from ..migrations.formats import block_files_v2, segment_v3
+from ..files import open_regular, replace_beside
+from ..migrations.formats import block_files_v2, segment_v3, segment_v4
 from ..paths import expand_path
 from . import pack_sign
 from .index import Index, Writer
@@ -35,9 +36,10 @@ from .pack_members import NODES, MANIFEST, RECORD_HEAD, SIGNATURE, PackReader, a
 from .portable import durable_fsync
 from .segment import SegmentFiles
 from .segment_reader import MAX_HEADER
-from .store_dir import create_file, make_dirs
+from .store_dir import TempFile, file_mode
 
-EXPORT_FORMAT = "ppc-export/3"  # segment files of format v4 (and, since issue 29, a signature)
+EXPORT_FORMAT = "ppc-export/4"  # segment files of format v5 (and, since issue 29, a signature)
+V4_EXPORT_FORMAT = "ppc-export/3"  # segment files of format v4 (rewritten on import)
 V3_EXPORT_FORMAT = "ppc-export/2"  # segment files of format v3 (rewritten on import)
 LEGACY_EXPORT_FORMAT = "ppc-export/1"  # schema v1-v2: one file per block
 # A segment file holds its live blocks, dead ones not compacted yet (at most about as
@@ -108,16 +110,14 @@ def export_pack(files: SegmentFiles, index: Index, nodes: list[Node], models: di
     if secret is not None:
         keys.append(pack_sign.secret_key(secret))
     out_path = expand_path(out_path, what="out_path")
-    tmp = f"{out_path}.{os.getpid()}.tmp"
     digests: dict[str, bytes] = {}
 
     def add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
         digests[name] = digest_of(data)
         add_bytes(tar, name, data)
 
-    try:
-        # The store's file mode (0600 unless shared): a pack holds the prompts too.
-        with os.fdopen(create_file(tmp, root), "wb") as raw, tarfile.open(fileobj=raw, mode="w") as tar:
+    def write(raw) -> None:
+        with tarfile.open(fileobj=raw, mode="w") as tar:
             manifest = {
                 "format": EXPORT_FORMAT,
                 "block_size": index.block_size,
@@ -128,18 +128,16 @@ def export_pack(files: SegmentFiles, index: Index, nodes: list[Node], models: di
             add(tar, NODES, b"".join(RECORD_HEAD.pack(n.key, len(n.pack())) + n.pack() for n in nodes))
             for seg in dict.fromkeys(n.segment for n in nodes):
                 name = f"segments/{seg.hex()}.seg"
-                with open(files.path_of(seg), "rb") as f:
-                    info = tar.gettarinfo(arcname=name, fileobj=f)
+                # A regular file only: a link or a FIFO put there is refused, not followed.
+                with os.fdopen(open_regular(files.path_of(seg)), "rb") as f:
                     hashed = _Hashing(f)
-                    tar.addfile(info, hashed)
+                    tar.addfile(tar.gettarinfo(arcname=name, fileobj=f), hashed)
                     digests[name] = hashed.h.digest()
             add_bytes(tar, SIGNATURE, dumps(pack_sign.sign(digests, keys)))
-        with open(tmp, "rb") as f:
-            durable_fsync(f.fileno())
-        os.replace(tmp, out_path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+
+    # Beside OUT under a name nobody can predict, created exclusively (its folder may be
+    # shared), with the store's file mode: a pack holds the prompts too.
+    replace_beside(out_path, write, mode=file_mode(root)[0], sync=durable_fsync)
     return {
         "models": len(models), "blocks": len(nodes), "bytes": sum(n.size for n in nodes),
         "signed_by": [k.by for k in keys],
@@ -198,7 +196,7 @@ def import_pack(files: SegmentFiles, index: Index, in_path: str, *, secret: byte
         keys.append(pack_sign.secret_key(secret))
     with PackReader(in_path) as reader:
         manifest = reader.manifest()
-        if manifest["format"] not in (EXPORT_FORMAT, V3_EXPORT_FORMAT, LEGACY_EXPORT_FORMAT):
+        if manifest["format"] not in (EXPORT_FORMAT, V4_EXPORT_FORMAT, V3_EXPORT_FORMAT, LEGACY_EXPORT_FORMAT):
             raise InvalidArgumentError(f"{in_path}: unknown export format {manifest['format']!r}")
         if manifest["block_size"] != index.block_size:
             raise InvalidArgumentError(
@@ -217,8 +215,9 @@ def import_pack(files: SegmentFiles, index: Index, in_path: str, *, secret: byte
             job = _Import(reader, files, index, in_path, nodes, todo, written)
             if manifest["format"] == LEGACY_EXPORT_FORMAT:
                 job.legacy(_models_of(index, nodes, manifest, in_path))
-            elif manifest["format"] == V3_EXPORT_FORMAT:
-                job.v3(_models_of(index, nodes, manifest, in_path))
+            elif manifest["format"] in (V3_EXPORT_FORMAT, V4_EXPORT_FORMAT):
+                older = segment_v3 if manifest["format"] == V3_EXPORT_FORMAT else segment_v4
+                job.older(_models_of(index, nodes, manifest, in_path), older)
             else:
                 job.segments(known)
             signature = reader.signature()
@@ -298,16 +297,18 @@ class _Import:
     def _bound(self, blocks: list[Node]) -> int:
         return SEGMENT_SLACK * sum(n.size for n in blocks) + MAX_HEADER + 8 * len(blocks) + (1 << 20)
 
-    def _to_tmp(self, member, name: str, bound: int) -> str:
-        tmp = os.path.join(self.files.tmp, f"{name}.{os.getpid()}.0.tmp")
-        with os.fdopen(create_file(tmp, self.files.root), "wb") as f:
-            try:
+    def _to_tmp(self, member, name: str, bound: int, *, flags: int = os.O_WRONLY) -> TempFile:
+        """`member` streamed into a new temporary file of the store (exclusive, a random
+        name: `store_dir.TempFile`), fsynced; the caller publishes or discards it."""
+        tmp = TempFile(self.files.root, "tmp", name, flags=flags)
+        try:
+            with os.fdopen(tmp.fd, "wb", closefd=False) as f:
                 self.reader.stream(member, bound, f)
                 f.flush()
                 durable_fsync(f.fileno())
-            except BaseException:
-                os.unlink(tmp)
-                raise
+        except BaseException:
+            tmp.discard()
+            raise
         return tmp
 
     def segments(self, known: set) -> None:
@@ -322,9 +323,10 @@ class _Import:
                 self.reader.stream(member, bound, _Discard())  # hashed for the signature only
                 continue
             tmp = self._to_tmp(member, seg.hex(), bound)
-            final = self.files.path_of(seg)
-            make_dirs(os.path.dirname(final), self.files.root)
-            os.replace(tmp, final)
+            try:
+                self.files.publish(tmp, seg)
+            finally:
+                tmp.discard()
             seg_digest = self.files.digest_of(seg)
             self.written[seg] = (member.size, seg_digest)
             if seg_digest is None:
@@ -347,14 +349,14 @@ class _Import:
                 tensors = block_files_v2.decode_block(data, n)
             except ValueError:
                 raise InvalidArgumentError(f"{self.path}: block {n.key.hex()} is damaged") from None
-            # v1-v2 checksums were over whole files: the segment's are new.
-            seg, size, seg_digest = self._rewrite([(n, tensors)], models, same_checksums=False)
+            seg, size, seg_digest = self._rewrite([(n, tensors)], models)
             self.written[seg] = (size, seg_digest)
         self._complete(wanted, todo)
 
-    def v3(self, models: dict) -> None:
-        # An export of segment format v3: each segment read (frozen v3 reader) and its
-        # blocks rewritten as v4, run by run of one chain.
+    def older(self, models: dict, older: Any) -> None:
+        # An export of segment format v3 or v4: each segment read (the frozen reader
+        # `older`, whose rule verifies each block) and its blocks rewritten, run by run
+        # of one chain.
         todo = {n.key for n in self.todo}
         by_segment: dict[bytes, list[Node]] = {}
         for n in self.nodes:
@@ -365,11 +367,11 @@ class _Import:
             if not mine:
                 self.reader.stream(member, self._bound(by_segment[old]), _Discard())
                 continue
-            tmp = self._to_tmp(member, old.hex(), self._bound(by_segment[old]))
-            fd = os.open(tmp, os.O_RDONLY)
+            tmp = self._to_tmp(member, old.hex(), self._bound(by_segment[old]), flags=os.O_RDWR)
+            fd = tmp.fd  # read back through its descriptor
             try:
                 try:
-                    seg = segment_v3.OpenSegment(fd, old)
+                    seg = older.OpenSegment(fd, old)
                 except ValueError:
                     raise InvalidArgumentError(f"{self.path}: segment {old.hex()} is damaged") from None
                 runs: list[list] = []
@@ -381,10 +383,9 @@ class _Import:
                         runs.append([])
                     runs[-1].append((n, tensors))
             finally:
-                os.close(fd)
-                os.unlink(tmp)
+                tmp.discard()
             for run in runs:
-                seg_id, size, seg_digest = self._rewrite(run, models, same_checksums=True)
+                seg_id, size, seg_digest = self._rewrite(run, models)
                 self.written[seg_id] = (size, seg_digest)
         self._complete(wanted, todo)
 
@@ -394,18 +395,13 @@ class _Import:
             if any(n.key in todo for n in blocks):
                 raise InvalidArgumentError(f"{self.path} is not a complete ppc export: {name} is missing")
 
-    def _rewrite(self, run: list, models: dict, *, same_checksums: bool) -> tuple[bytes, int, int]:
-        # Blocks of an older format into a new segment; from v3 the checksums come out
-        # the same (they are over the same bytes), or the pack is damaged.
-        checksums = [n.checksum for n, _ in run]
+    def _rewrite(self, run: list, models: dict) -> tuple[bytes, int, int]:
+        # Blocks of an older format into a new segment, once their own format's rule has
+        # verified them: the checksums are new (v5 binds them to the records).
         try:
-            out = self.files.write(run, **models[run[0][0].key], block_size=self.index.block_size)
+            return self.files.write(run, **models[run[0][0].key], block_size=self.index.block_size)
         except ValueError as exc:
             raise InvalidArgumentError(f"{self.path}: damaged blocks: {exc}") from None
-        if same_checksums and checksums != [n.checksum for n, _ in run]:
-            self.files.unlink([out[0]])
-            raise InvalidArgumentError(f"{self.path}: blocks do not match their records' checksums")
-        return out
 
 
 class _Discard:

@@ -41,11 +41,8 @@ from mlx_lm.models.cache import (
 )
 
 from ..errors import PromptCacheFileError
-<<<<<<< HEAD
 from ..files import replace_beside
-=======
 from ..untrusted import dotted_depth, load_json
->>>>>>> 6054503 (import-mlx: a file's header bounded before parsing (untrusted.py: JSON size and depth, dotted names); docs say what the recompute checks and the measured margin)
 from .adapters import leaves
 
 LAYOUT_031, LAYOUT_032 = "0.31", "0.32"
