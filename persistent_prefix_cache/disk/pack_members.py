@@ -200,7 +200,9 @@ class PackReader:
         data = self.stream(self.expect(NODES), min(MAX_NODES, manifest["blocks"] * per_record))
         nodes = list(unpack_records(data, self.path))
         if len(nodes) != manifest["blocks"]:
-            raise InvalidArgumentError(f"{self.path}: {NODES} holds {len(nodes)} records, its manifest says {manifest['blocks']}")
+            raise InvalidArgumentError(
+                f"{self.path}: damaged node records: {NODES} holds {len(nodes)}, its manifest says {manifest['blocks']}"
+            )
         return nodes
 
     def signature(self) -> dict | None:
