@@ -1,7 +1,7 @@
 """`Counters`: a handle's counters, shared by the caller's threads and the writer thread.
 
 One instance per `PersistentPrefixCache` counts what its fetches, stores, writer thread
-and remote tier do (the names: `store.HANDLE_COUNTERS`, `tiers.remote.REMOTE_COUNTERS`);
+and remote tier do (the names: `HANDLE_COUNTERS`, `tiers.REMOTE_COUNTERS`);
 `stats()` reads a snapshot of them beside the store-wide totals the index keeps
 (`disk.index_tables.STORE_WIDE_COUNTERS`). ``ppc push`` and ``ppc pull`` count a
 transfer with one too (`remote_sync`).
@@ -10,6 +10,14 @@ transfer with one too (`remote_sync`).
 from __future__ import annotations
 
 import threading
+
+# What a handle counts of its own work (`PersistentPrefixCache.stats` says what each is).
+HANDLE_COUNTERS = (
+    "queries", "hits", "misses", "not_longer", "tokens_saved", "skipped_slower", "tokens_skipped",
+    "restored_all", "restored_ram_only", "restored_shorter",
+    "corrupt", "evictions", "write_errors", "blocks_written", "bytes_written", "restored_blocks_disk",
+    "segments_merged", "bytes_rewritten",
+)  # fmt: skip
 
 
 class Counters:

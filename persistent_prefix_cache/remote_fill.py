@@ -145,15 +145,3 @@ class RemoteFill:
     def _unfit(self, blocks: list[RemoteBlock], i: int) -> list[RemoteBlock]:
         self.remote.counters.add(remote_corrupt=1)
         return blocks[:i]
-
-
-def remote_counters(counters: Any, remote: RemoteTier | None) -> dict[str, Any]:
-    """The remote counters of `stats()` (zeros and no URL without a remote)."""
-    from .tiers.remote import REMOTE_COUNTERS
-
-    snap = counters.snapshot()
-    out: dict[str, Any] = {name: snap.get(name, 0) for name in REMOTE_COUNTERS}
-    out["remote"] = remote.url if remote is not None else None
-    out["remote_pending"] = remote.pending if remote is not None else 0
-    out["remote_key_id"] = remote.kid if remote is not None else None  # whose key space (`remote_wire`)
-    return out

@@ -24,7 +24,8 @@ from .blocks import Node
 from .disk.segment import SegmentFiles
 from .errors import InvalidArgumentError, PrefixCacheError, RemoteUnreachableError
 from .tiers import remote_wire as wire
-from .tiers.remote import REMOTE_COUNTERS, RemoteTier
+from .tiers import REMOTE_COUNTERS
+from .tiers.remote import RemoteTier
 from .tiers.remote_client import UNAVAILABLE, contact
 from .counters import Counters
 

@@ -34,20 +34,13 @@ from .options import OpenedWith, check_options, check_remote
 from .paths import expand_path
 from .restore import restore
 from .warm import Warmer
-from .remote_fill import RemoteFill, remote_counters
+from .tiers import REMOTE_COUNTERS, REMOTE_QUEUE_BYTES, REMOTE_TIMEOUT
 from .tiers.memory import MemoryTier
-from .tiers.remote import REMOTE_COUNTERS, DEFAULT_QUEUE_BYTES, DEFAULT_TIMEOUT as DEFAULT_REMOTE_TIMEOUT, RemoteTier
-from .counters import Counters
+from .counters import HANDLE_COUNTERS, Counters
 from .writeback import WriteBack, sweep_orphans
 
 log = logging.getLogger("persistent_prefix_cache")
 
-HANDLE_COUNTERS = (
-    "queries", "hits", "misses", "not_longer", "tokens_saved", "skipped_slower", "tokens_skipped",
-    "restored_all", "restored_ram_only", "restored_shorter",
-    "corrupt", "evictions", "write_errors", "blocks_written", "bytes_written", "restored_blocks_disk",
-    "segments_merged", "bytes_rewritten",
-)  # fmt: skip
 
 class PersistentPrefixCache(OpenedWith, CostsMixin):
     """A prefix (KV) cache for one mlx-lm model, kept in a store directory.
@@ -131,7 +124,7 @@ class PersistentPrefixCache(OpenedWith, CostsMixin):
         remote: str | None = None,
         remote_secret: str | bytes | None = None,
         remote_ttl: float | None = None,
-        remote_timeout: float = DEFAULT_REMOTE_TIMEOUT,
+        remote_timeout: float = REMOTE_TIMEOUT,
         remote_insecure: bool = False,
         shared: bool = False,
     ):
@@ -189,10 +182,13 @@ class PersistentPrefixCache(OpenedWith, CostsMixin):
                 )  # fmt: skip
             self._remote = self._remote_fill = None
             if remote is not None:
+                from .remote_fill import RemoteFill  # the remote's client: imported only where used
+                from .tiers.remote import RemoteTier
+
                 try:
                     self._remote = RemoteTier(
                         remote, root=self._root, secret=remote_secret, ttl=remote_ttl, timeout=remote_timeout,
-                        queue_bytes=DEFAULT_QUEUE_BYTES, counters=self._counters,
+                        queue_bytes=REMOTE_QUEUE_BYTES, counters=self._counters,
                     )  # fmt: skip
                 except BaseException:
                     self.close()  # the writer thread stops; the index is given back below
@@ -539,7 +535,9 @@ class PersistentPrefixCache(OpenedWith, CostsMixin):
             out.update({f"store_{k}": v for k, v in reader.counters().items()})
         out.update(self._memory.stats())
         out.update(self._costs.figures())
-        out.update(remote_counters(self._counters, self._remote))
+        out["remote"] = self._remote.url if self._remote is not None else None  # its password hidden
+        out["remote_pending"] = self._remote.pending if self._remote is not None else 0
+        out["remote_key_id"] = self._remote.kid if self._remote is not None else None  # whose key space
         return out
 
     def __enter__(self) -> "PersistentPrefixCache":

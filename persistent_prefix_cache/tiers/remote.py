@@ -44,16 +44,9 @@ log = logging.getLogger("persistent_prefix_cache")
 BATCH_BYTES = 2 << 20
 MAX_BATCH_BLOCKS = 64
 PUBLISH_BATCH = 16
-DEFAULT_TIMEOUT = 0.1
 PUBLISH_TIMEOUT = 2.0
-DEFAULT_QUEUE_BYTES = 256 * 1024 * 1024
 # What a handle does when the server cannot be reached (said after the failure, once).
 LOCAL_ONLY = "serving from the local store only"
-REMOTE_COUNTERS = (
-    "remote_hits", "remote_misses", "remote_blocks", "remote_errors", "remote_corrupt",
-    "remote_unauthenticated", "remote_skipped", "remote_bytes_read", "remote_published",
-    "remote_bytes_published", "remote_already", "remote_dropped", "remote_publish_failed", "remote_slower",
-)  # fmt: skip
 
 
 def _partials(parent: bytes, at: int, data: bytes, step: int, beyond: int) -> list[tuple]:
