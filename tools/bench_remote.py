@@ -185,7 +185,7 @@ def remote_figures(bench: Any, shape: Any, helpers: dict) -> dict | None:
 
         def new_store(remote: bool):
             def make():
-                extra = {"remote": server.url, "remote_timeout": 10} if remote else {}
+                extra = {"remote": server.url, "remote_secret": "bench", "remote_timeout": 10} if remote else {}
                 return bench.open_store(bench.scratch("store"), shape, **extra)
 
             return make
