@@ -4,8 +4,8 @@
   the end of each chain written, while the one before is no larger than what follows it
   (a binary counter: at most log2(n) segments and log2(n) rewrites of a block for a
   chain stored in n pieces, a prompt a block at a time or a chat a turn at a time).
-- Once the writer has had nothing to write for `QUIET_SECONDS`, and at close
-  (`Merges.tidy`): what is left of a burst of writes, the chain's tail segments written
+- Once the writer has had nothing to write for `QUIET_SECONDS`, and at close (up to
+  `CLOSE_TIDY_BYTES`) (`Merges.tidy`): what is left of a burst of writes, the chain's tail segments written
   since the last quiet spell, merged into one where the largest holds at most
   `disk.compaction.TIDY_RATIO` times the rest (a prompt stored a block at a time ends
   in one segment; a long prompt is never rewritten to absorb the few blocks of an answer).
@@ -27,6 +27,9 @@ from .tiers.memory import MemoryTier
 
 QUIET_SECONDS = 2.0  # a module setting; tests set 0 (`tidy` then runs at close only)
 MAX_BURST = 100_000  # segments remembered per burst (a writer never quiet forgets the rest)
+# What a tidy at close may rewrite: a server stopped after hours without a quiet spell must
+# not spend its shutdown merging (what is left keeps the binary counter's few segments).
+CLOSE_TIDY_BYTES = 512 << 20
 
 
 class Merges:
@@ -64,38 +67,45 @@ class Merges:
         self._submit(self.merge, ends)
         self._arm()
 
-    def merge(self, ends: list[bytes], *, tidy: bool = False) -> int:
+    def merge(self, ends: list[bytes], *, tidy: bool = False, budget: int | None = None) -> int:
         """Merge the small segments at the end of each chain ending with a block of `ends`
         (a writer-thread job).
 
         Args:
             tidy: Also merge segments of the burst up to `TIDY_RATIO` times the rest.
+            budget: Stop once this many bytes were rewritten (None: no limit).
 
         Returns:
             How many segments were merged away.
         """
         with self._lock:
             burst = set(self._burst) if tidy else frozenset()
-        merged = 0
+        merged = written = 0
         for key in ends:
+            if budget is not None and written >= budget:
+                break
             n, segment, moved, nbytes = merge_chain(self.index, self.files, key, burst=burst)
             if n:
                 merged += n - 1
+                written += nbytes
                 self.counters.add(segments_merged=n - 1, bytes_rewritten=nbytes)
                 self.memory.moved(moved, segment)
                 with self._lock:
                     self._burst.add(segment)
         return merged
 
-    def tidy(self) -> int:
+    def tidy(self, budget: int | None = None) -> int:
         """Merge what is left of the burst (a writer-thread job; see the module's docstring).
+
+        Args:
+            budget: Bytes it may rewrite at most (at close: `CLOSE_TIDY_BYTES`).
 
         Returns:
             How many segments were merged away.
         """
         with self._lock:
             ends = list(self._ends)
-        merged = self.merge(ends[::-1], tidy=True)  # the newest chains first: they hold the rest
+        merged = self.merge(ends[::-1], tidy=True, budget=budget)  # the newest chains first: they hold the rest
         with self._lock:
             self._burst.clear()
             self._ends.clear()
@@ -110,7 +120,7 @@ class Merges:
         if timer is not None:
             timer.cancel()
         if pending:
-            self._submit(self.tidy)
+            self._submit(self.tidy, CLOSE_TIDY_BYTES)
 
     def _arm(self) -> None:
         with self._lock:

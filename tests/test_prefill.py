@@ -239,3 +239,16 @@ def test_a_burst_of_small_writes_merges_once_the_writer_is_quiet(store_dir, mode
             time.sleep(0.05)
         assert len(segment_files(store_dir)) == 1
         assert store.stats()["bytes_rewritten"] > 0
+
+
+def test_a_tidy_at_close_rewrites_a_bounded_amount(store_dir, model, monkeypatch):
+    # A server stopped after hours without a quiet spell must not spend its shutdown
+    # merging: at close the tidy stops once it has rewritten CLOSE_TIDY_BYTES.
+    from persistent_prefix_cache import merging
+
+    monkeypatch.setattr(merging, "CLOSE_TIDY_BYTES", 1)  # the first merge passes it
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        for seed in (64, 65):  # two chains of 7 blocks, a block per store(): 4 + 2 + 1 segments each
+            _stored_piecewise(store, model, random_tokens(7 * BLOCK, seed=seed, first=seed), BLOCK)
+        assert len(segment_files(store_dir)) == 6
+    assert len(segment_files(store_dir)) == 4  # the newest chain merged into one, then the budget was spent
