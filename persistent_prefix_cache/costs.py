@@ -39,7 +39,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from .cost_fit import ALPHA, TRUSTED_WEIGHT, Fit
 from .files import open_regular

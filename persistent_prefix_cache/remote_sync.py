@@ -121,14 +121,14 @@ def push_store(
                 held_here = [n for n, h in zip(batch, held) if h == 1]
                 bad = [n for n in held_here if not _holds_good(tiers[root_of[n.key]], n)]
                 for root in {root_of[n.key] for n in bad}:
-                    blocks = [(n, b) for n in bad if root_of[n.key] == root and (b := _read_block(files, n)) is not None]
+                    blocks = [(n, b) for n in bad if root_of[n.key] == root and (b := files.block_tensors(n)) is not None]
                     written, _ = tiers[root].put(blocks, replace=True) if blocks else (0, 0)
                     out["replaced"] += written
                     out["already"] -= written
             for root in {root_of[n.key] for n in missing}:
                 blocks = []
                 for node in (n for n in missing if root_of[n.key] == root):
-                    bits = _read_block(files, node)
+                    bits = files.block_tensors(node)
                     if bits is None:
                         out["damaged"] += 1
                     else:
@@ -164,16 +164,6 @@ def _holds_good(tier: RemoteTier, node: Node) -> bool:
     except wire.BadValue:
         return False
     return True
-
-
-def _read_block(files: SegmentFiles, node: Node) -> dict | None:
-    seg = files.open(node.segment)
-    if seg is None:
-        return None
-    try:
-        return seg.block_tensors(node)
-    finally:
-        seg.close()
 
 
 def remote_key_spaces(store: Any) -> dict[str | None, list[bytes]]:

@@ -85,13 +85,7 @@ class PackBlocks:
 
     def tensors(self, node: Node) -> dict | None:
         """A block's tensors (by leaf, then field: ``(bits, dtype name)``), verified; None if damaged."""
-        seg = self.files.open(node.segment)
-        if seg is None:
-            return None
-        try:
-            return seg.block_tensors(node)
-        finally:
-            seg.close()
+        return self.files.block_tensors(node)
 
 
 Check = Callable[[PackBlocks], dict]

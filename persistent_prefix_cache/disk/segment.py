@@ -205,6 +205,17 @@ class SegmentFiles:
             os.close(fd)
             return None
 
+    def block_tensors(self, node: Node) -> dict | None:
+        """A stored block's tensors (`OpenSegment.block_tensors`: by leaf, then field,
+        ``(bits, dtype name)``), verified; None if its file is missing or damaged."""
+        seg = self.open(node.segment)
+        if seg is None:
+            return None
+        try:
+            return seg.block_tensors(node)
+        finally:
+            seg.close()
+
     def verify(self, node: Node) -> str | None:
         """What is wrong with a node's bytes (None if nothing): every piece is read
         and checksummed, every snapshot checked against its digest."""

@@ -478,29 +478,5 @@ class OpenSegment:
     def block_tensors(self, node: Node) -> dict[str, dict[str, tuple[np.ndarray, str]]] | None:
         """A block's tensors (by leaf, then field) as ``(numpy array of the bits, dtype
         name)``, verified against the node's checksum; None if missing or damaged."""
-        i = self.block_index(node)
-        if i is None:
-            return None
-        n = self.tokens_of(i)
-        out: dict[str, dict[str, tuple[np.ndarray, str]]] = {}
-        pieces = {}
-        for f in self.fields_of(i):
-            buf = np.empty(f.rows * n * f.row_bytes, dtype=np.uint8)
-            if not self.read_rows(f, i, i + 1, [memoryview(buf)], [0], n * f.row_bytes):
-                return None
-            pieces[f.name] = buf
-            lid, _, fld = f.name.rpartition(".")
-            bits = buf.view(np.dtype(f"<u{f.itemsize}")).reshape(f.batch, f.heads, n, f.width)
-            out.setdefault(lid, {})[fld] = (bits, f.dtype)
-        step = {name: len(b) // self.fields[name].rows for name, b in pieces.items()}
-        digest = self.block_digest(i, lambda f, r: memoryview(pieces[f.name])[r * step[f.name] : (r + 1) * step[f.name]], node)
-        if digest != node.checksum:
-            return None
-        for s in self.snaps_of(i):
-            buf = np.empty(s.nbytes, dtype=np.uint8)
-            if self.read_snap(s, memoryview(buf)) is None:
-                return None
-            lid, _, fld = s.name.rpartition(".")
-            itemsize = dtype_info(s.dtype)[1]
-            out.setdefault(lid, {})[fld] = (buf.view(np.dtype(f"<u{itemsize}")).reshape(s.shape), s.dtype)
-        return out
+        got = self.run_tensors([node])
+        return got[0][1] if got else None
