@@ -179,6 +179,7 @@ class PersistentPrefixCache(OpenedWith, CostsMixin):
                     self._index, self._files, self._memory, self._counters,
                     root=self._root, describe=self._describe,
                     disk_bytes=disk_budget(self._path, disk_bytes, self._index.totals()[0]),
+                    on_device=self._target.device,
                 )  # fmt: skip
             self._remote = self._remote_fill = None
             if remote is not None:

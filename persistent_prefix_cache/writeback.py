@@ -143,6 +143,8 @@ class WriteBack:
         root: The model's root key, and `describe` what gives its JSON record
             (registered with the first block, and when the record learns more).
         disk_bytes: Budget of the blocks' bytes (None: unbounded).
+        on_device: The handle's restores live on a CUDA GPU (`buffers.Target.device`): the
+            RAM tier's copy of what is written goes back there once written.
     """
 
     def __init__(
@@ -155,9 +157,11 @@ class WriteBack:
         root: bytes,
         describe: Callable[[], bytes],
         disk_bytes: int | None,
+        on_device: bool = False,
     ):
         self.index, self.files, self.memory, self.counters = index, files, memory, counters
         self.root, self.describe, self.disk_bytes = root, describe, disk_bytes
+        self.on_device = on_device
         self._book = Bookkeeping()
         self._futures: set[Future] = set()
         self._data: set[Future] = set()  # jobs that write blocks (never abandoned)
@@ -415,7 +419,7 @@ class WriteBack:
         read its pages on the host (managed memory moves to whoever touches it), and the
         tier's next restore would fault them back one by one (`cuda_pages.give_back`; a
         no-op elsewhere, and for blocks the tier did not keep)."""
-        if not cuda_pages.on_cuda() or not any(self.memory.node(node.key) is node for node, _ in new):
+        if not self.on_device or not any(self.memory.node(node.key) is node for node, _ in new):
             return
         owners = {}
         for _, bits in new:

@@ -195,6 +195,21 @@ def parse_size(text: str) -> int:
     return int(number * _SIZE_UNITS[unit])
 
 
+def positive_int(text: str) -> int:
+    """An integer >= 1, for argparse's ``type=``.
+
+    Raises:
+        argparse.ArgumentTypeError: If `text` is not one.
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
 def store_path(args: argparse.Namespace, *, must_exist: bool = False, walk: bool = True) -> str:
     """The store directory from ``--store``/``$PPC_STORE``; an existing index is walked
     in a child process first (`walk`), so that a damaged page is one error line, never

@@ -13,7 +13,7 @@ import os
 
 from .common import (
     UserError, add_json_option, add_pack_secret_option, add_store_option, add_store_shared_option, emit, load_model,
-    make_parser, pack_secret, path_arg, run, store_path,
+    make_parser, pack_secret, path_arg, positive_int, run, store_path,
 )  # fmt: skip
 from ..disk.maintenance import StoreAdmin
 from ..disk.pack_members import block_size_of
@@ -22,17 +22,12 @@ from ..errors import PrefixCacheError
 
 
 def _chains(text: str) -> int | None:
-    if text == "all":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        import argparse
+    import argparse
 
-        raise argparse.ArgumentTypeError(f"must be 'all' or an integer >= 1, got {text!r}")
-    return value
+    try:
+        return None if text == "all" else positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be 'all' or an integer >= 1, got {text!r}") from None
 
 
 def main(argv: list[str]) -> int:

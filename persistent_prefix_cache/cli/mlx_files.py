@@ -19,8 +19,8 @@ import os
 import sys
 
 from .common import (
-    UserError, add_json_option, add_model_option, add_store_option, emit, load_model, make_parser, path_arg, run,
-    store_path,
+    UserError, add_json_option, add_model_option, add_store_option, emit, load_model, make_parser, path_arg,
+    positive_int, run, store_path,
 )  # fmt: skip
 from .prompting import add_block_size_option, check_store_path, encode_raw, open_checked_store, render_chat
 
@@ -92,16 +92,6 @@ def cache_prompt_tokens(args, tokenizer, vocab_size: int) -> list[int]:
     if not ids:
         raise UserError(f"{where} has no tokens")
     return ids
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
 
 
 def _vocab_size(model) -> int:
@@ -251,7 +241,7 @@ def import_main(argv: list[str]) -> int:
     _add_prompt_options(parser)
     parser.add_argument("--ignore-recorded-model", action="store_true",
                         help="accept a file whose recorded model differs from --model (a moved folder)")  # fmt: skip
-    parser.add_argument("--check-spans", type=_positive, default=4, metavar="N",
+    parser.add_argument("--check-spans", type=positive_int, default=4, metavar="N",
                         help="spans of the prompt computed again and compared with the file (default: 4: the first "
                         "block, the last, two between); a model whose layers cannot be cut back computes it all")  # fmt: skip
     # Once needed for recurrent-only files (they record no length); the recompute checks them now.
