@@ -511,7 +511,7 @@ class SavedCosts:
 
 class CostsMixin:
     """The cost model's part of `PersistentPrefixCache` (its private `_costs`,
-    `_saved_costs`, `_memory`, `_warmer` and `_counters`): what callers tell it, and what a
+    `_saved_costs`, `_memory`, `_warmer`, `_writeback` and `_counters`): what callers tell it, and what a
     fetch asks it."""
 
     def observe_prefill(
@@ -533,7 +533,13 @@ class CostsMixin:
             self._costs.observe_first_forward(tokens, seconds, start=start)
         else:
             self._costs.observe_prefill(tokens, seconds, start=start, forwards=forwards)
-        self._saved_costs.maybe_save()
+        self._save_costs_soon()
+
+    def _save_costs_soon(self) -> None:
+        """Hand a due save of the costs to the writer thread: its file work (a read, a
+        write and a rename: milliseconds) is never on a caller's path."""
+        if self._saved_costs.due() and self._writeback is not None:
+            self._writeback.submit(self._saved_costs.maybe_save, data=False)
 
     def resumable_step(self) -> int | None:
         """Tokens per forward for a prefill that stores after every forward (a model with

@@ -246,8 +246,7 @@ class PersistentPrefixCache(OpenedWith, CostsMixin):
         result = self._restore(tokens, path, matched, longer_than)
         if pending:
             self._remote_fill.write(pending)  # into the local store, once the caller's restore is done
-        if self._saved_costs.due() and self._writeback is not None:
-            self._writeback.submit(self._saved_costs.maybe_save, data=False)
+        self._save_costs_soon()
         return result
 
     def _restore(self, tokens: Any, path: list[Node], matched: int, longer_than: int | None) -> tuple[list | None, Any]:

@@ -81,7 +81,9 @@ class Server:
         self._log = open(log_path, "w")
         env = {k: v for k, v in os.environ.items() if k != "PPC_STORE"}
         cmd = [*cmd, "--host", "127.0.0.1", "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        # From the log's folder, as a user's server runs from theirs: never from a checkout,
+        # whose package folder would shadow the installed one (`python -m`).
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=log_path.parent)
         self.log_path = log_path
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:

@@ -413,7 +413,8 @@ def rows_restarted(b: Bench, rows: set[int]) -> None:
         resume = [c["resume_s"] for c in chats]
         b.add(4, f"{n} tokens: prefill() of the chat (default options) ÷ recomputing it", median(resume),
               median(recompute), per_round(resume, recompute), "<= 1.05",
-              baseline_is="mlx-lm prefill in the same process", resumed_tokens=[c["resumed"] for c in chats])  # fmt: skip
+              baseline_is="mlx-lm prefill in the same process", resumed_tokens=[c["resumed"] for c in chats],
+              resume_costs=[c["resume_costs"] for c in chats])  # fmt: skip
         b.add(4, f"{n} tokens: restore speed, stored block by block ÷ at once", median(speed["blocks"]),
               median(speed["once"]), per_round(speed["blocks"], speed["once"]), ">= 0.9", unit="tokens/s",
               baseline_is="the same KV stored by one store()", restore_options="cost_model=False")  # fmt: skip
@@ -452,7 +453,10 @@ def child(spec_path: str) -> int:
         # First what a user does after a restart: resume the conversation (default options).
         with PersistentPrefixCache(paths["turns"], model, **options) as store:
             resume, _ = clock(lambda: prefill(model, conv, store))
-            resumed = store.stats()["tokens_saved"]
+            stats = store.stats()
+            resumed = stats["tokens_saved"]
+            # What the cost model knew and decided (a skipped restore is explained by these).
+            costs = {k: v for k, v in stats.items() if k.startswith(("restore", "first_", "prefill_", "skipped"))}
         recompute, _ = clock(lambda: mlx_prefill(model, conv))
         restore: dict[str, list[float]] = {k: [] for k in paths}
         restored: dict[str, list[int]] = {k: [] for k in paths}
@@ -471,7 +475,7 @@ def child(spec_path: str) -> int:
                     seconds, n = clock(fetch)
                 restore[name].append(seconds)
                 restored[name].append(n)
-        out["chat"] = {"resume_s": resume, "resumed": resumed, "recompute_s": recompute,
+        out["chat"] = {"resume_s": resume, "resumed": resumed, "resume_costs": costs, "recompute_s": recompute,
                        "restore_s": restore, "restored": restored}  # fmt: skip
     print(json.dumps(out))
     return 0

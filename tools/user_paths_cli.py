@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,7 @@ def run_timed(cmd: list[str], *, cwd: Path | None = None, env: dict[str, str] | 
         RuntimeError: If it exits non-zero (with the end of its stderr).
     """
     started = time.perf_counter()
+    cwd = cwd or Path(tempfile.gettempdir())  # a user's folder, not a checkout (see bench_serve.Server)
     proc = subprocess.run(cmd, cwd=cwd, env=env or user_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT)
     seconds = time.perf_counter() - started
     if proc.returncode != 0:

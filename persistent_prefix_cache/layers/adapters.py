@@ -165,6 +165,8 @@ class ViewPath(list):
                 continue
             if not self or self[0].start > lo or self[-1].end < hi:
                 return False
+            if not self._missing[-1]:  # every block holds its slice (a store's common case)
+                continue
             # The common ranges (from the path's start to, or into, its last block: a store
             # checks every new block's end) need no search.
             first, last = 0, len(self)

@@ -97,6 +97,8 @@ class Layout:
         before = len(fields)
         for lid, part in tensors.items():
             for fld, x in part.items():
+                if f"{lid}.{fld}" in fields:  # known (the first block of a store taught it)
+                    continue
                 declared = FIELDS.get(fld)
                 if declared is not None and declared.kind is Kind.SLICED and x.ndim == declared.ndim:
                     fields.setdefault(f"{lid}.{fld}", sliced_spec(fld, dtype_info(x.dtype)[0], x.shape))
