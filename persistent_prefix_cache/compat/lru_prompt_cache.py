@@ -385,7 +385,11 @@ class PersistentLRUPromptCache(LRUPromptCache):
         with self._lock:
             link = self._links.get(model)
             if link is None or link.store is not store:
-                link = self._links[model] = StoreLink(store, warn=warn, errors=(Exception,))
+                # A store source that knows the key's loaded model (`server_patch.ProviderStores`)
+                # lets the link calibrate the cost model at the first read that finds a prefix.
+                model_for = getattr(self._open_store, "model_for", None)
+                loaded = model_for(model) if model_for is not None else None
+                link = self._links[model] = StoreLink(store, loaded, warn=warn, errors=(Exception,))
             return link
 
     def _skip(self, model: Hashable, reason: Any, message: str) -> None:
