@@ -2,9 +2,9 @@
 
 A store learns the prefill from the forwards its callers run (`prefill()`, ``ppc
 generate``, ``ppc serve``'s prompts, the compat layers' prompts); `calibrate` runs
-forwards of its own where no caller has taught it yet (``ppc serve`` at its first
-request on a store that holds the model's blocks, the compat layers at the first read
-that finds a stored prefix, `PersistentPrefixCache.calibrate`). Around it, the facade's
+forwards of its own where no caller has taught it yet (the compat layers, ``ppc
+serve``'s among them, at the first read that finds a stored prefix worth it;
+`PersistentPrefixCache.calibrate`). Around it, the facade's
 `calibrate` (`CalibrationMixin`): a rate this machine measured before for the model
 (`machine_costs`) is taken instead of measuring, a measurement is kept there for every
 store, and the first one of a process is said once (logging, INFO, with its duration).
@@ -171,7 +171,7 @@ class CalibrationMixin:
                 "cost model: measured the prefill of %s on %s in %.2f s: %.0f tokens/s (%s)",
                 name, saved.device, seconds, costs.prefill_tokens_per_s or 0.0,
                 f"kept for every store of this model on this machine, in {machine_costs.folder()}" if kept
-                else "kept in this store",
+                else "kept for this store only",
             )  # fmt: skip
         return costs.prefill_tokens_per_s
 
