@@ -74,6 +74,9 @@ class PersistentLRUPromptCache(LRUPromptCache):
             (None means: keep that model's caches in memory only; the callable is asked
             again for that key next time). Stores the callable opens are closed by
             `close`; a store passed in directly is only flushed (its owner closes it).
+            A callable with a ``model_for(model_key)`` method (``ppc serve``'s) also
+            gives the loaded model, so the cost model can be calibrated at the first
+            read that finds a stored prefix (`compat.through.StoreLink`).
         max_size: Most sequences the in-memory LRU holds (as mlx-lm's ``max_size``).
         max_bytes: Most bytes of KV held in memory: the LRU's entries and the RAM tiers
             of the stores together (see the module's docstring). Unbounded by default:

@@ -11,12 +11,12 @@ any token is generated) took the prefill of the tokens since that read. A write 
 holds generated tokens also holds their decoding, and teaches nothing; nor does one after
 a read that restored something: the time since holds the server's whole request (merging
 the cache into its batch, sampling), which a first forward's own cost would be blamed for. Where the model
-is known and the store has never measured its prefill on this device kind, the first read
-that finds a stored prefix calibrates it, on the reading thread (the one that runs the
-model, as MLX wants): from a rate this machine measured before for the model if there is
-one, else by forwards costing at most about a quarter of that prefix's prefill
-(`PersistentPrefixCache.calibrate` with ``prompt=``). A read that finds nothing
-calibrates nothing: the prefill the caller then runs teaches the rate.
+is known and the store does not know its prefill on this device kind, a read takes the
+rate this machine measured before for the model, if there is one; else the first read
+that finds a stored prefix measures it, on the reading thread (the one that runs the
+model, as MLX wants), by forwards costing at most about a quarter of that prefix's
+prefill (`PersistentPrefixCache.calibrate` with ``prompt=``). A read that finds nothing
+runs no forward: the prefill the caller then runs teaches the rate.
 """
 
 from __future__ import annotations
