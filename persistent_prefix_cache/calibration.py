@@ -182,10 +182,7 @@ def plausible(record: dict) -> bool:
     probe = Costs()
     try:
         probe.take_prefill(record)
-    except (KeyError, TypeError, ValueError):
+        seconds = [(n, probe.prefill_seconds(0, n)) for n in (1024, 32768)]
+    except (KeyError, TypeError, ValueError, ArithmeticError):
         return False
-    for n in (1024, 32768):
-        seconds = probe.prefill_seconds(0, n)
-        if seconds is None or not n / MAX_RATE <= seconds <= n / MIN_RATE:
-            return False
-    return True
+    return all(s is not None and n / MAX_RATE <= s <= n / MIN_RATE for n, s in seconds)

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import pwd
+import shutil
 import stat
 import tempfile
 import time
@@ -169,6 +170,9 @@ def _damage(how: str, folder, data: dict) -> None:
         os.chown(path, *_nobody())
     elif how == "folder of another user":
         os.chown(folder, *_nobody())
+    elif how == "folder is a link":
+        os.rename(folder, folder.parent / "moved")
+        folder.symlink_to(folder.parent / "moved")
     else:
         raise AssertionError(how)
 
@@ -176,6 +180,7 @@ def _damage(how: str, folder, data: dict) -> None:
 HOW = [
     "not json", "too large", "rate too high", "not finite", "too old", "from the future", "not a fit", "a link",
     "a FIFO", "group-writable file", "world-writable folder", "file of another user", "folder of another user",
+    "folder is a link",
 ]  # fmt: skip
 
 
@@ -190,7 +195,7 @@ def test_an_untrusted_or_damaged_record_is_ignored(tmp_path, model, folder, forw
     assert ran > 0 and rate is not None and restored  # measured again, never an error or a hang
     assert time.monotonic() - started < 60
     path = folder / machine_costs.FILE_NAME
-    if how in ("world-writable folder", "folder of another user"):
+    if how in ("world-writable folder", "folder of another user", "folder is a link"):
         # Somebody else's folder (or one anybody can write): nothing written into it.
         assert os.listdir(folder) == [machine_costs.FILE_NAME]
     else:
@@ -247,8 +252,6 @@ def test_a_record_planted_by_another_user_is_never_read(tmp_path, model, forward
             assert json.load(f) == planted  # left as the other user wrote it
         assert os.listdir(machine_costs.folder()) == [machine_costs.FILE_NAME]
     finally:
-        import shutil
-
         shutil.rmtree(base, ignore_errors=True)
 
 
