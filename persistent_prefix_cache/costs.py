@@ -412,6 +412,19 @@ class Costs:
                 "fastest_forward": self.fastest_forward,
             }
 
+    def prefill_record(self) -> dict:
+        """The prefill's part of `record` (what `machine_costs` keeps for every store)."""
+        with self._lock:
+            return {"prefill": list(self.prefill.sums), "fastest_forward": self.fastest_forward}
+
+    def take_prefill(self, record: dict) -> None:
+        """Start the prefill from a `prefill_record` (the rest is kept; the caller checks it)."""
+        prefill, fastest = [float(v) for v in record["prefill"]], record.get("fastest_forward")
+        with self._lock:
+            self.prefill = _new_prefill(prefill)
+            self.fastest_forward = None if fastest is None else max(0.0, float(fastest))
+            self.changed = True
+
     def load(self, record: dict) -> bool:
         """Start from a saved `record` (ignored if malformed or older than `MAX_AGE`).
 
@@ -548,32 +561,6 @@ class CostsMixin:
         by the costs measured for this model (`Costs.resumable_step`); None until they are
         known. `prefill.prefill` asks it before every forward."""
         return self._costs.resumable_step(self.block_size)
-
-    def calibrate(self, model: Any, *, tokens: int = 512, only_if_unknown: bool = False) -> float | None:
-        """Measure how fast `model` prefills on this machine, for the cost model (see
-        `calibration.calibrate`); remembered in the store for this model and device kind.
-        Call it on the thread that runs the model (MLX's streams belong to a thread).
-
-        Args:
-            model: The model the store was opened with.
-            tokens: Tokens of the first timed forward (more, up to 4,096, where a forward
-                of that many is bound by its call: a fast GPU).
-            only_if_unknown: Measure nothing if the prefill of this model on this
-                device kind is already known (measured here or remembered by the store).
-
-        Returns:
-            Tokens/s of a 1,024-token prefill as now known (None: skipped, unknown).
-
-        Raises:
-            InvalidArgumentError: If the store is closed or `tokens` < 2.
-        """
-        self._check_open()
-        if not (only_if_unknown and self._costs.prefill_tokens_per_s is not None):
-            from .calibration import calibrate
-
-            calibrate(self._costs, model, self.make_cache, tokens)
-            self._saved_costs.maybe_save(force=True)
-        return self._costs.prefill_tokens_per_s
 
     def _cheaper(self, path: list, matched: int, total: int) -> tuple[list, int]:
         """The prefix of `path` the cost model restores (all of it until it knows),

@@ -27,6 +27,7 @@ from .keys import as_token_array, chain_keys, root_key
 from .layers import Layout, cache_length, signature_of, template_cache
 from .layers.mlx_lm_versions import layout_variant
 from .lookup import Trie, back_off
+from .calibration import CalibrationMixin
 from .costs import Costs, CostsMixin, SavedCosts
 from .disk.read_path import device_target
 from .opening import OPEN_HANDLES, disk_budget, give_back, memory_budget, open_directory
@@ -42,7 +43,7 @@ from .writeback import WriteBack, sweep_orphans
 log = logging.getLogger("persistent_prefix_cache")
 
 
-class PersistentPrefixCache(OpenedWith, CostsMixin):
+class PersistentPrefixCache(OpenedWith, CostsMixin, CalibrationMixin):
     """A prefix (KV) cache for one mlx-lm model, kept in a store directory.
 
     Args:

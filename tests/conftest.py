@@ -7,6 +7,8 @@ width mlx's quantizer accepts (group size 32), which the kv_bits tests need.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from persistent_prefix_cache.tiny_model import TEST_MODEL, load_tiny_model, write_tiny_model
@@ -39,6 +41,22 @@ def model(tiny_model_dir):
 def other_model(other_model_dir):
     """The same-shaped model with different weights (think: a fine-tune)."""
     return load_tiny_model(other_model_dir)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def machine_costs_folder(tmp_path_factory):
+    """The per-user record of the prefills this machine measured (`machine_costs`) in a
+    folder of the session's, never the user's ``~/.cache``: for this process and the
+    ones the tests start (``XDG_CACHE_HOME``). Shared by the whole session, as a user's
+    is by every store: a test that counts calibrations points it elsewhere."""
+    base = tmp_path_factory.mktemp("xdg_cache")
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(base)
+    yield base / "persistent-prefix-cache"
+    if before is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = before
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,7 @@ import time
 
 import pytest
 from helpers import BLOCK, prefill, random_tokens, run_python_json
-from test_serve import FIRST, OTHER, SHAPE, Server
+from test_serve import FIRST, OTHER, SHAPE, SYSTEM, Server
 
 from persistent_prefix_cache import PersistentPrefixCache
 from persistent_prefix_cache.compat.prefix_cache import PrefixCacheManager
@@ -112,14 +112,20 @@ def test_ppc_generate_feeds_the_model(tmp_path, tiny_model_dir):
     assert per_device[device_kind()]["prefill"][0] > 0  # a prefill was observed and kept
 
 
-def test_the_vllm_mlx_layer_calibrates_once_and_keeps_it(store_dir, model):
+def test_the_vllm_mlx_layer_calibrates_once_and_keeps_it(store_dir, model, tmp_path, monkeypatch):
+    from persistent_prefix_cache import machine_costs
+
+    monkeypatch.setattr(machine_costs, "FOLDER", str(tmp_path / "machine"))  # nothing measured before
+    tokens = random_tokens(20 * BLOCK, seed=912)
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        store.store(tokens, prefill(model, tokens)[1])  # filled without timing its prefill
     manager = PrefixCacheManager(model, store=str(store_dir))
-    tokens = random_tokens(3 * BLOCK, seed=912)
-    manager.fetch_cache(tokens)  # the first read of this model on this device: calibrated
+    manager.fetch_cache(tokens + [1])  # the first read of this model on this device that finds a prefix
     assert manager.store.stats()["prefill_tokens_per_s"] is not None
     manager.close()
     (per_device,) = _records(store_dir).values()
     assert device_kind() in per_device
+    assert os.listdir(tmp_path / "machine") == [machine_costs.FILE_NAME]  # and for every store of it here
 
 
 def test_the_lru_layer_times_the_prefill_between_a_read_and_a_prompt_write(store_dir, model):
@@ -144,22 +150,52 @@ def costs_serve_model_dir(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_serve_measures_once_per_model_and_device_and_remembers(costs_serve_model_dir, tmp_path):
+def test_serve_measures_once_per_model_and_machine_where_it_may_restore(costs_serve_model_dir, tmp_path, monkeypatch):
+    measured = "cost model: measured the prefill"
+    # A system prompt long enough to be worth a calibration (288 tokens and more).
+    longer = [{"role": "system", "content": " ".join([SYSTEM] * 5)}, OTHER[1]]
+    machine = tmp_path / "xdg" / "persistent-prefix-cache"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # this machine has measured nothing yet
     store = tmp_path / "store"
+    # A new store has nothing to decide: no calibration; the first request's prefill teaches the rate.
     with Server(costs_serve_model_dir, store, tmp_path / "one.log") as server:
         server.chat(FIRST)
         assert server.stop() == 0
-        assert "cost model: measured the prefill" in server.log()
+        assert measured not in server.log()
     (per_device,) = _records(store).values()
     assert per_device[device_kind()]["prefill"][0] > 0
     assert per_device[device_kind()]["first_forward"] is None
     with Server(costs_serve_model_dir, store, tmp_path / "two.log") as server:
         server.chat(OTHER)  # the same system prompt: restored from the store
         assert server.stop() == 0
-        assert server.restored() and "cost model: measured the prefill" not in server.log()  # remembered
+        assert server.restored() and measured not in server.log()  # remembered
     # The time from a restoring read to the server's next write holds its whole request
     # (merging into the batch, sampling), not a first forward's own cost: it teaches
     # nothing (as a first forward's cost it made a CPU server skip every 512-token
     # restore, 80 x faster than the prefill, after one 2k prompt; tools/user_paths.py row 5).
     (per_device,) = _records(store).values()
     assert per_device[device_kind()]["first_forward"] is None
+    # A store that holds the model's blocks and no rate (made on another machine): a read
+    # that finds a prefix too short to be worth it restores without measuring; one worth
+    # it measures, once, said once with its duration, and kept for this machine...
+    with Server(costs_serve_model_dir, store, tmp_path / "fill.log") as server:
+        server.chat(longer)
+        assert server.stop() == 0
+    os.remove(store / FILE_NAME)
+    with Server(costs_serve_model_dir, store, tmp_path / "three.log") as server:
+        server.chat(FIRST)
+        assert server.restored() and measured not in server.log()
+        server.chat([longer[0], FIRST[1]])
+        assert server.stop() == 0
+        assert len(server.restored()) == 2 and server.restored()[1] >= 288
+        said = [line for line in server.log().splitlines() if measured in line]
+        assert len(said) == 1 and " s: " in said[0] and str(machine) in said[0], said
+    assert os.listdir(machine) == ["prefill.json"]
+    # ... so the next such store takes the rate from there: no forward, nothing said.
+    os.remove(store / FILE_NAME)
+    with Server(costs_serve_model_dir, store, tmp_path / "four.log") as server:
+        server.chat(longer)
+        assert server.stop() == 0
+        assert server.restored() and measured not in server.log()
+    (per_device,) = _records(store).values()
+    assert per_device[device_kind()]["prefill"][0] > 0

@@ -31,7 +31,7 @@ WINGS = [
     ("disk", ["disk", "migrations"]),  # the frozen formats use disk/portable's OS calls
     ("layers", ["layers"]),
     ("tiers", ["tiers"]),
-    ("core", ["store", "counters", "tier_report", "opening", "lookup", "restore", "writeback", "prefill", "options", "costs", "cost_fit", "remote_fill", "remote_sync", "warm", "merging", "calibration", "pack_check"]),
+    ("core", ["store", "counters", "tier_report", "opening", "lookup", "restore", "writeback", "prefill", "options", "costs", "cost_fit", "remote_fill", "remote_sync", "warm", "merging", "calibration", "machine_costs", "pack_check"]),
     ("compat", ["compat", "prefix_cache", "paged_cache", "lru_prompt_cache"]),
     ("cli", ["cli", "__main__"]),
 ]

@@ -74,6 +74,9 @@ class PersistentLRUPromptCache(LRUPromptCache):
             (None means: keep that model's caches in memory only; the callable is asked
             again for that key next time). Stores the callable opens are closed by
             `close`; a store passed in directly is only flushed (its owner closes it).
+            A callable with a ``model_for(model_key)`` method (``ppc serve``'s) also
+            gives the loaded model, so the cost model can be calibrated at the first
+            read that finds a stored prefix (`compat.through.StoreLink`).
         max_size: Most sequences the in-memory LRU holds (as mlx-lm's ``max_size``).
         max_bytes: Most bytes of KV held in memory: the LRU's entries and the RAM tiers
             of the stores together (see the module's docstring). Unbounded by default:
@@ -385,7 +388,11 @@ class PersistentLRUPromptCache(LRUPromptCache):
         with self._lock:
             link = self._links.get(model)
             if link is None or link.store is not store:
-                link = self._links[model] = StoreLink(store, warn=warn, errors=(Exception,))
+                # A store source that knows the key's loaded model (`server_patch.ProviderStores`)
+                # lets the link calibrate the cost model at the first read that finds a prefix.
+                model_for = getattr(self._open_store, "model_for", None)
+                loaded = model_for(model) if model_for is not None else None
+                link = self._links[model] = StoreLink(store, loaded, warn=warn, errors=(Exception,))
             return link
 
     def _skip(self, model: Hashable, reason: Any, message: str) -> None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import time
 from contextlib import contextmanager
 from typing import Any, Callable, Hashable, Iterator
 
@@ -35,7 +34,6 @@ from ..errors import UnsupportedServerError
 from ..fingerprint import fingerprint_model
 from ..layers import model_cache
 from ..store import PersistentPrefixCache
-from .through import CALIBRATION_TOKENS
 
 log = logging.getLogger("persistent_prefix_cache.serve")
 
@@ -151,6 +149,16 @@ class ProviderStores:
         self.options = options
         self.provider = provider
 
+    def model_for(self, model_key: Hashable) -> Any:
+        """The loaded model of `model_key`, for the cost model's calibration (the server's
+        `PersistentLRUPromptCache` hands it to its link: measured at the first read that
+        finds a stored prefix, on the generation thread, as MLX wants); None for another
+        key, or with a draft model (the store's layout is then both models')."""
+        provider = self.provider
+        if provider is None or provider.model is None or provider.model_key != model_key:
+            return None
+        return None if getattr(provider, "draft_model", None) is not None else provider.model
+
     def __call__(self, model_key: Hashable):
         """The store for `model_key`, or None if that model is not the loaded one."""
 
@@ -180,19 +188,6 @@ class ProviderStores:
                 name += f" + adapter {adapter_path}"
             options.setdefault("model_name", name if draft is None else f"{name} + draft model")
         store = PersistentPrefixCache(self.path, model, **options)
-        if draft is None:
-            # The server's generation thread opens the store (it owns MLX's stream here):
-            # measure the prefill once per model and device kind, for the cost model.
-            try:
-                if store.stats()["prefill_tokens_per_s"] is None:
-                    started = time.perf_counter()
-                    rate = store.calibrate(model, tokens=CALIBRATION_TOKENS)
-                    log.info(
-                        "cost model: measured the prefill on %s: %.0f tokens/s (%.3f s, once per model and device)",
-                        store.stats()["cost_device"], rate, time.perf_counter() - started,
-                    )  # fmt: skip
-            except Exception as exc:  # the store then restores every hit, as without costs
-                log.warning("could not measure the model's prefill for the cost model: %s", exc)
         log.info(
             "persistent prompt cache for %s: store %s, fingerprint %s",
             model_path,

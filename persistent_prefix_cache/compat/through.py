@@ -11,9 +11,12 @@ any token is generated) took the prefill of the tokens since that read. A write 
 holds generated tokens also holds their decoding, and teaches nothing; nor does one after
 a read that restored something: the time since holds the server's whole request (merging
 the cache into its batch, sampling), which a first forward's own cost would be blamed for. Where the model
-is known, the first read of a model whose prefill the store has never measured on this
-device kind calibrates it (once, remembered in the store), on the reading thread: the
-one that runs the model, as MLX wants.
+is known and the store does not know its prefill on this device kind, a read takes the
+rate this machine measured before for the model, if there is one; else the first read
+that finds a stored prefix measures it, on the reading thread (the one that runs the
+model, as MLX wants), by forwards costing at most about a quarter of that prefix's
+prefill (`PersistentPrefixCache.calibrate` with ``prompt=``). A read that finds nothing
+runs no forward: the prefill the caller then runs teaches the rate.
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ from ..store import PersistentPrefixCache
 
 log = logging.getLogger("persistent_prefix_cache")
 
-# Tokens of the first-use calibration: long enough for a rate, short enough that the
-# one request that pays it (once per model and device kind) barely notices.
+# Tokens of the first-use calibration at most (a short prompt's is shorter): long enough
+# for a rate, short enough that the one request that pays it (once per model and machine)
+# barely notices.
 CALIBRATION_TOKENS = 256
 
 
@@ -107,17 +111,21 @@ class StoreLink:
         self._last_read: tuple[float, Any, int, bool] | None = None
         self._calibrated = model is None
 
-    def calibrate(self, model: Any = None) -> None:
+    def calibrate(self, model: Any = None, prompt: Any = None) -> None:
         """Measure the model's prefill for the cost model if the store does not know it
-        on this device kind (`PersistentPrefixCache.calibrate`); a failure is a warning."""
+        on this device kind (`PersistentPrefixCache.calibrate`), for a read of `prompt`
+        if given (until the rate is known, every such read asks again); a failure is a
+        warning."""
         model = model if model is not None else self.model
         self._calibrated = True
         if self.store is None or model is None:
             return
         try:
-            self.store.calibrate(model, tokens=CALIBRATION_TOKENS, only_if_unknown=True)
+            rate = self.store.calibrate(model, tokens=CALIBRATION_TOKENS, only_if_unknown=True, prompt=prompt)
         except Exception as exc:  # a model the calibration cannot drive: the store restores blind
             self._warn(("calibrate", type(exc)), f"could not measure the model's prefill: {exc}")
+            return
+        self._calibrated = rate is not None or prompt is None
 
     def read(self, tokens: Any, have: int = 0) -> tuple[list | None, Any]:
         """The store's hit for `tokens` if it restores more than `have` tokens.
@@ -129,7 +137,7 @@ class StoreLink:
         if self.store is None:
             return None, tokens
         if not self._calibrated:
-            self.calibrate()
+            self.calibrate(prompt=tokens)
         try:
             cache, rest = self.store.fetch(tokens, longer_than=have)
         except self._errors as exc:
