@@ -14,7 +14,7 @@ import stat
 import time
 from typing import Iterator
 
-from ..errors import InvalidArgumentError, StoreVersionError
+from ..errors import EmptiesStoreError, InvalidArgumentError, StoreVersionError
 from ..keys import block_key
 from ..paths import expand_path
 from . import packs, store_guard
@@ -317,30 +317,48 @@ class StoreAdmin:
 
     # -- eviction -------------------------------------------------------------------------
 
-    def gc(self, max_bytes: int | None = None, *, model: str | None = None, unused_for: float | None = None) -> list[Node]:
+    def gc(
+        self,
+        max_bytes: int | None = None,
+        *,
+        model: str | None = None,
+        unused_for: float | None = None,
+        empty_ok: bool = True,
+    ) -> list[Node]:
         """Remove blocks: every block of one model, then those unused for a while, then
         least recently used leaves until the blocks total `max_bytes` (each if given).
 
         Args:
-            max_bytes: The budget of the blocks' bytes.
+            max_bytes: The budget of the blocks' bytes (0: every block goes).
             model: A model (see `find_model`) whose blocks all go.
             unused_for: Seconds: blocks not stored or restored for this long go.
+            empty_ok: False: if the rest would remove every block of a store that holds
+                some, remove nothing and raise `EmptiesStoreError` (``ppc gc`` asks first).
 
         Returns:
             The removed nodes.
 
         Raises:
             InvalidArgumentError: If `model` matches no stored model, or several.
+            EmptiesStoreError: If not `empty_ok` and every block would go (the
+                transaction is abandoned: nothing was removed).
         """
         with self.index.reader() as reader:
             root = None if model is None else self.find_model(reader, model)
 
         def work(w: Writer):
+            held, held_blocks = w.totals()
             removed = w.forget_model(root) if root is not None else []
             if unused_for is not None:
                 removed += w.evict_unused(time.time_ns() - int(unused_for * 1e9))
             if max_bytes is not None:
                 removed += w.evict(max_bytes)
+            if not empty_ok and held_blocks and w.totals()[1] == 0:
+                # Raised inside the write transaction, which is then aborted.
+                raise EmptiesStoreError(
+                    f"this would remove every block of store {self.path} ({held_blocks:,} blocks, {held:,} bytes)",
+                    blocks=held_blocks, block_bytes=held,
+                )  # fmt: skip
             return removed, w.freed
 
         removed, freed = self.index.write(work)
