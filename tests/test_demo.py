@@ -64,8 +64,8 @@ def test_a_store_the_demo_did_not_make_survives_byte_for_byte(ten_blocks, tmp_pa
     before = snapshot(ten_blocks)
     err = ppc("demo", "--workdir", ten_blocks, expect=2).stderr
     assert err == (
-        f"error: {ten_blocks / 'store'} exists and ppc demo did not make it (no {MARKER} in it): the demo never "
-        "deletes or reuses what it did not create; move it away, or pass another --workdir\n"
+        f"error: {ten_blocks / 'store'} exists and is not marked as the demo's (no {MARKER} in it): ppc demo "
+        "deletes and reuses only what it made; move it away (or remove an older demo's), or pass another --workdir\n"
     )
     assert snapshot(ten_blocks) == before  # nothing removed, nothing added (no tiny-model/ either)
 
@@ -74,7 +74,7 @@ def test_a_store_the_demo_did_not_make_survives_byte_for_byte(ten_blocks, tmp_pa
     os.rename(ten_blocks / "store", elsewhere)
     os.symlink(elsewhere, ten_blocks / "store")
     kept = snapshot(elsewhere)
-    assert "did not make it" in ppc("demo", "--workdir", ten_blocks, expect=2).stderr
+    assert "is not marked as the demo's" in ppc("demo", "--workdir", ten_blocks, expect=2).stderr
     assert snapshot(elsewhere) == kept and os.path.islink(ten_blocks / "store")
 
 
@@ -85,11 +85,11 @@ def test_a_tiny_model_folder_the_demo_did_not_make_is_refused(tmp_path):
     (work / "tiny-model" / "config.json").write_text('{"mine": true}')
     before = snapshot(work)
     err = ppc("demo", "--workdir", work, expect=2).stderr
-    assert err.startswith(f"error: {work / 'tiny-model'} exists and ppc demo did not make it") and err.count("\n") == 1
+    assert err.startswith(f"error: {work / 'tiny-model'} exists and is not marked as the demo's") and err.count("\n") == 1
     assert snapshot(work) == before  # no store/ made either: every name is checked first
     # A marker file that is not the demo's text does not make it the demo's.
     (work / "tiny-model" / MARKER).write_text("something else\n")
-    assert "did not make it" in ppc("demo", "--workdir", work, expect=2).stderr
+    assert "is not marked as the demo's" in ppc("demo", "--workdir", work, expect=2).stderr
     assert (work / "tiny-model" / "config.json").read_text() == '{"mine": true}'
 
 

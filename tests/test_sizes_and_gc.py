@@ -178,7 +178,8 @@ def test_gc_with_yes_and_partial_gc_leave_no_empty_segment_folders(chains):
     out = json.loads(ppc("gc", "--store", chains, "--max-bytes", "0", "--yes", "--json", expect=0).stdout)
     assert out["blocks_after"] == 0 and segment_folders(chains) == {}
     # An empty store: nothing to remove, nothing to ask.
-    assert json.loads(ppc("gc", "--store", chains, "--max-bytes", "0", "--json", expect=0).stdout)["removed_blocks"] == 0
+    out = json.loads(ppc("gc", "--store", chains, "--max-bytes", "0", "--json", expect=0).stdout)
+    assert out["removed_blocks"] == 0
 
 
 def test_a_writer_makes_again_a_folder_pruned_under_it(tmp_path, monkeypatch):

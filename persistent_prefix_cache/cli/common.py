@@ -75,7 +75,9 @@ UNLIMITED = "unlimited"
 
 def add_disk_budget_option(parser: argparse.ArgumentParser) -> None:
     """``--store-disk-bytes SIZE`` (``unlimited``: no budget; default: the library's ``"auto"``)."""
-    parser.add_argument("--store-disk-bytes", type=parse_disk_budget, metavar="SIZE", default=None, help=DISK_BUDGET_HELP)
+    parser.add_argument(
+        "--store-disk-bytes", type=parse_disk_budget, metavar="SIZE", default=None, help=DISK_BUDGET_HELP
+    )
 
 
 def parse_disk_budget(text: str) -> int | str:

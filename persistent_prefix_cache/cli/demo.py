@@ -173,8 +173,8 @@ def _refuse_foreign(workdir: str, names: list[str]) -> None:
         path = os.path.join(workdir, name)
         if os.path.lexists(path) and not is_demos_own(path):
             raise UserError(
-                f"{path} exists and ppc demo did not make it (no {MARKER} in it): the demo never deletes "
-                "or reuses what it did not create; move it away, or pass another --workdir"
+                f"{path} exists and is not marked as the demo's (no {MARKER} in it): ppc demo deletes and "
+                "reuses only what it made; move it away (or remove an older demo's), or pass another --workdir"
             )
 
 

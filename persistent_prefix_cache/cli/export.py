@@ -27,7 +27,9 @@ def check_output(name: str) -> None:
     """
     if name == STDOUT:
         if sys.stdout.isatty():
-            raise UserError("- writes the pack to stdout, which is a terminal: redirect it (ppc export ... - > pack.tar)")
+            raise UserError(
+                "- writes the pack to stdout, which is a terminal: redirect it (ppc export ... - > pack.tar)"
+            )
         return
     if os.path.isdir(name):
         raise UserError(f"{name} is a directory: name the file to write (e.g. {os.path.join(name, 'prompts.ppc.tar')})")

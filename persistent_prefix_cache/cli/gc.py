@@ -10,7 +10,9 @@ import re
 import sys
 
 from ..errors import EmptiesStoreError
-from .common import SIZE_UNITS_HELP, UserError, add_json_option, add_store_option, emit, make_parser, parse_size, run, store_path
+from .common import (
+    SIZE_UNITS_HELP, UserError, add_json_option, add_store_option, emit, make_parser, parse_size, run, store_path,
+)  # fmt: skip
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
