@@ -221,5 +221,6 @@ def _new_store(path: str) -> None:
         pass
     _mark(path)
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -191,7 +191,7 @@ class SegmentFiles:
                     return
                 finally:
                     os.close(sub)
-            raise FileNotFoundError(f"segments/{h[:2]} vanished {PUBLISH_ATTEMPTS} times while a segment was published")
+            raise FileNotFoundError(f"segments/{h[:2]} vanished {PUBLISH_ATTEMPTS} times while a segment was renamed in")
 
     def sync_folders(self, segments: Sequence[bytes]) -> None:
         """Fsync, once each, the folders these segments were renamed into (what
@@ -287,12 +287,15 @@ class SegmentFiles:
         """Remove those of the sub-folders `subs` of ``segments/`` that are empty (a
         writer that meets its folder gone makes it again: `publish`). A folder that is
         not empty, missing, a link or another user's is left as it is."""
+        subs = sorted(subs)
+        if not subs:
+            return
         try:
             top = folder_fd(self.root, "segments")
         except (OSError, NotRegularFileError):
             return
         try:
-            for sub in sorted(subs):
+            for sub in subs:
                 try:
                     os.rmdir(sub, dir_fd=top)  # only an empty folder; a link is never followed
                 except OSError:
