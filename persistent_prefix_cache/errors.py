@@ -32,6 +32,22 @@ class InvalidArgumentError(PrefixCacheError, ValueError):
     hint = "fix the argument; nothing was written"
 
 
+class EmptiesStoreError(InvalidArgumentError):
+    """A removal asked not to empty a store would have removed every block of it
+    (nothing was removed).
+
+    Attributes:
+        blocks: How many blocks the store holds.
+        block_bytes: Their bytes.
+    """
+
+    hint = "nothing was removed; ask for it explicitly to remove every block"
+
+    def __init__(self, message: str, *, blocks: int, block_bytes: int, hint: str | None = None):
+        super().__init__(message, hint=hint)
+        self.blocks, self.block_bytes = blocks, block_bytes
+
+
 class UnsupportedCacheError(PrefixCacheError, TypeError):
     """A cache class (or layout) this version cannot store exactly."""
 

@@ -75,7 +75,7 @@ def test_a_pack_goes_back_into_its_own_store_verified_by_its_key(tmp_path, model
     assert out["signed_by"] == ["store"]
     key = store / "pack.key"
     assert stat.S_IMODE(key.lstat().st_mode) == 0o600 and key.stat().st_size == 32
-    ppc("gc", "--store", store, "--max-bytes", "0")
+    ppc("gc", "--store", store, "--max-bytes", "0", "--yes")
     back = ppc_json("import", "--store", store, tmp_path / "p.tar")
     assert back["verified"] == "store" and back["added"] == out["blocks"]
     for tokens in (A, B):

@@ -808,7 +808,7 @@ def test_unclosed_store_exits_cleanly(unclosed_exit):
 
 def test_a_store_does_not_grow_forever_by_default(store_dir, model, tmp_path):
     """The default budget: what the store holds plus half the space free at open; None
-    is unbounded; ppc's --store-disk-bytes 0 too."""
+    is unbounded (ppc's --store-disk-bytes unlimited; 0 is refused there)."""
     tokens = random_tokens(2 * BLOCK + 3, seed=120)
     with open_store(store_dir, model) as store:
         put(store, model, tokens)
@@ -826,10 +826,10 @@ def test_a_store_does_not_grow_forever_by_default(store_dir, model, tmp_path):
         put(store, model, random_tokens(BLOCK + 1, seed=121, first=7))
         store.flush()
         assert store.stats()["block_bytes"] <= held // 2  # evicted down to it
-    from persistent_prefix_cache.cli.common import disk_budget_option
+    from persistent_prefix_cache.cli.common import disk_budget_option, parse_disk_budget
     from types import SimpleNamespace
 
-    assert disk_budget_option(SimpleNamespace(store_disk_bytes=0)) == {"disk_bytes": None}
+    assert disk_budget_option(SimpleNamespace(store_disk_bytes=parse_disk_budget("unlimited"))) == {"disk_bytes": None}
     assert disk_budget_option(SimpleNamespace(store_disk_bytes=None)) == {}
     with pytest.raises(InvalidArgumentError):
         open_store(tmp_path / "x", model, disk_bytes="lots")

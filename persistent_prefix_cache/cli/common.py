@@ -67,19 +67,40 @@ def add_store_shared_option(parser: argparse.ArgumentParser) -> None:
 
 DISK_BUDGET_HELP = (
     "budget of the store's blocks; least recently used blocks go first past it "
-    "(default: what the store holds plus half the disk space free at start; 0: unbounded)"
+    "(default: what the store holds plus half the disk space free at start; 'unlimited': no budget)"
 )
+#: What ``--store-disk-bytes`` takes for "no budget" (0 is zero bytes, as in every size option).
+UNLIMITED = "unlimited"
 
 
 def add_disk_budget_option(parser: argparse.ArgumentParser) -> None:
-    """``--store-disk-bytes SIZE`` (0: unbounded; default: the library's ``"auto"``)."""
-    parser.add_argument("--store-disk-bytes", type=parse_size, metavar="SIZE", default=None, help=DISK_BUDGET_HELP)
+    """``--store-disk-bytes SIZE`` (``unlimited``: no budget; default: the library's ``"auto"``)."""
+    parser.add_argument(
+        "--store-disk-bytes", type=parse_disk_budget, metavar="SIZE", default=None, help=DISK_BUDGET_HELP
+    )
+
+
+def parse_disk_budget(text: str) -> int | str:
+    """``--store-disk-bytes``: a size (`parse_size`) above 0, or `UNLIMITED`.
+
+    Raises:
+        argparse.ArgumentTypeError: If `text` is 0 (a budget that keeps no block) or not a size.
+    """
+    if text.strip().lower() == UNLIMITED:
+        return UNLIMITED
+    value = parse_size(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(
+            f"0 would keep no block on disk: give a budget such as 20G, or {UNLIMITED!r} for none "
+            "(ppc gc --max-bytes 0 empties a store)"
+        )
+    return value
 
 
 def disk_budget_option(args: argparse.Namespace) -> dict[str, Any]:
     """``disk_bytes`` for the store from ``--store-disk-bytes`` (none given: the default)."""
     value = getattr(args, "store_disk_bytes", None)
-    return {} if value is None else {"disk_bytes": value or None}
+    return {} if value is None else {"disk_bytes": None if value == UNLIMITED else value}
 
 
 def add_model_option(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
@@ -166,6 +187,7 @@ def add_json_option(parser: argparse.ArgumentParser) -> None:
 
 # Binary units for bare letters (``2G`` = 2 * 2**30), as ``ppc gc`` always took them;
 # ``GB`` and friends are decimal, ``GiB`` and friends binary.
+SIZE_UNITS_HELP = "K, M, G, T binary: 2G = 2*2**30 bytes; KB, MB, GB, TB decimal: 500KB = 500,000"
 _SIZE_UNITS = {"": 1, "B": 1}
 for _i, _letter in enumerate("KMGT", start=1):
     _SIZE_UNITS[_letter] = _SIZE_UNITS[_letter + "IB"] = 2 ** (10 * _i)

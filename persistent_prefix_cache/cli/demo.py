@@ -7,6 +7,10 @@ that the second process generated the same tokens.
 
 Run it as ``ppc demo`` (or ``python -m persistent_prefix_cache demo``); with no
 ``--model`` it writes a tiny random-weight model and needs no network.
+
+The demo keeps ``store/`` (and ``tiny-model/``) in its ``--workdir`` and replaces its own
+store at every run; a folder there that it did not make (no `MARKER` file in it) is
+never touched: the demo refuses to run instead.
 """
 
 from __future__ import annotations
@@ -15,14 +19,19 @@ import argparse
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import time
 
-from .common import path_arg
+from .common import UserError, path_arg, run
 
 DEFAULT_WORKDIR = ".demo"
 DEMO_MODEL = dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=512)
+# What the demo writes into each folder it makes, and looks for before it reuses or
+# replaces one: a folder without it is somebody else's.
+MARKER = "made-by-ppc-demo.txt"
+MARKER_TEXT = "ppc demo made this folder and replaces it at its next run (remove this file to keep it).\n"
 
 
 def _prompt_tokens(tokenizer, n_tokens: int) -> list[int]:
@@ -119,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``ppc demo``."""
     parser = argparse.ArgumentParser(prog="ppc demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=path_arg, help="a local model folder or hub id (default: a tiny random model, no network)")
-    parser.add_argument("--workdir", type=path_arg, default=DEFAULT_WORKDIR, help="where the demo keeps its model and store (default: %(default)s)")
+    parser.add_argument("--workdir", type=path_arg, default=DEFAULT_WORKDIR, help="where the demo keeps its model and store; it replaces only what it made there itself (default: %(default)s)")
     parser.add_argument("--prompt-tokens", type=int, default=1536, help="prompt length in tokens (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=24, help="tokens to generate (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
@@ -132,19 +141,64 @@ def main(argv: list[str] | None = None) -> int:
     if args.phase:
         print(json.dumps(_run_phase(args.phase, args.model, args.store, args.prompt_tokens, args.max_tokens)))
         return 0
+    return run(lambda: _demo(args))
 
+
+def is_demos_own(path: str) -> bool:
+    """Whether `path` is a folder `ppc demo` made: a real folder (not a link) holding the
+    demo's `MARKER` file, a regular file with the demo's text."""
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            return False
+        fd = os.open(os.path.join(path, MARKER), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and os.read(fd, len(MARKER_TEXT) + 1) == MARKER_TEXT.encode()
+    finally:
+        os.close(fd)
+
+
+def _mark(path: str) -> None:
+    # Exclusive and never through a link: the folder was made by this run a moment ago.
+    fd = os.open(os.path.join(path, MARKER), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(MARKER_TEXT)
+
+
+def _refuse_foreign(workdir: str, names: list[str]) -> None:
+    """Raise `UserError` if one of `names` exists in `workdir` and the demo did not make it
+    (checked for every name before anything is written)."""
+    for name in names:
+        path = os.path.join(workdir, name)
+        if os.path.lexists(path) and not is_demos_own(path):
+            raise UserError(
+                f"{path} exists and is not marked as the demo's (no {MARKER} in it): ppc demo deletes and "
+                "reuses only what it made; move it away (or remove an older demo's), or pass another --workdir"
+            )
+
+
+def _demo(args: argparse.Namespace) -> int:
+    if os.path.lexists(args.workdir) and not os.path.isdir(args.workdir):
+        raise UserError(f"--workdir {args.workdir}: is a file, not a folder")
+    if args.model is not None and not os.path.exists(args.model) and os.sep in args.model:
+        raise UserError(f"--model {args.model}: no such folder")
+    _refuse_foreign(args.workdir, ["store"] + (["tiny-model"] if args.model is None else []))
     os.makedirs(args.workdir, exist_ok=True)
     if args.model is None:
         from ..tiny_model import write_tiny_model
 
         args.model = os.path.join(args.workdir, "tiny-model")
+        if not os.path.isdir(args.model):
+            os.mkdir(args.model)
+            _mark(args.model)  # first: an interrupted write is still the demo's to finish
         if not os.path.exists(os.path.join(args.model, "model.safetensors")):
             print(f"writing a tiny random-weight model to {args.model}", file=sys.stderr)
             write_tiny_model(args.model, **DEMO_MODEL)
-    elif not os.path.exists(args.model) and os.sep in args.model:
-        parser.error(f"--model {args.model}: no such folder")
     store = os.path.join(args.workdir, "store")
-    shutil.rmtree(store, ignore_errors=True)  # the cold run must start from nothing
+    if os.path.lexists(store):
+        shutil.rmtree(store)  # the demo's own (checked above): the cold run starts from nothing
+    _new_store(store)
 
     print(f"cold process: prefill {args.prompt_tokens} tokens, generate, store ...", file=sys.stderr)
     cold = _spawn("cold", args, store)
@@ -156,6 +210,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model: {args.model}    store: {store}\n")
         print(_table(cold, warm))
     return 0 if cold["generated"] == warm["generated"] else 1
+
+
+def _new_store(path: str) -> None:
+    """An empty store at `path`, marked as the demo's (a store must exist before a file
+    of ours may sit beside its index: a folder of other files is never made a store)."""
+    from ..disk.maintenance import StoreAdmin
+
+    with StoreAdmin(path, create=True):
+        pass
+    _mark(path)
 
 
 if __name__ == "__main__":

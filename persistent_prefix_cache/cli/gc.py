@@ -1,13 +1,18 @@
 """``ppc gc``: remove blocks by model (``--model``), by age (``--unused-for``) and down to
 a budget (``--max-bytes``: least recently used leaves first); segment files that became
-mostly dead are compacted."""
+mostly dead are compacted. Options that would remove every block ask first on a terminal
+and need ``--yes`` elsewhere."""
 
 from __future__ import annotations
 
 import argparse
 import re
+import sys
 
-from .common import add_json_option, add_store_option, emit, make_parser, parse_size, run, store_path
+from ..errors import EmptiesStoreError
+from .common import (
+    SIZE_UNITS_HELP, UserError, add_json_option, add_store_option, emit, make_parser, parse_size, run, store_path,
+)  # fmt: skip
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -42,12 +47,18 @@ def main(argv: list[str]) -> int:
     )
     add_store_option(parser)
     parser.add_argument(
-        "--max-bytes", type=parse_size, default=None, help="budget for segment files, e.g. 500M or 2G (binary units)"
-    )
+        "--max-bytes", type=parse_size, default=None, metavar="SIZE",
+        help=f"budget of the blocks' bytes, e.g. 500M or 2G ({SIZE_UNITS_HELP}); 0 removes every block",
+    )  # fmt: skip
     parser.add_argument("--model", default=None, help="remove every block of this model: folder, hub id or hash prefix")
     parser.add_argument(
         "--unused-for", type=parse_duration, default=None, metavar="DURATION",
         help="remove blocks not stored or restored for this long, e.g. 30d, 12h",
+    )  # fmt: skip
+    parser.add_argument(
+        "--yes", action="store_true",
+        help="remove every block without asking when the options select them all (else asked on a terminal, "
+        "refused elsewhere)",
     )  # fmt: skip
     add_json_option(parser)
     args = parser.parse_args(argv)
@@ -59,7 +70,13 @@ def main(argv: list[str]) -> int:
 
         with StoreAdmin(store_path(args, must_exist=True)) as admin:
             before = admin.summary()
-            removed = admin.gc(args.max_bytes, model=args.model, unused_for=args.unused_for)
+            options = dict(model=args.model, unused_for=args.unused_for)
+            try:
+                removed = admin.gc(args.max_bytes, **options, empty_ok=args.yes)
+            except EmptiesStoreError as exc:
+                if not confirmed(exc):
+                    return 1
+                removed = admin.gc(args.max_bytes, **options)
             after = admin.summary()
         result = {
             "max_bytes": args.max_bytes,
@@ -77,3 +94,19 @@ def main(argv: list[str]) -> int:
         return 0
 
     return run(work)
+
+
+def confirmed(refusal: EmptiesStoreError) -> bool:
+    """Whether the user, asked on the terminal, wants every block removed (said "y").
+
+    Raises:
+        UserError: Without a terminal to ask on (pass ``--yes``).
+    """
+    if not sys.stdin.isatty():
+        raise UserError(f"{refusal.message}: pass --yes to remove them all; nothing was removed")
+    print(f"{refusal.message}. Remove them all? [y/N] ", end="", file=sys.stderr, flush=True)
+    answer = sys.stdin.readline().strip().lower()
+    if answer in ("y", "yes"):
+        return True
+    print("nothing was removed", file=sys.stderr)
+    return False

@@ -9,16 +9,18 @@ asked (``--trust``).
 
 from __future__ import annotations
 
-import os
+import sys
 
 from .common import (
     UserError, add_json_option, add_pack_secret_option, add_store_option, add_store_shared_option, emit, load_model,
     make_parser, pack_secret, path_arg, positive_int, run, store_path,
 )  # fmt: skip
 from ..disk.maintenance import StoreAdmin
-from ..disk.pack_members import block_size_of
-from ..disk.store_dir import store_exists, undo_creation
-from ..errors import PrefixCacheError
+from ..disk.pack_members import PackReader
+from ..disk.store_dir import missing_folders, store_exists, undo_creation
+
+#: The input name that reads the pack from stdin (``ppc export --store S - | ppc import ... -``).
+STDIN = "-"
 
 
 def _chains(text: str) -> int | None:
@@ -30,11 +32,26 @@ def _chains(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"must be 'all' or an integer >= 1, got {text!r}") from None
 
 
+def open_pack(name: str) -> PackReader:
+    """The pack `name` names: a file, or stdin for ``-`` (``./-`` is a file of that name).
+
+    Raises:
+        UserError: If ``-`` is given while stdin is a terminal.
+        InvalidArgumentError: If the file cannot be read (missing, a folder, permissions)
+            or is not a pack (see `PackReader`).
+    """
+    if name != STDIN:
+        return PackReader(name)
+    if sys.stdin.isatty():
+        raise UserError("- reads a pack from stdin, which is a terminal: pipe one in (ppc import ... - < pack.tar)")
+    return PackReader("stdin", stream=sys.stdin.buffer)
+
+
 def main(argv: list[str]) -> int:
     """Add the blocks of an export to a store (created if missing); present ones are skipped."""
     parser = make_parser("import", "Load a file written by `ppc export` into a store.")
     add_store_option(parser)
-    parser.add_argument("input", type=path_arg, help="a file written by `ppc export`")
+    parser.add_argument("input", type=path_arg, help="a file written by `ppc export` (-: read it from stdin)")
     add_store_shared_option(parser)
     add_pack_secret_option(parser)
     parser.add_argument("--model", default=None,
@@ -49,28 +66,27 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     def work() -> int:
-        if not os.path.isfile(args.input):
-            raise UserError(f"{args.input}: no such file")
         if args.trust and args.model is not None:
             raise UserError("--trust and --model contradict each other: --trust checks nothing")
         path = store_path(args)
         secret = pack_secret(args)
-        block_size = block_size_of(args.input)
-        check = None
-        if args.model is not None:
-            from ..pack_check import model_check
+        with open_pack(args.input) as reader:
+            block_size = reader.manifest()["block_size"]  # a new store takes the pack's
+            check = None
+            if args.model is not None:
+                from ..pack_check import model_check
 
-            check = model_check(load_model(args.model)[0], chains=args.check_chains)
-        existed, made_folder = store_exists(path), not os.path.isdir(path)
-        # A file, a folder of other files, a store or a place this user cannot write:
-        # StoreAdmin says so in one line (exit 2), before anything is created.
-        try:
-            with StoreAdmin(path, create=True, block_size=block_size, shared=args.store_shared) as admin:
-                result = admin.import_pack(args.input, secret=secret, trust=args.trust, check=check)
-        except PrefixCacheError:
-            if not existed:  # a refused pack leaves no empty store behind
-                undo_creation(path, made_folder=made_folder)
-            raise
+                check = model_check(load_model(args.model)[0], chains=args.check_chains)
+            existed, made = store_exists(path), missing_folders(path)
+            # A file, a folder of other files, a store or a place this user cannot write:
+            # StoreAdmin says so in one line (exit 2), before anything is created.
+            try:
+                with StoreAdmin(path, create=True, block_size=block_size, shared=args.store_shared) as admin:
+                    result = admin.import_pack(reader.path, reader=reader, secret=secret, trust=args.trust, check=check)
+            except BaseException:
+                if not existed:  # a refused or damaged pack leaves nothing behind that was not there
+                    undo_creation(path, made_folder=bool(made), parents=made[1:])
+                raise
         emit(result, args.json, _render)
         return 0
 

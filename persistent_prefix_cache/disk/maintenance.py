@@ -12,13 +12,14 @@ import json
 import os
 import stat
 import time
-from typing import Iterator
+from typing import BinaryIO, Iterator
 
-from ..errors import InvalidArgumentError, StoreVersionError
+from ..errors import EmptiesStoreError, InvalidArgumentError, StoreVersionError
 from ..keys import block_key
 from ..paths import expand_path
 from . import packs, store_guard
 from .compaction import compact_sparse
+from .pack_members import PackReader
 from .segment import SegmentFiles
 from .index import SCHEMA_VERSION, Index, Reader, Writer
 from .check_report import CheckReport
@@ -317,30 +318,48 @@ class StoreAdmin:
 
     # -- eviction -------------------------------------------------------------------------
 
-    def gc(self, max_bytes: int | None = None, *, model: str | None = None, unused_for: float | None = None) -> list[Node]:
+    def gc(
+        self,
+        max_bytes: int | None = None,
+        *,
+        model: str | None = None,
+        unused_for: float | None = None,
+        empty_ok: bool = True,
+    ) -> list[Node]:
         """Remove blocks: every block of one model, then those unused for a while, then
         least recently used leaves until the blocks total `max_bytes` (each if given).
 
         Args:
-            max_bytes: The budget of the blocks' bytes.
+            max_bytes: The budget of the blocks' bytes (0: every block goes).
             model: A model (see `find_model`) whose blocks all go.
             unused_for: Seconds: blocks not stored or restored for this long go.
+            empty_ok: False: if the rest would remove every block of a store that holds
+                some, remove nothing and raise `EmptiesStoreError` (``ppc gc`` asks first).
 
         Returns:
             The removed nodes.
 
         Raises:
             InvalidArgumentError: If `model` matches no stored model, or several.
+            EmptiesStoreError: If not `empty_ok` and every block would go (the
+                transaction is abandoned: nothing was removed).
         """
         with self.index.reader() as reader:
             root = None if model is None else self.find_model(reader, model)
 
         def work(w: Writer):
+            held, held_blocks = w.totals()
             removed = w.forget_model(root) if root is not None else []
             if unused_for is not None:
                 removed += w.evict_unused(time.time_ns() - int(unused_for * 1e9))
             if max_bytes is not None:
                 removed += w.evict(max_bytes)
+            if not empty_ok and held_blocks and w.totals()[1] == 0:
+                # Raised inside the write transaction, which is then aborted.
+                raise EmptiesStoreError(
+                    f"this would remove every block of store {self.path} ({held_blocks:,} blocks, {held:,} bytes)",
+                    blocks=held_blocks, block_bytes=held,
+                )  # fmt: skip
             return removed, w.freed
 
         removed, freed = self.index.write(work)
@@ -372,7 +391,9 @@ class StoreAdmin:
 
     # -- packing ----------------------------------------------------------------------------
 
-    def export_pack(self, out_path: str, *, model: str | None = None, secret: bytes | None = None) -> dict:
+    def export_pack(
+        self, out_path: str, *, model: str | None = None, secret: bytes | None = None, stream: BinaryIO | None = None
+    ) -> dict:
         """Write the store (or the part for one model) into one tar file (`packs.export_pack`),
         signed by the store's key and by `secret` if given.
 
@@ -381,6 +402,7 @@ class StoreAdmin:
             model: A model's folder or hub id, or a prefix of its root key or
                 fingerprint (see ``ppc inspect``); None exports every model.
             secret: A secret to sign it with too (another store verifies it with the same secret).
+            stream: Write it to this binary stream instead (``ppc export -``: stdout).
 
         Returns:
             Counts of models, blocks and bytes exported, and the keys that signed it.
@@ -394,14 +416,22 @@ class StoreAdmin:
                 chosen = self.find_model(reader, model)
                 models = {chosen: models[chosen]}
             nodes = [n for root in models for n in self.walk(reader, root)]
-        return packs.export_pack(self.files, self.index, nodes, models, out_path, root=self.path, secret=secret)
+        return packs.export_pack(
+            self.files, self.index, nodes, models, out_path, root=self.path, secret=secret, stream=stream
+        )
 
     def import_pack(
-        self, in_path: str, *, secret: bytes | None = None, trust: bool = False, check: packs.Check | None = None
+        self,
+        in_path: str,
+        *,
+        secret: bytes | None = None,
+        trust: bool = False,
+        check: packs.Check | None = None,
+        reader: PackReader | None = None,
     ) -> dict:
         """Load a file written by `export_pack` (this version or an older one) into this
         store: see `packs.import_pack` (a pack this store or `secret` did not sign needs
-        `check` or `trust`).
+        `check` or `trust`; `reader`: the pack already opened, e.g. on stdin).
 
         Returns:
             Counts of blocks added and skipped, bytes added, and how the pack was verified.
@@ -411,7 +441,9 @@ class StoreAdmin:
                 was made with another block size, or `check` refuses it.
             UnverifiedPackError: If nothing verifies it.
         """
-        return packs.import_pack(self.files, self.index, in_path, secret=secret, trust=trust, check=check)
+        return packs.import_pack(
+            self.files, self.index, in_path, secret=secret, trust=trust, check=check, reader=reader
+        )
 
 
 def _regular_size(path: str) -> int | None:

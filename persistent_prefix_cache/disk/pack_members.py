@@ -59,6 +59,20 @@ def unpack_records(data: bytes, path: str) -> Iterator[Node]:
         pos += n
 
 
+# What a pack's first bytes are when it is one: its first member's name (``ppc export``
+# writes manifest.json first), tar's magic, or a compressor's.
+HEAD = 512
+PACK_STARTS = (MANIFEST.encode() + b"\0", b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00")
+DAMAGED_HINT = "nothing was written; export it again, or copy the whole file"
+
+
+class _PackTar(tarfile.TarFile):
+    """A tar file that says how its archive ended: `cut` is None at tar's end-of-archive
+    marker, else why a member's header could not be read (`_BoundedTarInfo` sets it)."""
+
+    cut: str | None = None
+
+
 class _BoundedTarInfo(tarfile.TarInfo):
     # tarfile reads a pax header or a GNU long name whole into memory, whatever size its
     # header declares: a bound first (the members of a pack have short names).
@@ -68,36 +82,89 @@ class _BoundedTarInfo(tarfile.TarInfo):
                 raise tarfile.ReadError(f"an extended header of {self.size:,} bytes")
         return super()._proc_member(tarfile_)
 
+    # tarfile takes a header it cannot read whole, past the first, for the end of the
+    # archive: say which it was, so that a cut pack is not taken for a complete one.
+    @classmethod
+    def fromtarfile(cls, tarfile_):
+        try:
+            return super().fromtarfile(tarfile_)
+        except tarfile.EOFHeaderError:
+            raise  # a block of zeros: tar's end-of-archive marker
+        except (tarfile.EmptyHeaderError, tarfile.TruncatedHeaderError):
+            tarfile_.cut = "truncated"
+            raise
+        except tarfile.InvalidHeaderError:
+            tarfile_.cut = "damaged"
+            raise
+
+
+class _Head:
+    """A binary stream read through, keeping its first `HEAD` bytes (to tell a pack that
+    does not read from a file that is no pack at all)."""
+
+    def __init__(self, f: IO[bytes]):
+        self.f, self.head = f, b""
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(n)
+        if len(self.head) < HEAD:
+            self.head += data[: HEAD - len(self.head)]
+        return data
+
+
+def _ends_early(exc: BaseException) -> bool:
+    """Whether a tar or decompression error means the data stopped short."""
+    text = str(exc)
+    return isinstance(exc, EOFError) or any(w in text for w in ("unexpected end", "truncated", "ended before"))
+
 
 class PackReader:
-    """A pack opened for reading, member by member (compressed or not: ``r|*``).
+    """A pack opened for reading, member by member (compressed or not: ``r|*``), in one
+    pass: a pipe (``ppc import -``) reads as well as a file.
 
     Args:
-        path: The pack.
+        path: The pack (with `stream`: the name messages give it, e.g. ``stdin``).
+        stream: A binary stream to read the pack from instead of opening `path`.
 
     Raises:
-        InvalidArgumentError: If it is not a tar file.
+        InvalidArgumentError: If `path` cannot be read (missing, a folder, permissions:
+            said as such), is empty, is not a tar file, or is cut short or damaged
+            before its first member.
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, *, stream: IO[bytes] | None = None):
         self.path = path
         self.digests: dict[str, bytes] = {}  # member -> BLAKE2b-256 of its bytes, as read
+        self._file = stream if stream is not None else _open(path)
+        self._own = stream is None
+        self._head = _Head(self._file)
         try:
-            self._file = open(path, "rb")
-        except OSError as exc:
-            raise InvalidArgumentError(f"{path} is not a ppc export: {exc.strerror}") from None
-        try:
-            self._tar = tarfile.open(fileobj=self._file, mode="r|*", tarinfo=_BoundedTarInfo)
+            self._tar = _PackTar.open(fileobj=self._head, mode="r|*", tarinfo=_BoundedTarInfo)
         except (tarfile.TarError, OSError, EOFError) as exc:
-            self._file.close()
-            raise InvalidArgumentError(f"{path} is not a ppc export: {exc}") from None
+            self._close_file()
+            raise self._not_opened(exc) from None
         self._pending: tarfile.TarInfo | None = None
         self._ended = False
+        self._last: str | None = None  # the last member read (for messages)
+        self._manifest: dict | None = None
+
+    def _not_opened(self, exc: BaseException) -> InvalidArgumentError:
+        if str(exc) == "empty file":
+            return InvalidArgumentError(f"{self.path} is empty: not a ppc export")
+        if not self._head.head.startswith(PACK_STARTS) and self._head.head[257:262] != b"ustar":
+            return InvalidArgumentError(f"{self.path} is not a ppc export (not a tar file written by `ppc export`)")
+        if _ends_early(exc):
+            return self._truncated("it ends inside its first member's header")
+        return self._bad(f"its first member does not read ({exc})")
+
+    def _close_file(self) -> None:
+        if self._own:
+            self._file.close()
 
     def close(self) -> None:
-        """Release the file."""
+        """Release the file (a stream given is left open)."""
         self._tar.close()
-        self._file.close()
+        self._close_file()
 
     def __enter__(self) -> "PackReader":
         return self
@@ -106,7 +173,10 @@ class PackReader:
         self.close()
 
     def _bad(self, why: str) -> InvalidArgumentError:
-        return InvalidArgumentError(f"{self.path} is not a complete ppc export: {why}")
+        return InvalidArgumentError(f"{self.path} is a damaged ppc export: {why}", hint=DAMAGED_HINT)
+
+    def _truncated(self, why: str) -> InvalidArgumentError:
+        return InvalidArgumentError(f"{self.path} is truncated: {why}", hint=DAMAGED_HINT)
 
     def next(self) -> tarfile.TarInfo | None:
         """The next member (None at the end); folders are passed over, anything else but
@@ -132,8 +202,19 @@ class PackReader:
             # Stream mode keeps every member it has read: a pack of many members would grow it.
             self._tar.members.clear()
         except (tarfile.TarError, OSError, EOFError, ValueError) as exc:
+            if _ends_early(exc):
+                raise self._truncated(f"it ends {self._where()}") from None
             raise self._bad(f"its tar structure is damaged ({exc})") from None
+        if member is None and self._tar.cut == "truncated":
+            raise self._truncated(f"it ends {self._where()}, without tar's end-of-archive marker")
+        if member is None and self._tar.cut is not None:
+            raise self._bad(f"the header {self._where()} is not a tar header")
+        if member is not None:
+            self._last = member.name
         return member
+
+    def _where(self) -> str:
+        return f"after member {self._last}" if self._last else "before its first member"
 
     def push_back(self, member: tarfile.TarInfo) -> None:
         """Hand `member` out again at the next `next` (its bytes not read yet)."""
@@ -161,25 +242,36 @@ class PackReader:
         if member.size > limit:
             raise self._bad(f"member {member.name} declares {member.size:,} bytes, more than the {limit:,} it may hold")
         h, parts, left = digest(), [], member.size
+        short = f"it ends inside member {member.name} ({member.size:,} bytes)"
         try:
             f = self._tar.extractfile(member)
             while left > 0:
                 chunk = f.read(min(CHUNK, left))
                 if not chunk:
-                    raise self._bad(f"member {member.name} is truncated")
+                    raise self._truncated(short)
                 h.update(chunk)
                 left -= len(chunk)
                 if sink is None:
                     parts.append(chunk)
                 else:
                     sink.write(chunk)
-        except (tarfile.TarError, EOFError, ValueError) as exc:  # zlib.error is an OSError: raised as one
+        except (tarfile.TarError, EOFError, ValueError) as exc:  # a zlib.error comes as tarfile's ReadError
+            if isinstance(exc, InvalidArgumentError):
+                raise
+            if _ends_early(exc):
+                raise self._truncated(short) from None
             raise self._bad(f"member {member.name} does not read ({exc})") from None
         self.digests[member.name] = h.digest()
         return b"".join(parts)
 
     def manifest(self) -> dict:
-        """The first member, ``manifest.json``, parsed and checked for its fields."""
+        """The first member, ``manifest.json``, parsed and checked for its fields (read
+        once: a second call gives the same)."""
+        if self._manifest is None:
+            self._manifest = self._read_manifest()
+        return self._manifest
+
+    def _read_manifest(self) -> dict:
         data = self.stream(self.expect(MANIFEST), MAX_MANIFEST)
         try:
             manifest = load_json(data, what=MANIFEST, max_bytes=MAX_MANIFEST, max_depth=8)
@@ -221,14 +313,21 @@ class PackReader:
             raise InvalidArgumentError(f"{self.path}: {exc}") from None
 
 
-def block_size_of(path: str) -> int:
-    """The block size a pack's manifest declares (its first member, read bounded).
-
-    Raises:
-        InvalidArgumentError: If `path` is not a pack.
-    """
-    with PackReader(path) as reader:
-        return int(reader.manifest()["block_size"])
+def _open(path: str) -> IO[bytes]:
+    """`path` opened for reading; what stops it said as such (a folder, permissions)."""
+    try:
+        return open(path, "rb")
+    except FileNotFoundError:
+        raise InvalidArgumentError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise InvalidArgumentError(f"{path} is a directory, not a pack: name a file written by `ppc export`") from None
+    except PermissionError:
+        raise InvalidArgumentError(
+            f"{path}: permission denied: this user cannot read it",
+            hint="nothing was written; run as a user who may read it, or change its permissions",
+        ) from None
+    except OSError as exc:
+        raise InvalidArgumentError(f"cannot read {path}: {exc.strerror or exc}") from None
 
 
 def dumps(value: Any) -> bytes:

@@ -17,12 +17,13 @@ place but unreferenced until the pack has proven where it comes from:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tarfile
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable
 
 from ..blocks import Node
 from ..errors import InvalidArgumentError
@@ -92,9 +93,13 @@ Check = Callable[[PackBlocks], dict]
 
 
 def export_pack(files: SegmentFiles, index: Index, nodes: list[Node], models: dict[bytes, dict], out_path: str,
-                *, root: str, secret: bytes | None = None) -> dict:  # fmt: skip
+                *, root: str, secret: bytes | None = None, stream: BinaryIO | None = None) -> dict:  # fmt: skip
     """Write `nodes` (parents first) and the segment files they use into one tar file,
     signed by the store's key (made on its first export) and by `secret` if given.
+
+    Args:
+        stream: Write the pack to this binary stream, in one pass (``ppc export -``:
+            stdout), instead of to the file `out_path`.
 
     Returns:
         Counts of models, blocks and bytes exported, and ``signed_by`` (the keys that signed).
@@ -103,7 +108,8 @@ def export_pack(files: SegmentFiles, index: Index, nodes: list[Node], models: di
     keys = [k for k in (pack_sign.store_key(root, create=True),) if k is not None]
     if secret is not None:
         keys.append(pack_sign.secret_key(secret))
-    out_path = expand_path(out_path, what="out_path")
+    if stream is None:
+        out_path = expand_path(out_path, what="out_path")
     digests: dict[str, bytes] = {}
 
     def add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -111,7 +117,8 @@ def export_pack(files: SegmentFiles, index: Index, nodes: list[Node], models: di
         add_bytes(tar, name, data)
 
     def write(raw) -> None:
-        with tarfile.open(fileobj=raw, mode="w") as tar:
+        # A stream (a pipe) cannot tell its position: tarfile's stream mode writes the same bytes.
+        with tarfile.open(fileobj=raw, mode="w" if stream is None else "w|") as tar:
             manifest = {
                 "format": EXPORT_FORMAT,
                 "block_size": index.block_size,
@@ -129,9 +136,13 @@ def export_pack(files: SegmentFiles, index: Index, nodes: list[Node], models: di
                     digests[name] = hashed.h.digest()
             add_bytes(tar, SIGNATURE, dumps(pack_sign.sign(digests, keys)))
 
-    # Beside OUT under a name nobody can predict, created exclusively (its folder may be
-    # shared), with the store's file mode: a pack holds the prompts too.
-    replace_beside(out_path, write, mode=file_mode(root)[0], sync=durable_fsync)
+    if stream is not None:
+        write(stream)
+        stream.flush()
+    else:
+        # Beside OUT under a name nobody can predict, created exclusively (its folder may be
+        # shared), with the store's file mode: a pack holds the prompts too.
+        replace_beside(out_path, write, mode=file_mode(root)[0], sync=durable_fsync)
     return {
         "models": len(models), "blocks": len(nodes), "bytes": sum(n.size for n in nodes),
         "signed_by": [k.by for k in keys],
@@ -158,7 +169,7 @@ def digest_of(data: bytes) -> bytes:
 
 
 def import_pack(files: SegmentFiles, index: Index, in_path: str, *, secret: bytes | None = None,
-                trust: bool = False, check: Check | None = None) -> dict:  # fmt: skip
+                trust: bool = False, check: Check | None = None, reader: PackReader | None = None) -> dict:  # fmt: skip
     """Load a pack written by `export_pack` (or by an older version) into a store.
 
     Every block is verified against its record before it is added; blocks already
@@ -174,6 +185,9 @@ def import_pack(files: SegmentFiles, index: Index, in_path: str, *, secret: byte
         trust: Import a pack that is not verified (by a signature or `check`) as it is.
         check: Called with the blocks of a pack no key of this import signed, before
             they are committed; returns what it checked, raises to refuse them.
+        reader: The pack already opened (its manifest may have been read: ``ppc import``
+            learns a new store's block size from it, and reads stdin in one pass); the
+            caller closes it. None: `in_path` is opened here.
 
     Returns:
         Counts of blocks added and skipped, bytes added, and ``verified``: ``"store"``,
@@ -184,11 +198,11 @@ def import_pack(files: SegmentFiles, index: Index, in_path: str, *, secret: byte
             was made with another block size, or is refused by `check`.
         UnverifiedPackError: If nothing verifies it and neither `trust` nor `check` was given.
     """
-    in_path = expand_path(in_path, what="in_path")
+    in_path = expand_path(in_path, what="in_path") if reader is None else reader.path
     keys = [k for k in (pack_sign.store_key(files.root, create=False),) if k is not None]
     if secret is not None:
         keys.append(pack_sign.secret_key(secret))
-    with PackReader(in_path) as reader:
+    with PackReader(in_path) if reader is None else contextlib.nullcontext(reader) as reader:
         manifest = reader.manifest()
         if manifest["format"] not in (EXPORT_FORMAT, V4_EXPORT_FORMAT, V3_EXPORT_FORMAT, LEGACY_EXPORT_FORMAT):
             raise InvalidArgumentError(f"{in_path}: unknown export format {manifest['format']!r}")
@@ -285,7 +299,7 @@ class _Import:
                     self.reader.push_back(member)
                 return
             if member.name not in wanted:
-                raise InvalidArgumentError(f"{self.path} is not a complete ppc export: unexpected member {member.name}")
+                raise InvalidArgumentError(f"{self.path} is a damaged ppc export: unexpected member {member.name}")
             yield member, wanted.pop(member.name)
 
     def _bound(self, blocks: list[Node]) -> int:
@@ -326,7 +340,7 @@ class _Import:
             if seg_digest is None:
                 raise InvalidArgumentError(f"{self.path}: segment {seg.hex()} is damaged")
         if wanted:
-            raise InvalidArgumentError(f"{self.path} is not a complete ppc export: {next(iter(wanted))} is missing")
+            raise InvalidArgumentError(f"{self.path} is a damaged ppc export: {next(iter(wanted))} is missing")
         for n in self.todo:
             if self.files.verify(n) is not None:
                 raise InvalidArgumentError(f"{self.path}: block {n.key.hex()} is damaged")
@@ -387,7 +401,7 @@ class _Import:
         for name, what in wanted.items():
             blocks = [what] if isinstance(what, Node) else [n for n in self.nodes if n.segment == what]
             if any(n.key in todo for n in blocks):
-                raise InvalidArgumentError(f"{self.path} is not a complete ppc export: {name} is missing")
+                raise InvalidArgumentError(f"{self.path} is a damaged ppc export: {name} is missing")
 
     def _rewrite(self, run: list, models: dict) -> tuple[bytes, int, int]:
         # Blocks of an older format into a new segment, once their own format's rule has

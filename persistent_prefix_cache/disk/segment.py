@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from ..blocks import Node
 from ..files import NotRegularFileError, open_regular, pid_alive, pid_of_temp
@@ -59,6 +59,9 @@ from .store_guard import unsafe_entry
 from .store_dir import TempFile, folder, folder_fd, make_dirs, remove_entry, subfolder
 
 HEX = frozenset("0123456789abcdef")
+# A sub-folder of segments/ emptied by a removal is pruned; a writer that meets it gone
+# between opening and renaming into it opens (makes) it again, at most this many times.
+PUBLISH_ATTEMPTS = 8
 
 
 class SegmentFiles:
@@ -167,15 +170,28 @@ class SegmentFiles:
         """
         h = segment.hex()
         with folder(self.root, "segments", create=True) as top:
-            sub, made = subfolder(top, h[:2], self.root)
-            try:
-                if made:
-                    durable_fsync(top)  # the new folder's name is durable before a file in it
-                tmp.move_to(sub, f"{h}.seg")
-                if sync_folder:
-                    durable_fsync(sub)
-            finally:
-                os.close(sub)
+            for attempt in range(PUBLISH_ATTEMPTS):
+                try:
+                    sub, made = subfolder(top, h[:2], self.root)
+                except FileNotFoundError:
+                    continue  # made by another writer and pruned again meanwhile: make it anew
+                try:
+                    if made:
+                        durable_fsync(top)  # the new folder's name is durable before a file in it
+                    try:
+                        tmp.move_to(sub, f"{h}.seg")
+                    except FileNotFoundError:
+                        # Its folder, empty when it was opened, was pruned since (`prune`, in
+                        # another process): open or make it again.
+                        if attempt + 1 < PUBLISH_ATTEMPTS:
+                            continue
+                        raise
+                    if sync_folder:
+                        durable_fsync(sub)
+                    return
+                finally:
+                    os.close(sub)
+            raise FileNotFoundError(f"segments/{h[:2]} vanished {PUBLISH_ATTEMPTS} times while a segment was renamed in")
 
     def sync_folders(self, segments: Sequence[bytes]) -> None:
         """Fsync, once each, the folders these segments were renamed into (what
@@ -259,11 +275,33 @@ class SegmentFiles:
     # -- removing -------------------------------------------------------------------
 
     def unlink(self, segments: Sequence[bytes]) -> None:
-        """Remove the files of segments the index no longer references (commit first);
-        by descriptor, so a link among the store's folders never leads elsewhere."""
+        """Remove the files of segments the index no longer references (commit first),
+        then the sub-folders they leave empty; by descriptor, so a link among the store's
+        folders never leads elsewhere."""
         for segment in segments:
             h = segment.hex()
             self._remove(f"segments/{h[:2]}/{h}.seg")
+        self.prune({segment.hex()[:2] for segment in segments})
+
+    def prune(self, subs: Iterable[str]) -> None:
+        """Remove those of the sub-folders `subs` of ``segments/`` that are empty (a
+        writer that meets its folder gone makes it again: `publish`). A folder that is
+        not empty, missing, a link or another user's is left as it is."""
+        subs = sorted(subs)
+        if not subs:
+            return
+        try:
+            top = folder_fd(self.root, "segments")
+        except (OSError, NotRegularFileError):
+            return
+        try:
+            for sub in subs:
+                try:
+                    os.rmdir(sub, dir_fd=top)  # only an empty folder; a link is never followed
+                except OSError:
+                    pass
+        finally:
+            os.close(top)
 
     def _remove(self, rel: str) -> None:
         try:
@@ -369,6 +407,7 @@ class SegmentFiles:
                 removed += remove_entry(self.root, rel, regular_only=True)
             except OSError:
                 continue  # not ours to remove (another user's file in a shared store)
+        self.prune({rel.split("/")[1] for rel in found if rel.startswith("segments/")})
         return removed
 
 

@@ -32,7 +32,7 @@ import os
 import stat
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from ..errors import StoreNotWritableError, StorePathError
 from ..files import NotRegularFileError, create_temp, open_folder
@@ -410,14 +410,27 @@ def create_root(path: str, *, shared: bool = False) -> bool:
     return made
 
 
-def undo_creation(path: str, *, made_folder: bool) -> None:
+def missing_folders(path: str) -> list[str]:
+    """The folders that creating `path` (as ``mkdir -p``, `create_root`) would make: `path`
+    and its missing parents, deepest first (none if `path` exists)."""
+    out, p = [], os.path.abspath(path)
+    while not os.path.lexists(p) and os.path.dirname(p) != p:
+        out.append(p)
+        p = os.path.dirname(p)
+    return out
+
+
+def undo_creation(path: str, *, made_folder: bool, parents: Sequence[str] = ()) -> None:
     """Take back a store this process has just created and not written to (its open
-    failed: a wrong model, a refused remote URL): what a caller's mistake made is gone
-    again. Only what a creation makes is removed, and nothing once a segment exists.
+    failed: a wrong model, a refused remote URL, a damaged pack): what a caller's mistake
+    made is gone again. Only what a creation makes is removed, and nothing once a
+    segment exists.
 
     Args:
         path: The store directory.
         made_folder: Remove the folder too (`create_root` made it).
+        parents: Folders above it that the creation made (`missing_folders`, deepest
+            first): removed too, each while it is empty.
     """
     if segment_file_count(path):
         return  # another process has begun to use the store meanwhile: leave it
@@ -440,7 +453,8 @@ def undo_creation(path: str, *, made_folder: bool) -> None:
         except OSError:
             pass
     if made_folder:
-        try:
-            os.rmdir(path)
-        except OSError:
-            pass
+        for made in [path, *parents]:
+            try:
+                os.rmdir(made)  # only an empty folder: never somebody's files
+            except OSError:
+                break
