@@ -15,6 +15,7 @@ can resume at every block boundary.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -43,14 +44,17 @@ from .prompting import (
     check_positive,
     check_store_path,
     encode_raw,
+    STDIN,
+    check_text_options,
     kv_quantization_errors,
     open_checked_store,
+    prompt_of,
+    read_text,
     render_chat,
     template_kwargs,
     uses_chat_template,
 )
 
-STDIN = "-"
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 
 
@@ -72,40 +76,13 @@ class PromptInput:
 # -- reading inputs -----------------------------------------------------------------------
 
 
-def _read(path: str) -> tuple[str, str]:
-    """(name for messages, decoded text) of a file or of stdin."""
-    name = "<stdin>" if path == STDIN else path
-    try:
-        if path == STDIN:
-            data = sys.stdin.buffer.read()
-        else:
-            with open(path, "rb") as f:
-                data = f.read()
-    except FileNotFoundError:
-        raise UserError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise UserError(
-            f"{path}: is a directory; pass the files in it (e.g. {path}/*.txt)"
-        ) from None
-    except PermissionError:
-        raise UserError(f"{path}: permission denied; check the file's permissions") from None
-    try:
-        # utf-8-sig drops the byte-order mark some editors write.
-        return name, data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise UserError(
-            f"{name}: not UTF-8 text (bad byte at offset {exc.start}); "
-            "convert it first, e.g. with iconv -t UTF-8"
-        ) from None
-
-
 def _looks_like_jsonl(text: str) -> bool:
     """Whether piped input is JSONL: its first non-blank line is a prompt object."""
     for line in text.splitlines():
         if line.strip():
             try:
                 row = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return False
             return isinstance(row, dict) and ("prompt" in row or "messages" in row)
     return False
@@ -119,10 +96,9 @@ def _parse_row(line: str, where: str) -> PromptInput:
     """
     try:
         row = json.loads(line)
-    except ValueError as exc:
-        raise UserError(
-            f"{where}: invalid JSON ({exc}); each line must be one JSON object"
-        ) from None
+    except (ValueError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise UserError(f"{where}: invalid JSON ({why}); each line must be one JSON object") from None
     if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
         raise UserError(
             f'{where}: expected an object with either "prompt" or "messages", '
@@ -169,19 +145,20 @@ def read_inputs(paths: list[str], fmt: str) -> list[PromptInput]:
         raise UserError("'-' (stdin) is given more than once; stdin can be read only once")
     prompts: list[PromptInput] = []
     for path in paths:
-        name, text = _read(path)
+        name = "<stdin>" if path == STDIN else path
+        if path != STDIN and os.path.isdir(path):
+            raise UserError(f"{path}: is a directory; pass the files in it (e.g. {path}/*.txt)")
+        text = read_text(path, name)
         if fmt == "auto":
             is_jsonl = _looks_like_jsonl(text) if path == STDIN else path.endswith(JSONL_SUFFIXES)
         else:
             is_jsonl = fmt == "jsonl"
         if not is_jsonl:
-            # Like "$(cat file)" in a shell: trailing newlines are not part of the prompt,
-            # so a precomputed file is a token prefix of the same text typed as --prompt.
-            text = text.rstrip("\r\n")
-            if not text.strip():
-                raise UserError(f"{name}: empty; nothing to precompute")
-            prompts.append(PromptInput(name, text=text))
+            # As every command reads a prompt file: like "$(cat file)", so a precomputed
+            # file is a token prefix of the same text given as --prompt "$(cat file)".
+            prompts.append(PromptInput(name, text=prompt_of(text, name)))
             continue
+        text = text.removeprefix("\ufeff")  # a byte-order mark is no part of JSONL's rows
         rows = [
             _parse_row(line, f"{name}:{n}")
             for n, line in enumerate(text.splitlines(), 1)
@@ -227,7 +204,7 @@ def tokenize(prompt: PromptInput, tokenizer, args, kwargs: dict) -> list[int]:
             'use {"prompt": ...} rows instead'
         )
     else:
-        ids = encode_raw(tokenizer, prompt.text)
+        ids = encode_raw(tokenizer, prompt.text, prompt.where)
     if not ids:
         raise UserError(f"{prompt.where}: the prompt has no tokens")
     return ids
@@ -269,6 +246,7 @@ def _render(summary: dict) -> str:
 def _precompute(args) -> int:
     check_positive("--block-size", args.block_size)
     check_positive("--prefill-step-size", args.prefill_step_size)
+    check_text_options(args, "system_prompt", "chat_template_config")
     kwargs = template_kwargs(args)
     if args.system_prompt is not None and args.ignore_chat_template:
         print("note: --system-prompt is only used with the chat template", file=sys.stderr)

@@ -1,9 +1,12 @@
-"""Private helpers shared by ``ppc precompute`` and ``ppc generate``.
+"""Private helpers shared by the commands that take prompts (``ppc precompute``,
+``generate``, ``pull``, ``import-mlx``, ``export-mlx``).
 
-Both commands turn text into tokens the way mlx-lm's own tools do (so that a prompt
-precomputed here and a prompt typed into ``ppc generate`` share their token prefix),
-open the store with checks that turn a mismatched store into a clear message, and
-count what the store restored and wrote during a `prefill`.
+They read a prompt from a file or stdin one way (`read_text`, `read_prompt_file`: UTF-8,
+trailing newlines dropped as ``"$(cat file)"`` drops them), hold text from the command
+line to the same rule (`check_text`), turn text into tokens the way mlx-lm's own tools do
+(so that a prompt precomputed here and a prompt typed into ``ppc generate`` share their
+token prefix), open the store with checks that turn a mismatched store into a clear
+message, and count what the store restored and wrote during a `prefill`.
 """
 
 from __future__ import annotations
@@ -115,6 +118,116 @@ def check_positive(name: str, value: int | None) -> None:
         raise UserError(f"{name} must be at least 1, got {value}")
 
 
+# -- reading prompts ----------------------------------------------------------------------
+
+STDIN = "-"
+_ICONV = "convert it first, e.g. with iconv -t UTF-8"
+
+
+def decode_text(data: bytes, where: str) -> str:
+    """Bytes as text, by the one rule every prompt is read with: UTF-8, strictly (nothing
+    is dropped or replaced, a byte-order mark included: it is what ``"$(cat file)"`` gives).
+
+    Args:
+        data: The bytes of a file, of stdin, or of a command-line argument.
+        where: Names the input in the message (a file, ``<stdin>``, ``--prompt``).
+
+    Raises:
+        UserError: ``<where>: not UTF-8 text (bad byte at offset N)``, if they are not.
+    """
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{where}: not UTF-8 text (bad byte at offset {exc.start}); {_ICONV}") from None
+
+
+def check_text(text: str, where: str) -> str:
+    """`text` if it is text the tokenizer can take, held to `decode_text`'s rule.
+
+    Python hands a command-line argument that is not UTF-8 over with its bad bytes
+    escaped as lone surrogates; a JSON string can spell a lone surrogate (``"\\udc80"``).
+    Neither encodes as UTF-8, and the tokenizer would fail with a traceback.
+
+    Args:
+        text: An argument's value, or a string parsed from JSON.
+        where: Names it in the message.
+
+    Returns:
+        `text`, unchanged.
+
+    Raises:
+        UserError: If it holds a lone surrogate (for an argument: the byte offset, as
+            for a file).
+    """
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError as exc:
+        bad = exc.start
+    try:  # an argument's bytes, as the file or pipe they came from would hold them
+        decode_text(text.encode("utf-8", "surrogateescape"), where)
+    except UnicodeEncodeError:
+        pass
+    raise UserError(f"{where}: not valid text (a lone surrogate {text[bad]!a} at character {bad}); {_ICONV}")
+
+
+def check_text_options(args: argparse.Namespace, *names: str) -> None:
+    """`check_text` for each text option of `args` in `names` that was given
+    (``prompt`` is ``--prompt``), before the model loads: a bad byte fails at once."""
+    for name in names:
+        value = getattr(args, name, None)
+        for text in [value] if isinstance(value, str) else value if isinstance(value, (list, tuple)) else ():
+            check_text(text, "--" + name.replace("_", "-"))
+
+
+def read_text(path: str, where: str | None = None) -> str:
+    """The whole text of a file, or of stdin for ``-``, decoded by `decode_text`.
+
+    Args:
+        path: A file, or ``-``.
+        where: Names it in messages (default: the path, or ``<stdin>``).
+
+    Raises:
+        UserError: If the file is missing, a folder or unreadable, or the text is not UTF-8.
+    """
+    if where is None:
+        where = "<stdin>" if path == STDIN else path
+    try:
+        if path == STDIN:
+            data = sys.stdin.buffer.read() if sys.stdin is not None else b""
+        else:
+            with open(path, "rb") as f:
+                data = f.read()
+    except FileNotFoundError:
+        raise UserError(f"{where}: no such file") from None
+    except IsADirectoryError:
+        raise UserError(f"{where}: is a directory; give a file") from None
+    except PermissionError:
+        raise UserError(f"{where}: permission denied; check the file's permissions") from None
+    return decode_text(data, where)
+
+
+def prompt_of(text: str, where: str) -> str:
+    """A prompt read from a file or stdin, as ``"$(cat file)"`` passes it: trailing
+    newlines dropped (``\n`` only: a ``\r`` before them stays, as the shell keeps it).
+
+    Raises:
+        UserError: If nothing but white space is left.
+    """
+    text = text.rstrip("\n")
+    if not text.strip():
+        raise UserError(f"{where}: empty; give the prompt's text")
+    return text
+
+
+def read_prompt_file(path: str, where: str | None = None) -> str:
+    """`read_text`, then `prompt_of`: what every command's ``--prompt-file`` and
+    ``--prompt -`` read, so that ``--prompt-file F`` equals ``--prompt "$(cat F)"``."""
+    if where is None:
+        where = "<stdin>" if path == STDIN else path
+    return prompt_of(read_text(path, where), where)
+
+
 # -- prompts to tokens --------------------------------------------------------------------
 
 
@@ -148,6 +261,8 @@ def render_chat(
     Raises:
         UserError: If the template cannot render the messages.
     """
+    for text in _strings(messages):
+        check_text(text, where)
     try:
         text = tokenizer.apply_chat_template(
             messages,
@@ -162,9 +277,27 @@ def render_chat(
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def encode_raw(tokenizer: Any, text: str) -> list[int]:
-    """Tokenize text without a chat template (the tokenizer adds its BOS, as mlx-lm does)."""
-    return list(tokenizer.encode(text))
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a parsed JSON value (a chat's messages: contents, roles, parts);
+    iterative, so a value nested as deep as the parser allows is walked too."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            yield item
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+
+
+def encode_raw(tokenizer: Any, text: str, where: str = "the prompt") -> list[int]:
+    """Tokenize text without a chat template (the tokenizer adds its BOS, as mlx-lm does).
+
+    Raises:
+        UserError: If `text` is not valid text (`check_text`).
+    """
+    return list(tokenizer.encode(check_text(text, where)))
 
 
 # -- the store ----------------------------------------------------------------------------
