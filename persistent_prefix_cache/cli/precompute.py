@@ -33,9 +33,9 @@ from .common import (
     run,
     table,
 )
+from .progress import Progress, Terminated, sigterm_raises
 from .prompting import (
     CountingStore,
-    Progress,
     add_block_size_option,
     add_prefill_option,
     precompute_step,
@@ -217,11 +217,24 @@ REMOTE_SUMMARY = ("remote", "remote_blocks", "remote_published", "remote_already
                   "remote_publish_failed", "remote_errors")  # fmt: skip
 
 
+# How a run that did not finish ended: (summary's "stopped", exit status).
+ENDINGS = {"write_failed": ("a block write failed", 1), "interrupted": ("interrupted", 130),
+           "terminated": ("terminated", 143)}  # fmt: skip
+
+
+class _WriteFailed(Exception):
+    """A block write of this run failed (a full disk, say): computing on stores nothing."""
+
+
 def _render(summary: dict) -> str:
+    done, total = summary["prompts_done"], summary["prompts"]
     rows = [
-        ("prompts", summary["prompts"]),
+        ("prompts", total if done == total else f"{done:,} of {total:,}"),
         ("duplicates skipped", summary["duplicates"]),
-        ("tokens stored", summary["tokens"]),
+        ("tokens in the prompts", summary["tokens"]),
+        # What the store holds of these prompts now, whoever wrote it: less than the
+        # prompts' tokens where a write failed, the run stopped or eviction took some.
+        ("tokens stored", summary["tokens_stored"]),
         ("tokens restored", summary["tokens_restored"]),
         ("tokens computed", summary["tokens_computed"]),
         # Written counts every block record this run committed, a prompt's partial last
@@ -241,6 +254,20 @@ def _render(summary: dict) -> str:
     if summary.get("remote"):
         rows += [(k.replace("_", " "), summary[k]) for k in REMOTE_SUMMARY]
     return f"store {summary['store']} (block size {summary['block_size']})\n" + table(rows)
+
+
+def _stopped_line(summary: dict) -> str:
+    """The one line on stderr after the summary of a run that did not finish."""
+    what = ENDINGS[summary["stopped"]][0]
+    kept = (
+        f"{summary['prompts_done']:,} of {summary['prompts']:,} prompts done; the store keeps the "
+        f"{summary['blocks_written']:,} blocks this run wrote ({summary['tokens_stored']:,} of the prompts' "
+        f"{summary['tokens']:,} tokens are stored)"
+    )
+    if summary["stopped"] == "write_failed":
+        return (f"error: {what} (see above), so the run stopped: {kept}; free space or fix the cause, "
+                "then run the same command again: it resumes from what is stored")  # fmt: skip
+    return f"{what}: {kept}; run the same command again to resume from them"
 
 
 def _precompute(args) -> int:
@@ -271,51 +298,72 @@ def _precompute(args) -> int:
         total = sum(map(len, order))
         progress = Progress(len(order), total, enabled=not args.no_progress)
         restored = computed = reused = 0
+        partial = 0  # tokens of the current prompt computed so far
         details = []
         counting = CountingStore(store)
 
-        def report(done: int, _total: int) -> None:
-            # Tokens/s counts what the model ran, not what the store restored.
-            progress.update(done, computed + max(0, done - counting.restored))
+        def check_writes() -> None:
+            # A failed write (a full disk) shows in the handle's counters; stop at once
+            # rather than compute what cannot be stored.
+            if store.stats()["write_errors"] > at_start["write_errors"]:
+                raise _WriteFailed()
 
+        def report(done: int, _total: int) -> None:
+            nonlocal partial
+            # Tokens/s counts what the model ran, not what the store restored.
+            partial = max(0, done - counting.restored)
+            progress.update(done, computed + partial)
+            check_writes()
+
+        stopped = None
         start = time.perf_counter()
-        try:
-            for ids in order:
-                counting.reset()
-                with kv_quantization_errors(args):
-                    cache, _ = prefill(
-                        model,
-                        list(ids),
-                        counting,
-                        prefill_step_size=step,
-                        progress=report,
-                    )
-                # prefill stores up to the last token (where an identical prompt resumes);
-                # the full prompt is stored as well, for prompts that extend it.
-                counting.store(list(ids), cache)
-                details.append(
-                    {
-                        "input": seen[ids],
-                        "tokens": len(ids),
-                        "restored": counting.restored,
-                        "new_blocks": counting.new_blocks,
-                    }
-                )
-                restored += counting.restored
-                computed += len(ids) - counting.restored
-                reused += blocks_of(counting.restored, bs)
-                progress.prompt_done(len(ids))
-            store.flush()
-        finally:
-            progress.close()
+        with sigterm_raises():  # SIGTERM ends the run as Ctrl-C does: what was kept is said
+            try:
+                for ids in order:
+                    counting.reset()
+                    partial = 0
+                    with kv_quantization_errors(args):
+                        cache, _ = prefill(model, list(ids), counting, prefill_step_size=step, progress=report)
+                    # prefill stores up to the last token (where an identical prompt resumes);
+                    # the full prompt is stored as well, for prompts that extend it.
+                    counting.store(list(ids), cache)
+                    details.append(
+                        {"input": seen[ids], "tokens": len(ids), "restored": counting.restored,
+                         "new_blocks": counting.new_blocks}
+                    )  # fmt: skip
+                    restored += counting.restored
+                    computed += len(ids) - counting.restored
+                    reused += blocks_of(counting.restored, bs)
+                    partial = 0
+                    progress.prompt_done(len(ids))
+                    check_writes()
+                store.flush()
+                check_writes()
+            except _WriteFailed:
+                stopped = "write_failed"
+            except KeyboardInterrupt:
+                stopped = "interrupted"
+            except Terminated:
+                stopped = "terminated"
+            finally:
+                progress.close()
+        computed += partial  # the prompt a stop cut short
+        store.flush()  # what was handed to the store is on disk (or failed) before it is counted
         seconds = time.perf_counter() - start
         stats = store.stats()
+        if stopped is None and stats["write_errors"] > at_start["write_errors"]:
+            stopped = "write_failed"
+        # What the store holds of each prompt now: one token more is asked for, since a
+        # lookup keeps one back from a whole prompt (for its logits).
+        stored = sum(min(store.peek(list(ids) + [ids[-1]]), len(ids)) for ids in order)
     summary = {
         "store": store.path,
         "block_size": bs,
         "prompts": len(order),
+        "prompts_done": len(details),
         "duplicates": len(inputs) - len(order),
         "tokens": total,
+        "tokens_stored": stored,
         "tokens_restored": restored,
         "tokens_computed": computed,
         "blocks_written": stats["blocks_written"],
@@ -325,6 +373,7 @@ def _precompute(args) -> int:
         "blocks_in_store": stats["blocks"],
         "bytes_on_disk": stats["bytes_on_disk"],
         "write_errors": stats["write_errors"],
+        "stopped": stopped,
         "seconds": round(seconds, 3),
         "tokens_per_second": round(computed / seconds, 1) if seconds > 0 else 0.0,
         "per_prompt": details,
@@ -332,12 +381,9 @@ def _precompute(args) -> int:
     if stats["remote"] is not None:
         summary.update({k: stats[k] for k in REMOTE_SUMMARY})
     emit(summary, args.json, _render)
-    if stats["write_errors"]:
-        print(
-            f"error: {stats['write_errors']} block writes failed (see the log above)",
-            file=sys.stderr,
-        )
-        return 1
+    if stopped is not None:
+        print(_stopped_line(summary), file=sys.stderr)
+        return ENDINGS[stopped][1]
     return 0
 
 

@@ -17,12 +17,11 @@ import json
 import math
 import os
 import sys
-import time
 import warnings
 from typing import Any, Iterator, Sequence
 
 from ..disk.store_dir import check_location, require_writable
-from .common import UserError, add_disk_budget_option, add_store_shared_option, open_store, store_path
+from .common import UserError, add_disk_budget_option, add_store_shared_option, open_store, short_fingerprint, store_path
 
 # Tokens per forward pass for models whose every layer is sliceable (mlx-lm's default).
 DEFAULT_PREFILL_STEP_SIZE = 2048
@@ -387,6 +386,23 @@ def _kv_options(signature: str) -> str:
     return "no --kv-bits"
 
 
+# What a derived fingerprint's words stand for (`ppc generate` makes them; `ppc serve` too).
+_VARIANTS = {"quantize-activations": "--quantize-activations", "with-draft": "a --draft-model"}
+
+
+def _variant(fingerprint: Any) -> tuple[str, frozenset[str]]:
+    """(the model's own fingerprint, the options it was derived for) of a stored fingerprint:
+    ``quantize-activations:<fp>`` is the model of ``<fp>`` with ``-qa``."""
+    parts = str(fingerprint).split(":")
+    words = frozenset(p for p in parts if p in _VARIANTS)
+    return next((p for p in parts if p not in _VARIANTS), ""), words
+
+
+def _folder(name: Any) -> str | None:
+    """The model folder (or hub id) a stored name starts with (``<folder> + adapter ...``)."""
+    return name.split(" + ", 1)[0] if isinstance(name, str) and name else None
+
+
 def _check_models(store: Any) -> str | None:
     """Compare the models stored with the one opened; raise on a KV-layout mismatch.
 
@@ -418,7 +434,28 @@ def _check_models(store: Any) -> str | None:
             f"store {store.path} holds this model only under --namespace "
             f"{', '.join(spaces)} (this run: {store.namespace!r}); nothing will be restored"
         )
-    names = sorted({d.get("name") or f"fingerprint {str(d.get('fingerprint'))[:16]}" for d in others})
+    # This model (its own fingerprint, or its folder) under options that change the KV:
+    # not another model, and the note says which option differs.
+    base, mine = _variant(store.fingerprint)
+    folder = _folder(store.model_name)
+    variants = [
+        _variant(d.get("fingerprint"))[1] for d in others
+        if _variant(d.get("fingerprint"))[0] == base or (folder and _folder(d.get("name")) == folder)
+    ]  # fmt: skip
+    if variants and any(theirs != mine for theirs in variants):
+        differ = sorted({o for theirs in variants for o in theirs ^ mine})
+
+        def made(options: frozenset[str]) -> str:  # the options that differ, with or without
+            return " and ".join(("with " if o in options else "without ") + _VARIANTS[o] for o in differ)
+
+        return (
+            f"store {store.path} holds this model's KV only as made {'; or '.join(sorted(set(map(made, variants))))}; "
+            f"this run is {made(mine)}, which changes the KV (the store keeps them apart): nothing will be restored"
+        )
+    if variants:  # the same options, another fingerprint: the folder's weights changed, or another draft
+        what = "another --draft-model" if "with-draft" in mine else "other weights"
+        return f"store {store.path} holds KV of {folder or 'this model'} only with {what}; nothing will be restored"
+    names = sorted({d.get("name") or f"fingerprint {short_fingerprint(d.get('fingerprint'))}" for d in others})
     return (
         f"store {store.path} holds KV of {len(others)} other model(s) ({', '.join(names)}) and none of "
         "--model; nothing will be restored (is --model the one the store was filled with?)"
@@ -497,78 +534,3 @@ class CountingStore:
 def blocks_of(tokens: int, block_size: int) -> int:
     """How many blocks `tokens` positions touch."""
     return math.ceil(tokens / block_size)
-
-
-# -- progress -----------------------------------------------------------------------------
-
-
-def eta(done: int, total: int, elapsed: float) -> str:
-    """Time left at the pace so far (covered tokens per second, restored ones included,
-    since they are part of the work left too), as ``m:ss`` or ``h:mm:ss``; ``-`` until
-    anything is done."""
-    if done <= 0 or elapsed <= 0:
-        return "-"
-    left = max(0, round((total - done) * elapsed / done))
-    hours, rest = divmod(left, 3600)
-    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
-
-
-class Progress:
-    """A one-line progress display on stderr, redrawn in place on a terminal.
-
-    Off a terminal (a log file, CI) it stays silent: the summary says it all, and a
-    file full of carriage returns helps nobody.
-
-    Args:
-        total_prompts: Prompts to process.
-        total_tokens: Tokens in all prompts.
-        enabled: False to draw nothing.
-    """
-
-    WIDTH = 24
-
-    def __init__(self, total_prompts: int, total_tokens: int, *, enabled: bool = True):
-        self.total_prompts = total_prompts
-        self.total_tokens = total_tokens
-        self.enabled = enabled and sys.stderr.isatty()
-        self.start = time.perf_counter()
-        self.prompts_done = 0
-        self.tokens_before = 0  # tokens of the prompts already finished
-        self.computed = 0  # tokens actually run through the model
-        self._last = 0.0
-        self._width = 0
-
-    def update(self, done_in_prompt: int, computed: int, *, force: bool = False) -> None:
-        """Redraw with `done_in_prompt` tokens of the current prompt covered, `computed`
-        tokens prefilled so far in total."""
-        self.computed = computed
-        now = time.perf_counter()
-        if not self.enabled or (not force and now - self._last < 0.1):
-            return
-        self._last = now
-        done = self.tokens_before + done_in_prompt
-        frac = done / self.total_tokens if self.total_tokens else 1.0
-        filled = int(frac * self.WIDTH)
-        elapsed = max(now - self.start, 1e-9)
-        rate = self.computed / elapsed
-        line = (
-            f"\r[{'#' * filled}{'.' * (self.WIDTH - filled)}] "
-            f"{self.prompts_done}/{self.total_prompts} prompts  "
-            f"{done:,}/{self.total_tokens:,} tokens  {rate:,.0f} tok/s  "
-            f"ETA {eta(done, self.total_tokens, elapsed)}"
-        )
-        self._width = max(self._width, len(line))
-        sys.stderr.write(line.ljust(self._width))
-        sys.stderr.flush()
-
-    def prompt_done(self, n_tokens: int) -> None:
-        """Count one finished prompt of `n_tokens` tokens."""
-        self.prompts_done += 1
-        self.tokens_before += n_tokens
-        self.update(0, self.computed, force=True)
-
-    def close(self) -> None:
-        """End the progress line."""
-        if self.enabled and self._width:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
