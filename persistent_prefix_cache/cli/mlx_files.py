@@ -22,7 +22,7 @@ from .common import (
     positive_int, run, store_path,
 )  # fmt: skip
 from .prompting import (
-    STDIN, add_block_size_option, check_store_path, check_text, encode_raw, open_checked_store, prompt_of, read_text,
+    STDIN, add_block_size_option, check_store_path, check_text, check_text_options, encode_raw, open_checked_store, prompt_of, read_text,
     render_chat,
 )  # fmt: skip
 
@@ -194,6 +194,7 @@ def _import(args) -> int:
     from ..layers import cache_length
     from ..layers.mlx_files import read_prompt_cache
 
+    check_text_options(args, "prompt")
     file = read_prompt_cache(args.file)  # a bad file fails here, before anything loads or opens
     try:
         length = cache_length(file.cache)
@@ -305,6 +306,7 @@ def _stored_cache(store, model, tokens: list[int], stored_only: bool):
 def _export(args) -> int:
     from ..layers.mlx_files import write_prompt_cache
 
+    check_text_options(args, "prompt")
     if not args.out.endswith(".safetensors"):
         raise UserError(f"{args.out}: the name must end in .safetensors (mlx-lm's loader picks the format by it)")
     folder = os.path.dirname(os.path.abspath(args.out))

@@ -140,7 +140,7 @@ def decode_text(data: bytes, where: str) -> str:
         raise UserError(f"{where}: not UTF-8 text (bad byte at offset {exc.start}); {_ICONV}") from None
 
 
-def check_text(text: str, where: str) -> str:
+def check_text(text: str, where: str, *, argument: bool = True) -> str:
     """`text` if it is text the tokenizer can take, held to `decode_text`'s rule.
 
     Python hands a command-line argument that is not UTF-8 over with its bad bytes
@@ -150,6 +150,8 @@ def check_text(text: str, where: str) -> str:
     Args:
         text: An argument's value, or a string parsed from JSON.
         where: Names it in the message.
+        argument: `text` came from the command line, so a surrogate stands for a byte
+            (the message gives its offset, as for a file); False for a JSON string.
 
     Returns:
         `text`, unchanged.
@@ -163,10 +165,11 @@ def check_text(text: str, where: str) -> str:
         return text
     except UnicodeEncodeError as exc:
         bad = exc.start
-    try:  # an argument's bytes, as the file or pipe they came from would hold them
-        decode_text(text.encode("utf-8", "surrogateescape"), where)
-    except UnicodeEncodeError:
-        pass
+    if argument:  # its bytes, as the file or pipe they came from would hold them
+        try:
+            decode_text(text.encode("utf-8", "surrogateescape"), where)
+        except UnicodeEncodeError:
+            pass
     raise UserError(f"{where}: not valid text (a lone surrogate {text[bad]!a} at character {bad}); {_ICONV}")
 
 
@@ -260,8 +263,8 @@ def render_chat(
     Raises:
         UserError: If the template cannot render the messages.
     """
-    for text in _strings(messages):
-        check_text(text, where)
+    for text in _strings(messages):  # arguments were checked as such, before the model loaded
+        check_text(text, where, argument=False)
     try:
         text = tokenizer.apply_chat_template(
             messages,
@@ -296,7 +299,7 @@ def encode_raw(tokenizer: Any, text: str, where: str = "the prompt") -> list[int
     Raises:
         UserError: If `text` is not valid text (`check_text`).
     """
-    return list(tokenizer.encode(check_text(text, where)))
+    return list(tokenizer.encode(check_text(text, where, argument=False)))
 
 
 # -- the store ----------------------------------------------------------------------------
