@@ -312,7 +312,7 @@ def _precompute(args) -> int:
             nonlocal partial
             # Tokens/s counts what the model ran, not what the store restored.
             partial = max(0, done - counting.restored)
-            progress.update(done, computed + partial)
+            progress.update(done, computed + partial, restoring=counting.fetch_seconds)
             check_writes()
 
         stopped = None

@@ -54,6 +54,11 @@ def eta(left: int, rate: float) -> str:
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
+# Computed tokens before the line shows a time left: a restored prompt computes only its
+# last token or so, too few to tell a rate by.
+MIN_RATE_TOKENS = 256
+
+
 class Progress:
     """A one-line progress display on stderr, redrawn in place on a terminal.
 
@@ -76,13 +81,17 @@ class Progress:
         self.prompts_done = 0
         self.tokens_before = 0  # tokens of the prompts already finished
         self.computed = 0  # tokens actually run through the model
+        self.restoring = 0.0  # seconds spent restoring, left out of the rate
         self._last = 0.0
         self._width = 0
 
-    def update(self, done_in_prompt: int, computed: int, *, force: bool = False) -> None:
+    def update(self, done_in_prompt: int, computed: int, *, restoring: float | None = None, force: bool = False) -> None:
         """Redraw with `done_in_prompt` tokens of the current prompt covered, `computed`
-        tokens prefilled so far in total."""
+        tokens prefilled so far in total, and `restoring` seconds spent restoring so far
+        (the rate is of computing: tokens computed over the time not spent restoring)."""
         self.computed = computed
+        if restoring is not None:
+            self.restoring = restoring
         now = time.perf_counter()
         if not self.enabled or (not force and now - self._last < 0.1):
             return
@@ -90,12 +99,13 @@ class Progress:
         done = self.tokens_before + done_in_prompt
         frac = done / self.total_tokens if self.total_tokens else 1.0
         filled = int(frac * self.WIDTH)
-        rate = self.computed / max(now - self.start, 1e-9)
+        rate = self.computed / max(now - self.start - self.restoring, 1e-9)
+        left = eta(self.total_tokens - done, rate) if self.computed >= MIN_RATE_TOKENS else "-"
         line = (
             f"\r[{'#' * filled}{'.' * (self.WIDTH - filled)}] "
             f"{self.prompts_done}/{self.total_prompts} prompts  "
             f"{done:,}/{self.total_tokens:,} tokens  {rate:,.0f} tok/s  "
-            f"ETA {eta(self.total_tokens - done, rate)}"
+            f"ETA {left}"
         )
         self._width = max(self._width, len(line))
         sys.stderr.write(line.ljust(self._width))

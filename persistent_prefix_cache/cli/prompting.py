@@ -17,6 +17,7 @@ import json
 import math
 import os
 import sys
+import time
 import warnings
 from typing import Any, Iterator, Sequence
 
@@ -497,6 +498,7 @@ class CountingStore:
         self.restored = 0
         self.new_blocks = 0
         self.tiers = {"ram": 0, "disk": 0, "remote": 0}
+        self.fetch_seconds = 0.0  # spent restoring, every prompt's: no part of the compute rate
 
     def reset(self) -> None:
         """Zero the counters (before the next prompt)."""
@@ -509,10 +511,12 @@ class CountingStore:
         which tier served its blocks (`tiers`: see `tier_report.blocks_by_tier`)."""
         from ..tier_report import blocks_by_tier
 
+        started = time.perf_counter()
         before = self._store.stats()
         cache, remaining = self._store.fetch(tokens)
         self.restored = len(tokens) - len(remaining) if cache is not None else 0
         self.tiers = blocks_by_tier(before, self._store.stats())
+        self.fetch_seconds += time.perf_counter() - started
         return cache, remaining
 
     def store(self, tokens: Any, cache: Sequence[Any]) -> int:
