@@ -212,7 +212,7 @@ def read_text(path: str, where: str | None = None) -> str:
 
 def prompt_of(text: str, where: str) -> str:
     """A prompt read from a file or stdin, as ``"$(cat file)"`` passes it: trailing
-    newlines dropped (``\n`` only: a ``\r`` before them stays, as the shell keeps it).
+    newlines dropped (``\\n`` only: a ``\\r`` before them stays, as the shell keeps it).
 
     Raises:
         UserError: If nothing but white space is left.
@@ -446,14 +446,15 @@ def _check_models(store: Any) -> str | None:
         _variant(d.get("fingerprint"))[1] for d in others
         if _variant(d.get("fingerprint"))[0] == base or (folder and _folder(d.get("name")) == folder)
     ]  # fmt: skip
-    if variants and any(theirs != mine for theirs in variants):
-        differ = sorted({o for theirs in variants for o in theirs ^ mine})
+    differing = [theirs for theirs in variants if theirs != mine]
+    if differing:
+        differ = sorted({o for theirs in differing for o in theirs ^ mine})
 
         def made(options: frozenset[str]) -> str:  # the options that differ, with or without
             return " and ".join(("with " if o in options else "without ") + _VARIANTS[o] for o in differ)
 
         return (
-            f"store {store.path} holds this model's KV only as made {'; or '.join(sorted(set(map(made, variants))))}; "
+            f"store {store.path} holds this model's KV only as made {'; or '.join(sorted(set(map(made, differing))))}; "
             f"this run is {made(mine)}, which changes the KV (the store keeps them apart): nothing will be restored"
         )
     if variants:  # the same options, another fingerprint: the folder's weights changed, or another draft
