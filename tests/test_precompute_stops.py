@@ -205,6 +205,9 @@ def test_a_full_disk_stops_the_run_and_the_summary_counts_what_was_stored(model,
     assert summary["prompts_done"] <= summary["prompts"] - 5
     assert summary["tokens_computed"] < summary["tokens"] / 2
     assert 0 < summary["tokens_stored"] < summary["tokens"]
+    # Each prompt done says what the store holds of it; the last may have lost its write.
+    assert all(0 <= p["stored"] <= p["tokens"] for p in summary["per_prompt"])
+    assert sum(p["stored"] for p in summary["per_prompt"]) <= summary["tokens_stored"]
     lines = proc.stderr.strip().splitlines()
     assert "No space left on device" in proc.stderr and len(lines) <= 3, proc.stderr  # the cause, said once or twice
     assert lines[-1] == (

@@ -355,7 +355,10 @@ def _precompute(args) -> int:
             stopped = "write_failed"
         # What the store holds of each prompt now: one token more is asked for, since a
         # lookup keeps one back from a whole prompt (for its logits).
-        stored = sum(min(store.peek(list(ids) + [ids[-1]]), len(ids)) for ids in order)
+        held = [min(store.peek(list(ids) + [ids[-1]]), len(ids)) for ids in order]
+        for entry, tokens in zip(details, held):  # the prompts done, in order
+            entry["stored"] = tokens
+        stored = sum(held)
     summary = {
         "store": store.path,
         "block_size": bs,
