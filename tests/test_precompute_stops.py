@@ -13,6 +13,7 @@ cannot be mounted); signals are real signals; the progress line is drawn on a re
 from __future__ import annotations
 
 import json
+import math
 import os
 import pty
 import random
@@ -120,10 +121,16 @@ def test_eta_is_time_left_at_the_computed_rate():
 def test_after_a_resume_the_eta_counts_computed_tokens_only(model, tmp_path):
     """The first prompts are restored in no time; the ETA still is the tokens left at the
     computed rate, as the line itself shows them (the restored ones once made it ~10x low)."""
-    prompts = write_prompts(tmp_path / "in", 16, 420)
     store = tmp_path / "store"
-    first, summary = run_json(command(model, store, prompts[:8]))  # what a killed run kept
+    kept = write_prompts(tmp_path / "in", 8, 420)
+    first, summary = run_json(command(model, store, kept))  # what a killed run kept
     assert first.returncode == 0 and summary["tokens_stored"] == summary["tokens"]
+    # Enough prompts more for ~6 s of computing on this machine, whatever its speed.
+    per_prompt = summary["tokens"] / len(kept)
+    more = min(60, max(4, math.ceil(6 * summary["tokens_per_second"] / per_prompt)))
+    texts = [p.read_text() for p in kept]
+    prompts = write_prompts(tmp_path / "in", len(kept) + more, 420)
+    assert [p.read_text() for p in prompts[: len(kept)]] == texts  # the kept ones, and more
     run = Pty(command(model, store, prompts))
     code, _, shown = run.finish()
     assert code == 0, shown
