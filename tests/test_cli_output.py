@@ -18,7 +18,6 @@ from helpers import BLOCK, prefill, random_tokens, segment_files
 
 from persistent_prefix_cache import PersistentPrefixCache
 from persistent_prefix_cache.cli import main as ppc_main
-from persistent_prefix_cache.cli import prompting
 from persistent_prefix_cache.compat.lru_prompt_cache import PersistentLRUPromptCache
 from persistent_prefix_cache.disk.maintenance import StoreAdmin
 from persistent_prefix_cache.prefill import prefill as store_prefill
@@ -174,16 +173,21 @@ def test_two_precompute_runs_at_once_count_only_their_own_writes(tmp_path, tiny_
 
 
 def test_progress_line_has_an_eta(monkeypatch, capsys):
-    clock = iter([100.0, 110.0, 130.0])  # start, then two redraws
-    monkeypatch.setattr(prompting.time, "perf_counter", lambda: next(clock))
-    progress = prompting.Progress(2, 1000, enabled=True)
+    from persistent_prefix_cache.cli import progress as progress_line
+
+    clock = iter([100.0, 105.0, 110.0, 130.0])  # start, then three redraws
+    monkeypatch.setattr(progress_line.time, "perf_counter", lambda: next(clock))
+    progress = progress_line.Progress(2, 1000, enabled=True)
     progress.enabled = True  # stderr is not a terminal under pytest
-    progress.update(100, 100, force=True)  # 100 of 1000 tokens in 10 s: 90 s left
-    assert capsys.readouterr().err.rstrip().endswith("ETA 1:30")
-    progress.update(1000 - 1, 999, force=True)
-    assert capsys.readouterr().err.rstrip().endswith("ETA 0:00")
-    assert prompting.eta(0, 1000, 5.0) == "-"
-    assert prompting.eta(1, 10_000, 1.0) == "2:46:39"
+    progress.update(100, 100, force=True)  # too few computed tokens to tell a rate by
+    assert capsys.readouterr().err.rstrip().endswith("ETA -")
+    progress.update(300, 300, force=True)  # 300 tokens computed in 10 s: 700 left at 30/s
+    assert capsys.readouterr().err.rstrip().endswith("30 tok/s  ETA 0:23")
+    # 600 more restored in 10 s, 100 more computed in 10 s: the rate is computing's.
+    progress.update(900, 400, restoring=10.0, force=True)
+    assert capsys.readouterr().err.rstrip().endswith("20 tok/s  ETA 0:05")
+    assert progress_line.eta(10, 0.0) == "-"
+    assert progress_line.eta(9_999, 1.0) == "2:46:39"
 
 
 # -- ppc as mlx-lm users expect it --------------------------------------------------------

@@ -342,12 +342,31 @@ def open_store(args: argparse.Namespace, model: Any, local_path: str | None, **k
 
 
 def _model_name(args: argparse.Namespace, local_path: str | None) -> str | None:
-    # The name `ppc inspect` shows: the folder (absolute) or the hub id as given.
+    # The name `ppc inspect` shows: the folder (absolute, also where the fingerprint is not
+    # remembered by it) or the hub id as given, and what else changes the KV, as serve says it.
     spec, adapter = getattr(args, "model", None), getattr(args, "adapter_path", None)
     if not isinstance(spec, str):
         return None
-    name = os.path.abspath(local_path) if local_path is not None else spec
-    return f"{name} + adapter {adapter}" if adapter else name
+    folder = local_path if local_path is not None else spec if os.path.isdir(spec) else None
+    name = os.path.abspath(folder) if folder is not None else spec
+    if adapter:
+        name += f" + adapter {os.path.abspath(adapter) if os.path.isdir(adapter) else adapter}"
+    if getattr(args, "quantize_activations", False):
+        name += " + quantized activations"
+    return name + (" + draft model" if getattr(args, "draft_model", None) else "")
+
+
+def short_fingerprint(fingerprint: Any) -> str:
+    """A model fingerprint as ``ppc``'s tables show it: 16 hex digits of a plain one; a
+    derived one (``quantize-activations:<hex>``, ``with-draft:<hex>:<hex>``) keeps its
+    words whole and 16 digits of its hash (8 of each of two)."""
+    parts = str(fingerprint).split(":")
+    hashes = sum(map(_is_hex, parts))
+    return ":".join(p[: 16 if hashes < 2 else 8] if _is_hex(p) else p for p in parts)
+
+
+def _is_hex(text: str) -> bool:
+    return len(text) >= 16 and all(c in "0123456789abcdef" for c in text)
 
 
 def table(rows: Sequence[Sequence[Any]], *, header: Sequence[str] | None = None) -> str:

@@ -40,15 +40,19 @@ from .common import (
     table,
 )
 from .prompting import (
+    STDIN,
     CountingStore,
     add_block_size_option,
     add_prefill_option,
     add_template_options,
     check_positive,
     check_store_path,
+    check_text,
+    check_text_options,
     encode_raw,
     kv_quantization_errors,
     open_checked_store,
+    read_prompt_file,
     render_chat,
     template_kwargs,
     uses_chat_template,
@@ -62,27 +66,24 @@ DEFAULT_MIN_P = 0.0
 DEFAULT_TOP_K = 0
 
 
-def read_prompt(raw: str) -> str:
-    """The prompt text of ``--prompt`` as ``mlx_lm.generate`` reads it.
+def read_prompt(args: argparse.Namespace) -> str:
+    """The prompt text of ``--prompt`` or ``--prompt-file``.
 
-    Escaped ``\\n``/``\\t`` become newlines and tabs; ``-`` reads stdin.
+    ``--prompt`` is read as ``mlx_lm.generate`` reads it: escaped ``\\n``/``\\t`` become
+    newlines and tabs. ``--prompt -`` (stdin) and ``--prompt-file F`` are read as every
+    command reads a prompt file (`prompting.read_prompt_file`: UTF-8, trailing newlines
+    dropped as ``"$(cat F)"`` drops them).
 
     Raises:
-        UserError: If stdin is not UTF-8, or the prompt is empty.
+        UserError: If the prompt is not UTF-8 text, cannot be read, or is empty.
     """
-    prompt = raw.replace("\\n", "\n").replace("\\t", "\t")
-    if prompt == "-":
-        try:
-            prompt = sys.stdin.read() if sys.stdin is not None else ""
-        except UnicodeDecodeError as exc:
-            raise UserError(
-                f"--prompt -: stdin is not UTF-8 text (bad byte at offset {exc.start})"
-            ) from None
-        where = "--prompt - (stdin)"
-    else:
-        where = "--prompt"
+    if args.prompt_file is not None:
+        return read_prompt_file(args.prompt_file, f"--prompt-file {args.prompt_file}")
+    prompt = check_text(args.prompt, "--prompt").replace("\\n", "\n").replace("\\t", "\t")
+    if prompt == STDIN:
+        return read_prompt_file(STDIN, "--prompt - (stdin)")
     if not prompt.strip():
-        raise UserError(f"{where} is empty; give the text to answer")
+        raise UserError("--prompt is empty; give the text to answer")
     return prompt
 
 
@@ -109,7 +110,7 @@ def prompt_tokens(prompt: str, tokenizer, args) -> list[int]:
             where="--prompt",
         )
     else:
-        ids = encode_raw(tokenizer, prompt)
+        ids = encode_raw(tokenizer, prompt, "--prompt")
     if not ids:
         raise UserError("--prompt has no tokens")
     return ids
@@ -232,14 +233,16 @@ def _generate(args) -> int:
         )
     check_positive("--block-size", args.block_size)
     check_positive("--prefill-step-size", args.prefill_step_size)
+    # Text options held to the rule prompt files are read by, before anything loads.
+    check_text_options(args, "system_prompt", "prefill_response", "chat_template_config", "extra_eos_token")
     template_kwargs(args)  # fail on a bad --chat-template-config before loading anything
     if args.prompt_cache_file is not None:  # mlx_lm generate's way: that file, not the store
         from .mlx_files import generate_from_file
 
-        return generate_from_file(args, read_prompt(args.prompt))
+        return generate_from_file(args, read_prompt(args))
     _check_model_options(args)
     check_store_path(args)
-    prompt = read_prompt(args.prompt)
+    prompt = read_prompt(args)
     if args.seed is not None:
         # Before loading, as mlx_lm.generate does: building the model draws from the
         # global PRNG, so the same seed then samples the same text as mlx-lm.
@@ -434,12 +437,16 @@ def build_parser():
     add_store_option(parser)
     add_remote_option(parser)
     add_block_size_option(parser)
-    parser.add_argument(
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument(
         "--prompt",
         "-p",
-        required=True,
-        help="message to be processed by the model ('-' reads from stdin)",
+        help="message to be processed by the model ('-' reads stdin, as --prompt-file does)",
     )
+    prompt.add_argument(
+        "--prompt-file", type=path_arg, metavar="FILE",
+        help="read the message from a UTF-8 file, as --prompt \"$(cat FILE)\" passes it (trailing newlines dropped)",
+    )  # fmt: skip
     add_template_options(parser)
     parser.add_argument(
         "--prefill-response", default=None, help="prefill response to be used for the chat template"

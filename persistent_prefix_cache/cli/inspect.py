@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from .common import add_json_option, add_store_option, emit, make_parser, run, store_path, table
+from .common import add_json_option, add_store_option, emit, make_parser, run, short_fingerprint, store_path, table
 from ..disk.maintenance import StoreAdmin
 
 
@@ -14,7 +14,7 @@ def _render(s: dict) -> str:
     out.append(
         table(
             [
-                (m["root"][:12], str(m["fingerprint"])[:16], m.get("name") or "(unnamed)", m["namespace"] or "-",
+                (m["root"][:12], short_fingerprint(m["fingerprint"]), m.get("name") or "(unnamed)", m["namespace"] or "-",
                  m["blocks"], m["bytes"], m["block_hits"], m["layout"])
                 for m in s["models"]
             ],  # fmt: skip
@@ -37,7 +37,7 @@ def _render(s: dict) -> str:
     out.append(
         table(
             [(r.get("folder") or (f"(weights hashed {str(r['alias_of'])[:20]})" if r.get("alias_of") else
-              "(unknown: remembered before verification)"), str(r.get("fingerprint"))[:16],
+              "(unknown: remembered before verification)"), short_fingerprint(r.get("fingerprint")),
               "yes" if r.get("sample") or r.get("alias_of") else "no") for r in s.get("remembered", [])],  # fmt: skip
             header=("folder", "fingerprint", "verified"),
         )

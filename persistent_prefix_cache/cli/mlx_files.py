@@ -16,13 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 from .common import (
     UserError, add_json_option, add_model_option, add_store_option, emit, load_model, make_parser, path_arg,
     positive_int, run, store_path,
 )  # fmt: skip
-from .prompting import add_block_size_option, check_store_path, encode_raw, open_checked_store, render_chat
+from .prompting import (
+    STDIN, add_block_size_option, check_store_path, check_text, check_text_options, encode_raw, open_checked_store, prompt_of, read_text,
+    render_chat,
+)  # fmt: skip
 
 # mlx_lm.generate's default for --quantized-kv-start (mlx_lm/generate.py), restated to keep --help light.
 MLX_QUANTIZED_KV_START = 5000
@@ -34,28 +36,19 @@ MLX_PREFILL_STEP_SIZE = 2048
 
 def _add_prompt_options(parser) -> None:
     group = parser.add_mutually_exclusive_group(required=True)
-    group.add_argument("--prompt", help="the prompt given to mlx_lm.cache_prompt ('-' reads stdin)")
-    group.add_argument("--prompt-file", type=path_arg, help="a UTF-8 file holding that prompt")
+    group.add_argument("--prompt", help="the prompt given to mlx_lm.cache_prompt ('-' reads stdin, as --prompt-file does)")
+    group.add_argument("--prompt-file", type=path_arg,
+                       help='a UTF-8 file holding that prompt, read as --prompt "$(cat FILE)" passes it')  # fmt: skip
     group.add_argument("--tokens-file", type=path_arg, help="the token ids instead: a JSON list or whitespace-separated")
 
 
-def _read_text(path: str, what: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except FileNotFoundError:
-        raise UserError(f"{what} {path}: no such file") from None
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{what} {path}: not UTF-8 text (bad byte at offset {exc.start})") from None
-
-
 def _token_file(path: str, vocab_size: int) -> list[int]:
-    text = _read_text(path, "--tokens-file").strip()
+    text = read_text(path, f"--tokens-file {path}").strip()
     try:
         ids = json.loads(text) if text.startswith("[") else [int(t) for t in text.replace(",", " ").split()]
-    except ValueError:
+    except (ValueError, RecursionError):
         raise UserError(f"--tokens-file {path}: not a JSON list or whitespace-separated integers") from None
-    if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise UserError(f"--tokens-file {path}: holds no token ids (a list of integers)")
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
@@ -63,34 +56,64 @@ def _token_file(path: str, vocab_size: int) -> list[int]:
     return ids
 
 
-def cache_prompt_tokens(args, tokenizer, vocab_size: int) -> list[int]:
+def _prompt_text(args) -> tuple[str, str, str | None]:
+    """(the prompt, where it came from, the text as read where that differs: a file's or
+    stdin's before its trailing newlines were dropped)."""
+    if args.prompt_file is not None:
+        where = f"--prompt-file {args.prompt_file}"
+        raw = read_text(args.prompt_file, where)
+    elif args.prompt == STDIN:
+        where = "--prompt - (stdin)"
+        raw = read_text(STDIN, where)
+    else:
+        if not args.prompt:
+            raise UserError("--prompt is empty")
+        return check_text(args.prompt, "--prompt"), "--prompt", None
+    text = prompt_of(raw, where)
+    return text, where, (raw if raw != text else None)
+
+
+def _tokens_of(text: str, where: str, tokenizer) -> list[int]:
+    if getattr(tokenizer, "has_chat_template", False):
+        messages = [{"role": "user", "content": text}]
+        ids = render_chat(tokenizer, messages, add_generation_prompt=False, continue_final_message=True,
+                          kwargs={}, where=where)  # fmt: skip
+    else:
+        ids = encode_raw(tokenizer, text, where)
+    if not ids:
+        raise UserError(f"{where} has no tokens")
+    return ids
+
+
+def cache_prompt_tokens(args, tokenizer, vocab_size: int, *, length: int | None = None) -> list[int]:
     """The tokens ``mlx_lm.cache_prompt`` feeds for the prompt of `args`.
 
-    cache_prompt takes the prompt as it is (no ``\\n`` unescaping, ``-`` reads stdin);
-    with a chat template it renders one user message left open (no generation prompt,
+    cache_prompt takes the prompt as it is (no ``\\n`` unescaping); with a chat template
+    it renders one user message left open (no generation prompt,
     ``continue_final_message``), else it encodes the text with the tokenizer's BOS.
+    ``--prompt-file F`` and ``--prompt -`` are read as every command reads a prompt file:
+    as ``--prompt "$(cat F)"`` passes it, trailing newlines dropped.
+
+    Args:
+        args: The parsed options (``--prompt``, ``--prompt-file``, ``--tokens-file``).
+        tokenizer: The model's tokenizer.
+        vocab_size: The model's vocabulary (bounds ``--tokens-file``'s ids).
+        length: The file's recorded length, on import: where the prompt without its
+            trailing newlines does not have that length but the text as read does (a
+            file made with ``cache_prompt --prompt - < F``, which keeps them), the text
+            as read is the prompt (the recompute then checks it like any other).
 
     Raises:
         UserError: If the prompt is empty, unreadable, or the template cannot render it.
     """
     if args.tokens_file is not None:
         return _token_file(args.tokens_file, vocab_size)
-    if args.prompt_file is not None:
-        text, where = _read_text(args.prompt_file, "--prompt-file"), "--prompt-file"
-    else:
-        text, where = args.prompt, "--prompt"
-        if text == "-":
-            text, where = sys.stdin.read(), "--prompt - (stdin)"
-    if not text:
-        raise UserError(f"{where} is empty")
-    if getattr(tokenizer, "has_chat_template", False):
-        messages = [{"role": "user", "content": text}]
-        ids = render_chat(tokenizer, messages, add_generation_prompt=False, continue_final_message=True,
-                          kwargs={}, where=where)  # fmt: skip
-    else:
-        ids = encode_raw(tokenizer, text)
-    if not ids:
-        raise UserError(f"{where} has no tokens")
+    text, where, as_read = _prompt_text(args)
+    ids = _tokens_of(text, where, tokenizer)
+    if length is not None and len(ids) != length and as_read is not None:
+        whole = _tokens_of(as_read, where, tokenizer)
+        if len(whole) == length:
+            return whole
     return ids
 
 
@@ -171,6 +194,7 @@ def _import(args) -> int:
     from ..layers import cache_length
     from ..layers.mlx_files import read_prompt_cache
 
+    check_text_options(args, "prompt")
     file = read_prompt_cache(args.file)  # a bad file fails here, before anything loads or opens
     try:
         length = cache_length(file.cache)
@@ -179,7 +203,7 @@ def _import(args) -> int:
     check_store_path(args)
     _check_recorded_model(file, args.model, args.file, args.ignore_recorded_model)
     model, tokenizer, local_path = load_model(args.model)
-    tokens = cache_prompt_tokens(args, tokenizer, _vocab_size(model))
+    tokens = cache_prompt_tokens(args, tokenizer, _vocab_size(model), length=length)
     if length is not None and length != len(tokens):
         raise PromptCacheFileError(
             f"{args.file} holds the KV of {length} tokens, the prompt has {len(tokens)}: not this prompt's file",
@@ -282,6 +306,7 @@ def _stored_cache(store, model, tokens: list[int], stored_only: bool):
 def _export(args) -> int:
     from ..layers.mlx_files import write_prompt_cache
 
+    check_text_options(args, "prompt")
     if not args.out.endswith(".safetensors"):
         raise UserError(f"{args.out}: the name must end in .safetensors (mlx-lm's loader picks the format by it)")
     folder = os.path.dirname(os.path.abspath(args.out))

@@ -15,6 +15,7 @@ can resume at every block boundary.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -32,9 +33,9 @@ from .common import (
     run,
     table,
 )
+from .progress import Progress, Terminated, sigterm_raises
 from .prompting import (
     CountingStore,
-    Progress,
     add_block_size_option,
     add_prefill_option,
     precompute_step,
@@ -43,14 +44,17 @@ from .prompting import (
     check_positive,
     check_store_path,
     encode_raw,
+    STDIN,
+    check_text_options,
     kv_quantization_errors,
     open_checked_store,
+    prompt_of,
+    read_text,
     render_chat,
     template_kwargs,
     uses_chat_template,
 )
 
-STDIN = "-"
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 
 
@@ -72,40 +76,13 @@ class PromptInput:
 # -- reading inputs -----------------------------------------------------------------------
 
 
-def _read(path: str) -> tuple[str, str]:
-    """(name for messages, decoded text) of a file or of stdin."""
-    name = "<stdin>" if path == STDIN else path
-    try:
-        if path == STDIN:
-            data = sys.stdin.buffer.read()
-        else:
-            with open(path, "rb") as f:
-                data = f.read()
-    except FileNotFoundError:
-        raise UserError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise UserError(
-            f"{path}: is a directory; pass the files in it (e.g. {path}/*.txt)"
-        ) from None
-    except PermissionError:
-        raise UserError(f"{path}: permission denied; check the file's permissions") from None
-    try:
-        # utf-8-sig drops the byte-order mark some editors write.
-        return name, data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise UserError(
-            f"{name}: not UTF-8 text (bad byte at offset {exc.start}); "
-            "convert it first, e.g. with iconv -t UTF-8"
-        ) from None
-
-
 def _looks_like_jsonl(text: str) -> bool:
     """Whether piped input is JSONL: its first non-blank line is a prompt object."""
     for line in text.splitlines():
         if line.strip():
             try:
                 row = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return False
             return isinstance(row, dict) and ("prompt" in row or "messages" in row)
     return False
@@ -119,10 +96,9 @@ def _parse_row(line: str, where: str) -> PromptInput:
     """
     try:
         row = json.loads(line)
-    except ValueError as exc:
-        raise UserError(
-            f"{where}: invalid JSON ({exc}); each line must be one JSON object"
-        ) from None
+    except (ValueError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise UserError(f"{where}: invalid JSON ({why}); each line must be one JSON object") from None
     if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
         raise UserError(
             f'{where}: expected an object with either "prompt" or "messages", '
@@ -169,19 +145,20 @@ def read_inputs(paths: list[str], fmt: str) -> list[PromptInput]:
         raise UserError("'-' (stdin) is given more than once; stdin can be read only once")
     prompts: list[PromptInput] = []
     for path in paths:
-        name, text = _read(path)
+        name = "<stdin>" if path == STDIN else path
+        if path != STDIN and os.path.isdir(path):
+            raise UserError(f"{path}: is a directory; pass the files in it (e.g. {path}/*.txt)")
+        text = read_text(path, name)
         if fmt == "auto":
             is_jsonl = _looks_like_jsonl(text) if path == STDIN else path.endswith(JSONL_SUFFIXES)
         else:
             is_jsonl = fmt == "jsonl"
         if not is_jsonl:
-            # Like "$(cat file)" in a shell: trailing newlines are not part of the prompt,
-            # so a precomputed file is a token prefix of the same text typed as --prompt.
-            text = text.rstrip("\r\n")
-            if not text.strip():
-                raise UserError(f"{name}: empty; nothing to precompute")
-            prompts.append(PromptInput(name, text=text))
+            # As every command reads a prompt file: like "$(cat file)", so a precomputed
+            # file is a token prefix of the same text given as --prompt "$(cat file)".
+            prompts.append(PromptInput(name, text=prompt_of(text, name)))
             continue
+        text = text.removeprefix("\ufeff")  # a byte-order mark is no part of JSONL's rows
         rows = [
             _parse_row(line, f"{name}:{n}")
             for n, line in enumerate(text.splitlines(), 1)
@@ -227,7 +204,7 @@ def tokenize(prompt: PromptInput, tokenizer, args, kwargs: dict) -> list[int]:
             'use {"prompt": ...} rows instead'
         )
     else:
-        ids = encode_raw(tokenizer, prompt.text)
+        ids = encode_raw(tokenizer, prompt.text, prompt.where)
     if not ids:
         raise UserError(f"{prompt.where}: the prompt has no tokens")
     return ids
@@ -240,11 +217,24 @@ REMOTE_SUMMARY = ("remote", "remote_blocks", "remote_published", "remote_already
                   "remote_publish_failed", "remote_errors")  # fmt: skip
 
 
+# How a run that did not finish ended: (summary's "stopped", exit status).
+ENDINGS = {"write_failed": ("a block write failed", 1), "interrupted": ("interrupted", 130),
+           "terminated": ("terminated", 143)}  # fmt: skip
+
+
+class _WriteFailed(Exception):
+    """A block write of this run failed (a full disk, say): computing on stores nothing."""
+
+
 def _render(summary: dict) -> str:
+    done, total = summary["prompts_done"], summary["prompts"]
     rows = [
-        ("prompts", summary["prompts"]),
+        ("prompts", total if done == total else f"{done:,} of {total:,}"),
         ("duplicates skipped", summary["duplicates"]),
-        ("tokens stored", summary["tokens"]),
+        ("tokens in the prompts", summary["tokens"]),
+        # What the store holds of these prompts now, whoever wrote it: less than the
+        # prompts' tokens where a write failed, the run stopped or eviction took some.
+        ("tokens stored", summary["tokens_stored"]),
         ("tokens restored", summary["tokens_restored"]),
         ("tokens computed", summary["tokens_computed"]),
         # Written counts every block record this run committed, a prompt's partial last
@@ -266,9 +256,24 @@ def _render(summary: dict) -> str:
     return f"store {summary['store']} (block size {summary['block_size']})\n" + table(rows)
 
 
+def _stopped_line(summary: dict) -> str:
+    """The one line on stderr after the summary of a run that did not finish."""
+    what = ENDINGS[summary["stopped"]][0]
+    kept = (
+        f"{summary['prompts_done']:,} of {summary['prompts']:,} prompts done; the store keeps the "
+        f"{summary['blocks_written']:,} blocks this run wrote ({summary['tokens_stored']:,} of the prompts' "
+        f"{summary['tokens']:,} tokens are stored)"
+    )
+    if summary["stopped"] == "write_failed":
+        return (f"error: {what} (see above), so the run stopped: {kept}; free space or fix the cause, "
+                "then run the same command again: it resumes from what is stored")  # fmt: skip
+    return f"{what}: {kept}; run the same command again to resume from them"
+
+
 def _precompute(args) -> int:
     check_positive("--block-size", args.block_size)
     check_positive("--prefill-step-size", args.prefill_step_size)
+    check_text_options(args, "system_prompt", "chat_template_config")
     kwargs = template_kwargs(args)
     if args.system_prompt is not None and args.ignore_chat_template:
         print("note: --system-prompt is only used with the chat template", file=sys.stderr)
@@ -293,51 +298,75 @@ def _precompute(args) -> int:
         total = sum(map(len, order))
         progress = Progress(len(order), total, enabled=not args.no_progress)
         restored = computed = reused = 0
+        partial = 0  # tokens of the current prompt computed so far
         details = []
         counting = CountingStore(store)
 
-        def report(done: int, _total: int) -> None:
-            # Tokens/s counts what the model ran, not what the store restored.
-            progress.update(done, computed + max(0, done - counting.restored))
+        def check_writes() -> None:
+            # A failed write (a full disk) shows in the handle's counters; stop at once
+            # rather than compute what cannot be stored.
+            if store.stats()["write_errors"] > at_start["write_errors"]:
+                raise _WriteFailed()
 
+        def report(done: int, _total: int) -> None:
+            nonlocal partial
+            # Tokens/s counts what the model ran, not what the store restored.
+            partial = max(0, done - counting.restored)
+            progress.update(done, computed + partial, restoring=counting.fetch_seconds)
+            check_writes()
+
+        stopped = None
         start = time.perf_counter()
-        try:
-            for ids in order:
-                counting.reset()
-                with kv_quantization_errors(args):
-                    cache, _ = prefill(
-                        model,
-                        list(ids),
-                        counting,
-                        prefill_step_size=step,
-                        progress=report,
-                    )
-                # prefill stores up to the last token (where an identical prompt resumes);
-                # the full prompt is stored as well, for prompts that extend it.
-                counting.store(list(ids), cache)
-                details.append(
-                    {
-                        "input": seen[ids],
-                        "tokens": len(ids),
-                        "restored": counting.restored,
-                        "new_blocks": counting.new_blocks,
-                    }
-                )
-                restored += counting.restored
-                computed += len(ids) - counting.restored
-                reused += blocks_of(counting.restored, bs)
-                progress.prompt_done(len(ids))
-            store.flush()
-        finally:
-            progress.close()
+        with sigterm_raises():  # SIGTERM ends the run as Ctrl-C does: what was kept is said
+            try:
+                for ids in order:
+                    counting.reset()
+                    partial = 0
+                    with kv_quantization_errors(args):
+                        cache, _ = prefill(model, list(ids), counting, prefill_step_size=step, progress=report)
+                    # prefill stores up to the last token (where an identical prompt resumes);
+                    # the full prompt is stored as well, for prompts that extend it.
+                    counting.store(list(ids), cache)
+                    details.append(
+                        {"input": seen[ids], "tokens": len(ids), "restored": counting.restored,
+                         "new_blocks": counting.new_blocks}
+                    )  # fmt: skip
+                    restored += counting.restored
+                    computed += len(ids) - counting.restored
+                    reused += blocks_of(counting.restored, bs)
+                    partial = 0
+                    progress.prompt_done(len(ids))
+                    check_writes()
+                store.flush()
+                check_writes()
+            except _WriteFailed:
+                stopped = "write_failed"
+            except KeyboardInterrupt:
+                stopped = "interrupted"
+            except Terminated:
+                stopped = "terminated"
+            finally:
+                progress.close()
+        computed += partial  # the prompt a stop cut short
+        store.flush()  # what was handed to the store is on disk (or failed) before it is counted
         seconds = time.perf_counter() - start
         stats = store.stats()
+        if stopped is None and stats["write_errors"] > at_start["write_errors"]:
+            stopped = "write_failed"
+        # What the store holds of each prompt now: one token more is asked for, since a
+        # lookup keeps one back from a whole prompt (for its logits).
+        held = [min(store.peek(list(ids) + [ids[-1]]), len(ids)) for ids in order]
+        for entry, tokens in zip(details, held):  # the prompts done, in order
+            entry["stored"] = tokens
+        stored = sum(held)
     summary = {
         "store": store.path,
         "block_size": bs,
         "prompts": len(order),
+        "prompts_done": len(details),
         "duplicates": len(inputs) - len(order),
         "tokens": total,
+        "tokens_stored": stored,
         "tokens_restored": restored,
         "tokens_computed": computed,
         "blocks_written": stats["blocks_written"],
@@ -347,6 +376,7 @@ def _precompute(args) -> int:
         "blocks_in_store": stats["blocks"],
         "bytes_on_disk": stats["bytes_on_disk"],
         "write_errors": stats["write_errors"],
+        "stopped": stopped,
         "seconds": round(seconds, 3),
         "tokens_per_second": round(computed / seconds, 1) if seconds > 0 else 0.0,
         "per_prompt": details,
@@ -354,12 +384,9 @@ def _precompute(args) -> int:
     if stats["remote"] is not None:
         summary.update({k: stats[k] for k in REMOTE_SUMMARY})
     emit(summary, args.json, _render)
-    if stats["write_errors"]:
-        print(
-            f"error: {stats['write_errors']} block writes failed (see the log above)",
-            file=sys.stderr,
-        )
-        return 1
+    if stopped is not None:
+        print(_stopped_line(summary), file=sys.stderr)
+        return ENDINGS[stopped][1]
     return 0
 
 

@@ -1,9 +1,12 @@
-"""Private helpers shared by ``ppc precompute`` and ``ppc generate``.
+"""Private helpers shared by the commands that take prompts (``ppc precompute``,
+``generate``, ``pull``, ``import-mlx``, ``export-mlx``).
 
-Both commands turn text into tokens the way mlx-lm's own tools do (so that a prompt
-precomputed here and a prompt typed into ``ppc generate`` share their token prefix),
-open the store with checks that turn a mismatched store into a clear message, and
-count what the store restored and wrote during a `prefill`.
+They read a prompt from a file or stdin one way (`read_text`, `read_prompt_file`: UTF-8,
+trailing newlines dropped as ``"$(cat file)"`` drops them), hold text from the command
+line to the same rule (`check_text`), turn text into tokens the way mlx-lm's own tools do
+(so that a prompt precomputed here and a prompt typed into ``ppc generate`` share their
+token prefix), open the store with checks that turn a mismatched store into a clear
+message, and count what the store restored and wrote during a `prefill`.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import warnings
 from typing import Any, Iterator, Sequence
 
 from ..disk.store_dir import check_location, require_writable
-from .common import UserError, add_disk_budget_option, add_store_shared_option, open_store, store_path
+from .common import UserError, add_disk_budget_option, add_store_shared_option, open_store, short_fingerprint, store_path
 
 # Tokens per forward pass for models whose every layer is sliceable (mlx-lm's default).
 DEFAULT_PREFILL_STEP_SIZE = 2048
@@ -115,6 +118,119 @@ def check_positive(name: str, value: int | None) -> None:
         raise UserError(f"{name} must be at least 1, got {value}")
 
 
+# -- reading prompts ----------------------------------------------------------------------
+
+STDIN = "-"
+_ICONV = "convert it first, e.g. with iconv -t UTF-8"
+
+
+def decode_text(data: bytes, where: str) -> str:
+    """Bytes as text, by the one rule every prompt is read with: UTF-8, strictly (nothing
+    is dropped or replaced, a byte-order mark included: it is what ``"$(cat file)"`` gives).
+
+    Args:
+        data: The bytes of a file, of stdin, or of a command-line argument.
+        where: Names the input in the message (a file, ``<stdin>``, ``--prompt``).
+
+    Raises:
+        UserError: ``<where>: not UTF-8 text (bad byte at offset N)``, if they are not.
+    """
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{where}: not UTF-8 text (bad byte at offset {exc.start}); {_ICONV}") from None
+
+
+def check_text(text: str, where: str, *, argument: bool = True) -> str:
+    """`text` if it is text the tokenizer can take, held to `decode_text`'s rule.
+
+    Python hands a command-line argument that is not UTF-8 over with its bad bytes
+    escaped as lone surrogates; a JSON string can spell a lone surrogate (``"\\udc80"``).
+    Neither encodes as UTF-8, and the tokenizer would fail with a traceback.
+
+    Args:
+        text: An argument's value, or a string parsed from JSON.
+        where: Names it in the message.
+        argument: `text` came from the command line, so a surrogate stands for a byte
+            (the message gives its offset, as for a file); False for a JSON string.
+
+    Returns:
+        `text`, unchanged.
+
+    Raises:
+        UserError: If it holds a lone surrogate (for an argument: the byte offset, as
+            for a file).
+    """
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError as exc:
+        bad = exc.start
+    if argument:  # its bytes, as the file or pipe they came from would hold them
+        try:
+            decode_text(text.encode("utf-8", "surrogateescape"), where)
+        except UnicodeEncodeError:
+            pass
+    raise UserError(f"{where}: not valid text (a lone surrogate {text[bad]!a} at character {bad}); {_ICONV}")
+
+
+def check_text_options(args: argparse.Namespace, *names: str) -> None:
+    """`check_text` for each text option of `args` in `names` that was given
+    (``prompt`` is ``--prompt``), before the model loads: a bad byte fails at once."""
+    for name in names:
+        value = getattr(args, name, None)
+        for text in [value] if isinstance(value, str) else value if isinstance(value, (list, tuple)) else ():
+            check_text(text, "--" + name.replace("_", "-"))
+
+
+def read_text(path: str, where: str | None = None) -> str:
+    """The whole text of a file, or of stdin for ``-``, decoded by `decode_text`.
+
+    Args:
+        path: A file, or ``-``.
+        where: Names it in messages (default: the path, or ``<stdin>``).
+
+    Raises:
+        UserError: If the file is missing, a folder or unreadable, or the text is not UTF-8.
+    """
+    if where is None:
+        where = "<stdin>" if path == STDIN else path
+    try:
+        if path == STDIN:
+            data = sys.stdin.buffer.read() if sys.stdin is not None else b""
+        else:
+            with open(path, "rb") as f:
+                data = f.read()
+    except FileNotFoundError:
+        raise UserError(f"{where}: no such file") from None
+    except IsADirectoryError:
+        raise UserError(f"{where}: is a directory; give a file") from None
+    except PermissionError:
+        raise UserError(f"{where}: permission denied; check the file's permissions") from None
+    return decode_text(data, where)
+
+
+def prompt_of(text: str, where: str) -> str:
+    """A prompt read from a file or stdin, as ``"$(cat file)"`` passes it: trailing
+    newlines dropped (``\\n`` only: a ``\\r`` before them stays, as the shell keeps it).
+
+    Raises:
+        UserError: If nothing but white space is left.
+    """
+    text = text.rstrip("\n")
+    if not text.strip():
+        raise UserError(f"{where}: empty; give the prompt's text")
+    return text
+
+
+def read_prompt_file(path: str, where: str | None = None) -> str:
+    """`read_text`, then `prompt_of`: what every command's ``--prompt-file`` and
+    ``--prompt -`` read, so that ``--prompt-file F`` equals ``--prompt "$(cat F)"``."""
+    if where is None:
+        where = "<stdin>" if path == STDIN else path
+    return prompt_of(read_text(path, where), where)
+
+
 # -- prompts to tokens --------------------------------------------------------------------
 
 
@@ -148,6 +264,8 @@ def render_chat(
     Raises:
         UserError: If the template cannot render the messages.
     """
+    for text in _strings(messages):  # arguments were checked as such, before the model loaded
+        check_text(text, where, argument=False)
     try:
         text = tokenizer.apply_chat_template(
             messages,
@@ -162,9 +280,27 @@ def render_chat(
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def encode_raw(tokenizer: Any, text: str) -> list[int]:
-    """Tokenize text without a chat template (the tokenizer adds its BOS, as mlx-lm does)."""
-    return list(tokenizer.encode(text))
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a parsed JSON value (a chat's messages: contents, roles, parts);
+    iterative, so a value nested as deep as the parser allows is walked too."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            yield item
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+
+
+def encode_raw(tokenizer: Any, text: str, where: str = "the prompt") -> list[int]:
+    """Tokenize text without a chat template (the tokenizer adds its BOS, as mlx-lm does).
+
+    Raises:
+        UserError: If `text` is not valid text (`check_text`).
+    """
+    return list(tokenizer.encode(check_text(text, where, argument=False)))
 
 
 # -- the store ----------------------------------------------------------------------------
@@ -254,6 +390,23 @@ def _kv_options(signature: str) -> str:
     return "no --kv-bits"
 
 
+# What a derived fingerprint's words stand for (`ppc generate` makes them; `ppc serve` too).
+_VARIANTS = {"quantize-activations": "--quantize-activations", "with-draft": "a --draft-model"}
+
+
+def _variant(fingerprint: Any) -> tuple[str, frozenset[str]]:
+    """(the model's own fingerprint, the options it was derived for) of a stored fingerprint:
+    ``quantize-activations:<fp>`` is the model of ``<fp>`` with ``-qa``."""
+    parts = str(fingerprint).split(":")
+    words = frozenset(p for p in parts if p in _VARIANTS)
+    return next((p for p in parts if p not in _VARIANTS), ""), words
+
+
+def _folder(name: Any) -> str | None:
+    """The model folder (or hub id) a stored name starts with (``<folder> + adapter ...``)."""
+    return name.split(" + ", 1)[0] if isinstance(name, str) and name else None
+
+
 def _check_models(store: Any) -> str | None:
     """Compare the models stored with the one opened; raise on a KV-layout mismatch.
 
@@ -285,7 +438,29 @@ def _check_models(store: Any) -> str | None:
             f"store {store.path} holds this model only under --namespace "
             f"{', '.join(spaces)} (this run: {store.namespace!r}); nothing will be restored"
         )
-    names = sorted({d.get("name") or f"fingerprint {str(d.get('fingerprint'))[:16]}" for d in others})
+    # This model (its own fingerprint, or its folder) under options that change the KV:
+    # not another model, and the note says which option differs.
+    base, mine = _variant(store.fingerprint)
+    folder = _folder(store.model_name)
+    variants = [
+        _variant(d.get("fingerprint"))[1] for d in others
+        if _variant(d.get("fingerprint"))[0] == base or (folder and _folder(d.get("name")) == folder)
+    ]  # fmt: skip
+    differing = [theirs for theirs in variants if theirs != mine]
+    if differing:
+        differ = sorted({o for theirs in differing for o in theirs ^ mine})
+
+        def made(options: frozenset[str]) -> str:  # the options that differ, with or without
+            return " and ".join(("with " if o in options else "without ") + _VARIANTS[o] for o in differ)
+
+        return (
+            f"store {store.path} holds this model's KV only as made {'; or '.join(sorted(set(map(made, differing))))}; "
+            f"this run is {made(mine)}, which changes the KV (the store keeps them apart): nothing will be restored"
+        )
+    if variants:  # the same options, another fingerprint: the folder's weights changed, or another draft
+        what = "another --draft-model" if "with-draft" in mine else "other weights"
+        return f"store {store.path} holds KV of {folder or 'this model'} only with {what}; nothing will be restored"
+    names = sorted({d.get("name") or f"fingerprint {short_fingerprint(d.get('fingerprint'))}" for d in others})
     return (
         f"store {store.path} holds KV of {len(others)} other model(s) ({', '.join(names)}) and none of "
         "--model; nothing will be restored (is --model the one the store was filled with?)"
@@ -324,6 +499,7 @@ class CountingStore:
         self.restored = 0
         self.new_blocks = 0
         self.tiers = {"ram": 0, "disk": 0, "remote": 0}
+        self.fetch_seconds = 0.0  # spent restoring, every prompt's: no part of the compute rate
 
     def reset(self) -> None:
         """Zero the counters (before the next prompt)."""
@@ -336,10 +512,12 @@ class CountingStore:
         which tier served its blocks (`tiers`: see `tier_report.blocks_by_tier`)."""
         from ..tier_report import blocks_by_tier
 
+        started = time.perf_counter()
         before = self._store.stats()
         cache, remaining = self._store.fetch(tokens)
         self.restored = len(tokens) - len(remaining) if cache is not None else 0
         self.tiers = blocks_by_tier(before, self._store.stats())
+        self.fetch_seconds += time.perf_counter() - started
         return cache, remaining
 
     def store(self, tokens: Any, cache: Sequence[Any]) -> int:
@@ -364,78 +542,3 @@ class CountingStore:
 def blocks_of(tokens: int, block_size: int) -> int:
     """How many blocks `tokens` positions touch."""
     return math.ceil(tokens / block_size)
-
-
-# -- progress -----------------------------------------------------------------------------
-
-
-def eta(done: int, total: int, elapsed: float) -> str:
-    """Time left at the pace so far (covered tokens per second, restored ones included,
-    since they are part of the work left too), as ``m:ss`` or ``h:mm:ss``; ``-`` until
-    anything is done."""
-    if done <= 0 or elapsed <= 0:
-        return "-"
-    left = max(0, round((total - done) * elapsed / done))
-    hours, rest = divmod(left, 3600)
-    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
-
-
-class Progress:
-    """A one-line progress display on stderr, redrawn in place on a terminal.
-
-    Off a terminal (a log file, CI) it stays silent: the summary says it all, and a
-    file full of carriage returns helps nobody.
-
-    Args:
-        total_prompts: Prompts to process.
-        total_tokens: Tokens in all prompts.
-        enabled: False to draw nothing.
-    """
-
-    WIDTH = 24
-
-    def __init__(self, total_prompts: int, total_tokens: int, *, enabled: bool = True):
-        self.total_prompts = total_prompts
-        self.total_tokens = total_tokens
-        self.enabled = enabled and sys.stderr.isatty()
-        self.start = time.perf_counter()
-        self.prompts_done = 0
-        self.tokens_before = 0  # tokens of the prompts already finished
-        self.computed = 0  # tokens actually run through the model
-        self._last = 0.0
-        self._width = 0
-
-    def update(self, done_in_prompt: int, computed: int, *, force: bool = False) -> None:
-        """Redraw with `done_in_prompt` tokens of the current prompt covered, `computed`
-        tokens prefilled so far in total."""
-        self.computed = computed
-        now = time.perf_counter()
-        if not self.enabled or (not force and now - self._last < 0.1):
-            return
-        self._last = now
-        done = self.tokens_before + done_in_prompt
-        frac = done / self.total_tokens if self.total_tokens else 1.0
-        filled = int(frac * self.WIDTH)
-        elapsed = max(now - self.start, 1e-9)
-        rate = self.computed / elapsed
-        line = (
-            f"\r[{'#' * filled}{'.' * (self.WIDTH - filled)}] "
-            f"{self.prompts_done}/{self.total_prompts} prompts  "
-            f"{done:,}/{self.total_tokens:,} tokens  {rate:,.0f} tok/s  "
-            f"ETA {eta(done, self.total_tokens, elapsed)}"
-        )
-        self._width = max(self._width, len(line))
-        sys.stderr.write(line.ljust(self._width))
-        sys.stderr.flush()
-
-    def prompt_done(self, n_tokens: int) -> None:
-        """Count one finished prompt of `n_tokens` tokens."""
-        self.prompts_done += 1
-        self.tokens_before += n_tokens
-        self.update(0, self.computed, force=True)
-
-    def close(self) -> None:
-        """End the progress line."""
-        if self.enabled and self._width:
-            sys.stderr.write("\n")
-            sys.stderr.flush()

@@ -15,7 +15,9 @@ from .common import (
     run,
     table,
 )
-from .prompting import add_block_size_option, add_template_options, check_store_path, open_checked_store, template_kwargs
+from .prompting import (
+    add_block_size_option, add_template_options, check_store_path, check_text_options, open_checked_store, template_kwargs,
+)  # fmt: skip
 from .push import progress_line, require_remote
 
 
@@ -49,6 +51,7 @@ def main(argv: list[str]) -> int:
 
         options = require_remote(args)
         check_store_path(args)
+        check_text_options(args, "system_prompt", "chat_template_config")
         kwargs = template_kwargs(args)
         prompts = read_inputs(args.inputs, args.format) if args.inputs else []
         # Pulling needs the server: one that cannot be reached, or refuses the URL, is

@@ -12,6 +12,7 @@ from .common import (
     make_parser,
     remote_options,
     run,
+    short_fingerprint,
     store_path,
     table,
 )
@@ -56,7 +57,7 @@ def _render(s: dict) -> str:
     out = table(rows)
     if s["models"]:
         models = [
-            (m["root"][:12], m.get("name") or "(unnamed)", str(m["fingerprint"])[:16], m["blocks"], m["bytes"],
+            (m["root"][:12], m.get("name") or "(unnamed)", short_fingerprint(m["fingerprint"]), m["blocks"], m["bytes"],
              _when(m["last_used"]))
             for m in sorted(s["models"], key=lambda m: -m["last_used"])
         ]  # fmt: skip
