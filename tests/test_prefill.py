@@ -233,7 +233,9 @@ def test_a_burst_of_small_writes_merges_once_the_writer_is_quiet(store_dir, mode
     tokens = random_tokens(7 * BLOCK, seed=63)
     with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
         _stored_piecewise(store, model, tokens, BLOCK)
-        assert len(segment_files(store_dir)) == 3  # 4 + 2 + 1: the binary counter
+        # 4 + 2 + 1 by the binary counter, or fewer where a pause in the burst (a busy
+        # machine) let a quiet spell's tidy in early: never more.
+        assert len(segment_files(store_dir)) <= 3
         deadline = time.monotonic() + 60  # waits for an event, decides nothing by time
         while len(segment_files(store_dir)) > 1 and time.monotonic() < deadline:
             time.sleep(0.05)
