@@ -16,7 +16,8 @@ all of it, only the part held in RAM, a shorter prefix, or nothing.
   bytes over a rate, fitted the same way from every timed restore, and trusted from
   the second one on (`TRUSTED_WEIGHT`).
 - The first forward on a restored cache: what it costs beyond a forward of the same
-  tokens on a cache the model grew itself (mlx-lm grows a restored cache by a copy).
+  tokens on a cache the model grew itself, per restored token (mlx-lm grows a restored
+  cache by a copy of it; on CUDA, pages restored through host memory move then).
 
 A continuation the remote tier holds is read only if reading it and then restoring it
 is faster than prefilling its tokens (`worth_reading`). Until the prefill is known
@@ -57,9 +58,9 @@ SNAPSHOT_OVERHEAD = 0.05
 # calibration on a CPU, put 1.5 s on every later restore, which then skipped 512-token
 # prompts it would have restored 80 x faster than their prefill).
 FIRST_FORWARD_TOKENS = 256
-# Saved records of this version and later hold a first forward learned as above (older
-# ones' is ignored, the rest of them kept).
-RECORD_VERSION = 2
+# Saved records of this version and later hold a first forward learned as above and per
+# restored token (older ones' is ignored, the rest of them kept).
+RECORD_VERSION = 3
 FILE_NAME = "costs.json"
 MAX_FILE_BYTES = 1 << 20  # a costs file holds a few records per model and device: more is not one
 SAVE_EVERY = 30.0
@@ -144,7 +145,13 @@ class Costs:
         self.enabled = enabled
         self.prefill = _new_prefill()  # seconds ~ a·tokens + b·(end² − start²)/2 + c·forwards
         self.restore: dict[str, Fit] = {}  # tier -> seconds ~ fixed·1 + (1/rate)·bytes
-        self.first_forward_seconds: float | None = None
+        # Seconds per restored token that the first forward on a restored cache costs
+        # beyond a forward on a grown one: mlx-lm grows the restored buffers by a copy
+        # of them, and on CUDA pages restored through host memory move to the GPU then;
+        # both scale with what was restored. (Kept as one constant, the 0.158 s of a
+        # 4k-token restore on an H200 made every later restore, of any length, look that
+        # much slower: a restarted process then recomputed what restored in half the time.)
+        self.first_forward_per_token: float | None = None
         # Tier -> seconds a process's first restore from it took beyond the tier's fit.
         self.first_restore: dict[str, float] = {}
         # The fastest single forward call seen: no call's fixed cost can exceed it (a
@@ -286,8 +293,8 @@ class Costs:
 
     def observe_first_forward(self, tokens: int, seconds: float, *, start: int) -> None:
         """Record a forward of `tokens` tokens right after a restore of `start`
-        tokens: what it took beyond a forward on a grown cache is the first forward's
-        cost (ignored until the prefill is known, and for forwards over
+        tokens: what it took beyond a forward on a grown cache, per restored token, is
+        the first forward's cost (ignored until the prefill is known, and for forwards over
         `FIRST_FORWARD_TOKENS`: there the prefill's own prediction error, not the restore,
         decides the difference)."""
         if not 0 < tokens <= FIRST_FORWARD_TOKENS:
@@ -295,10 +302,12 @@ class Costs:
         expected = self.prefill_seconds(start, start + tokens)
         if expected is None or seconds <= 0:
             return
-        extra = max(0.0, seconds - expected)
+        if start <= 0:
+            return
+        extra = max(0.0, seconds - expected) / start
         with self._lock:
-            old = self.first_forward_seconds
-            self.first_forward_seconds = extra if old is None else (1 - ALPHA) * old + ALPHA * extra
+            old = self.first_forward_per_token
+            self.first_forward_per_token = extra if old is None else (1 - ALPHA) * old + ALPHA * extra
             self.changed = True
 
     # -- deciding ------------------------------------------------------------------------
@@ -323,7 +332,7 @@ class Costs:
         """The prefix of a lookup's path that saves the most time.
 
         Restoring the first ``i + 1`` blocks costs the fixed cost of the slowest tier
-        they come from, the first forward on a restored cache, and each block's bytes
+        they come from, the first forward's extra for ``ends[i]`` restored tokens, and each block's bytes
         over its tier's rate. It saves what a prefill of the whole prompt costs beyond
         the prefill of what is left, ``prefill(0, total) − prefill(ends[i], total)``:
         the caller runs a forward for the rest either way, so a restore saves no
@@ -357,7 +366,7 @@ class Costs:
                 coef = fit.coefficients() if fit is not None else None
                 if coef is not None and coef[1] > 0 and fit.weight() >= TRUSTED_WEIGHT:
                     fixed[tier], slopes[tier] = coef
-            first = self.first_forward_seconds or 0.0
+            first = self.first_forward_per_token or 0.0
             # A tier this process has not restored from yet costs its first time's extra.
             once = {t: self.first_restore.get(t, 0.0) if t not in _restored_here else 0.0 for t in ("ram", "disk")}
             if not all(("ram" if r else "disk") in slopes for r in in_ram):
@@ -371,7 +380,8 @@ class Costs:
                 disk = disk or not ram
                 if i in cuts:
                     tier = "disk" if disk else "ram"
-                    saved = whole - self.prefill_seconds(ends[i], total) - (cost + fixed[tier] + once[tier] + first)
+                    spent = cost + fixed[tier] + once[tier] + first * ends[i]
+                    saved = whole - self.prefill_seconds(ends[i], total) - spent
                     if saved > best.saved_seconds:
                         best = Choice(i + 1, ends[i], saved)
         if best.blocks == len(ends):
@@ -391,7 +401,7 @@ class Costs:
         for tier in TIERS:
             out[f"restore_bytes_per_s_{tier}"] = rates.get(tier)
             out[f"restore_fixed_s_{tier}"] = self.restore_fixed_seconds(tier)
-        out["first_forward_s"] = self.first_forward_seconds
+        out["first_forward_s_per_token"] = self.first_forward_per_token
         for tier in ("ram", "disk"):
             out[f"first_restore_s_{tier}"] = self.first_restore.get(tier)
         out["cost_device"] = self.device
@@ -407,7 +417,7 @@ class Costs:
                 "saved": time.time(),
                 "prefill": list(self.prefill.sums),
                 "restore": {tier: list(fit.sums) for tier, fit in self.restore.items()},
-                "first_forward": self.first_forward_seconds,
+                "first_forward_per_token": self.first_forward_per_token,
                 "first_restore": dict(self.first_restore),
                 "fastest_forward": self.fastest_forward,
             }
@@ -436,7 +446,7 @@ class Costs:
                 return False
             prefill = [float(v) for v in record["prefill"]]
             restore = {str(t): [float(v) for v in s] for t, s in record.get("restore", {}).items() if t in TIERS}
-            first = record.get("first_forward") if record.get("version", 1) >= RECORD_VERSION else None
+            first = record.get("first_forward_per_token") if record.get("version", 1) >= RECORD_VERSION else None
             first = None if first is None else max(0.0, float(first))
             once = {str(t): max(0.0, float(v)) for t, v in (record.get("first_restore") or {}).items() if t in TIERS}
         except (KeyError, TypeError, ValueError, AttributeError):
@@ -444,7 +454,7 @@ class Costs:
         with self._lock:
             self.prefill = _new_prefill(prefill)
             self.restore = {tier: _new_restore(sums) for tier, sums in restore.items()}
-            self.first_forward_seconds = first
+            self.first_forward_per_token = first
             self.first_restore = once
             fastest = record.get("fastest_forward")
             self.fastest_forward = None if fastest is None else max(0.0, float(fastest))

@@ -195,8 +195,28 @@ def test_fixed_costs_and_the_first_forward_decide_short_prefixes():
     costs.set_restore({"disk": 1e12}, {"disk": 0.05})  # bytes are free; 50 ms a restore
     assert costs.choose(ends[:2], sizes[:2], ram[:2], cuts[:2]).decision == "skipped_slower"
     assert costs.choose(ends, sizes, ram, cuts).decision == "restored_all"
-    costs.first_forward_seconds = 0.5  # the first forward on a restored cache: 0.5 s more
+    costs.first_forward_per_token = 0.5 / 4096  # the first forward after 4,096 restored tokens: 0.5 s more
     assert costs.choose(ends, sizes, ram, cuts).decision == "skipped_slower"
+
+
+def test_a_first_forward_costs_what_its_restore_held():
+    # A one-token forward after a 4,095-token restore on an H200 took 0.158 s more than
+    # predicted (mlx-lm's copy of the restored cache, pages moving to the GPU). Kept as a
+    # constant it priced every later restore 0.158 s higher: the next process recomputed
+    # a prompt whose restore took half its prefill. Per restored token, a restore of 512
+    # tokens pays an eighth of it, and one of 4,096 tokens pays it whole.
+    costs = Costs()
+    costs.set_prefill(30_000.0)  # 512 tokens 17 ms, 4,096 tokens 0.137 s
+    costs.set_restore({"disk": 1e10}, {"disk": 0.002})
+    costs.observe_first_forward(1, 0.158 + costs.prefill_seconds(4095, 4096), start=4095)
+    assert costs.first_forward_per_token == pytest.approx(0.158 / 4095, rel=1e-3)
+    kv = 128 << 10  # bytes of KV a token (an 8B llama)
+    # 512 tokens: 7 ms of bytes + 2 ms + 20 ms of first forward, against 17 ms of prefill.
+    short = costs.choose([512], [512 * kv], [False], [0])
+    assert short.decision == "skipped_slower"
+    # The same rates with a tenth of the extra: the restore wins.
+    costs.first_forward_per_token /= 10
+    assert costs.choose([512], [512 * kv], [False], [0]).decision == "restored_all"
 
 
 def test_prefill_growth_with_length_is_fitted_and_decides():
@@ -365,12 +385,13 @@ def test_a_long_first_forward_teaches_no_first_forward_cost():
     costs = Costs()
     costs.set_prefill(1000.0)
     costs.observe_first_forward(2000, 3.0, start=5)  # 1 s over the prediction
-    assert costs.first_forward_seconds is None
-    costs.observe_first_forward(16, 0.021, start=500)  # a short one: 5 ms over
-    assert costs.first_forward_seconds == pytest.approx(0.005, rel=1e-3)
+    assert costs.first_forward_per_token is None
+    costs.observe_first_forward(16, 0.021, start=500)  # a short one: 5 ms over, 10 us a restored token
+    assert costs.first_forward_per_token == pytest.approx(0.005 / 500, rel=1e-3)
     # Records saved before this rule keep their rates, not their first forward.
-    old = dict(costs.record(), first_forward=1.5)
-    old.pop("version")
-    again = Costs()
-    assert again.load(old) and again.first_forward_seconds is None
+    for version in (None, 2):  # before the rule; a constant per restore
+        old = dict(costs.record(), first_forward=1.5)
+        old.pop("version") if version is None else old.update(version=version)
+        again = Costs()
+        assert again.load(old) and again.first_forward_per_token is None
     assert again.prefill_tokens_per_s == pytest.approx(1000.0)

@@ -89,7 +89,7 @@ def test_prefill_and_calibrate_feed_and_keep_the_model(store_dir, model):
         assert store.stats()["prefill_tokens_per_s"] is not None
         # A second prefill restores, then times the first forward on the restored cache.
         block_prefill(model, tokens + random_tokens(BLOCK, seed=911), store)
-        assert store.stats()["first_forward_s"] is not None
+        assert store.stats()["first_forward_s_per_token"] is not None
     with PersistentPrefixCache(store_dir, model) as store:
         assert store.stats()["prefill_tokens_per_s"] is not None  # remembered
         assert store.calibrate(model, tokens=32, only_if_unknown=True) == store._costs.prefill_tokens_per_s
@@ -164,7 +164,7 @@ def test_serve_measures_once_per_model_and_machine_where_it_may_restore(costs_se
         assert measured not in server.log()
     (per_device,) = _records(store).values()
     assert per_device[device_kind()]["prefill"][0] > 0
-    assert per_device[device_kind()]["first_forward"] is None
+    assert per_device[device_kind()]["first_forward_per_token"] is None
     with Server(costs_serve_model_dir, store, tmp_path / "two.log") as server:
         server.chat(OTHER)  # the same system prompt: restored from the store
         assert server.stop() == 0
@@ -174,7 +174,7 @@ def test_serve_measures_once_per_model_and_machine_where_it_may_restore(costs_se
     # nothing (as a first forward's cost it made a CPU server skip every 512-token
     # restore, 80 x faster than the prefill, after one 2k prompt; tools/user_paths.py row 5).
     (per_device,) = _records(store).values()
-    assert per_device[device_kind()]["first_forward"] is None
+    assert per_device[device_kind()]["first_forward_per_token"] is None
     # A store that holds the model's blocks and no rate (made on another machine): a read
     # that finds a prefix too short to be worth it restores without measuring; one worth
     # it measures, once, said once with its duration, and kept for this machine...

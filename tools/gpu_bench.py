@@ -183,7 +183,7 @@ def case(model, n: int, repeat: int, work: Path) -> dict:
     out["restarted_default_vs_paired_cold"] = statistics.median([t / c for t, c in zip(times[1:], paired[1:])])
     out["restarted_default_decisions"] = decisions
     shown = ("prefill_tokens_per_s", "prefill_growth", "prefill_per_forward_s", "restore_bytes_per_s_disk",
-             "restore_fixed_s_disk", "first_forward_s", "cost_device")  # fmt: skip
+             "restore_fixed_s_disk", "first_forward_s_per_token", "cost_device")  # fmt: skip
     out["restarted_costs"] = {k: stats[k] for k in shown}
     out.update(restarted(model, work / f"disk-{n}", query, repeat, kv_bytes))
     # Exactness: the restored cache continues like the in-memory cache it was stored from
