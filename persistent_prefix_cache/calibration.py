@@ -17,7 +17,7 @@ import time
 from typing import Any, Callable
 
 from . import machine_costs
-from .costs import Costs
+from .costs import Costs, first_forward_here
 from .keys import root_key
 
 log = logging.getLogger("persistent_prefix_cache")
@@ -85,6 +85,7 @@ def calibrate(costs: Any, model: Any, make_cache: Callable[[], list], tokens: in
                 seconds.append(_clock() - begun)
                 if timed and k >= observed_from:
                     costs.observe_prefill(end - start, seconds[-1], start=start)
+            first_forward_here()  # the untimed round compiled the kernels
         return seconds
 
     def affordable(calls: list[tuple[int, int, int]]) -> bool:

@@ -66,10 +66,19 @@ MAX_FILE_BYTES = 1 << 20  # a costs file holds a few records per model and devic
 SAVE_EVERY = 30.0
 MAX_AGE = 30 * 24 * 3600.0
 TIERS = ("ram", "disk", "remote")
-# Tiers this process has restored from: its first restore from each pays one-off costs
+# Tiers this process has restored from (and "forward" once it ran one, `first_forward_here`):
+# its first restore from each pays one-off costs
 # (MLX compiling kernels for the shapes met, the reader pool and pinned buffers made), a
 # cost of its own (`Costs.first_restore`), never mixed into the tier's rate.
 _restored_here: set[str] = set()
+
+
+def first_forward_here() -> bool:
+    """Whether this process has not run a forward yet (and from now on it has): its
+    first compiles MLX's kernels, which no later forward pays (a restarted process's
+    first request, a one-token forward after a 4k-token restore on an H200, took 0.16 s
+    more than predicted and taught that as every restore's first-forward cost)."""
+    return first_restore_here("forward")
 
 
 def first_restore_here(tier: str) -> bool:
@@ -150,7 +159,7 @@ class Costs:
         # of them, and on CUDA pages restored through host memory move to the GPU then;
         # both scale with what was restored. (Kept as one constant, the 0.158 s of a
         # 4k-token restore on an H200 made every later restore, of any length, look that
-        # much slower: a restarted process then recomputed what restored in half the time.)
+        # much slower.)
         self.first_forward_per_token: float | None = None
         # Tier -> seconds a process's first restore from it took beyond the tier's fit.
         self.first_restore: dict[str, float] = {}
@@ -552,6 +561,8 @@ class CostsMixin:
                 (it teaches the first forward's extra cost, not the prefill rate).
             forwards: How many forward calls it took.
         """
+        if first_forward_here():
+            return  # it compiled the kernels: it says nothing of the model or the restore
         if restored and start > 0:
             self._costs.observe_first_forward(tokens, seconds, start=start)
         else:

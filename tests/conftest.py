@@ -69,6 +69,16 @@ def no_quiet_merges(monkeypatch):
     monkeypatch.setattr(merging, "QUIET_SECONDS", 0.0)
 
 
+@pytest.fixture(autouse=True)
+def kernels_compiled():
+    """This process has run a forward (a process's first teaches the cost model nothing:
+    it compiles the kernels), so what a test's forwards teach never depends on which test
+    ran first (tests/test_costs.py tests the first one itself)."""
+    from persistent_prefix_cache.costs import first_forward_here
+
+    first_forward_here()
+
+
 @pytest.fixture
 def separate_segments(monkeypatch):
     """Keep every store()'s segment apart (no merge of a chain's small segments): for

@@ -395,3 +395,20 @@ def test_a_long_first_forward_teaches_no_first_forward_cost():
         again = Costs()
         assert again.load(old) and again.first_forward_per_token is None
     assert again.prefill_tokens_per_s == pytest.approx(1000.0)
+
+
+def test_a_process_first_forward_teaches_nothing(store_dir, model, monkeypatch):
+    # It compiles MLX's kernels: a restarted server's first request (a restore, then a
+    # one-token forward) taught 0.16 s of compiling as every restore's first-forward cost
+    # on an H200, and the next process skipped restores it should have made.
+    from persistent_prefix_cache import costs as costs_module
+
+    monkeypatch.setattr(costs_module, "_restored_here", set())  # a new process
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        store.observe_prefill(16, 0.5, start=300, restored=True)  # the process's first
+        assert store.stats()["first_forward_s_per_token"] is None
+        assert store.stats()["prefill_tokens_per_s"] is None
+        store.observe_prefill(2048, 0.5)  # the next ones teach
+        assert store.stats()["prefill_tokens_per_s"] is not None
+        store.observe_prefill(16, 0.5, start=300, restored=True)
+        assert store.stats()["first_forward_s_per_token"] is not None
