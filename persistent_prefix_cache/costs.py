@@ -154,12 +154,8 @@ class Costs:
         self.enabled = enabled
         self.prefill = _new_prefill()  # seconds ~ a·tokens + b·(end² − start²)/2 + c·forwards
         self.restore: dict[str, Fit] = {}  # tier -> seconds ~ fixed·1 + (1/rate)·bytes
-        # Seconds per restored token that the first forward on a restored cache costs
-        # beyond a forward on a grown one: mlx-lm grows the restored buffers by a copy
-        # of them, and on CUDA pages restored through host memory move to the GPU then;
-        # both scale with what was restored. (Kept as one constant, the 0.158 s of a
-        # 4k-token restore on an H200 made every later restore, of any length, look that
-        # much slower.)
+        # Seconds per restored token a first forward on a restored cache costs beyond one on
+        # a grown cache: mlx-lm copies what was restored (docs/cost-model.md).
         self.first_forward_per_token: float | None = None
         # Tier -> seconds a process's first restore from it took beyond the tier's fit.
         self.first_restore: dict[str, float] = {}
