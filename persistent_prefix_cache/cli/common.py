@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import glob
 import json
 import os
 import re
@@ -351,6 +352,27 @@ def store_path(args: argparse.Namespace, *, must_exist: bool = False, walk: bool
     return path
 
 
+def model_folder(spec: str, *, what: str = "--model") -> str | None:
+    """The local folder `spec` names, checked to hold what ``mlx_lm.load`` reads
+    (``config.json`` and ``model*.safetensors``), or None for a hub id. Every command
+    that takes a model checks it before anything starts (``ppc serve`` before the
+    server does: it would otherwise fail every request).
+
+    Raises:
+        UserError: If `spec` names a folder that does not exist or is not a model's.
+    """
+    local = expand_path(spec, what=what)
+    if not (os.path.exists(local) or spec.startswith((".", "/", "~", "$")) or local != spec):
+        return None  # a hub id (org/name): mlx-lm finds it in the hub's cache
+    if not os.path.isdir(local):
+        raise UserError(f"{what} {spec}: no such folder")
+    if not os.path.isfile(os.path.join(local, "config.json")):
+        raise UserError(f"{what} {spec}: no config.json in that folder (not an mlx-lm model folder)")
+    if not glob.glob(os.path.join(glob.escape(local), "model*.safetensors")):
+        raise UserError(f"{what} {spec}: no model*.safetensors weights in that folder (not an mlx-lm model folder)")
+    return local
+
+
 def load_model(
     spec: str,
     *,
@@ -375,10 +397,8 @@ def load_model(
     Raises:
         UserError: If the model cannot be found or loaded.
     """
-    local = expand_path(spec, what=what)
-    looks_local = os.path.exists(local) or spec.startswith((".", "/", "~", "$")) or local != spec
-    if looks_local and not os.path.isdir(local):
-        raise UserError(f"{what} {spec}: no such folder")
+    folder = model_folder(spec, what=what)
+    local, looks_local = (folder, True) if folder is not None else (spec, False)
     if adapter_path is not None and not os.path.isdir(adapter_path):
         raise UserError(f"--adapter-path {adapter_path}: no such folder")
     try:

@@ -37,7 +37,7 @@ from typing import Any
 from ..errors import PrefixCacheError
 from .common import (
     Parser, UserError, add_disk_budget_option, add_remote_option, add_store_option, add_store_shared_option, disk_budget_option,
-    parse_size, path_arg, remote_options, run, store_path, unknown_option,
+    model_folder, parse_size, path_arg, remote_options, run, store_path, unknown_option,
 )  # fmt: skip
 
 log = logging.getLogger("persistent_prefix_cache.serve")
@@ -127,8 +127,7 @@ def _print_help(parser: argparse.ArgumentParser) -> int:
 def _serve(args: argparse.Namespace, server_argv: list[str]) -> int:
     path = store_path(args, walk=False)
     if args.model is not None:
-        if args.model.startswith((".", "/")) and not os.path.isdir(args.model):
-            raise UserError(f"--model {args.model}: no such folder")
+        model_folder(args.model)  # what mlx-lm would fail every request on: said now
         server_argv = ["--model", args.model, *server_argv]
     try:
         store_path(args)  # the index walked in a child process: damage is an error, not an abort

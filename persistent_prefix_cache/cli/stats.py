@@ -35,26 +35,9 @@ def _render(s: dict) -> str:
         ("tokens saved", s["tokens_saved"]),
         ("corrupt blocks met", s["corrupt"]),
     ]
-    remote = s.get("remote")
-    if remote is not None:
-        rows.append(("remote", remote["url"]))
-        if not remote["reachable"]:
-            rows.append(("remote reachable", f"no: {remote['error']}"))
-        else:
-            secret = remote.get("secret")
-            rows.append(("remote secret", f"key id {secret}" if secret else
-                         "none (--remote-insecure: whoever can write to the server is trusted)"))  # fmt: skip
-            rows.append(("blocks on the remote", remote["blocks"]))
-            if remote.get("other_secrets"):
-                others = f"{remote['other_secrets']} (not this host's: another secret, or none)"
-                rows.append(("  under other secrets", others))
-            for n in remote["nodes"]:
-                if "error" in n:
-                    rows.append((f"  {n['node']}", f"error: {n['error']}"))
-                    continue
-                figures = f"used {n['used_memory']:,} B of {n['maxmemory'] or 'unbounded'}, {n['maxmemory_policy']}, {n['evicted_keys']:,} evicted"
-                rows.append((f"  {n['node']}", figures))
     out = table(rows)
+    if s.get("remote") is not None:
+        out += "\n\n" + _render_remote(s["remote"])
     if s["models"]:
         models = [
             (m["root"][:12], m.get("name") or "(unnamed)", short_fingerprint(m["fingerprint"]), m["blocks"], m["bytes"],
@@ -63,6 +46,44 @@ def _render(s: dict) -> str:
         ]  # fmt: skip
         out += "\n\n" + table(models, header=("model", "name", "fingerprint", "blocks", "bytes", "last used"))
     return out
+
+
+def _render_remote(remote: dict) -> str:
+    """The remote's part: its URL, this host's key space and the others apart (blocks
+    this host cannot authenticate are never counted as its own), then one row per node."""
+    rows = [("remote", remote["url"])]
+    if not remote["reachable"]:
+        rows.append(("reachable", f"no: {remote['error']}"))
+        return table(rows)
+    secret = remote.get("secret")
+    if secret:
+        rows += [
+            ("secret", f"key id {secret}"),
+            ("blocks under this secret", remote["blocks"]),
+            ("blocks under other secrets or none", remote["other_secrets"]),
+        ]
+    else:
+        rows += [
+            ("secret", "none (--remote-insecure: whoever can write to the server is trusted)"),
+            ("blocks without a secret", remote["blocks"]),
+            ("blocks under secrets", remote["other_secrets"]),
+        ]
+    out = table(rows)
+    if secret:
+        out += "\n(blocks under other secrets, or none, are not used here: this host cannot authenticate them)"
+    else:
+        out += "\n(blocks under secrets are not used here: this host holds no secret to read them)"
+    nodes, errors = [], []
+    for n in remote["nodes"]:
+        if "error" in n:
+            errors.append(f"{n['node']}: {n['error']}")
+            nodes.append((n["node"], "-", "-", "-", "-"))
+        else:
+            nodes.append((n["node"], n["used_memory"], n["maxmemory"] or "unbounded", n["maxmemory_policy"],
+                          n["evicted_keys"]))  # fmt: skip
+    header = ("node", "memory used (bytes)", "maxmemory", "policy", "evicted keys")
+    out += "\n\n" + table(nodes, header=header)
+    return "\n".join([out, *errors])
 
 
 def _when(ns: int) -> str:
