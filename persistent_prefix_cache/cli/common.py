@@ -310,16 +310,21 @@ def positive_int(text: str) -> int:
     return value
 
 
-def store_path(args: argparse.Namespace, *, must_exist: bool = False, walk: bool = True) -> str:
+def store_path(
+    args: argparse.Namespace, *, must_exist: bool = False, walk: bool = True, any_schema: bool = False
+) -> str:
     """The store directory from ``--store``/``$PPC_STORE``; an existing index is walked
     in a child process first (`walk`), so that a damaged page is one error line, never
-    an LMDB abort of this process.
+    an LMDB abort of this process, and a store of another schema is refused there, by
+    every command alike (`any_schema`: ``ppc migrate``, whose work that is).
 
     Raises:
         UserError: If none was given, or (with `must_exist`) there is no store there.
         StoreNotWritableError: If (with `must_exist`) the folder is one this user cannot open.
         StoreCorruptError: If the index is damaged (the hint: what ``ppc check --fix``
             will do).
+        StoreVersionError: If (with `walk`) the store is older than this version (the
+            hint: ``ppc migrate``) or newer.
     """
     path = getattr(args, "store", None)
     if path is None and os.environ.get(STORE_ENV):
@@ -342,6 +347,7 @@ def store_path(args: argparse.Namespace, *, must_exist: bool = False, walk: bool
         raise UserError(f"no store at {path} (expected {os.path.join(path, 'index')})")
     if walk and os.path.isdir(os.path.join(path, "index")):
         from ..disk.index_probe import probe_index
+        from ..disk.schema import SCHEMA_VERSION, schema_error
         from ..disk.store_guard import corrupt_index
 
         health = probe_index(os.path.join(path, "index"), trial_write=False)
@@ -349,6 +355,10 @@ def store_path(args: argparse.Namespace, *, must_exist: bool = False, walk: bool
             raise UserError(health.refused)
         if health.damaged:
             raise corrupt_index(os.path.abspath(path), health.damaged)
+        if not any_schema and health.version not in (None, SCHEMA_VERSION):
+            # One behaviour for an older store: no command migrates it on the side (a
+            # migration rewrites every segment; a read-only command must not write).
+            raise schema_error(os.path.abspath(path), health.version, shown=path)
     return path
 
 
