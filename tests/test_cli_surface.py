@@ -26,7 +26,7 @@ from persistent_prefix_cache.compat.lru_prompt_cache import PersistentLRUPromptC
 from persistent_prefix_cache.disk.schema import SCHEMA_VERSION
 
 ROOT = Path(__file__).resolve().parent.parent
-UNSET = "PPC_TEST_SURELY_UNSET"
+UNSET = "KV_TEST_SURELY_UNSET"  # (no PPC_ name: tests/test_layout.py counts those)
 
 
 def _ppc(*args, env: dict | None = None, cwd=None, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -36,8 +36,8 @@ from typing import Any
 
 from ..errors import PrefixCacheError
 from .common import (
-    Parser, UserError, add_disk_budget_option, add_remote_option, add_store_option, add_store_shared_option, disk_budget_option,
-    model_folder, parse_size, path_arg, remote_options, run, store_path, unknown_option,
+    Parser, UserError, add_disk_budget_option, add_remote_option, add_store_option, add_store_shared_option,
+    disk_budget_option, model_folder, parse_size, path_arg, remote_options, run, store_path, unknown_option,
 )  # fmt: skip
 
 log = logging.getLogger("persistent_prefix_cache.serve")
