@@ -23,10 +23,15 @@ TESTS_031 := tests/test_families.py tests/test_store.py tests/test_restart.py te
 
 .PHONY: demo test test-fast install clean servers test-mlx-lm-0.31 check-vllm-mlx-resolves
 
+# setuptools boxes a note into every editable install of a package that is not under
+# src/ ("folders ... with the same name as your package may take precedence"): true of
+# any checkout, and noise in the first `make demo`'s output. Only that warning is quieted.
+QUIET_EDITABLE := PYTHONWARNINGS='ignore:Editable installation'
+
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,$(MLX)]'
+	$(QUIET_EDITABLE) $(PY) -m pip install --quiet -e '.[test,$(MLX)]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -36,7 +41,7 @@ install: $(STAMP)
 $(STAMP_031): pyproject.toml
 	$(PYTHON) -m venv $(VENV_031)
 	$(PY_031) -m pip install --quiet --upgrade pip
-	$(PY_031) -m pip install --quiet -e '.[test,$(MLX)]' 'mlx-lm==$(MLX_LM_031)'
+	$(QUIET_EDITABLE) $(PY_031) -m pip install --quiet -e '.[test,$(MLX)]' 'mlx-lm==$(MLX_LM_031)'
 	$(PY_031) -m pip install --quiet --no-deps 'vllm-mlx==$(VLLM_MLX)'
 	touch $(STAMP_031)
 

@@ -26,7 +26,7 @@ from .errors import InvalidArgumentError, PrefixCacheError, RemoteUnreachableErr
 from .tiers import remote_wire as wire
 from .tiers import REMOTE_COUNTERS
 from .tiers.remote import RemoteTier
-from .tiers.remote_client import UNAVAILABLE, contact
+from .tiers.remote_client import UNAVAILABLE, contact, redact
 from .counters import Counters
 
 BATCH = 16
@@ -280,44 +280,67 @@ def pull_model(store: Any, progress: Progress | None = None) -> dict[str, int]:
     return out
 
 
+# What a value that does not parse raises before `wire.decode` can say why.
+_MALFORMED = (ValueError, KeyError, TypeError, IndexError, json.JSONDecodeError)
+
+
+def checked_value(skey: bytes, value: Any, root: bytes, mac: bytes | None) -> wire.RemoteBlock:
+    """A value read under `skey` (a key of `root`'s blocks), checked as every read checks
+    it: the block it claims to be, its checksum and, with `mac`, its MAC.
+
+    Raises:
+        wire.BadValue: If a check fails (``reason``: corrupt or unauthenticated).
+        ValueError, KeyError, TypeError, IndexError: If it does not even parse.
+    """
+    key = wire.split_key(skey)[1]
+    head = wire.header_of(value)
+    parent, position, tokens = bytes.fromhex(head["parent"]), int(head["pos"]), wire.tokens_of(value)
+    if position == 0 and parent != root:
+        raise wire.BadValue("corrupt", "a first block whose parent is not the root")
+    return wire.decode(value, skey, key=key, parent=parent, position=position, tokens=tokens, mac=mac)
+
+
 def _verified(tier: RemoteTier, fill: Any, root: bytes, skey: bytes, value: Any) -> wire.RemoteBlock | None:
     if value is None or value is UNAVAILABLE:
         return None
     tier.note_unchecked(value)
     try:
-        key = wire.split_key(skey)[1]
-        head = wire.header_of(value)
-        parent, position, tokens = bytes.fromhex(head["parent"]), int(head["pos"]), wire.tokens_of(value)
-        if position == 0 and parent != root:
-            raise wire.BadValue("corrupt", "a first block whose parent is not the root")
-        block = wire.decode(value, skey, key=key, parent=parent, position=position, tokens=tokens, mac=tier.mac)
+        block = checked_value(skey, value, root, tier.mac)
     except wire.BadValue as exc:
         tier.counters.add(**{f"remote_{exc.reason}": 1})
         return None
-    except (ValueError, KeyError, TypeError, IndexError, json.JSONDecodeError):
+    except _MALFORMED:
         tier.counters.add(remote_corrupt=1)
         return None
     return block if fill.fits(block) else None
 
 
-def remote_summary(url: str, roots: list[bytes], secret: str | bytes | None = None) -> dict[str, Any]:
+def remote_summary(
+    url: str, roots: list[bytes], secret: str | bytes | None = None, *, verify: bool = False
+) -> dict[str, Any]:
     """What the server holds for a store's models, and its memory figures.
 
     Args:
         url: The remote URL.
         roots: The models' root keys.
         secret: The remote secret (None: a fleet without one), whose key space is this host's.
+        verify: Read every value in this host's key space and check it as a read does
+            (its MAC, with a secret; its checksum), so that `blocks` counts only those
+            that pass (it reads every byte of them: a bulk transfer).
 
     Returns:
         reachable, secret (this host's key id, or None), blocks (keys of these models'
-        roots in this host's key space), other_secrets (in other key spaces: written with
-        another secret, or without one) and nodes (used_memory, maxmemory,
-        maxmemory_policy, evicted_keys per node), or reachable False and the error.
+        roots in this host's key space; with `verify`, the values there that pass their
+        checks, and failed: those that do not), other_secrets (in other key spaces:
+        written with another secret, or without one, which this host cannot
+        authenticate) and nodes (used_memory, maxmemory, maxmemory_policy, evicted_keys
+        per node), or reachable False and the error.
     """
     from .tiers.remote_client import Servers
 
     kid = wire.key_id(wire.mac_key(secret)) if secret else None
     servers = Servers(url, timeout=BULK_TIMEOUT)
+    ours: list[tuple[bytes, bytes]] = []  # (root, server key) in this host's key space
     try:
         nodes = servers.info()
         spaces: dict[str | None, int] = {}
@@ -328,9 +351,40 @@ def remote_summary(url: str, roots: list[bytes], secret: str | bytes | None = No
                 except ValueError:
                     continue
                 spaces[space] = spaces.get(space, 0) + 1
+                if space == kid:
+                    ours.append((root, skey))
+        checked = _check_values(url, servers, ours, wire.mac_key(secret) if secret else None) if verify else None
     except PrefixCacheError as exc:  # cannot reach it, or it refuses the URL: said plainly
         return {"reachable": False, "error": exc.message}
     finally:
         servers.close()
-    mine = spaces.pop(kid, 0)
-    return {"reachable": True, "secret": kid, "blocks": mine, "other_secrets": sum(spaces.values()), "nodes": nodes}
+    out = {"reachable": True, "secret": kid, "blocks": spaces.pop(kid, 0), "other_secrets": sum(spaces.values()),
+           "nodes": nodes}  # fmt: skip
+    if checked is not None:
+        out.update(checked)
+    return out
+
+
+def _check_values(url: str, servers: Any, keys: list[tuple[bytes, bytes]], mac: bytes | None) -> dict[str, int]:
+    """blocks (values that pass every check of a read), failed (those that do not) and
+    gone (keys that expired or were evicted since the scan) of `keys`.
+
+    Raises:
+        RemoteUnreachableError: If the server stops answering meanwhile.
+    """
+    out = dict.fromkeys(("blocks", "failed", "gone"), 0)
+    for lo in range(0, len(keys), BATCH):
+        batch = keys[lo : lo + BATCH]
+        for (root, skey), value in zip(batch, servers.get_values([k for _, k in batch])):
+            if value is UNAVAILABLE:
+                raise RemoteUnreachableError(f"{redact(url)} stopped answering while its values were read")
+            if value is None:
+                out["gone"] += 1
+                continue
+            try:
+                checked_value(skey, value, root, mac)
+            except (wire.BadValue, *_MALFORMED):
+                out["failed"] += 1
+            else:
+                out["blocks"] += 1
+    return out

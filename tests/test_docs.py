@@ -179,3 +179,56 @@ def test_runnable_block(block_id, language, code, docs_model, tmp_path):
         argv = ["bash", "example.sh"]
     done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
     assert done.returncode == 0, f"{block_id} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
+
+
+def _console_output(page: Path, command: str) -> list[str]:
+    """The lines a ``console`` block of `page` shows after ``$ <command>``, up to the next
+    prompt or the block's end."""
+    lines = page.read_text().splitlines()
+    start = lines.index(f"$ {command}") + 1
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith(("$ ", "```")))
+    return lines[start:end]
+
+
+def _stats_layout(lines: list[str]) -> tuple[list[str], set[int], list[str]]:
+    """A ``ppc stats`` output's labels, the columns its numbers end at, and its models
+    table's header: what must not drift, whatever the store, paths and figures."""
+    text = "\n".join(lines).strip("\n")
+    first, _, rest = text.partition("\n\n")
+    labels, ends = [], set()
+    for line in first.splitlines():
+        label, value = re.split(r"\s{2,}", line, maxsplit=1)
+        labels.append(label)
+        number = re.match(r"^[\d,.]+", value)
+        if number and label != "store":
+            ends.add(line.index(value) + number.end())
+    return labels, ends, rest.splitlines()[0].split() if rest else []
+
+
+@pytest.mark.slow
+def test_the_stats_example_is_what_ppc_stats_prints(docs_model, tmp_path):
+    """docs/cli.md's ``ppc stats`` example has the rows, the alignment and the schema
+    version the command prints today (made as its prose says: a precompute, then a
+    generate of the prompt and a question)."""
+    shown = _console_output(ROOT / "docs" / "cli.md", "ppc stats --store store")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PPC_")}
+
+    def ppc(*args: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "persistent_prefix_cache", *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    text = "A cache is a promise that the second time will be cheaper than the first."
+    (tmp_path / "prompt.txt").write_text(text + "\n")
+    ppc("precompute", "--model", str(docs_model), "--store", "store", "prompt.txt", "--no-progress")
+    ppc("generate", "--model", str(docs_model), "--store", "store", "--prompt", text + " And the third time?",
+        "-m", "4", "--quiet")  # fmt: skip
+    real = ppc("stats", "--store", "store").splitlines()
+    from persistent_prefix_cache.disk.schema import SCHEMA_VERSION
+
+    labels, ends, header = _stats_layout(shown)
+    assert (labels, ends, header) == _stats_layout(real)
+    assert len(ends) == 1  # every number ends at one column
+    version = next(line for line in shown if line.startswith("schema version"))
+    assert version.split()[-1] == str(SCHEMA_VERSION)

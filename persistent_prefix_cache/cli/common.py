@@ -9,10 +9,13 @@ never a traceback.
 from __future__ import annotations
 
 import argparse
+import difflib
+import glob
 import json
 import os
+import re
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, NoReturn, Sequence
 
 from ..disk.store_dir import check_readable
 from ..errors import InvalidArgumentError, PrefixCacheError
@@ -25,33 +28,108 @@ class UserError(Exception):
     """A mistake the user can fix; printed without a traceback."""
 
 
-def make_parser(command: str, description: str) -> argparse.ArgumentParser:
-    """A parser for ``ppc <command>``."""
-    return argparse.ArgumentParser(prog=f"ppc {command}", description=description)
+class Parser(argparse.ArgumentParser):
+    """The argument parser of every ``ppc`` command: a misspelt option is named before
+    anything else is checked (``--stroe x`` is a typo, not a missing ``--store``), with
+    the nearest known one, and every mistake is one ``error:`` line and exit status 2,
+    never the whole usage (``--help`` shows that).
+
+    Args:
+        passthrough: Leave options this parser does not know to the caller (``ppc
+            serve`` hands them to mlx_lm.server and checks them against both parsers).
+        args, kwargs: As `argparse.ArgumentParser`'s.
+    """
+
+    def __init__(self, *args: Any, passthrough: bool = False, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.passthrough = passthrough
+
+    def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None):  # type: ignore[override]
+        """argparse's, after refusing the first option this parser does not know."""
+        args = sys.argv[1:] if args is None else list(args)
+        if not self.passthrough:
+            word = first_unknown_option(args, self._option_string_actions, abbrev=self.allow_abbrev)
+            if word is not None:
+                shown = [o for a in self._actions if a.help != argparse.SUPPRESS for o in a.option_strings]
+                self.error(unknown_option(word, shown, prog=self.prog))
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str) -> NoReturn:
+        """Print `message` as one ``error:`` line and exit with status 2.
+
+        A message about the command line as a whole (an argument missing or left over)
+        points to ``--help``; one about a given value says all there is to say.
+        """
+        if not message.startswith(("argument ", "unknown option")):
+            message += f" (see `{self.prog} --help`)"
+        self.exit(EXIT_USAGE, f"error: {message}\n")
+
+
+# A word argparse reads as a value although it starts with "-": a negative number.
+_NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
+
+
+def first_unknown_option(args: Sequence[str], known: Iterable[str], *, abbrev: bool = True) -> str | None:
+    """The first word of `args` that argparse would take for an option none of `known`
+    (option strings) is, or None.
+
+    Words after ``--``, ``-`` (stdin), negative numbers and words with a space (values,
+    as argparse reads them) are not options; ``--opt=value``, a short option with its
+    value attached (``-m5``) and, with `abbrev`, an unambiguous or ambiguous prefix of a
+    known option (argparse says which) are known.
+    """
+    known = set(known)
+    for word in args:
+        if word == "--":
+            return None
+        if not word.startswith("-") or word == "-" or word in known:
+            continue
+        head = word.split("=", 1)[0]
+        if head in known or (not word.startswith("--") and word[:2] in known):
+            continue
+        if (abbrev or not word.startswith("--")) and any(k.startswith(head) for k in known):
+            continue
+        if _NEGATIVE_NUMBER.match(word) or " " in word:
+            continue
+        return word
+    return None
+
+
+def unknown_option(word: str, known: Iterable[str], *, prog: str) -> str:
+    """The message for an option nobody knows: its name and the nearest of `known` (the
+    options ``--help`` shows), else where the options are listed."""
+    name = word.split("=", 1)[0]
+    near = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.7)
+    return f"unknown option {name}" + (f" (did you mean {near[0]}?)" if near else f" (see `{prog} --help`)")
+
+
+def make_parser(command: str, description: str) -> Parser:
+    """A parser for ``ppc <command>`` (see `Parser`)."""
+    return Parser(prog=f"ppc {command}", description=description)
 
 
 def path_arg(text: str) -> str:
-    """An argparse ``type=`` for paths: ``~`` and ``$VARS`` expanded (see `expand_path`),
-    also in a default taken from the environment (``--store=~/kv``, ``PPC_STORE=~/kv``).
+    """An argparse ``type=`` for paths: ``~`` and ``$VARS`` expanded (see `expand_path`;
+    ``--store=~/kv`` arrives with its ``~``).
 
     Raises:
-        argparse.ArgumentTypeError: If the path names an environment variable that is not set.
+        argparse.ArgumentTypeError: If the path names an environment variable that is
+            not set (argparse puts the option's name before the message).
     """
     try:
-        return expand_path(text)
+        return expand_path(text, what="")
     except InvalidArgumentError as exc:
-        raise argparse.ArgumentTypeError(exc.message) from None
+        raise argparse.ArgumentTypeError(str(exc).lstrip()) from None
 
 
-def add_store_option(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
-    """``--store DIR``, defaulting to ``$PPC_STORE``."""
-    parser.add_argument(
-        "--store",
-        type=path_arg,
-        default=os.environ.get("PPC_STORE"),
-        help="store directory (default: $PPC_STORE)",
-    )
-    parser.set_defaults(_store_required=required)
+#: The variable ``--store`` defaults to.
+STORE_ENV = "PPC_STORE"
+
+
+def add_store_option(parser: argparse.ArgumentParser) -> None:
+    """``--store DIR``, defaulting to ``$PPC_STORE`` (read and expanded by `store_path`,
+    so a mistake in the variable is said of the variable, not of ``--store``)."""
+    parser.add_argument("--store", type=path_arg, default=None, help=f"store directory (default: ${STORE_ENV})")
 
 
 def add_store_shared_option(parser: argparse.ArgumentParser) -> None:
@@ -232,20 +310,27 @@ def positive_int(text: str) -> int:
     return value
 
 
-def store_path(args: argparse.Namespace, *, must_exist: bool = False, walk: bool = True) -> str:
+def store_path(
+    args: argparse.Namespace, *, must_exist: bool = False, walk: bool = True, any_schema: bool = False
+) -> str:
     """The store directory from ``--store``/``$PPC_STORE``; an existing index is walked
     in a child process first (`walk`), so that a damaged page is one error line, never
-    an LMDB abort of this process.
+    an LMDB abort of this process, and a store of another schema is refused there, by
+    every command alike (`any_schema`: ``ppc migrate``, whose work that is).
 
     Raises:
         UserError: If none was given, or (with `must_exist`) there is no store there.
         StoreNotWritableError: If (with `must_exist`) the folder is one this user cannot open.
         StoreCorruptError: If the index is damaged (the hint: what ``ppc check --fix``
             will do).
+        StoreVersionError: If (with `walk`) the store is older than this version (the
+            hint: ``ppc migrate``) or newer.
     """
     path = getattr(args, "store", None)
+    if path is None and os.environ.get(STORE_ENV):
+        path = expand_path(os.environ[STORE_ENV], what=f"${STORE_ENV}")
     if not path:
-        raise UserError("no store given: pass --store DIR or set PPC_STORE")
+        raise UserError(f"no store given: pass --store DIR or set {STORE_ENV}")
     path = expand_path(path, what="--store")
     if must_exist:
         check_readable(path, what="--store")  # another user's private store: say so
@@ -262,6 +347,7 @@ def store_path(args: argparse.Namespace, *, must_exist: bool = False, walk: bool
         raise UserError(f"no store at {path} (expected {os.path.join(path, 'index')})")
     if walk and os.path.isdir(os.path.join(path, "index")):
         from ..disk.index_probe import probe_index
+        from ..disk.schema import SCHEMA_VERSION, schema_error
         from ..disk.store_guard import corrupt_index
 
         health = probe_index(os.path.join(path, "index"), trial_write=False)
@@ -269,7 +355,32 @@ def store_path(args: argparse.Namespace, *, must_exist: bool = False, walk: bool
             raise UserError(health.refused)
         if health.damaged:
             raise corrupt_index(os.path.abspath(path), health.damaged)
+        if not any_schema and health.version not in (None, SCHEMA_VERSION):
+            # One behaviour for an older store: no command migrates it on the side (a
+            # migration rewrites every segment; a read-only command must not write).
+            raise schema_error(os.path.abspath(path), health.version, shown=path)
     return path
+
+
+def model_folder(spec: str, *, what: str = "--model") -> str | None:
+    """The local folder `spec` names, checked to hold what ``mlx_lm.load`` reads
+    (``config.json`` and ``model*.safetensors``), or None for a hub id. Every command
+    that takes a model checks it before anything starts (``ppc serve`` before the
+    server does: it would otherwise fail every request).
+
+    Raises:
+        UserError: If `spec` names a folder that does not exist or is not a model's.
+    """
+    local = expand_path(spec, what=what)
+    if not (os.path.exists(local) or spec.startswith((".", "/", "~", "$")) or local != spec):
+        return None  # a hub id (org/name): mlx-lm finds it in the hub's cache
+    if not os.path.isdir(local):
+        raise UserError(f"{what} {spec}: no such folder")
+    if not os.path.isfile(os.path.join(local, "config.json")):
+        raise UserError(f"{what} {spec}: no config.json in that folder (not an mlx-lm model folder)")
+    if not glob.glob(os.path.join(glob.escape(local), "model*.safetensors")):
+        raise UserError(f"{what} {spec}: no model*.safetensors weights in that folder (not an mlx-lm model folder)")
+    return local
 
 
 def load_model(
@@ -296,10 +407,8 @@ def load_model(
     Raises:
         UserError: If the model cannot be found or loaded.
     """
-    local = expand_path(spec, what=what)
-    looks_local = os.path.exists(local) or spec.startswith((".", "/", "~", "$")) or local != spec
-    if looks_local and not os.path.isdir(local):
-        raise UserError(f"{what} {spec}: no such folder")
+    folder = model_folder(spec, what=what)
+    local, looks_local = (folder, True) if folder is not None else (spec, False)
     if adapter_path is not None and not os.path.isdir(adapter_path):
         raise UserError(f"--adapter-path {adapter_path}: no such folder")
     try:
@@ -370,8 +479,16 @@ def _is_hex(text: str) -> bool:
 
 
 def table(rows: Sequence[Sequence[Any]], *, header: Sequence[str] | None = None) -> str:
-    """Rows as aligned text columns (numbers right-aligned)."""
+    """Rows as aligned text columns.
+
+    Under a header, numbers are right-aligned in their column. Without one (a list of
+    ``label  value`` rows), the numbers of a column end at one edge, a unit after a
+    number (``0.015 s``, ``50.0 %``) hanging past it, and text starts where the column
+    starts, so that one long value (a path) does not push the numbers away.
+    """
     rows = [list(map(_cell, r)) for r in rows]
+    if not header:
+        rows = [[_hang(c, _number_width(rows, i)) for i, c in enumerate(r)] for r in rows]
     if header:
         rows.insert(0, list(header))
     if not rows:
@@ -379,14 +496,31 @@ def table(rows: Sequence[Sequence[Any]], *, header: Sequence[str] | None = None)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for n, r in enumerate(rows):
-        cells = [
-            c.rjust(w) if _is_number(c) and not (header and n == 0) else c.ljust(w)
-            for c, w in zip(r, widths)
-        ]
+        # Without a header the numbers were aligned above: every cell is padded on the right.
+        cells = [c.rjust(w) if header and n and _is_number(c) else c.ljust(w) for c, w in zip(r, widths)]
         lines.append("  ".join(cells).rstrip())
         if header and n == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+# A number and, after a space, a short unit: "0.015 s", "50.0 %", "1.2 GB/s".
+_WITH_UNIT = re.compile(r"^(-?[\d,]+(?:\.\d+)?)( (?:%|[A-Za-z/]{1,8}))$")
+
+
+def _number_width(rows: list[list[str]], column: int) -> int:
+    """How wide the numbers of a column are (their unit left out)."""
+    found = [len(m.group(1)) if (m := _WITH_UNIT.match(r[column])) else len(r[column])
+             for r in rows if _is_number(r[column]) or _WITH_UNIT.match(r[column])]  # fmt: skip
+    return max(found, default=0)
+
+
+def _hang(cell: str, width: int) -> str:
+    """A number right-aligned to `width`, its unit after it; text as it is."""
+    m = _WITH_UNIT.match(cell)
+    if m:
+        return m.group(1).rjust(width) + m.group(2)
+    return cell.rjust(width) if _is_number(cell) else cell
 
 
 def _cell(value: Any) -> str:

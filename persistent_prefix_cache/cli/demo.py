@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 
-from .common import UserError, path_arg, run
+from .common import UserError, make_parser, path_arg, run
 
 DEFAULT_WORKDIR = ".demo"
 DEMO_MODEL = dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=512)
@@ -126,7 +126,7 @@ def _table(cold: dict, warm: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``ppc demo``."""
-    parser = argparse.ArgumentParser(prog="ppc demo", description=__doc__.split("\n\n")[0])
+    parser = make_parser("demo", __doc__.split("\n\n")[0])
     parser.add_argument("--model", type=path_arg, help="a local model folder or hub id (default: a tiny random model, no network)")
     parser.add_argument("--workdir", type=path_arg, default=DEFAULT_WORKDIR, help="where the demo keeps its model and store; it replaces only what it made there itself (default: %(default)s)")
     parser.add_argument("--prompt-tokens", type=int, default=1536, help="prompt length in tokens (default: %(default)s)")

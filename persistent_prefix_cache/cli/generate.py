@@ -370,10 +370,11 @@ def _generate(args) -> int:
         "restored_blocks": counting.tiers,  # by the tier that served them: ram, disk, remote
         "ttft_s": round(ttft, 4) if ttft is not None else None,
         "generation_tokens": len(generated),
-        "generation_tps": round(last.generation_tps, 1) if last is not None else 0.0,
+        # Rates as measured (not rounded): the summary prints them as mlx-lm does, to 3 decimals.
+        "generation_tps": last.generation_tps if last is not None else 0.0,
         # As mlx-lm counts it: the whole prompt over the time to its first token (here
         # restoring, prefilling and the last token's forward pass).
-        "prompt_tps": round(len(ids) / ttft, 1) if ttft else 0.0,
+        "prompt_tps": len(ids) / ttft if ttft else 0.0,
         "peak_memory_gb": round(mx.get_peak_memory() / 1e9, 3),
         # Handed to the store; where writes failed (a damaged index, a full disk), committed.
         "new_blocks": stats["blocks_written"] if stats.get("write_errors") else counting.new_blocks + new_after,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 from .common import add_json_option, add_store_option, emit, make_parser, run, store_path
-from ..errors import StoreVersionError
 from ..disk.index import SCHEMA_VERSION, Index
+from ..disk.schema import schema_error
 from ..disk.maintenance import WRITE_HINT
 from ..disk.store_dir import require_writable, unwritable_part
 
@@ -20,14 +20,14 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     def work() -> int:
-        path = store_path(args, must_exist=True)
+        path = store_path(args, must_exist=True, any_schema=True)
         # A store this user cannot write is read: "nothing to do" needs no write access.
         writable = not args.dry_run and unwritable_part(path) is None
         index = Index(os.path.join(path, "index"), readonly=not writable, migrate=False)
         try:
             version = index.version()
             if version > SCHEMA_VERSION:
-                raise StoreVersionError(f"store {path} has schema v{version}, newer than v{SCHEMA_VERSION}")
+                raise schema_error(path, version)
             pending = [{"version": m.VERSION, "description": m.DESCRIPTION} for m in index.pending_migrations()]
             applied = []
             if pending and not args.dry_run:

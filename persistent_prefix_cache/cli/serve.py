@@ -28,7 +28,6 @@ stops its generation thread on an empty rest.
 from __future__ import annotations
 
 import argparse
-import difflib
 import logging
 import os
 import signal
@@ -37,15 +36,15 @@ from typing import Any
 
 from ..errors import PrefixCacheError
 from .common import (
-    UserError, add_disk_budget_option, add_remote_option, add_store_option, add_store_shared_option, disk_budget_option,
-    parse_size, path_arg, remote_options, run, store_path,
+    Parser, UserError, add_disk_budget_option, add_remote_option, add_store_option, add_store_shared_option,
+    disk_budget_option, model_folder, parse_size, path_arg, remote_options, run, store_path, unknown_option,
 )  # fmt: skip
 
 log = logging.getLogger("persistent_prefix_cache.serve")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="ppc serve",
         description=(
             "Run mlx_lm.server with its prompt cache kept in a store, so a restarted "
@@ -56,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
         add_help=False,
         # Never let a prefix of one of our options swallow an mlx_lm.server option.
         allow_abbrev=False,
+        passthrough=True,  # mlx_lm.server's options: `_check_passthrough` checks them against both parsers
     )
     parser.add_argument("-h", "--help", action="store_true", help="show this help and exit")
     parser.add_argument(
@@ -127,8 +127,7 @@ def _print_help(parser: argparse.ArgumentParser) -> int:
 def _serve(args: argparse.Namespace, server_argv: list[str]) -> int:
     path = store_path(args, walk=False)
     if args.model is not None:
-        if args.model.startswith((".", "/")) and not os.path.isdir(args.model):
-            raise UserError(f"--model {args.model}: no such folder")
+        model_folder(args.model)  # what mlx-lm would fail every request on: said now
         server_argv = ["--model", args.model, *server_argv]
     try:
         store_path(args)  # the index walked in a child process: damage is an error, not an abort
@@ -358,8 +357,7 @@ def _check_passthrough(ours: argparse.ArgumentParser, rest: list[str]) -> None:
         name = word.split("=", 1)[0]
         if name in known or any(k.startswith(name) for k in theirs._option_string_actions):
             continue  # mlx_lm.server accepts unambiguous prefixes of its options
-        near = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.7)
-        raise UserError(f"unknown option {name}" + (f" (did you mean {near[0]}?)" if near else ""))
+        raise UserError(unknown_option(name, known, prog=ours.prog))
 
 
 def main(argv: list[str] | None = None) -> int:

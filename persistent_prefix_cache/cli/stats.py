@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from .common import (
+    UserError,
     add_json_option,
     add_remote_option,
     add_store_option,
@@ -35,26 +36,9 @@ def _render(s: dict) -> str:
         ("tokens saved", s["tokens_saved"]),
         ("corrupt blocks met", s["corrupt"]),
     ]
-    remote = s.get("remote")
-    if remote is not None:
-        rows.append(("remote", remote["url"]))
-        if not remote["reachable"]:
-            rows.append(("remote reachable", f"no: {remote['error']}"))
-        else:
-            secret = remote.get("secret")
-            rows.append(("remote secret", f"key id {secret}" if secret else
-                         "none (--remote-insecure: whoever can write to the server is trusted)"))  # fmt: skip
-            rows.append(("blocks on the remote", remote["blocks"]))
-            if remote.get("other_secrets"):
-                others = f"{remote['other_secrets']} (not this host's: another secret, or none)"
-                rows.append(("  under other secrets", others))
-            for n in remote["nodes"]:
-                if "error" in n:
-                    rows.append((f"  {n['node']}", f"error: {n['error']}"))
-                    continue
-                figures = f"used {n['used_memory']:,} B of {n['maxmemory'] or 'unbounded'}, {n['maxmemory_policy']}, {n['evicted_keys']:,} evicted"
-                rows.append((f"  {n['node']}", figures))
     out = table(rows)
+    if s.get("remote") is not None:
+        out += "\n\n" + _render_remote(s["remote"])
     if s["models"]:
         models = [
             (m["root"][:12], m.get("name") or "(unnamed)", short_fingerprint(m["fingerprint"]), m["blocks"], m["bytes"],
@@ -63,6 +47,48 @@ def _render(s: dict) -> str:
         ]  # fmt: skip
         out += "\n\n" + table(models, header=("model", "name", "fingerprint", "blocks", "bytes", "last used"))
     return out
+
+
+def _render_remote(remote: dict) -> str:
+    """The remote's part: its URL, this host's key space and the others apart (blocks
+    this host cannot authenticate are never counted as its own), then one row per node."""
+    rows = [("remote", remote["url"])]
+    if not remote["reachable"]:
+        rows.append(("reachable", f"no: {remote['error']}"))
+        return table(rows)
+    secret = remote.get("secret")
+    verified = "failed" in remote  # --verify: every value of this host's key space read and checked
+    if secret:
+        rows += [
+            ("secret", f"key id {secret}"),
+            ("blocks under this secret" + (", verified" if verified else "'s key id"), remote["blocks"]),
+        ]
+    else:
+        rows += [
+            ("secret", "none (--remote-insecure: whoever can write to the server is trusted)"),
+            ("blocks without a secret" + (", intact" if verified else ""), remote["blocks"]),
+        ]
+    if verified:
+        rows.append(("  failing their checks", remote["failed"]))
+    rows.append(("blocks under other secrets or none" if secret else "blocks under secrets", remote["other_secrets"]))
+    out = table(rows)
+    if secret:
+        out += "\n(blocks under other secrets, or none, are not used here: this host cannot authenticate them)"
+    else:
+        out += "\n(blocks under secrets are not used here: this host holds no secret to read them)"
+    if secret and not verified:
+        out += "\n(a value under this key id that this secret did not make is a miss when read: --verify counts them)"
+    nodes, errors = [], []
+    for n in remote["nodes"]:
+        if "error" in n:
+            errors.append(f"{n['node']}: {n['error']}")
+            nodes.append((n["node"], "-", "-", "-", "-"))
+        else:
+            nodes.append((n["node"], n["used_memory"], n["maxmemory"] or "unbounded", n["maxmemory_policy"],
+                          n["evicted_keys"]))  # fmt: skip
+    header = ("node", "memory used (bytes)", "maxmemory", "policy", "evicted keys")
+    out += "\n\n" + table(nodes, header=header)
+    return "\n".join([out, *errors])
 
 
 def _when(ns: int) -> str:
@@ -76,11 +102,18 @@ def main(argv: list[str]) -> int:
     parser = make_parser("stats", "Totals and hit counters of a store.")
     add_store_option(parser)
     add_remote_option(parser)
+    parser.add_argument(
+        "--verify", action="store_true",
+        help="with --remote: read every value under this host's secret and count only those that pass "
+        "the checks of a read (MAC, checksum); reads every byte of them",
+    )  # fmt: skip
     add_json_option(parser)
     args = parser.parse_args(argv)
 
     def work() -> int:
         options = remote_options(args)
+        if args.verify and not options:
+            raise UserError("--verify checks the values on the remote: give --remote URL (or set $PPC_REMOTE)")
         with StoreAdmin(store_path(args, must_exist=True), readonly=True) as admin:
             summary = admin.summary()
         if options:
@@ -88,7 +121,7 @@ def main(argv: list[str]) -> int:
             from ..tiers.remote_client import redact
 
             roots = [bytes.fromhex(m["root"]) for m in summary["models"]]
-            found = remote_summary(options["remote"], roots, options["remote_secret"])
+            found = remote_summary(options["remote"], roots, options["remote_secret"], verify=args.verify)
             summary["remote"] = {"url": redact(options["remote"]), **found}
         emit(summary, args.json, _render)
         return 0

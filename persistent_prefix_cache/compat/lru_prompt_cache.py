@@ -231,7 +231,12 @@ class PersistentLRUPromptCache(LRUPromptCache):
 
     def _written(self, model: Hashable, store: PersistentPrefixCache | None, tokens: list[int], cache: list) -> bool:
         """Write `cache` through to `store`; whether it was taken."""
-        if store is None or store.readonly:  # read-only serves hits: nothing written, nothing skipped
+        if store is None:
+            if len(tokens):  # no store for this model (store_for gave None, or its open failed)
+                with self._lock:
+                    self._counters["store_skipped"] += 1
+            return False
+        if store.readonly:  # read-only serves hits: nothing written, nothing skipped
             return False
         if not _storable(tokens):
             self._skip(
@@ -311,10 +316,11 @@ class PersistentLRUPromptCache(LRUPromptCache):
         Returns:
             store_hits (fetches answered by the store), restored_tokens,
             stored_sequences (inserts written through), store_skipped (inserts kept in
-            memory only), memory_only_sequences (inserts the store took that the LRU
+            memory only: the store refused them, or there was no store for the model),
+            memory_only_sequences (inserts the store took that the LRU
             kept too), memory_peak_bytes (the most `nbytes` seen after any call),
-            memory_bytes (`nbytes` now), memory_budget (``max_bytes``), and
-            ``stores``: a list of ``{"model", "path", "stats"}``.
+            memory_bytes (`nbytes` now), memory_budget (``max_bytes``; None when
+            unbounded), and ``stores``: a list of ``{"model", "path", "stats"}``.
         """
         with self._lock:
             out: dict[str, Any] = dict(self._counters)
@@ -324,7 +330,8 @@ class PersistentLRUPromptCache(LRUPromptCache):
         out["stores"] = [
             {"model": key, "path": s.path, "stats": s.stats()} for key, s in stores if not s.closed
         ]
-        out["memory_bytes"], out["memory_budget"] = self.nbytes, self.max_bytes
+        out["memory_bytes"] = self.nbytes
+        out["memory_budget"] = self.max_bytes if self.max_bytes < _NO_LIMIT else None  # None: unbounded
         return out
 
     def flush(self) -> None:

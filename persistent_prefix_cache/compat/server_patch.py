@@ -4,11 +4,14 @@
 model_provider)``, which builds ``LRUPromptCache(prompt_cache_size)`` and hands it to
 the ``ResponseGenerator``. `patched_server` replaces two names in the ``mlx_lm.server``
 module while the server runs: ``run`` by a wrapper that notes the ``ModelProvider`` and
-calls the original, and ``LRUPromptCache`` by a factory of our class. The server keys
+calls the original, and ``LRUPromptCache`` by a factory of our class (and a third where
+the server has it: ``scan_cache_dir``, which ``GET /v1/models`` calls, answers "no
+downloaded models" where there is no Hugging Face cache yet, instead of an exception
+whose traceback fills the log: `scan_hub_cache`). The server keys
 caches by ``model_provider.model_key`` and loads one model at a time; `ProviderStores`
 opens one store handle per model key (all in one directory, told apart by each model's
 fingerprint) from the model the provider has loaded. Nothing else in mlx-lm is touched,
-and both names are put back when the server returns.
+and every name is put back when the server returns.
 
 With ``--draft-model`` the store holds the model's and the draft's layers together
 under a fingerprint of both. With ``--adapter-path`` the weights are hashed at every
@@ -118,6 +121,7 @@ def patched_server(
         A dict that gets ``"provider"`` and ``"cache"`` once the server has built them.
     """
     original_run, original_cache_class = server.run, server.LRUPromptCache
+    original_scan = getattr(server, "scan_cache_dir", None)
     built: dict[str, Any] = {}
 
     def run_noting_provider(host, port, model_provider, *args, **kwargs):
@@ -129,10 +133,47 @@ def patched_server(
         return built["cache"]
 
     server.run, server.LRUPromptCache = run_noting_provider, build_prompt_cache
+    if original_scan is not None:
+        server.scan_cache_dir = scan_hub_cache(original_scan)
     try:
         yield built
     finally:
         server.run, server.LRUPromptCache = original_run, original_cache_class
+        if original_scan is not None:
+            server.scan_cache_dir = original_scan
+
+
+class _NoHubCache:
+    """What `scan_hub_cache` answers without a cache: no repositories (the attribute
+    ``GET /v1/models`` reads)."""
+
+    repos: frozenset = frozenset()
+
+
+def scan_hub_cache(scan: Callable[..., Any]) -> Callable[..., Any]:
+    """``huggingface_hub.scan_cache_dir`` for ``GET /v1/models``: no cache folder yet (no
+    model ever downloaded, a local ``--model`` only) means no downloaded models, not an
+    error; a cache that cannot be read is one warning line (once) and no models.
+
+    Args:
+        scan: The server's ``scan_cache_dir``.
+
+    Returns:
+        A function taking the same arguments.
+    """
+    warned = []
+
+    def scan_or_nothing(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return scan(*args, **kwargs)
+        except Exception as exc:  # huggingface_hub's CacheNotFound, or what reading a cache raises
+            if type(exc).__name__ != "CacheNotFound" and not warned:
+                warned.append(exc)
+                log.warning("GET /v1/models lists no downloaded models: the Hugging Face cache "
+                            "cannot be read (%s: %s)", type(exc).__name__, exc)  # fmt: skip
+            return _NoHubCache()
+
+    return scan_or_nothing
 
 
 class ProviderStores:

@@ -17,7 +17,7 @@ from typing import Callable, Iterator, TypeVar
 
 import lmdb
 
-from ..errors import ReadOnlyStoreError, StoreCorruptError, StoreVersionError
+from ..errors import ReadOnlyStoreError, StoreCorruptError
 from .faults import pause_point
 from .index_env import acquire_env, release_env
 from .store_guard import corrupt_index, store_of
@@ -25,7 +25,7 @@ from .index_tables import (  # noqa: F401 (the tables re-exported)
     CHILDREN, DIGESTS, FINGERPRINTS, HITS, LRU, META, MODELS, NODES, SEGMENTS, Reader, Writer,
 )
 from ..blocks import Node
-from .schema import MIGRATIONS, SCHEMA_VERSION
+from .schema import MIGRATIONS, SCHEMA_VERSION, schema_error
 
 T = TypeVar("T")
 log = logging.getLogger("persistent_prefix_cache")
@@ -120,18 +120,10 @@ class Index:
 
     def _migrate(self, block_size: int) -> None:
         version = self.version()
-        if version > SCHEMA_VERSION:
-            raise StoreVersionError(
-                f"store index {self.path} has schema v{version}; this library reads up to "
-                f"v{SCHEMA_VERSION}"
-            )
+        if version > SCHEMA_VERSION or (version < SCHEMA_VERSION and self.readonly):
+            raise schema_error(store_of(self.path), version)
         if version == SCHEMA_VERSION:
             return
-        if self.readonly:
-            raise StoreVersionError(
-                f"store index {self.path} has schema v{version}, needs v{SCHEMA_VERSION}",
-                hint="run `ppc migrate --store STORE` once with write access",
-            )
         self.apply_migrations({"block_size": block_size})
 
     def apply_migrations(self, params: dict, *, upto: int | None = None) -> list[int]:
@@ -343,7 +335,7 @@ def walk_index(path: str, *, trial_write: bool, say: Callable[[dict], None]) -> 
         trial_write: Also try the write (needs write access).
         say: Called with each finding: ``{"stage": ...}`` before each step,
             ``{"problem": ...}`` for each record that does not decode, then
-            ``{"done": True, "records": n, "block_size": n or None}``.
+            ``{"done": True, "records": n, "block_size": n or None, "version": n}``.
 
     Raises:
         lmdb.Error: What LMDB says of a damaged page (the caller reports it).
@@ -358,7 +350,8 @@ def walk_index(path: str, *, trial_write: bool, say: Callable[[dict], None]) -> 
         with env.begin(buffers=False) as txn:
             # Schemas v1-v2 (before `ppc migrate`) keep their tables in named databases:
             # walk each (every page read, keys in order), their records undecoded.
-            named = 0 < _stamped_version(env, txn) <= _LAST_NAMED_SCHEMA
+            version = _stamped_version(env, txn)
+            named = 0 < version <= _LAST_NAMED_SCHEMA
             databases = [None]
             while databases:
                 db = databases.pop()
@@ -391,6 +384,6 @@ def walk_index(path: str, *, trial_write: bool, say: Callable[[dict], None]) -> 
                 txn.put(META + b"trial_write", b"")
             finally:
                 txn.abort()
-        say({"done": True, "records": records, "problems": problems, "block_size": block_size})
+        say({"done": True, "records": records, "problems": problems, "block_size": block_size, "version": version})
     finally:
         close_env(env)

@@ -32,6 +32,7 @@ class IndexHealth:
         problems: The records that did not decode (the first 20).
         records: Records read (when the walk finished).
         block_size: The block size stamped in the index, if it could be read.
+        version: The schema version stamped in the index, if it could be read.
         notes: What was not checked, and why (a read-only store skips the trial write;
             a writer holding LMDB's write lock made it wait too long).
         refused: The index was not opened: one of its files is a link, a special file or
@@ -43,6 +44,7 @@ class IndexHealth:
     problems: list[str] = field(default_factory=list)
     records: int = 0
     block_size: int | None = None
+    version: int | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -103,7 +105,7 @@ def probe_index(index_path: str, *, trial_write: bool = True, timeout: float | N
     if health.refused is not None:
         return health  # not damage: nothing was read
     if done is not None:
-        health.records, health.block_size = done["records"], done["block_size"]
+        health.records, health.block_size, health.version = done["records"], done["block_size"], done.get("version")
     if rc is None:
         if stage == "write_wait":  # another process holds LMDB's write lock: not damage
             health.notes.append("another process held the index's write lock: no trial write")

@@ -14,7 +14,7 @@ import stat
 import time
 from typing import BinaryIO, Iterator
 
-from ..errors import EmptiesStoreError, InvalidArgumentError, StoreVersionError
+from ..errors import EmptiesStoreError, InvalidArgumentError
 from ..keys import block_key
 from ..paths import expand_path
 from . import packs, store_guard
@@ -22,6 +22,7 @@ from .compaction import compact_sparse
 from .pack_members import PackReader
 from .segment import SegmentFiles
 from .index import SCHEMA_VERSION, Index, Reader, Writer
+from .schema import schema_error
 from .check_report import CheckReport
 from ..blocks import Node
 from .store_dir import check_location, check_readable, create_root, require_writable
@@ -70,12 +71,7 @@ class StoreAdmin:
         version = self.index.version()
         if version != SCHEMA_VERSION:
             self.index.close()
-            if version > SCHEMA_VERSION:
-                raise StoreVersionError(f"store {self.path} has schema v{version}, newer than v{SCHEMA_VERSION}")
-            raise StoreVersionError(
-                f"store {self.path} has schema v{version}; this library uses v{SCHEMA_VERSION}",
-                hint=f"run `ppc migrate --store {path}`",
-            )
+            raise schema_error(self.path, version, shown=path)
         self.files = SegmentFiles(self.path, readonly=readonly)
 
     def close(self) -> None:
