@@ -204,7 +204,7 @@ def tmpfs(tmp_path):
 def test_a_full_disk_stops_the_run_and_the_summary_counts_what_was_stored(model, tmpfs, tmp_path):
     prompts = write_prompts(tmp_path / "in", 20, 400, seed=2)  # ~4 MB of KV for a 2 MiB disk
     store = tmpfs / "store"
-    argv = command(model, store, prompts, "--store-disk-bytes", "0")  # no budget: the disk fills
+    argv = command(model, store, prompts, "--store-disk-bytes", "unlimited")  # no budget: the disk fills
     proc, summary = run_json(argv)
     assert proc.returncode == 1, proc.stderr
     assert summary["stopped"] == "write_failed" and summary["write_errors"] >= 1
