@@ -112,12 +112,17 @@ def prefill(
         mx.clear_cache()  # as mlx-lm's prefill: the step's temporaries go back
         if progress is not None:
             progress(pos, len(ids))
-    if stored < stop:
+    if every_forward and stored < stop:  # its snapshot is the cache as it is now
         store.store(ids[:stop], cache)
+        stored = stop
     started = time.perf_counter()
     logits = model(mx.array(ids[pos:])[None], cache=cache)[:, -1, :]
     mx.eval(logits)
     store.observe_prefill(len(ids) - pos, time.perf_counter() - started, start=pos, restored=restored)
+    if stored < stop:
+        # After the caller's last forward (the writer's work never overlaps it), cut from
+        # the cache that now holds one token more: the same blocks, the same bits.
+        store.store(ids[:stop], cache)
     if progress is not None:
         progress(len(ids), len(ids))
     return cache, logits

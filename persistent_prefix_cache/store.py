@@ -24,7 +24,7 @@ from .blocks import Node
 from .errors import InvalidArgumentError, LayoutMismatchError, StoreCorruptError
 from .fingerprint import cached_fingerprint, forget_fingerprints
 from .keys import as_token_array, chain_keys, root_key
-from .layers import Layout, cache_length, signature_of, template_cache
+from .layers import Layout, all_sliced, cache_length, signature_of, template_cache
 from .layers.mlx_lm_versions import layout_variant
 from .lookup import Trie, back_off
 from .calibration import CalibrationMixin
@@ -355,14 +355,16 @@ class PersistentPrefixCache(OpenedWith, CostsMixin, CalibrationMixin):
 
         Args:
             tokens: The tokens `cache` was computed from.
-            cache: mlx-lm cache objects covering exactly ``len(tokens)`` positions,
-                with the layout the store was opened with.
+            cache: mlx-lm cache objects covering ``len(tokens)`` positions (or more,
+                where every layer is sliced along the sequence: ``KVCache``,
+                ``QuantizedKVCache``), with the layout the store was opened with.
 
         Returns:
             The number of new blocks.
 
         Raises:
-            InvalidArgumentError: If the cache does not cover ``len(tokens)`` positions.
+            InvalidArgumentError: If the cache covers fewer than ``len(tokens)`` positions
+                (or more, with a layer that is not sliced).
             LayoutMismatchError: If the cache's classes differ from the store's layout.
             UnsupportedCacheError: If a layer's class cannot be stored.
         """
@@ -376,7 +378,8 @@ class PersistentPrefixCache(OpenedWith, CostsMixin, CalibrationMixin):
         if signature != self._layout.signature:
             raise LayoutMismatchError(f"cache layout {signature!r} does not match the store's {self._layout.signature!r}")
         covered = cache_length(cache)
-        if covered is not None and covered != len(toks):
+        # A sliced cache may hold more (what was computed after `tokens`): their blocks are cut from it.
+        if covered is not None and covered != len(toks) and not (covered > len(toks) and all_sliced(cache)):
             raise InvalidArgumentError(f"cache covers {covered} positions but {len(toks)} tokens were given")
         if self._readonly:  # what was asked for (or said once at open): nothing to warn about
             return 0

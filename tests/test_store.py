@@ -18,6 +18,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 import numpy as np
 import pytest
+from families import build
 from helpers import (
     BLOCK,
     assert_same_logits,
@@ -500,15 +501,42 @@ def _assert_nothing_written(store, store_dir):
     assert segment_files(store_dir) == {}
 
 
-@pytest.mark.parametrize("delta", [-1, 1])
-def test_cache_not_covering_the_tokens_is_refused(store_dir, model, delta):
+def test_cache_not_covering_the_tokens_is_refused(store_dir, model):
     tokens = random_tokens(BLOCK + 4, seed=100)
     _, cache = prefill(model, tokens)
     with open_store(store_dir, model) as store:
-        given = tokens[: len(tokens) + delta] if delta < 0 else tokens + [1]
         with pytest.raises(InvalidArgumentError):
-            store.store(given, cache)
+            store.store(tokens + [1], cache)
         _assert_nothing_written(store, store_dir)
+
+
+def test_a_sliced_cache_that_holds_more_stores_the_tokens_given(store_dir, model):
+    # prefill() stores after its last forward, from a cache one token longer: the blocks
+    # of the tokens given, their bits those of the cache's first positions.
+    tokens = random_tokens(2 * BLOCK + 4, seed=101)
+    _, cache = prefill(model, tokens)
+    given = BLOCK + 3
+    with open_store(store_dir, model) as store:
+        assert store.store(tokens[:given], cache) == 2
+        store.flush()
+    with open_store(store_dir, model) as store:
+        assert store.peek(tokens) == given
+        restored, rest = store.fetch(tokens)
+        assert len(rest) == len(tokens) - given
+        for got, want in zip(restored, cache):
+            assert got.offset == given
+            assert mx.array_equal(got.keys[..., :given, :], want.keys[..., :given, :]).item()
+            assert mx.array_equal(got.values[..., :given, :], want.values[..., :given, :]).item()
+
+
+def test_a_cache_with_a_layer_not_sliced_must_cover_the_tokens_exactly(tmp_path):
+    model = build("gemma3_text")  # sliding-window layers (RotatingKVCache)
+    tokens = [t % 256 for t in random_tokens(BLOCK + 4, seed=102)]
+    _, cache = prefill(model, tokens)
+    with open_store(tmp_path / "s", model) as store:
+        with pytest.raises(InvalidArgumentError):
+            store.store(tokens[:-1], cache)
+        _assert_nothing_written(store, tmp_path / "s")
 
 
 @pytest.mark.parametrize(
