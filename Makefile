@@ -21,7 +21,7 @@ TESTS_031 := tests/test_families.py tests/test_store.py tests/test_restart.py te
 	tests/test_prefix_cache.py tests/test_paged_cache.py tests/test_compat_gaps.py tests/test_vllm_mlx_real.py \
 	tests/test_serve.py tests/test_generate_flags.py tests/test_install.py tests/test_mlx_lm_versions.py
 
-.PHONY: demo test test-fast install clean servers test-mlx-lm-0.31 check-vllm-mlx-resolves
+.PHONY: demo test test-fast lint install clean servers test-mlx-lm-0.31 check-vllm-mlx-resolves
 
 # setuptools boxes a note into every editable install of a package that is not under
 # src/ ("folders ... with the same name as your package may take precedence"): true of
@@ -76,6 +76,11 @@ test: $(STAMP) servers
 test-fast: $(STAMP) servers
 	$(PY) -m pytest -q -m "not slow"
 
+# The linter (ruff, pinned in the test extra; its rules in pyproject.toml): package,
+# tests, tools and migrations. CI runs it before the tests; a finding fails the build.
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
 test-mlx-lm-0.31: $(STAMP_031) servers
 	$(PY_031) -m pytest -q $(TESTS_031)
 
@@ -85,4 +90,4 @@ check-vllm-mlx-resolves: $(STAMP_031)
 	@echo "pip resolves vllm-mlx==$(VLLM_MLX) together with persistent-prefix-cache"
 
 clean:
-	rm -rf $(VENV) $(VENV_031) .demo .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(VENV_031) .demo .pytest_cache .ruff_cache build *.egg-info

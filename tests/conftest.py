@@ -43,6 +43,19 @@ def other_model(other_model_dir):
     return load_tiny_model(other_model_dir)
 
 
+@pytest.fixture(scope="session")
+def serve_model_dir(tmp_path_factory):
+    """The server tests' model folder (tests/test_serve.py, tests/test_serve_memory.py):
+    a tiny llama (weights, tokenizer, chat template), seed 0, of its own for the servers."""
+    return write_tiny_model(tmp_path_factory.mktemp("serve_model"), seed=0, **TINY_MODEL)
+
+
+@pytest.fixture(scope="session")
+def serve_model(serve_model_dir):
+    """The model of `serve_model_dir`, loaded once."""
+    return load_tiny_model(serve_model_dir)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def machine_costs_folder(tmp_path_factory):
     """The per-user record of the prefills this machine measured (`machine_costs`) in a

@@ -25,7 +25,6 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import threading
 import time
 import traceback
 from pathlib import Path

@@ -548,4 +548,4 @@ def test_damage_that_only_breaks_writes_is_one_line_not_a_traceback(source, tiny
     )
     assert json.loads(counts.stdout.splitlines()[-1])["write_errors"] >= 3
     lines = [line for line in counts.stderr.splitlines() if line.strip()]
-    assert "Traceback" not in counts.stderr and len([l for l in lines if "index damaged" in l]) == 1, counts.stderr
+    assert "Traceback" not in counts.stderr and len([s for s in lines if "index damaged" in s]) == 1, counts.stderr

@@ -32,7 +32,6 @@ from persistent_prefix_cache import (
     PersistentPrefixCache,
     PrefixCacheError,
     PrefixCacheManager,
-    StoreNotWritableError,
     StorePathError,
 )
 from persistent_prefix_cache.disk.maintenance import StoreAdmin

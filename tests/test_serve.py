@@ -42,18 +42,6 @@ RESTORED = re.compile(r"Restored (\d+) of (\d+) prompt tokens from the persisten
 
 
 @pytest.fixture(scope="session")
-def serve_model_dir(tmp_path_factory):
-    """A tiny llama model folder (weights, tokenizer, chat template), seed 0."""
-    return write_tiny_model(tmp_path_factory.mktemp("serve_model"), seed=0, **SHAPE)
-
-
-@pytest.fixture(scope="session")
-def serve_model(serve_model_dir):
-    """The model of `serve_model_dir`, loaded once."""
-    return load_tiny_model(serve_model_dir)
-
-
-@pytest.fixture(scope="session")
 def serve_other_model(tmp_path_factory):
     """Same shapes, other weights: a second model the server could load."""
     folder = write_tiny_model(tmp_path_factory.mktemp("serve_other_model"), seed=1, **SHAPE)

@@ -17,7 +17,7 @@ import mlx.core as mx
 import pytest
 from helpers import assert_same_logits, cold_logits, feed, random_tokens
 from mlx_lm.models.cache import make_prompt_cache
-from test_serve import BLOCK, Server, _answer, _cached, serve_model, serve_model_dir  # noqa: F401  (fixtures)
+from test_serve import BLOCK, Server, _answer, _cached
 
 from persistent_prefix_cache import PersistentPrefixCache
 from persistent_prefix_cache.cli.serve import memory_budget

@@ -335,5 +335,5 @@ def row_precompute(b: Bench) -> None:
     b.add(7, f"{what} ÷ prefill + save_prompt_cache + fsync", median(speed["ours"]), median(speed["mlx_save"]),
           per_round(speed["ours"], speed["mlx_save"]), ">= 1.0", unit="tokens/s",
           baseline_is="mlx-lm prefill + save_prompt_cache + fsync, in process")  # fmt: skip
-    del model
+    model = None  # the weights go before clear_cache (the closures above ran already)
     mx.clear_cache()
