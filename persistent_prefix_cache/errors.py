@@ -32,6 +32,13 @@ class InvalidArgumentError(PrefixCacheError, ValueError):
     hint = "fix the argument; nothing was written"
 
 
+class StoreClosedError(InvalidArgumentError):
+    """A call on a store handle after its `close()`. An `InvalidArgumentError` (what such
+    a call raised before this class), as Python's closed files raise `ValueError`."""
+
+    hint = "open the store again (PersistentPrefixCache(path, model)); a closed handle serves nothing"
+
+
 class EmptiesStoreError(InvalidArgumentError):
     """A removal asked not to empty a store would have removed every block of it
     (nothing was removed).
