@@ -55,6 +55,15 @@ class EmptiesStoreError(InvalidArgumentError):
         self.blocks, self.block_bytes = blocks, block_bytes
 
 
+class UnverifiedPackError(InvalidArgumentError):
+    """A pack neither this store nor the given secret signed, imported without a check."""
+
+    hint = (
+        "nothing was written; pass --model M to check its blocks against the model, --trust if you trust "
+        "where it came from, or export it with a secret both sides hold ($PPC_PACK_SECRET)"
+    )
+
+
 class UnsupportedCacheError(PrefixCacheError, TypeError):
     """A cache class (or layout) this version cannot store exactly."""
 

@@ -106,7 +106,10 @@ class PersistentPrefixCache(OpenedWith, CostsMixin, CalibrationMixin):
             read-only, with a warning.)
         StoreVersionError: If a newer version of this library wrote the store.
         StoreCorruptError: If the index cannot be read safely.
+        StoreBusyError: If ``ppc check --fix`` holds the store for longer than 2 s.
         ModelMismatchError: If `model` is proven not to be the model in `model_path`.
+        RemoteConfigError: If the `remote` server refuses its URL's db, user or password.
+        MissingDependencyError: If `remote` is given and redis-py is not installed.
     """
 
     def __init__(
