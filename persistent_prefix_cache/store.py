@@ -169,7 +169,7 @@ class PersistentPrefixCache(OpenedWith, CostsMixin, CalibrationMixin):
                 None if model_path is None else os.fspath(model_path),
                 self._index.remembered_fingerprint,
                 self._index.remember_fingerprint,
-                self._stored_fingerprints,
+                self._index.stored_fingerprints,
             )
             self._root = root_key(self._fingerprint, namespace, self._layout.signature + self._layout.variant)
             self._layout.fields = self._recorded_fields()
@@ -330,11 +330,6 @@ class PersistentPrefixCache(OpenedWith, CostsMixin, CalibrationMixin):
         self._check_open()
         with self._index.reader() as reader:
             return reader.filled_models()
-
-    def _stored_fingerprints(self) -> list:
-        # The fingerprints of the models with blocks here (`fingerprint.current_fingerprint`).
-        with self._index.reader() as reader:
-            return [m.get("fingerprint") for m in reader.filled_models()]
 
     def forget_fingerprints(self, model_path: str | os.PathLike | None = None) -> int:
         """Forget the fingerprints remembered by model folder (the next open of each
@@ -513,9 +508,8 @@ class PersistentPrefixCache(OpenedWith, CostsMixin, CalibrationMixin):
             another process's blocks are not counted), segments_merged and
             bytes_rewritten (segments this handle's writer merged away, a chain stored
             piece by piece, and the bytes it wrote doing so: see `merging`), group_commits
-            and group_commit_writes (the index transactions that committed its block
-            writes, and the writes they held: more writes than commits is writes queued
-            behind a busy writer sharing one) (this handle);
+            and group_commit_writes (index transactions of its block writes, and the
+            writes they held) (this handle);
             prefill_tokens_per_s (of a 1,024-token prompt), prefill_growth (seconds
             per token per position: attention's share), prefill_per_forward_s,
             restore_bytes_per_s_ram and _disk, restore_fixed_s_ram and _disk,

@@ -272,6 +272,11 @@ class Index:
         with self.reader() as r:
             return r.totals()
 
+    def stored_fingerprints(self) -> list:
+        """The fingerprints of the models with blocks here (`fingerprint.current_fingerprint` asks)."""
+        with self.reader() as r:
+            return [m.get("fingerprint") for m in r.filled_models()]
+
     def segment_digests(self, nodes: Iterable[Any]) -> dict[bytes, int]:
         """The whole-segment digests of the segments that hold `nodes` (records with a
         ``segment``), by segment id; a segment without one is left out."""
