@@ -15,19 +15,28 @@ the only public names ``dir()`` shows here, whatever submodules a program has im
 
 from importlib import import_module as _import_module
 
+# Every typed error, what a call of the API or ppc can raise (errors.py is their one home;
+# tests/test_errors.py checks that none is left out).
 from .errors import (
+    EmptiesStoreError,
     InvalidArgumentError,
     LayoutMismatchError,
+    MissingDependencyError,
     ModelMismatchError,
     PrefixCacheError,
+    PromptCacheFileError,
     ReadOnlyStoreError,
+    RemoteConfigError,
+    RemoteUnreachableError,
     StoreBusyError,
+    StoreClosedError,
     StoreCorruptError,
     StoreNotWritableError,
     StorePathError,
     StoreVersionError,
     UnsupportedCacheError,
     UnsupportedServerError,
+    UnverifiedPackError,
 )
 
 __version__ = "0.1.0"
@@ -64,16 +73,23 @@ __all__ = [
     "CacheBlock",
     "PrefixCacheError",
     "InvalidArgumentError",
+    "StoreClosedError",
+    "StorePathError",
+    "EmptiesStoreError",
+    "UnverifiedPackError",
+    "RemoteConfigError",
     "LayoutMismatchError",
     "ModelMismatchError",
+    "PromptCacheFileError",
     "ReadOnlyStoreError",
+    "StoreNotWritableError",
     "StoreBusyError",
     "StoreCorruptError",
-    "StoreNotWritableError",
-    "StorePathError",
     "StoreVersionError",
     "UnsupportedCacheError",
     "UnsupportedServerError",
+    "MissingDependencyError",
+    "RemoteUnreachableError",
 ]
 
 

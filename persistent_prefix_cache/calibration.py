@@ -143,7 +143,8 @@ class CalibrationMixin:
             Tokens/s of a 1,024-token prefill as now known (None: skipped, unknown).
 
         Raises:
-            InvalidArgumentError: If the store is closed or `tokens` < 2.
+            StoreClosedError: If the store is closed.
+            InvalidArgumentError: If `tokens` < 2.
         """
         self._check_open()
         costs, saved = self._costs, self._saved_costs

@@ -557,6 +557,7 @@ class CostsMixin:
                 (it teaches the first forward's extra cost, not the prefill rate).
             forwards: How many forward calls it took.
         """
+        self._check_open()
         if first_forward_here():
             return  # it compiled the kernels: it says nothing of the model or the restore
         if restored and start > 0:
@@ -576,7 +577,8 @@ class CostsMixin:
         recurrent or sliding-window layers resumes only where one ended): the shortest run
         of whole blocks whose per-call cost stays within `SNAPSHOT_OVERHEAD` of its tokens'
         by the costs measured for this model (`Costs.resumable_step`); None until they are
-        known. `prefill.prefill` asks it before every forward."""
+        known. `prefill.prefill` asks it before every forward (StoreClosedError after `close`)."""
+        self._check_open()
         return self._costs.resumable_step(self.block_size)
 
     def _cheaper(self, path: list, matched: int, total: int) -> tuple[list, int]:

@@ -16,7 +16,7 @@ HANDLE_COUNTERS = (
     "queries", "hits", "misses", "not_longer", "tokens_saved", "skipped_slower", "tokens_skipped",
     "restored_all", "restored_ram_only", "restored_shorter",
     "corrupt", "evictions", "write_errors", "blocks_written", "bytes_written", "restored_blocks_disk",
-    "segments_merged", "bytes_rewritten",
+    "segments_merged", "bytes_rewritten", "group_commits", "group_commit_writes",
 )  # fmt: skip
 
 

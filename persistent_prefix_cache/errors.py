@@ -32,6 +32,13 @@ class InvalidArgumentError(PrefixCacheError, ValueError):
     hint = "fix the argument; nothing was written"
 
 
+class StoreClosedError(InvalidArgumentError):
+    """A call on a store handle after its `close()`. An `InvalidArgumentError` (what such
+    a call raised before this class), as Python's closed files raise `ValueError`."""
+
+    hint = "open the store again (PersistentPrefixCache(path, model)); a closed handle serves nothing"
+
+
 class EmptiesStoreError(InvalidArgumentError):
     """A removal asked not to empty a store would have removed every block of it
     (nothing was removed).
@@ -46,6 +53,15 @@ class EmptiesStoreError(InvalidArgumentError):
     def __init__(self, message: str, *, blocks: int, block_bytes: int, hint: str | None = None):
         super().__init__(message, hint=hint)
         self.blocks, self.block_bytes = blocks, block_bytes
+
+
+class UnverifiedPackError(InvalidArgumentError):
+    """A pack neither this store nor the given secret signed, imported without a check."""
+
+    hint = (
+        "nothing was written; pass --model M to check its blocks against the model, --trust if you trust "
+        "where it came from, or export it with a secret both sides hold ($PPC_PACK_SECRET)"
+    )
 
 
 class UnsupportedCacheError(PrefixCacheError, TypeError):

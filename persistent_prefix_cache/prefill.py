@@ -64,6 +64,7 @@ def prefill(
     Raises:
         InvalidArgumentError: If `tokens` is empty or not a sequence of ints, or a step
             is not a positive int.
+        StoreClosedError: If the store is closed.
     """
     toks = as_token_array(tokens)
     if len(toks) == 0:

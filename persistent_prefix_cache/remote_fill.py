@@ -117,7 +117,7 @@ class RemoteFill:
         """
         if self.writeback is None or not blocks:
             return None
-        return self.writeback.submit(self.writeback.write_blocks, [(b.node, b.bits) for b in blocks])
+        return self.writeback.write([(b.node, b.bits) for b in blocks])
 
     def fits(self, block: RemoteBlock) -> bool:
         """Whether one block's tensors fit the model's layout (see `_fit`)."""

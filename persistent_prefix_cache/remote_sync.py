@@ -271,7 +271,7 @@ def pull_model(store: Any, progress: Progress | None = None) -> dict[str, int]:
         run.append((node, block.bits))
         runs[node.key] = run
     for run in order:  # parents first: the writer thread commits in submission order
-        writeback.submit(writeback.write_blocks, run)
+        writeback.write(run)
     store.flush()
     after = store.stats()
     # What was committed, not what was handed over (another process may store a block first).

@@ -3,8 +3,9 @@
 A `store()` call: validate, compute the chain of block keys, find the first block not
 yet stored (`lookup.Trie.stored_prefix`), cut the new blocks out of the cache
 (`layers.Layout.cut`, evaluated on the caller's thread, as MLX wants), put them in the
-RAM tier and hand them to the writer thread (`writeback.WriteBack.write_blocks`), which
-writes the files and then commits their index records. A synchronous store (no remote)
+RAM tier and hand them to the writer thread (`writeback.WriteBack.write`: every block
+write joins its group commit), which writes the files and then commits their index
+records; with a remote, the blocks are published once committed. A synchronous store (no remote)
 hands the writer views of the caller's cache and makes the RAM tier's copy meanwhile
 (`writeback.WriteBack.write_from_caller`).
 
@@ -21,7 +22,7 @@ import time
 from typing import Any, Sequence
 
 from .blocks import Node
-from .errors import InvalidArgumentError, LayoutMismatchError, StoreCorruptError
+from .errors import InvalidArgumentError, LayoutMismatchError, StoreClosedError, StoreCorruptError
 from .fingerprint import cached_fingerprint, forget_fingerprints
 from .keys import as_token_array, chain_keys, root_key
 from .layers import Layout, all_sliced, cache_length, signature_of, template_cache
@@ -93,6 +94,9 @@ class PersistentPrefixCache(OpenedWith, CostsMixin, CalibrationMixin):
             0660, instead of private (0700 / 0600). An existing store keeps the mode
             of its folder (see `disk.store_dir`); others never get a bit.
 
+    After `close()` every method but `close` raises `StoreClosedError`; what the handle
+    was opened with (`path`, ..., `this_model()`) and `closed` still answer.
+
     Raises:
         InvalidArgumentError: On bad arguments.
         StorePathError: If `path` is a file or a folder of other files (an
@@ -102,7 +106,10 @@ class PersistentPrefixCache(OpenedWith, CostsMixin, CalibrationMixin):
             read-only, with a warning.)
         StoreVersionError: If a newer version of this library wrote the store.
         StoreCorruptError: If the index cannot be read safely.
+        StoreBusyError: If ``ppc check --fix`` holds the store for longer than 2 s.
         ModelMismatchError: If `model` is proven not to be the model in `model_path`.
+        RemoteConfigError: If the `remote` server refuses its URL's db, user or password.
+        MissingDependencyError: If `remote` is given and redis-py is not installed.
     """
 
     def __init__(
@@ -162,7 +169,7 @@ class PersistentPrefixCache(OpenedWith, CostsMixin, CalibrationMixin):
                 None if model_path is None else os.fspath(model_path),
                 self._index.remembered_fingerprint,
                 self._index.remember_fingerprint,
-                self._stored_fingerprints,
+                self._index.stored_fingerprints,
             )
             self._root = root_key(self._fingerprint, namespace, self._layout.signature + self._layout.variant)
             self._layout.fields = self._recorded_fields()
@@ -200,7 +207,7 @@ class PersistentPrefixCache(OpenedWith, CostsMixin, CalibrationMixin):
                     costs=self._costs, root=self._root, block_size=self._block_size, target=self._target,
                 )  # fmt: skip
             # Last: its thread runs from here on (the tier learns what the cost model skips).
-            self._warmer = Warmer(self._layout, self._memory, self._files, self._digests, self._target)
+            self._warmer = Warmer(self._layout, self._memory, self._files, self._index.segment_digests, self._target)
         except BaseException:
             give_back(self._path, opened)
             raise
@@ -270,8 +277,8 @@ class PersistentPrefixCache(OpenedWith, CostsMixin, CalibrationMixin):
             in_ram = not from_disk
             started = time.perf_counter()
             layers, intact = restore(
-                self._layout, self._memory, self._files, path[first:], matched, self._digests(path[first:]),
-                target=self._target,
+                self._layout, self._memory, self._files, path[first:], matched,
+                self._index.segment_digests(path[first:]), target=self._target,
             )  # fmt: skip
             if layers is not None:
                 self._timed(path[first:], time.perf_counter() - started, in_ram)
@@ -309,6 +316,7 @@ class PersistentPrefixCache(OpenedWith, CostsMixin, CalibrationMixin):
 
     def make_cache(self) -> list:
         """A fresh, empty cache of this store's layout (what `fetch` returns on a hit)."""
+        self._check_open()
         return self._layout.make_cache()
 
     def stored_models(self) -> list[dict]:
@@ -322,11 +330,6 @@ class PersistentPrefixCache(OpenedWith, CostsMixin, CalibrationMixin):
         self._check_open()
         with self._index.reader() as reader:
             return reader.filled_models()
-
-    def _stored_fingerprints(self) -> list:
-        # The fingerprints of the models with blocks here (`fingerprint.current_fingerprint`).
-        with self._index.reader() as reader:
-            return [m.get("fingerprint") for m in reader.filled_models()]
 
     def forget_fingerprints(self, model_path: str | os.PathLike | None = None) -> int:
         """Forget the fingerprints remembered by model folder (the next open of each
@@ -415,8 +418,9 @@ class PersistentPrefixCache(OpenedWith, CostsMixin, CalibrationMixin):
             for node, tensors, _, origin in new:
                 self._memory.put(node, tensors, origin)
         if new:
-            job = self._writeback.write_blocks if self._remote is None else self._write_and_publish
-            future = self._writeback.submit(job, [(node, bits) for node, _, bits, _ in new])
+            # Published after the commit that holds them, on the writer thread: `flush` finds them queued.
+            then = self._remote.publish if self._remote is not None else None
+            future = self._writeback.write([(node, bits) for node, _, bits, _ in new], then=then)
             if self._sync_writes:
                 future.result()
         return len(new)
@@ -453,6 +457,7 @@ class PersistentPrefixCache(OpenedWith, CostsMixin, CalibrationMixin):
         Returns:
             ``(bytes held, budget)`` of the RAM tier.
         """
+        self._check_open()
         if max_bytes is not None:
             self._memory.resize(max_bytes)
         return self._memory.nbytes, self._memory.max_bytes
@@ -487,7 +492,7 @@ class PersistentPrefixCache(OpenedWith, CostsMixin, CalibrationMixin):
         """Counters of this handle plus the store's totals.
 
         Raises:
-            InvalidArgumentError: If the store is closed, or was opened before a fork.
+            StoreClosedError: If the store is closed (InvalidArgumentError: opened before a fork).
 
         Returns:
             queries, hits, misses (queries = hits + misses), not_longer (fetches
@@ -502,7 +507,9 @@ class PersistentPrefixCache(OpenedWith, CostsMixin, CalibrationMixin):
             handle committed and the bytes of the segment files it wrote for them:
             another process's blocks are not counted), segments_merged and
             bytes_rewritten (segments this handle's writer merged away, a chain stored
-            piece by piece, and the bytes it wrote doing so: see `merging`) (this handle);
+            piece by piece, and the bytes it wrote doing so: see `merging`), group_commits
+            and group_commit_writes (index transactions of its block writes, and the
+            writes they held) (this handle);
             prefill_tokens_per_s (of a 1,024-token prompt), prefill_growth (seconds
             per token per position: attention's share), prefill_per_forward_s,
             restore_bytes_per_s_ram and _disk, restore_fixed_s_ram and _disk,
@@ -545,6 +552,7 @@ class PersistentPrefixCache(OpenedWith, CostsMixin, CalibrationMixin):
         return out
 
     def __enter__(self) -> "PersistentPrefixCache":
+        self._check_open()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -573,24 +581,13 @@ class PersistentPrefixCache(OpenedWith, CostsMixin, CalibrationMixin):
         if self._writeback is not None:
             self._writeback.submit(self._writeback.drop_subtree, node.key)
 
-    def _write_and_publish(self, blocks: list) -> None:
-        """Commit blocks locally, then queue them for the remote (a writer-thread job,
-        so that `flush` finds them queued once the write is done)."""
-        self._writeback.write_blocks(blocks)
-        self._remote.publish(blocks)
-
-    def _digests(self, nodes: list[Node]) -> dict[bytes, int]:
-        with self._index.reader() as reader:
-            found = {seg: reader.segment_digest(seg) for seg in {n.segment for n in nodes}}
-        return {seg: d for seg, d in found.items() if d is not None}
-
     def _note(self, **kwargs: Any) -> None:
         if self._writeback is not None:
             self._writeback.note(**kwargs)
 
     def _check_open(self) -> None:
         if self._closed:
-            raise InvalidArgumentError(f"store {self._path} is closed")
+            raise StoreClosedError(f"store {self._path} is closed")
         if os.getpid() != self._pid:
             raise InvalidArgumentError(
                 f"store {self._path} was opened in process {self._pid}, before a fork",

@@ -1,7 +1,7 @@
 """Write-back: the writer thread, what fetches and stores leave for it, and the commit policy.
 
 `store()` cuts new blocks on the caller's thread (MLX evaluates there) and hands them
-to `WriteBack.write_blocks`, which runs on the writer thread: write them into one new
+to `WriteBack.write`; the writer thread writes them into one new
 segment (see `disk.segment`), then commit their records in one index transaction
 together with the queued bookkeeping (LRU touches, hit counts, counters), superseded
 partial leaves and, under a disk budget, evictions; only after the commit are the
@@ -12,7 +12,9 @@ prefill outruns the disk) are taken together, in order: each into its own segmen
 (written, fsynced and renamed as one alone), then each folder they went to fsynced
 once, then one index transaction for all. What a commit guarantees is unchanged:
 every block it names is in a segment already fsynced, renamed and its folder fsynced
-(durable); a crash before it leaves at most unreferenced files, swept later. A
+(durable); a crash before it leaves at most unreferenced files, swept later. Every
+block write joins it (`WriteBack.write`: a store's, a remote fill's, a pull's); what
+must follow the commit (a remote's publish) is its ``then``. A
 ``store()`` with ``sync_writes=True`` returns after the commit that holds its blocks;
 its blocks are written from the caller's cache while the caller waits and makes the
 RAM tier's copy (`WriteBack.write_from_caller`).
@@ -32,7 +34,7 @@ import numpy as np
 from .disk import cuda_pages
 from .disk.segment import SegmentFiles
 from .disk.compaction import compact_sparse
-from .disk.faults import pause_point
+from .disk.faults import hold_point, pause_point
 from .disk.index import WRITE_ERRORS, Index, Writer
 from .blocks import Node
 from .counters import Counters
@@ -166,9 +168,9 @@ class WriteBack:
         self._futures: set[Future] = set()
         self._data: set[Future] = set()  # jobs that write blocks (never abandoned)
         self._lock = threading.Lock()
-        # Block writes waiting for the writer: [generation, blocks]; a generation ends at
+        # Block writes waiting for the writer: (generation, blocks, then); a generation ends at
         # every other data job, so no write is committed ahead of one queued before it.
-        self._staged: list[tuple[int, list]] = []
+        self._staged: list[tuple[int, list, Callable[[list], None] | None]] = []
         self._generation = 0
         self._worker = Worker("ppc-writer")
         self.merges = Merges(index, files, memory, counters, self.submit)
@@ -185,26 +187,48 @@ class WriteBack:
     def submit(self, fn: Callable[..., Any], *args: Any, data: bool = True) -> Future:
         """Run ``fn(*args)`` on the writer thread; failures are logged and counted.
 
-        ``submit(self.write_blocks, new)`` joins the group commit (see the module): the
-        future is done once a commit holding those blocks is (or they failed, counted).
+        A data job ends the group commit of the block writes queued before it (no block
+        write is committed ahead of a job queued before it). Block writes go through
+        `write`, never here.
 
         Args:
             data: False for bookkeeping only (recency, hit counts), which `stop` may
                 leave behind.
         """
-        with self._lock:  # staged and queued under one lock: the queue keeps their order
-            if data and fn == self.write_blocks and len(args) == 1:
-                self._staged.append((self._generation, args[0]))
-                fn, args = self._write_staged, (self._generation,)
-            elif data:
+        with self._lock:  # counted and queued under one lock: the queue keeps their order
+            if data:
                 self._generation += 1
             future = self._worker.submit(self._guarded, fn, *args)
+        self._track(future, data)
+        return future
+
+    def write(self, blocks: list[tuple[Node, dict]], *, then: Callable[[list], None] | None = None) -> Future:
+        """Write blocks into a segment and commit their records, joining the group commit:
+        the block writes queued behind a busy writer share one index transaction (see the
+        module). Every block write goes through here.
+
+        Args:
+            blocks: ``(node, tensors by leaf)`` per block, consecutive, tensors
+                evaluated (or bits), not changed until the future is done.
+            then: Called with `blocks` on the writer thread once the commit that holds
+                them is done, or the local write failed (counted): a remote's publish,
+                whose copy does not depend on this disk.
+
+        Returns:
+            A future, done once that commit is (and `then` has run).
+        """
+        with self._lock:  # staged and queued under one lock: the queue keeps their order
+            self._staged.append((self._generation, blocks, then))
+            future = self._worker.submit(self._guarded, self._write_staged, self._generation)
+        self._track(future, True)
+        return future
+
+    def _track(self, future: Future, data: bool) -> None:
         with self._lock:
             self._futures.add(future)
             if data:
                 self._data.add(future)
         future.add_done_callback(self._forget_future)
-        return future
 
     def _forget_future(self, future: Future) -> None:
         with self._lock:
@@ -284,22 +308,20 @@ class WriteBack:
     def _write_staged(self, generation: int) -> None:
         """Write the staged block writes of `generation` (a writer-thread job): those of
         a later one wait for the data jobs queued between (nothing if an earlier job of
-        this generation took them all)."""
+        this generation took them all); then each write's `then`, in order."""
         with self._lock:
             n = 0
             while n < len(self._staged) and self._staged[n][0] == generation:
                 n += 1
             taken, self._staged = self._staged[:n], self._staged[n:]
-        if taken:
-            self._write_many([new for _, new in taken])
-
-    def write_blocks(self, new: list[tuple[Node, dict]]) -> None:
-        """Write new blocks into one segment, then commit their records (a writer-thread job).
-
-        Args:
-            new: ``(node, tensors by leaf)`` per block, consecutive, tensors evaluated.
-        """
-        self._write_many([new])
+        if not taken:
+            return
+        try:
+            self._write_many([blocks for _, blocks, _ in taken])
+        finally:
+            for _, blocks, then in taken:
+                if then is not None:
+                    self._guarded(then, blocks)  # one failing does not keep the others back
 
     def write_from_caller(self, new: list[tuple[Node, dict, dict, dict]], evaluate: Callable[[], None]) -> None:
         """A synchronous store's write: the writer thread writes the blocks from their
@@ -313,7 +335,7 @@ class WriteBack:
                 with ``direct``).
             evaluate: Makes the tensors (skipped where the tier would keep none).
         """
-        future = self.submit(self.write_blocks, [(node, bits) for node, _, bits, _ in new])
+        future = self.write([(node, bits) for node, _, bits, _ in new])
         keep = any(self.memory.fits(tensors) for _, tensors, _, _ in new)
         interrupted = False
         try:
@@ -343,11 +365,12 @@ class WriteBack:
         into one), fsync their folders once, then commit every record in one index
         transaction; then the small segments at the end of each chain written merge
         (`merging.Merges`, in jobs of their own)."""
-        groups = _joined(groups)
+        joined = _joined(groups)
         description = self.describe()  # kept in the segment too: the index can be rebuilt
         done = []  # (segment, size, digest, nodes)
+        writes = 0  # the block writes (`write` calls) the commit holds
         now = time.time_ns()
-        for new in groups:
+        for new, n_writes in joined:
             written = [node for node, _ in new]
             for node in written:  # a block that comes without a time of use (the remote's) is used now
                 node.last_access = node.last_access or now
@@ -361,6 +384,7 @@ class WriteBack:
             finally:
                 self._give_back(new)
             done.append((segment, size, digest, written))
+            writes += n_writes
         if not done:
             return
         try:
@@ -396,6 +420,7 @@ class WriteBack:
             return removed, w.freed, taken, nbytes
 
         pause_point("before_commit")
+        hold_point("before_commit")
         try:
             removed, freed, taken, nbytes = self.index.write(commit)
         except WRITE_ERRORS as exc:
@@ -407,7 +432,7 @@ class WriteBack:
             return
         pause_point("after_commit")
         # What this handle added to the store (another writer's blocks are theirs).
-        self.counters.add(blocks_written=taken, bytes_written=nbytes)
+        self.counters.add(blocks_written=taken, bytes_written=nbytes, group_commits=1, group_commit_writes=writes)
         self.files.unlink(freed)
         self._forget(removed)
         compact_sparse(self.index, self.files, (n.segment for n in removed))
@@ -483,17 +508,23 @@ def sweep_orphans(index: Index, files: SegmentFiles, *, grace: float) -> int:
     return files.sweep_orphans(referenced.__contains__, grace=grace)
 
 
-def _joined(groups: list[list[tuple[Node, Any]]]) -> list[list[tuple[Node, Any]]]:
+def _joined(groups: list[list[tuple[Node, Any]]]) -> list[tuple[list[tuple[Node, Any]], int]]:
     """The groups of a group commit, each that continues the one before it (its first
     block's parent is that group's last block: one prompt stored a piece at a time, or
-    a turn at a time) joined to it: one segment each, not one per `store()`."""
-    out: list[list[tuple[Node, Any]]] = []
+    a turn at a time) joined to it: one segment each, not one per `store()`; with how
+    many groups each holds."""
+    out: list[tuple[list[tuple[Node, Any]], int]] = []
     for group in groups:
-        if out and group and group[0][0].parent == out[-1][-1][0].key and group[0][0].position == out[-1][-1][0].end:
-            out[-1] = out[-1] + group
+        if out and group and out[-1][0] and _continues(group, out[-1][0]):
+            out[-1] = (out[-1][0] + group, out[-1][1] + 1)
         else:
-            out.append(list(group))
+            out.append((list(group), 1))
     return out
+
+
+def _continues(group: list[tuple[Node, Any]], before: list[tuple[Node, Any]]) -> bool:
+    first, last = group[0][0], before[-1][0]
+    return first.parent == last.key and first.position == last.end
 
 
 def _superseded(w: Writer, node: Node) -> list[Node]:

@@ -8,7 +8,7 @@ fetch is checked bitwise: the next-token logits after a restore equal a cold pre
 from __future__ import annotations
 
 import logging
-
+import os
 import socket
 import subprocess
 import sys
@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from helpers import assert_same_logits, cold_logits, prefill, random_tokens, warm_logits
 
-from persistent_prefix_cache import PersistentPrefixCache
-from persistent_prefix_cache.errors import InvalidArgumentError, RemoteConfigError
+from persistent_prefix_cache import InvalidArgumentError, PersistentPrefixCache, RemoteConfigError
+from persistent_prefix_cache.disk import faults
 from persistent_prefix_cache.keys import chain_keys
 from persistent_prefix_cache.tiers import remote_wire as wire
 
@@ -95,7 +95,7 @@ def test_core_install_does_not_import_redis_and_missing_redis_is_a_clear_error(t
 import sys
 sys.modules['redis'] = None  # as if redis-py were not installed
 from persistent_prefix_cache import PersistentPrefixCache
-from persistent_prefix_cache.errors import MissingDependencyError
+from persistent_prefix_cache import MissingDependencyError
 from persistent_prefix_cache.tiny_model import load_tiny_model
 m = load_tiny_model({str(tiny_model_dir)!r})
 s = PersistentPrefixCache({str(tmp_path / 'local')!r}, m)
@@ -366,6 +366,53 @@ def test_auth_and_a_wrong_password(tmp_path, model, redis_engine):
             h.close()
     finally:
         server.stop()
+
+
+def _wait_for(path, seconds=60.0):
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert time.monotonic() < deadline, f"the writer never reached {path.name}"
+        time.sleep(0.01)
+
+
+def test_block_writes_with_a_remote_join_the_group_commit_then_publish(tmp_path, model, redis_server, monkeypatch):
+    """With a remote, store() calls queued behind a busy writer share one index transaction
+    (they once skipped the group commit: the writer picked it by comparing bound methods);
+    each is published only once the commit that holds it is done, and another host
+    restores every prompt from the server."""
+    n = 5
+    prompts = [random_tokens(2 * BS + 3, 60 + i, first=60 + i) for i in range(n)]
+    caches = [prefill(model, p)[1] for p in prompts]
+    a = open_host(tmp_path / "a", model, redis_server.url)
+    a.flush()  # the writer's first sweep is done: only our writes follow
+    marker, hooks = tmp_path / "held", os.environ.get(faults.VARIABLE, "")
+    # The writer holds its first write uncommitted (segment written) until the marker goes.
+    monkeypatch.setenv(faults.VARIABLE, ",".join(filter(None, [hooks, faults.hooks_value(
+        hold_at="before_commit", pause_file=marker)])))  # fmt: skip
+    assert a.store(prompts[0], caches[0]) == 3
+    _wait_for(marker)
+    assert a.stats()["remote_published"] == 0 and redis_server.client().dbsize() == 0  # not before its commit
+    # The others queue behind it, from threads at once and from this one.
+    threads = [threading.Thread(target=a.store, args=(prompts[i], caches[i])) for i in range(1, n - 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    a.store(prompts[-1], caches[-1])
+    monkeypatch.setenv(faults.VARIABLE, hooks)  # no hold at the next commit
+    marker.unlink()
+    a.flush()
+    st = a.stats()
+    assert (st["group_commits"], st["group_commit_writes"]) == (2, n)  # n writes, 2 transactions
+    assert st["blocks_written"] == st["remote_published"] == 3 * n and st["write_errors"] == 0
+    assert st["remote_dropped"] == st["remote_publish_failed"] == 0
+    a.close()
+    b = open_host(tmp_path / "b", model, redis_server.url)
+    for p in prompts:
+        assert fetch_exact(b, model, p + random_tokens(5, 99)) == len(p)
+    st = b.stats()
+    assert (st["remote_hits"], st["remote_blocks"]) == (n, 3 * n)
+    b.close()
 
 
 def test_ttl_and_publish_queue_bound(tmp_path, model, redis_server):

@@ -293,10 +293,10 @@ class PersistentLRUPromptCache(LRUPromptCache):
             The store, or None if this model's caches stay in memory only.
         """
         if self._shared_store is not None:
-            return self._shared_store
+            return self._usable(model, self._shared_store)
         with self._lock:
             if model in self._stores:
-                return self._stores[model]
+                return self._usable(model, self._stores[model])
             if model in self._failed:
                 return None
             try:
@@ -309,6 +309,13 @@ class PersistentLRUPromptCache(LRUPromptCache):
             if store is not None:
                 self._stores[model] = store
             return store
+
+    def _usable(self, model: Hashable, store: PersistentPrefixCache) -> PersistentPrefixCache | None:
+        """`store`, unless its owner closed it: then memory only, said once (never a failed request)."""
+        if not store.closed:
+            return store
+        self._warn_once((model, "closed"), f"the store {store.path} is closed; caches stay in memory only")
+        return None
 
     def persistent_stats(self) -> dict[str, Any]:
         """Counters of the persistent side and each open store's `stats()`.
@@ -356,7 +363,7 @@ class PersistentLRUPromptCache(LRUPromptCache):
         if self._shared_store is not None:
             return [] if self._shared_store.closed else [self._shared_store]
         with self._lock:
-            return list(self._stores.values())
+            return [s for s in self._stores.values() if not s.closed]
 
     def _use(self, store: PersistentPrefixCache) -> None:
         """Make `store` the one whose RAM tier shares the budget (the model in use)."""

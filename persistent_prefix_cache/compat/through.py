@@ -151,8 +151,8 @@ class StoreLink:
         """Store `cache` for `tokens`; False (after one warning per cause) if it failed."""
         if self.store is None or self.store.readonly:  # read-only: nothing written, nothing to warn
             return False
-        self._observe(tokens)
-        try:
+        try:  # a closed store raises in either: a warning like any failure
+            self._observe(tokens)
             self.store.store(tokens, cache)
         except self._errors as exc:
             self._warn(("write", type(exc)), f"cache kept in memory only, not written to the store: {exc}")

@@ -13,7 +13,7 @@ import json
 import logging
 import os
 from contextlib import contextmanager
-from typing import Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import lmdb
 
@@ -271,6 +271,18 @@ class Index:
         """(bytes of the stored blocks, number of blocks) as recorded in the index."""
         with self.reader() as r:
             return r.totals()
+
+    def stored_fingerprints(self) -> list:
+        """The fingerprints of the models with blocks here (`fingerprint.current_fingerprint` asks)."""
+        with self.reader() as r:
+            return [m.get("fingerprint") for m in r.filled_models()]
+
+    def segment_digests(self, nodes: Iterable[Any]) -> dict[bytes, int]:
+        """The whole-segment digests of the segments that hold `nodes` (records with a
+        ``segment``), by segment id; a segment without one is left out."""
+        with self.reader() as r:
+            found = {seg: r.segment_digest(seg) for seg in {n.segment for n in nodes}}
+        return {seg: d for seg, d in found.items() if d is not None}
 
     def close(self) -> None:
         """Release this handle's share of the environment."""

@@ -23,6 +23,7 @@ except ImportError:  # older py-lmdb: nothing imported lazily
     pass
 
 from ..errors import ReadOnlyStoreError, StoreNotWritableError
+from ..files import NotRegularFileError
 from . import index_files, store_guard
 from .store_dir import LEGACY_FILE, make_dirs, modes_of, require_writable
 
@@ -160,7 +161,11 @@ def acquire_env(path: str, readonly: bool) -> tuple[lmdb.Environment, Gate]:
         try:
             store_guard.check_no_pending_repair(store)
             if not readonly:
-                make_dirs(path, index_files.anchor(path)[0])  # the store's folder mode; no link followed
+                root, rel = index_files.anchor(path)
+                try:
+                    make_dirs(path, root)  # the store's folder mode; no link followed
+                except NotRegularFileError:  # refused as `index_files.checked` refuses one, naming the repair
+                    raise store_guard.unsafe_entry(store, f"{rel} is a symbolic link or a file, not a folder") from None
             env = open_env(path, readonly)
         except BaseException:
             store_guard.unshare(store)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable
 
 from ..blocks import Node
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, UnverifiedPackError
 from ..keys import block_key
 from ..files import open_regular, replace_beside
 from ..migrations.formats import block_files_v2, segment_v3, segment_v4
@@ -46,15 +46,6 @@ LEGACY_EXPORT_FORMAT = "ppc-export/1"  # schema v1-v2: one file per block
 # A segment file holds its live blocks, dead ones not compacted yet (at most about as
 # many again: compaction rewrites a segment once half of it is dead) and its header.
 SEGMENT_SLACK = 4
-
-
-class UnverifiedPackError(InvalidArgumentError):
-    """A pack neither this store nor the given secret signed, imported without a check."""
-
-    hint = (
-        "nothing was written; pass --model M to check its blocks against the model, --trust if you trust "
-        "where it came from, or export it with a secret both sides hold ($PPC_PACK_SECRET)"
-    )
 
 
 @dataclass
