@@ -8,6 +8,7 @@ width mlx's quantizer accepts (group size 32), which the kv_bits tests need.
 from __future__ import annotations
 
 import os
+import subprocess
 
 import pytest
 
@@ -215,3 +216,24 @@ def redis_cluster(tmp_path_factory, redis_engine):
         yield cluster.start()
     finally:
         cluster.stop()
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 2 MiB tmpfs mounted at tmp_path/fs (skipped where mounting is not allowed): a
+    disk that fills (a test may remount it larger)."""
+    mount_point = tmp_path / "fs"
+    mount_point.mkdir()
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2M", "tmpfs", str(mount_point)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root/CAP_SYS_ADMIN): {proc.stderr}")
+    try:
+        yield mount_point
+    finally:
+        if subprocess.run(["umount", str(mount_point)], timeout=30).returncode != 0:
+            subprocess.run(["umount", "-l", str(mount_point)], timeout=30)

@@ -266,3 +266,21 @@ def flip_block_byte(store_path: str | os.PathLike, node: Node, *, piece: int = 0
         byte = f.read(1)
         f.seek(offset + min(at, length - 1))
         f.write(bytes([byte[0] ^ 0x5A]))
+
+
+def read_terminal(fd: int, until: bytes | None = None, timeout: float = 120.0) -> bytes:
+    """What a child wrote to its pseudo-terminal (`fd`, from ``pty.fork``): up to where
+    `until` appears, or until it closes the terminal (or `timeout` seconds pass)."""
+    import time
+
+    out, deadline = b"", time.monotonic() + timeout
+    while (until is None or until not in out) and time.monotonic() < deadline:
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    return out
+

@@ -530,26 +530,6 @@ def _snapshot_index(store_dir) -> dict:
     return {k: (n.segment, n.size) for k, n in read_index(store_dir)["nodes"].items()}
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """A 2 MiB tmpfs mounted at tmp_path/fs (skipped where mounting is not allowed)."""
-    mount_point = tmp_path / "fs"
-    mount_point.mkdir()
-    proc = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2M", "tmpfs", str(mount_point)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root/CAP_SYS_ADMIN): {proc.stderr}")
-    try:
-        yield mount_point
-    finally:
-        if subprocess.run(["umount", str(mount_point)], timeout=30).returncode != 0:
-            subprocess.run(["umount", "-l", str(mount_point)], timeout=30)
-
-
 def _fill(folder) -> str:
     """Fill the file system holding `folder` to the last byte; returns the filler."""
     filler = os.path.join(folder, "filler")

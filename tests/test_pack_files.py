@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from helpers import BLOCK, random_tokens
+from helpers import BLOCK, random_tokens, read_terminal
 
 from persistent_prefix_cache import PersistentPrefixCache
 from persistent_prefix_cache.cli import main as ppc_main
@@ -55,15 +55,7 @@ def on_a_terminal(args) -> tuple[str, int]:
     pid, fd = pty.fork()
     if pid == 0:
         os.execv(sys.executable, [*PPC, *map(str, args)])
-    out = b""
-    while True:
-        try:
-            chunk = os.read(fd, 4096)
-        except OSError:  # EIO: the child closed the terminal
-            break
-        if not chunk:
-            break
-        out += chunk
+    out = read_terminal(fd)
     os.close(fd)
     _, status = os.waitpid(pid, 0)
     return out.decode().replace("\r\n", "\n"), os.waitstatus_to_exitcode(status)

@@ -184,26 +184,10 @@ def test_a_signal_ends_the_line_says_what_was_kept_and_a_rerun_resumes(model, tm
 # -- a full disk ------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def tmpfs(tmp_path):
-    """A 2 MiB tmpfs (skipped where mounting is not allowed); its size can be raised."""
-    mount_point = tmp_path / "fs"
-    mount_point.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2M", "tmpfs", str(mount_point)],
-                          capture_output=True, text=True, timeout=30)  # fmt: skip
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root/CAP_SYS_ADMIN): {proc.stderr}")
-    try:
-        yield mount_point
-    finally:
-        if subprocess.run(["umount", str(mount_point)], timeout=30).returncode != 0:
-            subprocess.run(["umount", "-l", str(mount_point)], timeout=30)
-
-
 @pytest.mark.slow
-def test_a_full_disk_stops_the_run_and_the_summary_counts_what_was_stored(model, tmpfs, tmp_path):
+def test_a_full_disk_stops_the_run_and_the_summary_counts_what_was_stored(model, small_tmpfs, tmp_path):
     prompts = write_prompts(tmp_path / "in", 20, 400, seed=2)  # ~4 MB of KV for a 2 MiB disk
-    store = tmpfs / "store"
+    store = small_tmpfs / "store"
     argv = command(model, store, prompts, "--store-disk-bytes", "unlimited")  # no budget: the disk fills
     proc, summary = run_json(argv)
     assert proc.returncode == 1, proc.stderr
@@ -230,7 +214,7 @@ def test_a_full_disk_stops_the_run_and_the_summary_counts_what_was_stored(model,
     assert table.returncode == 1 and re.fullmatch(r"\d+ of 20", rows["prompts"]), table.stdout
     assert int(rows["tokens stored"].replace(",", "")) < int(rows["tokens in the prompts"].replace(",", ""))
     # With room again, the same command resumes: what was stored is restored, the rest computed.
-    subprocess.run(["mount", "-o", "remount,size=64M", str(tmpfs)], check=True, timeout=30)
+    subprocess.run(["mount", "-o", "remount,size=64M", str(small_tmpfs)], check=True, timeout=30)
     again, rerun = run_json(argv)
     assert again.returncode == 0, again.stderr
     assert rerun["stopped"] is None and rerun["tokens_stored"] == rerun["tokens"]

@@ -14,11 +14,10 @@ import pty
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from helpers import BLOCK, random_tokens
+from helpers import BLOCK, random_tokens, read_terminal
 
 from persistent_prefix_cache import PersistentPrefixCache
 from persistent_prefix_cache.cli import common
@@ -44,26 +43,10 @@ def on_a_terminal(args, answer: bytes) -> tuple[str, int]:
     pid, fd = pty.fork()
     if pid == 0:  # the child: the terminal is its stdin, stdout and stderr
         os.execv(sys.executable, [*PPC, *map(str, args)])
-    out = b""
-    deadline = time.monotonic() + 120
-    while b"[y/N]" not in out and time.monotonic() < deadline:
-        try:
-            chunk = os.read(fd, 4096)
-        except OSError:  # the child ended without asking
-            break
-        if not chunk:
-            break
-        out += chunk
+    out = read_terminal(fd, until=b"[y/N]")
     if b"[y/N]" in out:
         os.write(fd, answer)
-    while True:
-        try:
-            chunk = os.read(fd, 4096)
-        except OSError:  # EIO: the child closed the terminal
-            break
-        if not chunk:
-            break
-        out += chunk
+    out += read_terminal(fd)
     os.close(fd)
     _, status = os.waitpid(pid, 0)
     return out.decode().replace("\r\n", "\n"), os.waitstatus_to_exitcode(status)
