@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any, Sequence
 
 import mlx.core as mx
@@ -248,40 +249,83 @@ class Layout:
         # slice per block and field: 2,048 MLX calls for 128 MiB).
         bounds = [i * bs - offset for i in range(len(path) + 1, len(keys))]
         splits = {lid: {f: mx.split(x, bounds, axis=2) for f, x in fields.items()} for lid, fields in ranges.items()}
-        new = []
+        # Every leaf sliced along the sequence, every block before holding its slice: each
+        # new block resumes (and trims) like the first, whose flags are worked out once
+        # (asking every leaf at every block was a third of a long prompt's cost).
+        uniform = len(whole) == len(self.leaves) and all(
+            a.kind == SEQ and views[lid].complete for lid, _, a in self.leaves
+        )  # fmt: skip
+        origin = {lid: (fields, offset) for lid, fields in ranges.items()}
+        new, flags = [], None
         for i in range(len(path), len(keys)):
             start, end = i * bs, min((i + 1) * bs, n)
             k = i - len(path)
             pieces = {lid: {f: parts[k] for f, parts in fields.items()} for lid, fields in splits.items()}
             tensors, extra, cut = self.cut(cache, start, end, i == len(keys) - 1, pieces)
-            for lid, view in cut.items():
-                views[lid].append(view)
+            if flags is None or not uniform:
+                for lid, view in cut.items():
+                    views[lid].append(view)
+                flags = self.flags(views, start, end)
             node = Node(
                 key=keys[i],
                 parent=keys[i - 1] if i else root,
                 position=start,
                 tokens=data[4 * start : 4 * end],
-                flags=self.flags(views, start, end),
+                flags=flags,
                 size=0,
                 checksum=0,
                 last_access=now,
                 extra=extra,
             )
-            lo, hi = start - offset, end - offset
-            bits = {
-                lid: {f: (a[..., lo:hi, :], dtype) for f, (a, dtype) in whole[lid].items()} if lid in whole else part
-                for lid, part in tensors.items()
-            }
-            new.append((node, tensors, bits, {lid: (fields, offset) for lid, fields in ranges.items()}))
+            new.append((node, tensors, BlockBits(whole, start - offset, end - offset, tensors), origin))
         # Snapshots (windows, recurrent states) are their own small copies, bits and all.
         mx.eval([x for _, tensors, _, _ in new for lid, part in tensors.items() if lid not in whole for x in part.values()])
         return new
 
     @staticmethod
     def evaluate(new: list[tuple[Node, dict[str, Tensors], dict, dict]]) -> None:
-        """Evaluate the tensors of blocks from `new_blocks` (what the RAM tier keeps;
-        with ``direct``, this makes their copy)."""
-        mx.eval([x for _, tensors, _, _ in new for part in tensors.values() for x in part.values()])
+        """Evaluate what the RAM tier keeps of blocks from `new_blocks` (with ``direct``,
+        this makes their copy): the copy each field's blocks are views of, once (not
+        thousands of views), and the tensors of blocks without one."""
+        origins = {id(origin): origin for _, _, _, origin in new}  # blocks of one store share theirs
+        copies = {id(x): x for origin in origins.values() for fields, _ in origin.values() for x in fields.values()}
+        mx.eval(
+            list(copies.values())
+            + [x for _, tensors, _, origin in new for lid, part in tensors.items() if lid not in origin for x in part.values()]
+        )  # fmt: skip
+
+
+class BlockBits(Mapping):
+    """One block's bits for the segment writer (see `Layout.new_blocks`): for sequence
+    leaves numpy slices of each field's bits, cut when first read (on the writer's
+    thread: thousands of them were a long prompt's cost on the caller's), for the
+    others the block's tensors. Leaves come in the layout's order."""
+
+    __slots__ = ("_whole", "_lo", "_hi", "_tensors", "_made")
+
+    def __init__(self, whole: dict, lo: int, hi: int, tensors: dict[str, Tensors]):
+        self._whole, self._lo, self._hi, self._tensors = whole, lo, hi, tensors
+        self._made: dict | None = None
+
+    def _bits(self) -> dict:
+        if self._made is None:  # two threads may both make it: the same slices
+            lo, hi = self._lo, self._hi
+            self._made = {
+                lid: {f: (a[..., lo:hi, :], dtype) for f, (a, dtype) in self._whole[lid].items()}
+                if lid in self._whole
+                else part
+                for lid, part in self._tensors.items()
+            }
+        return self._made
+
+    def __getitem__(self, lid: str):
+        return self._bits()[lid]
+
+    def __iter__(self):
+        return iter(self._bits())
+
+    def __len__(self) -> int:
+        return len(self._tensors)
 
 
 _UINTS = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
