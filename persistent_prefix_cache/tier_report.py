@@ -25,3 +25,15 @@ def describe_tiers(tiers: dict[str, int]) -> str:
     names = {"ram": "RAM", "disk": "disk", "remote": "remote"}
     served = [f"{names[t]} {n}" for t, n in tiers.items() if n]
     return (", ".join(served) + " blocks") if served else "-"
+
+
+def describe_decisions(stats: dict) -> str:
+    """A store's fetch decisions from its `stats()`, in words: how many fetches hit or
+    missed, and of the hits how many restored all, only the RAM tier's part, a shorter
+    prefix, or nothing (skipped as slower than recomputing), and damaged blocks met."""
+    return (
+        f"{stats['queries']} fetches, {stats['hits']} hits, {stats['misses']} misses; "
+        f"restored all {stats['restored_all']}, RAM only {stats['restored_ram_only']}, "
+        f"shorter {stats['restored_shorter']}, skipped as slower {stats['skipped_slower']}; "
+        f"damaged {stats['corrupt']}"
+    )

@@ -196,6 +196,9 @@ def row_serve(b: Bench) -> None:
     finally:
         for server in servers:
             server.stop()
+        if servers:  # the restarted server's restores and its store's decisions (why a seen prompt missed)
+            lines = servers[0].log_path.read_text(errors="replace").splitlines()
+            b.extra["serve_restarted_log"] = [line for line in lines if "persistent" in line or "store " in line][-40:]
     for n in lengths:
         t, u = times[n], usage[n]
         for name in ("seen", "again"):

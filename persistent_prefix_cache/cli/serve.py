@@ -35,6 +35,7 @@ import sys
 from typing import Any
 
 from ..errors import PrefixCacheError
+from ..tier_report import describe_decisions
 from .common import (
     Parser, UserError, add_disk_budget_option, add_remote_option, add_store_option, add_store_shared_option,
     disk_budget_option, model_folder, parse_size, path_arg, remote_options, run, store_path, unknown_option,
@@ -181,6 +182,8 @@ def _serve(args: argparse.Namespace, server_argv: list[str]) -> int:
                         "in-memory KV peaked at %d bytes of a %d-byte budget",
                         stats["memory_peak_bytes"], stats["memory_budget"],
                     )  # fmt: skip
+                    for opened in stats["stores"]:  # why restores missed, for whoever reads the log
+                        log.info("store %s: %s", opened["path"], describe_decisions(opened["stats"]))
                     if args.store_readonly:
                         log.info(
                             "persistent prompt cache closed (read-only): %d prompts restored from the "
