@@ -81,6 +81,11 @@ class _HostDriver:
         self.copies += 1
         ctypes.memmove(dst, src, nbytes)
 
+    def to_host(self, dst, src, nbytes):
+        import ctypes
+
+        ctypes.memmove(dst, src, nbytes)
+
     def record(self, event):
         pass
 
@@ -212,10 +217,56 @@ def test_a_damaged_segment_is_checked_after_the_copies_land(monkeypatch, store_d
     assert len(rest) == len(tokens) + 1 - 2 * BLOCK  # the two blocks before the damaged one
 
 
+def test_the_writer_copies_a_stores_kv_to_the_host_by_the_copy_engine(monkeypatch, store_dir):
+    # On a CUDA GPU the writer must not read a store's copy of the new KV in place: managed
+    # memory moves to whoever touches it, page by page, while the caller's next forward
+    # runs, and the RAM tier's next restore faults it back. The copy engine copies each
+    # field once into host memory; the device's pages stay put: nothing to move back.
+    import ctypes
+
+    from families import build
+    from helpers import BLOCK, prefill, random_tokens
+
+    from persistent_prefix_cache import PersistentPrefixCache
+
+    copied, moved = [], []
+
+    class Driver(_HostDriver):
+        def to_host(self, dst, src, nbytes):
+            copied.append(nbytes)
+            ctypes.memmove(dst, src, nbytes)
+
+        def prefetch(self, address, nbytes):
+            moved.append(nbytes)
+
+    model = build("llama")
+    tokens = [t % 256 for t in random_tokens(5 * BLOCK + 3, seed=4244)]
+    cache = prefill(model, tokens)[1]
+    with monkeypatch.context() as m:
+        m.setattr(cuda_pages, "on_cuda", lambda: True)
+        m.setattr(cuda_pages, "_get_driver", lambda: Driver())
+        with PersistentPrefixCache(store_dir, model, block_size=BLOCK, fingerprint="host") as store:
+            store.store(tokens, cache)
+            store.flush()
+            kv = store.stats()["block_bytes"]
+    layers = len(cache)
+    assert len(copied) == 2 * layers and sum(copied) == kv  # each field's copy, once
+    assert moved == []
+    # What was written is the caller's KV, bit for bit.
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK, fingerprint="host", memory_bytes=0) as store:
+        restored, rest = store.fetch(tokens + [7])
+    assert list(rest) == [7]
+    n = len(tokens)
+    for mine, theirs in zip(restored, cache):
+        for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+            assert np.array_equal(np.array(a[..., :n, :].view(mx.uint16)), np.array(b[..., :n, :].view(mx.uint16)))
+
+
 def test_the_writer_hands_the_ram_tiers_copy_back_to_the_gpu(monkeypatch, store_dir):
-    # On a CUDA GPU the writer reads a store's copy on the host, and managed memory moves
-    # to whoever touches it: the RAM tier's copy of the blocks would then be faulted back
-    # page by page by its next restore. The writer starts moving it back once written.
+    # Without the copy engine (`MODE` "prefetch": no staging) the writer reads a store's
+    # copy on the host, and managed memory moves to whoever touches it: the RAM tier's copy
+    # of the blocks would then be faulted back page by page by its next restore. The
+    # writer starts moving it back once written.
     from families import build
     from helpers import BLOCK, prefill, random_tokens
 
@@ -229,6 +280,7 @@ def test_the_writer_hands_the_ram_tiers_copy_back_to_the_gpu(monkeypatch, store_
 
     model = build("llama")
     tokens = [t % 256 for t in random_tokens(5 * BLOCK, seed=4243)]
+    monkeypatch.setattr(cuda_pages, "MODE", "prefetch")
     monkeypatch.setattr(cuda_pages, "on_cuda", lambda: True)
     monkeypatch.setattr(cuda_pages, "_get_driver", lambda: Driver())
     with PersistentPrefixCache(store_dir, model, block_size=BLOCK, fingerprint="back") as store:

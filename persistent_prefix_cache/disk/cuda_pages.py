@@ -82,6 +82,8 @@ class _Driver:
         lib.cuMemHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint]
         lib.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         lib.cuEventSynchronize.argtypes = [ctypes.c_void_p]
+        lib.cuMemcpyDtoHAsync_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+        lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
 
     @staticmethod
     def _check(status: int, what: str) -> None:
@@ -116,6 +118,18 @@ class _Driver:
     def copy(self, dst: int, src: int, nbytes: int) -> None:
         """Copy host bytes to device memory, on the stream."""
         self._check(self.lib.cuMemcpyHtoDAsync_v2(dst, src, nbytes, self.stream), "cuMemcpyHtoDAsync")
+
+    def to_host(self, dst: int, src: int, nbytes: int) -> None:
+        """Copy device (or managed) bytes to host memory on this thread's own stream (a
+        writer's copy never waits behind a reader's), and wait for it."""
+        self._on_this_thread()
+        stream = getattr(self._threads, "stream", None)
+        if stream is None:
+            stream = ctypes.c_void_p()
+            self._check(self.lib.cuStreamCreate(ctypes.byref(stream), _STREAM_NON_BLOCKING), "cuStreamCreate")
+            self._threads.stream = stream
+        self._check(self.lib.cuMemcpyDtoHAsync_v2(dst, src, nbytes, stream), "cuMemcpyDtoHAsync")
+        self._check(self.lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
 
     def record(self, event) -> None:
         """Mark `event` once what the stream holds now is done."""
@@ -182,6 +196,24 @@ def prefetch(buffers: Sequence) -> bool:
     except OSError:
         return False
     return True
+
+
+def to_host(array: np.ndarray) -> np.ndarray:
+    """A host copy of `array`, a contiguous numpy view over managed memory (a store's copy
+    of new KV, on the GPU), made by the copy engine: the host never touches the managed
+    pages, which stay on the device. Read in place, they moved to the host page by page
+    while the caller's next forward ran, and its next restore faulted them back. Where
+    staging is off or the driver cannot be reached or refuses, `array` itself (read in
+    place)."""
+    driver = _get_driver() if MODE == "stage" and _staging and array.nbytes and array.flags.c_contiguous else None
+    if driver is None:
+        return array
+    out = np.empty_like(array)
+    try:
+        driver.to_host(out.ctypes.data, array.ctypes.data, array.nbytes)
+    except OSError:
+        return array
+    return out
 
 
 def give_back(buffers: Sequence) -> bool:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 import time
 from collections.abc import Mapping
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -197,6 +198,7 @@ class Layout:
         root: bytes,
         block_size: int,
         direct: bool = False,
+        host: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> list[tuple[Node, dict[str, Tensors], dict, dict]]:
         """The blocks of `cache` after the stored `path`, with their index records.
 
@@ -211,6 +213,9 @@ class Layout:
                 for a writer the caller waits for, which must be done with them before
                 the caller goes on); `evaluate` then makes the copy the tensors are
                 views of (the RAM tier's), while the writer writes.
+            host: What the writer writes of each field's copy, given its numpy bits
+                (`buffers.Target.host_bits`): called once per field, on the thread
+                that first reads a block's bits (the writer's).
 
         Returns:
             ``(node, tensors by leaf, bits by leaf, origin by leaf)`` per new block:
@@ -241,10 +246,13 @@ class Layout:
         written = sources if direct else ranges
         uints = {lid: {f: _as_uint(x) for f, x in fields.items()} for lid, fields in written.items()}
         mx.eval(uints)
-        whole = {
-            lid: {f: (np.asarray(memoryview(u)), dtype_info(written[lid][f].dtype)[0]) for f, u in fields.items()}
-            for lid, fields in uints.items()
-        }
+        whole = WholeBits(
+            {
+                lid: {f: (np.asarray(memoryview(u)), dtype_info(written[lid][f].dtype)[0]) for f, u in fields.items()}
+                for lid, fields in uints.items()
+            },
+            host,
+        )
         # Each block's tensors: views of the copy, made by one split per field (not one
         # slice per block and field: 2,048 MLX calls for 128 MiB).
         bounds = [i * bs - offset for i in range(len(path) + 1, len(keys))]
@@ -295,6 +303,34 @@ class Layout:
         )  # fmt: skip
 
 
+class WholeBits:
+    """Each sequence field's bits of one `Layout.new_blocks` call, shared by its blocks
+    (leaf -> field -> ``(numpy bits, dtype name)``): passed through `host` once, by the
+    first thread that asks (the writer's), where one is given."""
+
+    def __init__(self, fields: dict[str, dict[str, tuple]], host: Callable[[np.ndarray], np.ndarray] | None):
+        self._fields, self._host, self._lock = fields, host, threading.Lock()
+
+    def __contains__(self, lid: str) -> bool:
+        return lid in self._fields
+
+    def __len__(self) -> int:
+        return len(self._fields)
+
+    def leaf(self, lid: str) -> dict[str, tuple]:
+        """The fields of leaf `lid`."""
+        if self._host is not None:
+            with self._lock:
+                if self._host is not None:
+                    host = self._host
+                    self._fields = {
+                        name: {f: (host(a), dtype) for f, (a, dtype) in fields.items()}
+                        for name, fields in self._fields.items()
+                    }
+                    self._host = None
+        return self._fields[lid]
+
+
 class BlockBits(Mapping):
     """One block's bits for the segment writer (see `Layout.new_blocks`): for sequence
     leaves numpy slices of each field's bits, cut when first read (on the writer's
@@ -303,7 +339,7 @@ class BlockBits(Mapping):
 
     __slots__ = ("_whole", "_lo", "_hi", "_tensors", "_made")
 
-    def __init__(self, whole: dict, lo: int, hi: int, tensors: dict[str, Tensors]):
+    def __init__(self, whole: WholeBits, lo: int, hi: int, tensors: dict[str, Tensors]):
         self._whole, self._lo, self._hi, self._tensors = whole, lo, hi, tensors
         self._made: dict | None = None
 
@@ -311,7 +347,7 @@ class BlockBits(Mapping):
         if self._made is None:  # two threads may both make it: the same slices
             lo, hi = self._lo, self._hi
             self._made = {
-                lid: {f: (a[..., lo:hi, :], dtype) for f, (a, dtype) in self._whole[lid].items()}
+                lid: {f: (a[..., lo:hi, :], dtype) for f, (a, dtype) in self._whole.leaf(lid).items()}
                 if lid in self._whole
                 else part
                 for lid, part in self._tensors.items()
