@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import pstats
@@ -94,6 +95,19 @@ class TimedCalls:
         return wrapper
 
 
+class Timed1:
+    """A callable (a type) timed, without a device synchronization."""
+
+    def __init__(self, real, name, spent):
+        self.real, self.name, self.spent = real, name, spent
+
+    def __call__(self, *a, **k):
+        t = time.perf_counter()
+        out = self.real(*a, **k)
+        self.spent[self.name] = self.spent.get(self.name, 0.0) + time.perf_counter() - t
+        return out
+
+
 def store_parts(model, ids, work) -> dict:
     """One store() of `ids`'s cache on an empty store, its parts timed."""
     from persistent_prefix_cache.layers import layout as layout_mod
@@ -113,13 +127,31 @@ def store_parts(model, ids, work) -> dict:
             spent["Layout." + _n] = spent.get("Layout." + _n, 0.0) + time.perf_counter() - t
             return out
         setattr(Layout, n, staticmethod(w) if n == "evaluate" else w)
+    # Calls of types (cProfile counts them as the caller's own time) and the collector's pauses.
+    for name, real in (("memoryview", memoryview), ("Node", layout_mod.Node), ("BlockBits", layout_mod.BlockBits),
+                       ("WholeBits", layout_mod.WholeBits), ("ViewPath", layout_mod.ViewPath)):  # fmt: skip
+        setattr(layout_mod, name, Timed1(real, name, spent))
+    paused = []
+
+    def collector(phase, info):
+        paused.append((phase, time.perf_counter(), info.get("generation")))
+
+    gc.callbacks.append(collector)
     try:
         store = PersistentPrefixCache(Path(tempfile.mkdtemp(dir=work)), model)
         t, _ = clock(lambda: store.store(ids, cache))
         spent["store_total"] = t
+        starts = [w for phase, w, _ in paused if phase == "start"]
+        stops = [w for phase, w, _ in paused if phase == "stop"]
+        spent["gc"] = sum(b - a for a, b in zip(starts, stops))
+        spent["gc_runs"] = [g for phase, _, g in paused if phase == "start"]
         spent["flush"] = clock(store.flush)[0]
         store.close()
     finally:
+        gc.callbacks.remove(collector)
+        del layout_mod.memoryview
+        for name in ("Node", "BlockBits", "WholeBits", "ViewPath"):
+            setattr(layout_mod, name, getattr(layout_mod, name).real)
         layout_mod.mx, layout_mod.np = real_mx, real_np
         for n, f in saved.items():
             setattr(Layout, n, f)
@@ -164,6 +196,31 @@ def main() -> None:
             if rep < 2:
                 shutil.rmtree(path)
         r["prefill_runs"] = runs
+        # prefill()'s evaluations timed (the device's work and the waits for it), a fresh handle each.
+        from persistent_prefix_cache import prefill as prefill_mod_fn  # noqa: F401
+        prefill_mod = sys.modules["persistent_prefix_cache.prefill"]
+        evals = []
+        for rep in range(2):
+            spent: dict = {}
+            real = prefill_mod.mx
+            prefill_mod.mx = TimedCalls(real, ["eval"], spent)
+            try:
+                store = PersistentPrefixCache(work / f"e{n}-{rep}", model)
+                spent["total"] = clock(lambda: prefill(model, ids, store))[0]
+                store.close()
+            finally:
+                prefill_mod.mx = real
+            evals.append(spent)
+        r["evals"] = evals
+        # Without the cost model (nothing observed, nothing saved), and one handle for 3 prompts.
+        r["no_cost_model_s"] = []
+        for rep in range(2):
+            store = PersistentPrefixCache(work / f"c{n}-{rep}", model, cost_model=False)
+            r["no_cost_model_s"].append(clock(lambda: prefill(model, ids, store))[0])
+            store.close()
+        store = PersistentPrefixCache(work / f"h{n}", model)
+        r["one_handle_s"] = [clock(lambda: prefill(model, prompt_ids(vocab, n, 1000 + k), store))[0] for k in range(3)]
+        store.close()
         # The store's writes off: what prefill() costs without them.
         path = work / f"nostore{n}"
         store = PersistentPrefixCache(path, model)

@@ -269,8 +269,10 @@ class Layout:
             start, end = i * bs, min((i + 1) * bs, n)
             k = i - len(path)
             pieces = {lid: {f: parts[k] for f, parts in fields.items()} for lid, fields in splits.items()}
-            tensors, extra, cut = self.cut(cache, start, end, i == len(keys) - 1, pieces)
-            if flags is None or not uniform:
+            if uniform and flags is not None:  # what `cut` gives such a block: its pieces, nothing to record
+                tensors, extra = pieces, {}
+            else:
+                tensors, extra, cut = self.cut(cache, start, end, i == len(keys) - 1, pieces)
                 for lid, view in cut.items():
                     views[lid].append(view)
                 flags = self.flags(views, start, end)

@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""Where a restore's time goes after a restart, by how the caller runs it (a diagnostic,
+not a benchmark row).
+
+A store holds synthetic KV of a realistic shape (28 layers, 8 KV heads of 128, bf16: a
+3B-shaped llama, 112 KiB per token): two prompts stored by one `store()` each, and a
+chat stored turn by turn. Fresh processes then fetch them in order, each timed with the
+device synchronized: on the main thread, and on another thread (as `ppc serve` does, whose
+generation runs on a thread of mlx_lm.server's), with the store's decisions and learned
+rates after each fetch.
+
+    python tools/profile_restore.py [--tokens 2048,8192] [--turns 8] [--small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from persistent_prefix_cache import PersistentPrefixCache
+
+SHAPE = {"layers": 28, "heads": 8, "dim": 128}
+SMALL = {"layers": 4, "heads": 2, "dim": 32}
+
+
+class _Model:
+    """What a store's layout asks of a model: its layers (one KVCache each)."""
+
+    def __init__(self, layers: int):
+        self.layers = [None] * layers
+
+
+def synthetic_cache(tokens: int, shape: dict, seed: int) -> list:
+    """KVCache layers holding `tokens` positions of random bf16 KV."""
+    from mlx_lm.models.cache import KVCache
+
+    mx.random.seed(seed)
+    cache = []
+    for _ in range(shape["layers"]):
+        layer = KVCache()
+        k = mx.random.normal((1, shape["heads"], tokens, shape["dim"])).astype(mx.bfloat16)
+        layer.update_and_fetch(k, k * 0.5)
+        cache.append(layer)
+    mx.eval([c.keys for c in cache])
+    return cache
+
+
+def prompts(lengths: list[int], turns: int) -> dict[str, list[int]]:
+    out = {f"once-{n}": [(7 * i + n) % 30000 + 1 for i in range(n)] for n in lengths}
+    out[f"turns-{lengths[-1]}"] = [(11 * i + 5) % 30000 + 1 for i in range(lengths[-1])]
+    return out
+
+
+def build(path: Path, shape: dict, lengths: list[int], turns: int) -> None:
+    """The store: each `once-` prompt by one store(), the chat a turn at a time."""
+    with PersistentPrefixCache(path, _Model(shape["layers"]), fingerprint="profile-restore") as store:
+        for name, ids in prompts(lengths, turns).items():
+            cache = synthetic_cache(len(ids), shape, seed=len(name) + len(ids))
+            if name.startswith("once"):
+                store.store(ids, cache)
+            else:
+                for t in range(1, turns + 1):
+                    end = len(ids) * t // turns  # a cache longer than the tokens: its first `end` positions are cut
+                    store.store(ids[:end], cache)
+            store.flush()
+
+
+def child(spec: str) -> int:
+    args = json.loads(spec)
+    shape = args["shape"]
+    mx.eval(mx.ones((256, 256)) @ mx.ones((256, 256)))  # the process's first kernels: not a restore's
+    results = []
+
+    def run():
+        store = PersistentPrefixCache(args["path"], _Model(shape["layers"]), fingerprint="profile-restore")
+        for name, ids in prompts(args["lengths"], args["turns"]).items():
+            before = store.stats()
+            mx.synchronize()
+            started = time.perf_counter()
+            cache, rest = store.fetch(ids + [3])
+            if cache is not None:
+                mx.eval([c.keys for c in cache])
+            mx.synchronize()
+            took = time.perf_counter() - started
+            after = store.stats()
+            grew = {k: after[k] - before[k] for k in ("restored_all", "restored_ram_only", "restored_shorter",
+                                                       "skipped_slower", "restored_blocks_disk")}  # fmt: skip
+            results.append({"prompt": name, "s": took, "restored": len(ids) + 1 - len(rest), **grew,
+                            "disk_bytes_per_s": after["restore_bytes_per_s_disk"]})  # fmt: skip
+        store.close()
+
+    if args["thread"]:
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+    else:
+        run()
+    print(json.dumps(results))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", default="2048,8192")
+    p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--small", action="store_true", help="a small shape (to check the tool on a CPU)")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return child(args.child)
+    shape = SMALL if args.small else SHAPE
+    lengths = [int(x) for x in args.tokens.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="ppc-profile-restore-"))
+    try:
+        build(work / "store", shape, lengths, args.turns)
+        out = {}
+        for mode in ("main", "thread", "main", "thread"):
+            spec = json.dumps({"path": str(work / "store"), "shape": shape, "lengths": lengths,
+                               "turns": args.turns, "thread": mode == "thread"})  # fmt: skip
+            done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", spec],
+                                  capture_output=True, text=True, cwd=work)  # fmt: skip
+            if done.returncode:
+                print(done.stderr[-3000:], file=sys.stderr)
+                return 1
+            out.setdefault(mode, []).append(json.loads(done.stdout.strip().splitlines()[-1]))
+        for mode, runs in out.items():
+            for run in runs:
+                print(mode, " ".join(f"{r['prompt']}: {r['s'] * 1e3:.1f} ms ({r['restored']} tok, disk blocks "
+                                     f"{r['restored_blocks_disk']}, skipped {r['skipped_slower']})" for r in run))  # fmt: skip
+        print(json.dumps(out))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
