@@ -299,11 +299,17 @@ class OpenSegment:
         """The snapshots of block `i`, in header order."""
         return [s for s in self.snaps if s.block == i]
 
-    def read_rows(self, f: SegmentField, lo: int, hi: int, dests: list[memoryview], offsets: list[int], stride: int) -> bool:
+    def read_rows(
+        self, f: SegmentField, lo: int, hi: int, dests: list[memoryview], offsets: list[int], stride: int, stage=None
+    ) -> bool:
         """Read blocks ``[lo, hi)`` of field `f` into row buffers.
 
         Row ``r`` goes to ``dests[r % len(dests)]`` at ``offsets[...] + r * stride``
         if one destination is given for all rows (``len(dests) == 1``), else to its own.
+
+        Args:
+            stage: A `cuda_pages.Stager` for ``dests[0]`` (one destination only), if
+                any: each row is read into its pinned pieces and copied to the device.
 
         Returns:
             False on a short read (the file shrank under us).
@@ -311,6 +317,19 @@ class OpenSegment:
         p0 = self.blocks[lo][1] - f.start
         p1 = self.blocks[hi - 1][1] + self.blocks[hi - 1][2] - f.start
         n = (p1 - p0) * f.row_bytes
+        if stage is not None and len(dests) == 1:
+            try:
+                for r in range(f.rows):
+                    at, base = self.body + f.at + (r * f.tokens + p0) * f.row_bytes, offsets[0] + r * stride
+                    for lo_byte in range(0, n, stage.size):
+                        m = min(stage.size, n - lo_byte)
+                        piece = stage.take(m)
+                        if preadv(self.fd, [piece], at + lo_byte) != m:
+                            return False
+                        stage.send([base + lo_byte], m)
+            except OSError:
+                return False
+            return True
         whole = p0 == 0 and p1 == f.tokens  # the rows lie back to back in the file
         vectors = []
         for r in range(f.rows):
