@@ -329,3 +329,42 @@ def test_the_writer_hands_the_ram_tiers_copy_back_to_the_gpu(monkeypatch, store_
         store.store(tokens, prefill(model, tokens)[1])
         store.flush()
     assert moved == []  # the tier kept nothing: nothing to move back
+
+
+def test_a_cuda_handle_makes_the_readers_rings_at_open(monkeypatch, store_dir):
+    # The first restore of a process made the reader threads and their pinned pieces
+    # inside its own time (on an H200 the first fetch of 2k tokens took as long as the
+    # second of 8k), and the cost model learned that as the disk's rate. A handle opened
+    # on a CUDA GPU has them made in the background, once per process.
+    import threading
+    import time
+
+    from families import build
+
+    from persistent_prefix_cache import PersistentPrefixCache
+    from persistent_prefix_cache.disk import read_path
+
+    made = []
+
+    class Driver(_HostDriver):
+        def ring(self):
+            if getattr(self._threads, "ring", None) is None:
+                made.append(threading.current_thread().name)
+            return super().ring()
+
+    driver = Driver()
+    monkeypatch.setattr(cuda_pages, "on_cuda", lambda: True)
+    monkeypatch.setattr(cuda_pages, "_get_driver", lambda: driver)
+    monkeypatch.setattr(read_path, "_prepared", False)
+    monkeypatch.setattr(read_path, "_pool", None)  # a fresh pool: its threads are made here
+    model = build("llama")
+    with PersistentPrefixCache(store_dir, model, fingerprint="rings"):
+        deadline = time.monotonic() + 60
+        while len(made) < read_path.READERS and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert len(made) == read_path.READERS == len(set(made))
+    assert all(name.startswith("ppc-reader") for name in made)
+    with PersistentPrefixCache(store_dir, model, fingerprint="rings"):
+        pass
+    read_path.reader_pool().submit(lambda: None).result()
+    assert len(made) == read_path.READERS  # once per process

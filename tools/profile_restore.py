@@ -5,9 +5,12 @@ not a benchmark row).
 A store holds synthetic KV of a realistic shape (28 layers, 8 KV heads of 128, bf16: a
 3B-shaped llama, 112 KiB per token): two prompts stored by one `store()` each, and a
 chat stored turn by turn. Fresh processes then fetch them in order, each timed with the
-device synchronized: on the main thread, and on another thread (as `ppc serve` does, whose
-generation runs on a thread of mlx_lm.server's), with the store's decisions and learned
-rates after each fetch.
+device synchronized: on the main thread right after the open, on another thread (as
+`ppc serve` does, whose generation runs on a thread of mlx_lm.server's), 2 s after the
+open (a server's first request), and 2 s after with another prompt being written while
+each fetch runs (a server storing the last request); with the store's decisions and
+learned disk rate after each fetch. A probe process times what a first staged restore
+makes (the CUDA driver, rings of pinned pieces).
 
     python tools/profile_restore.py [--tokens 2048,8192] [--turns 8] [--small]
 """
@@ -81,9 +84,34 @@ def child(spec: str) -> int:
     mx.eval(mx.ones((256, 256)) @ mx.ones((256, 256)))  # the process's first kernels: not a restore's
     results = []
 
+    if args.get("probe"):  # what a process's first staged restore made: driver, a ring of pinned pieces
+        from persistent_prefix_cache.disk import cuda_pages
+
+        probe = {}
+        started = time.perf_counter()
+        driver = cuda_pages._get_driver()
+        probe["driver_s"] = time.perf_counter() - started
+        if driver is not None:
+            def ring():
+                t = time.perf_counter()
+                driver.ring()
+                probe.setdefault("ring_s", []).append(time.perf_counter() - t)
+
+            for _ in range(3):  # three threads, one after the other
+                t = threading.Thread(target=ring)
+                t.start()
+                t.join()
+        print(json.dumps([probe]))
+        return 0
+
     def run():
         store = PersistentPrefixCache(args["path"], _Model(shape["layers"]), fingerprint="profile-restore")
-        for name, ids in prompts(args["lengths"], args["turns"]).items():
+        if args.get("settle"):
+            time.sleep(args["settle"])  # a server's first request comes later than its open
+        for k, (name, ids) in enumerate(prompts(args["lengths"], args["turns"]).items()):
+            if args.get("busy"):  # a server stores the last request's prompt while the next one restores
+                other = [(13 * i + 17 * k) % 30000 + 1 for i in range(args["lengths"][-1])]
+                store.store(other, synthetic_cache(len(other), shape, seed=99 + k))
             before = store.stats()
             mx.synchronize()
             started = time.perf_counter()
@@ -124,9 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         build(work / "store", shape, lengths, args.turns)
         out = {}
-        for mode in ("main", "thread", "main", "thread"):
-            spec = json.dumps({"path": str(work / "store"), "shape": shape, "lengths": lengths,
-                               "turns": args.turns, "thread": mode == "thread"})  # fmt: skip
+        for mode in ("probe", "main", "thread", "settled", "busy", "main", "thread", "settled", "busy"):
+            spec = json.dumps({"path": str(work / "store"), "shape": shape, "lengths": lengths, "turns": args.turns,
+                               "thread": mode == "thread", "settle": 2.0 if mode in ("settled", "busy") else 0,
+                               "probe": mode == "probe", "busy": mode == "busy"})  # fmt: skip
             done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", spec],
                                   capture_output=True, text=True, cwd=work)  # fmt: skip
             if done.returncode:
@@ -134,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             out.setdefault(mode, []).append(json.loads(done.stdout.strip().splitlines()[-1]))
         for mode, runs in out.items():
+            if mode == "probe":
+                print("probe", runs)
+                continue
             for run in runs:
                 print(mode, " ".join(f"{r['prompt']}: {r['s'] * 1e3:.1f} ms ({r['restored']} tok, disk blocks "
                                      f"{r['restored_blocks_disk']}, skipped {r['skipped_slower']})" for r in run))  # fmt: skip

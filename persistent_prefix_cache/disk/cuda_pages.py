@@ -330,6 +330,18 @@ def _stop_staging() -> None:
     _staging = False
 
 
+def prepare_ring() -> None:
+    """Make this thread's ring of pinned pieces now (a reader thread, before the first
+    restore asks); where pinned memory is refused, staging stops for the process."""
+    driver = _get_driver()
+    if driver is None:
+        return
+    try:
+        driver.ring()
+    except OSError:
+        _stop_staging()
+
+
 def stager_possible() -> bool:
     """Whether `stager` can give stagers here (see there)."""
     return MODE == "stage" and _staging and on_cuda() and _get_driver() is not None
