@@ -355,7 +355,7 @@ def test_a_cuda_handle_makes_the_readers_rings_at_open(monkeypatch, store_dir):
     driver = Driver()
     monkeypatch.setattr(cuda_pages, "on_cuda", lambda: True)
     monkeypatch.setattr(cuda_pages, "_get_driver", lambda: driver)
-    monkeypatch.setattr(read_path, "_prepared", False)
+    monkeypatch.setattr(cuda_pages, "_prepared", False)
     monkeypatch.setattr(read_path, "_pool", None)  # a fresh pool: its threads are made here
     model = build("llama")
     with PersistentPrefixCache(store_dir, model, fingerprint="rings"):

@@ -330,16 +330,41 @@ def _stop_staging() -> None:
     _staging = False
 
 
-def prepare_ring() -> None:
-    """Make this thread's ring of pinned pieces now (a reader thread, before the first
-    restore asks); where pinned memory is refused, staging stops for the process."""
-    driver = _get_driver()
-    if driver is None:
+_prepared = False
+
+
+def prepare_readers(pool, threads: int) -> None:
+    """Make the rings of pinned pieces of the reader threads now, in the background, once
+    per process, where stages run (the first restore of a process made the driver, the
+    threads and their pinned memory inside its own time, and the cost model took that
+    for the disk's rate). Where pinned memory is refused, staging stops for the process.
+
+    Args:
+        pool: Gives the reader threads' executor (`read_path.reader_pool`).
+        threads: How many threads it has.
+    """
+    global _prepared
+    with _lock:
+        if _prepared:
+            return
+        _prepared = True
+    if not stager_possible():
         return
-    try:
-        driver.ring()
-    except OSError:
-        _stop_staging()
+    together = threading.Barrier(threads, timeout=30)  # each task on a thread of its own
+
+    def ready() -> None:
+        try:
+            _get_driver().ring()
+            together.wait()
+        except OSError:
+            _stop_staging()
+            together.abort()
+        except threading.BrokenBarrierError:
+            pass  # a restore took a thread meanwhile: its ring is made on first use
+
+    executor = pool()
+    for _ in range(threads):
+        executor.submit(ready)
 
 
 def stager_possible() -> bool:

@@ -114,34 +114,9 @@ def device_target() -> Target:
     join = RAM_JOIN == "mlx" if RAM_JOIN in ("mlx", "numpy") else on_gpu()
     target = Target(join_on_device=join)
     if target.device:
-        _prepare_readers()
+        cuda_pages.prepare_readers(reader_pool, READERS)
     return target
 
-
-_prepared = False
-
-
-def _prepare_readers() -> None:
-    """Start the reader threads and their rings of pinned pieces now, in the background,
-    once per process (where stages run: a CUDA GPU): the first restore of a process
-    made them (driver, threads, pinned memory) inside its own time, and the cost
-    model took that for the disk's rate."""
-    global _prepared
-    with _pool_lock:
-        if _prepared or not cuda_pages.stager_possible():
-            return
-        _prepared = True
-    together = threading.Barrier(READERS, timeout=30)  # each task on a thread of its own
-
-    def ready() -> None:
-        try:
-            cuda_pages.prepare_ring()
-            together.wait()
-        except threading.BrokenBarrierError:
-            pass  # a restore took a thread meanwhile: its ring is made on first use
-
-    for _ in range(READERS):
-        reader_pool().submit(ready)
 
 
 def _pieces(nodes, cached, origins) -> list[tuple[str, int, int, mx.array]]:
