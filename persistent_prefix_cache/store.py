@@ -407,7 +407,7 @@ class PersistentPrefixCache(OpenedWith, CostsMixin, CalibrationMixin):
         direct = self._sync_writes and self._remote is None and not self._target.device
         new = self._layout.new_blocks(
             cache, keys, data, path, root=self._root, block_size=self._block_size, direct=direct,
-            host=self._target.host_bits if self._target.device else None,
+            host=self._target.host_bits,
         )  # fmt: skip
         for node, tensors, _, _ in new:
             self._layout.learn_fields(tensors)  # the dtypes and shapes a read must find

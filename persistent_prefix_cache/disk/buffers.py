@@ -42,12 +42,13 @@ class Target:
         self.device = not host and cuda_pages.on_cuda()
         self._used = 0  # bytes of the arena handed out
 
-    def host_bits(self, array: np.ndarray) -> np.ndarray:
-        """What a writer writes of `array` (numpy bits over MLX memory this handle's
-        store copied new KV into): on a CUDA GPU a host copy by the copy engine
-        (`cuda_pages.to_host`: the device's pages stay where the RAM tier and the next
-        forward want them), elsewhere `array` itself."""
-        return cuda_pages.to_host(array) if self.device else array
+    @property
+    def host_bits(self):
+        """How a writer takes the bits of a store's copy of new KV (numpy over MLX
+        memory) to the host: on a CUDA GPU `cuda_pages.to_host`, a copy by the copy
+        engine (the device's pages stay where the RAM tier and the next forward want
+        them); elsewhere None: it reads them in place."""
+        return cuda_pages.to_host if self.device else None
 
     def allocate(self, specs: list[tuple[str, tuple[int, ...], str]]) -> dict:
         """Buffers of these shapes and safetensors dtypes, contents undefined: MLX arrays

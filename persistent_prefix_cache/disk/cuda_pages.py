@@ -19,8 +19,12 @@ caller's thread instead: slower, but still inside the timed restore.
 ``"touch"``), ``"touch"``, or ``"none"`` (leave the pages where the host wrote them:
 the behaviour before).
 
-A field the read path reads whole goes further (`Stager`): each piece is read into a
-small pinned host buffer, hashed there, and copied to the device by the copy engine,
+Writes go the other way (`to_host`): the writer copies a store's new KV, which the GPU
+just computed, to the host by the copy engine, rather than reading managed memory in
+place (which moves its pages to the host while the caller's next forward runs).
+
+A field the read path reads goes further (`Stager`): each piece is read into a
+small pinned host buffer (a whole field's hashed there) and copied to the device by the copy engine,
 so no page of managed memory is ever touched by the host (H200, 1 GiB: read into
 pinned pieces 45-57 ms, copies 22-30 ms beside them, against 90 ms for reads into
 managed memory then 30 ms of migration; a whole 8k-token restore 64-69 ms against

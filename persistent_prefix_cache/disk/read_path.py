@@ -118,7 +118,6 @@ def device_target() -> Target:
     return target
 
 
-
 def _pieces(nodes, cached, origins) -> list[tuple[str, int, int, mx.array]]:
     """The sliced tensors of the RAM-tier blocks of a path as ``(name, start, end,
     array)``, in path order; consecutive blocks cut from one copy (see
