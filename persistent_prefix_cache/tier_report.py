@@ -30,10 +30,21 @@ def describe_tiers(tiers: dict[str, int]) -> str:
 def describe_decisions(stats: dict) -> str:
     """A store's fetch decisions from its `stats()`, in words: how many fetches hit or
     missed, and of the hits how many restored all, only the RAM tier's part, a shorter
-    prefix, or nothing (skipped as slower than recomputing), and damaged blocks met."""
+    prefix, or nothing (skipped as slower than recomputing), damaged blocks met, and the
+    costs that decided (the prefill's rate, each tier's rate and fixed cost)."""
+
+    def rate(value, unit: str, scale: float) -> str:
+        return "?" if value is None else f"{value / scale:,.1f} {unit}"
+
+    tiers = [
+        f"{tier} {rate(stats.get(f'restore_bytes_per_s_{tier}'), 'GB/s', 1e9)} "
+        f"+ {rate(stats.get(f'restore_fixed_s_{tier}'), 'ms', 1e-3)}"
+        for tier in ("ram", "disk")
+    ]
     return (
         f"{stats['queries']} fetches, {stats['hits']} hits, {stats['misses']} misses; "
         f"restored all {stats['restored_all']}, RAM only {stats['restored_ram_only']}, "
         f"shorter {stats['restored_shorter']}, skipped as slower {stats['skipped_slower']}; "
-        f"damaged {stats['corrupt']}"
+        f"damaged {stats['corrupt']}; costs: prefill {rate(stats.get('prefill_tokens_per_s'), 'tokens/s', 1)}, "
+        + ", ".join(tiers)
     )

@@ -457,6 +457,11 @@ def test_server_restores_from_the_store_after_a_restart(serve_model_dir, tmp_pat
     assert 0 < restored[0] < warm_other["usage"]["prompt_tokens"]
     # The whole first conversation came back (its prompt and what was generated).
     assert restored[1] >= first["usage"]["prompt_tokens"]
+    # On its way out it says what its store decided (why a seen prompt could miss).
+    said = re.search(r"store .*: (\d+) fetches, (\d+) hits, (\d+) misses; restored all (\d+), .*; costs: prefill ", server.log())
+    assert said, server.log()
+    fetches, hits, misses, all_ = map(int, said.groups())
+    assert fetches == hits + misses and hits >= 2 and all_ >= 1, said.group(0)
 
     with Server(serve_model_dir, empty, tmp_path / "cold.log") as server:
         cold_other = server.chat(OTHER, seed=3)
