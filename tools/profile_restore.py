@@ -110,7 +110,7 @@ def child(spec: str) -> int:
             time.sleep(args["settle"])  # a server's first request comes later than its open
         for k, (name, ids) in enumerate(prompts(args["lengths"], args["turns"]).items()):
             if args.get("busy"):  # a server stores the last request's prompt while the next one restores
-                other = [(13 * i + 17 * k) % 30000 + 1 for i in range(args["lengths"][-1])]
+                other = [(13 * i + 17 * k) % 30000 + 1 for i in range(args["lengths"][0])]
                 store.store(other, synthetic_cache(len(other), shape, seed=99 + k))
             before = store.stats()
             mx.synchronize()
@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", default="2048,8192")
     p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--repeat", type=int, default=1, help="processes per mode (an H200 host ran 9 in more than 170 s)")
     p.add_argument("--small", action="store_true", help="a small shape (to check the tool on a CPU)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -152,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         build(work / "store", shape, lengths, args.turns)
         out = {}
-        for mode in ("probe", "main", "thread", "settled", "busy", "main", "thread", "settled", "busy"):
+        modes = ["probe"] + ["main", "thread", "settled", "busy"] * args.repeat
+        for mode in modes:
             spec = json.dumps({"path": str(work / "store"), "shape": shape, "lengths": lengths, "turns": args.turns,
                                "thread": mode == "thread", "settle": 2.0 if mode in ("settled", "busy") else 0,
                                "probe": mode == "probe", "busy": mode == "busy"})  # fmt: skip
