@@ -14,7 +14,7 @@ from typing import Any
 from .blocks import DEFAULT_BLOCK_SIZE
 from .disk.index import Index
 from .disk.segment import SegmentFiles
-from .disk.store_dir import check_location, create_root, undo_creation
+from .disk.store_dir import check_location, create_root, missing_folders, undo_creation
 from .errors import InvalidArgumentError, StoreNotWritableError
 from .options import existing_but_not_writable
 
@@ -39,12 +39,14 @@ class OpenedDirectory:
         files: The segment files.
         index: The index (the caller closes it).
         made_folder: None if the store existed; else whether its folder was made here.
+        parents: Folders above it this open made (``mkdir -p``), deepest first.
     """
 
     readonly: bool
     files: SegmentFiles
     index: Index
     made_folder: bool | None
+    parents: tuple[str, ...] = ()
 
 
 def open_directory(path: str, *, readonly: bool, shared: bool, block_size: int | None) -> OpenedDirectory:
@@ -71,6 +73,7 @@ def open_directory(path: str, *, readonly: bool, shared: bool, block_size: int |
         hint = "to say so and silence this, open it read-only; to store, give write permission"
         warnings.warn(str(StoreNotWritableError(message, hint=hint)))
         readonly = True
+    parents = () if exists else tuple(missing_folders(path)[1:])
     made_folder = None if exists else create_root(path, shared=shared)  # 0700 (2770 if shared)
     try:
         files = SegmentFiles(path, readonly=readonly)
@@ -83,9 +86,9 @@ def open_directory(path: str, *, readonly: bool, shared: bool, block_size: int |
             )
     except BaseException:
         if made_folder is not None:
-            undo_creation(path, made_folder=made_folder)
+            undo_creation(path, made_folder=made_folder, parents=parents)
         raise
-    return OpenedDirectory(readonly, files, index, made_folder)
+    return OpenedDirectory(readonly, files, index, made_folder, parents)
 
 
 def disk_budget(path: str, disk_bytes: int | str | None, held: int) -> int | None:
@@ -156,4 +159,4 @@ def give_back(path: str, opened: OpenedDirectory) -> None:
     leaves nothing behind)."""
     opened.index.close()
     if opened.made_folder is not None:
-        undo_creation(path, made_folder=opened.made_folder)
+        undo_creation(path, made_folder=opened.made_folder, parents=opened.parents)

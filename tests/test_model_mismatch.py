@@ -106,6 +106,10 @@ def test_the_repro_a_wrong_model_path_is_refused_naming_both(two, tmp_path):
     with pytest.raises(ModelMismatchError):
         PersistentPrefixCache(tmp_path / "new", two.model_a, model_path=two.b)
     assert not (tmp_path / "new").exists()
+    # Nor the folders above it that the open made (as `mkdir -p`).
+    with pytest.raises(ModelMismatchError):
+        PersistentPrefixCache(tmp_path / "made" / "by" / "open" / "new", two.model_a, model_path=two.b)
+    assert not (tmp_path / "made").exists()
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelMismatchError):
         PersistentPrefixCache(tmp_path / "empty", two.model_a, model_path=two.b)
