@@ -297,6 +297,40 @@ def test_the_writer_copies_a_stores_kv_to_the_host_by_the_copy_engine(monkeypatc
             assert np.array_equal(np.array(a[..., :n, :].view(mx.uint16)), np.array(b[..., :n, :].view(mx.uint16)))
 
 
+def test_a_host_copy_that_disagrees_is_never_written(monkeypatch, store_dir):
+    # A driver whose copies land wrong (here: zeros): the writer sees the copy's ends differ
+    # from the source's, writes the source's bits read in place, and staging stops.
+    from families import build
+    from helpers import BLOCK, prefill, random_tokens
+
+    from persistent_prefix_cache import PersistentPrefixCache
+
+    class Wrong(_HostDriver):
+        def to_host(self, dst, src, nbytes):
+            import ctypes
+
+            ctypes.memset(dst, 0, nbytes)
+
+    model = build("llama")
+    tokens = [t % 256 for t in random_tokens(3 * BLOCK, seed=4245)]
+    cache = prefill(model, tokens)[1]
+    with monkeypatch.context() as m:
+        m.setattr(cuda_pages, "on_cuda", lambda: True)
+        m.setattr(cuda_pages, "_get_driver", lambda: Wrong())
+        m.setattr(cuda_pages, "_staging", True)
+        with PersistentPrefixCache(store_dir, model, block_size=BLOCK, fingerprint="wrong") as store:
+            store.store(tokens, cache)
+            store.flush()
+        assert not cuda_pages._staging
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK, fingerprint="wrong", memory_bytes=0) as store:
+        restored, rest = store.fetch(tokens + [7])
+    assert list(rest) == [7]
+    n = len(tokens)
+    for mine, theirs in zip(restored, cache):
+        for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+            assert np.array_equal(np.array(a[..., :n, :].view(mx.uint16)), np.array(b[..., :n, :].view(mx.uint16)))
+
+
 def test_the_writer_hands_the_ram_tiers_copy_back_to_the_gpu(monkeypatch, store_dir):
     # Without the copy engine (`MODE` "prefetch": no staging) the writer reads a store's
     # copy on the host, and managed memory moves to whoever touches it: the RAM tier's copy

@@ -43,6 +43,7 @@ MODE = "stage"
 STAGE_PIECE = 2 << 20  # bytes of one pinned piece (read, hashed, copied as one)
 STAGE_RING = 4  # pinned pieces per reader thread: reads go on while earlier copies run
 _TOUCH_BYTES = 4096  # one element read per this many bytes faults every page over
+_CHECK_BYTES = 256  # bytes at each end of a `to_host` copy compared with its source
 _lock = threading.Lock()
 _driver: "_Driver | None | bool" = None  # None: not tried; False: unavailable
 
@@ -208,7 +209,9 @@ def to_host(array: np.ndarray) -> np.ndarray:
     pages, which stay on the device. Read in place, they moved to the host page by page
     while the caller's next forward ran, and its next restore faulted them back. Where
     staging is off or the driver cannot be reached or refuses, `array` itself (read in
-    place)."""
+    place). The copy's first and last bytes are compared with the source's (a few pages
+    read in place): a copy that disagrees is never written, and stops staging for the
+    process."""
     driver = _get_driver() if MODE == "stage" and _staging and array.nbytes and array.flags.c_contiguous else None
     if driver is None:
         return array
@@ -216,6 +219,10 @@ def to_host(array: np.ndarray) -> np.ndarray:
     try:
         driver.to_host(out.ctypes.data, array.ctypes.data, array.nbytes)
     except OSError:
+        return array
+    got, want = out.reshape(-1).view(np.uint8), array.reshape(-1).view(np.uint8)
+    if not (np.array_equal(got[:_CHECK_BYTES], want[:_CHECK_BYTES]) and np.array_equal(got[-_CHECK_BYTES:], want[-_CHECK_BYTES:])):
+        _stop_staging()
         return array
     return out
 
