@@ -69,12 +69,16 @@ servers:
 	  echo "redis-server not found: the remote-tier tests will be skipped (brew install redis valkey, or your system's packages)"; \
 	fi
 
+# The suite runs on every core (pytest-xdist; 2 on CI, where that halves its time:
+# docs/development.md#the-full-suite). JOBS=0 runs it in one process.
+JOBS ?= auto
+
 test: $(STAMP) servers
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(JOBS)
 
 # The edit-and-check loop: every test but those marked slow (see pyproject.toml). Not what CI runs.
 test-fast: $(STAMP) servers
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n $(JOBS) -m "not slow"
 
 # The linter (ruff, pinned in the test extra; its rules in pyproject.toml): package,
 # tests, tools and migrations. CI runs it before the tests; a finding fails the build.
@@ -82,7 +86,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 test-mlx-lm-0.31: $(STAMP_031) servers
-	$(PY_031) -m pytest -q $(TESTS_031)
+	$(PY_031) -m pytest -q -n $(JOBS) $(TESTS_031)
 
 # pip resolves vllm-mlx beside this checkout (asks the package registry; installs nothing).
 check-vllm-mlx-resolves: $(STAMP_031)

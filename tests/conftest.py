@@ -8,6 +8,7 @@ width mlx's quantizer accepts (group size 32), which the kv_bits tests need.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 
 import pytest
@@ -16,6 +17,14 @@ from persistent_prefix_cache.tiny_model import TEST_MODEL, load_tiny_model, writ
 
 # Every option that decides the model's shapes; the "other model" differs only by seed.
 TINY_MODEL = dict(TEST_MODEL)
+
+
+def pytest_configure(config):
+    """Ctrl-C reaches the processes the tests start as it reaches a user's: a suite run
+    as a background job of a non-interactive shell starts with SIGINT ignored, and every
+    child would inherit that (tests/test_precompute_stops.py's SIGINT then did nothing)."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")

@@ -62,6 +62,10 @@ def free_port() -> int:
             return port
 
 
+class PortTaken(RuntimeError):
+    """The server could not bind its port: another process took it after `free_port`."""
+
+
 class RedisServer:
     """One server process (``redis-server`` or ``valkey-server``).
 
@@ -81,6 +85,7 @@ class RedisServer:
         os.makedirs(self.workdir, exist_ok=True)
         self.args = list(args)
         self.port = port or free_port()
+        self._port_chosen = port is None  # ours to change if another process takes it first
         self.tls = tls
         self.proc: subprocess.Popen | None = None
 
@@ -89,7 +94,23 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}"
 
     def start(self) -> "RedisServer":
-        """Start it and wait (bounded) until it answers PING."""
+        """Start it and wait (bounded) until it answers PING. At its first start, a port
+        it chose that another process bound meanwhile (tests run in parallel) is chosen
+        again, a few times; a restart keeps its port."""
+        for _ in range(4):
+            try:
+                self._start()
+                break
+            except PortTaken:
+                if not self._port_chosen:
+                    raise
+                self.port = free_port()
+        else:
+            self._start()
+        self._port_chosen = False
+        return self
+
+    def _start(self) -> None:
         ports = ["--port", str(self.port)]
         if self.tls:
             cert, key = self.tls
@@ -104,10 +125,16 @@ class RedisServer:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.engine}-server exited {self.proc.returncode}: {self.log()}")
+                log = self.log()
+                if "Address already in use" in log:
+                    raise PortTaken(f"{self.engine}-server: port {self.port} (or {self.port + 10000}) taken: {log}")
+                raise RuntimeError(f"{self.engine}-server exited {self.proc.returncode}: {log}")
             try:
-                if self.client(timeout=1).ping():
-                    return self
+                client = self.client(timeout=1)
+                if client.ping() and client.info("server")["process_id"] == self.proc.pid:
+                    return
+                # Another server answered on this port: this one cannot bind it, and exits.
+                self.proc.wait(timeout=30)
             except Exception:  # noqa: BLE001 - not listening yet
                 time.sleep(0.05)
         raise RuntimeError(f"{self.engine}-server on port {self.port} did not answer: {self.log()}")

@@ -351,20 +351,29 @@ class Server:
     """One ``ppc serve`` process on 127.0.0.1; its output goes to a log file."""
 
     def __init__(self, model_dir, store, log_path, *extra: str):
-        self.port = _free_port()
         self.log_path = log_path
-        cmd = [
+        self._argv = [
             sys.executable, "-m", "persistent_prefix_cache", "serve",
             "--model", str(model_dir), "--store", str(store), "--store-block-size", str(BLOCK),
-            "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "INFO", *extra,
+            "--host", "127.0.0.1", "--log-level", "INFO", *extra,
         ]  # fmt: skip
+        self._start()
+
+    def _start(self) -> None:
+        self.port = _free_port()
         env = {k: v for k, v in os.environ.items() if k != "PPC_STORE"}
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self._argv + ["--port", str(self.port)], stdout=self._log,
+                                     stderr=subprocess.STDOUT, env=env)  # fmt: skip
 
     def __enter__(self):
-        deadline = time.monotonic() + START_TIMEOUT
+        deadline, tries = time.monotonic() + START_TIMEOUT, 0
         while time.monotonic() < deadline:
+            # A port a parallel test took first: another one (ppc serve says so, then hangs).
+            if "Address already in use" in self.log() and tries < 3:
+                self.__exit__()
+                self._start()
+                tries += 1
             if self.proc.poll() is not None:
                 raise AssertionError(f"server exited {self.proc.returncode}:\n{self.log()}")
             try:
