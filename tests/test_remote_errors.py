@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -68,13 +69,19 @@ def prompts(tmp_path_factory):
     return path
 
 
-@pytest.fixture
-def filled(tmp_path, tiny_model_dir, prompts):
-    """A store precomputed from `prompts` (no remote)."""
-    store = tmp_path / "filled"
+@pytest.fixture(scope="module")
+def precomputed(tmp_path_factory, tiny_model_dir, prompts):
+    """A store precomputed from `prompts` (no remote) by a real ``ppc``, once a module."""
+    store = tmp_path_factory.mktemp("precomputed") / "filled"
     out = ppc("precompute", "--model", tiny_model_dir, "--store", store, "--block-size", BS, prompts)
     assert out.returncode == 0, out.stderr
     return store
+
+
+@pytest.fixture
+def filled(tmp_path, precomputed):
+    """The test's own copy of `precomputed` (tests push from it, and generate adds to it)."""
+    return shutil.copytree(precomputed, tmp_path / "filled", symlinks=True)
 
 
 # -- the db: a number, and one the server has ------------------------------------------
