@@ -360,17 +360,14 @@ class Server:
         self._start()
 
     def _start(self) -> None:
-        self.port = _free_port()
+        self.port, self._log = _free_port(), open(self.log_path, "w")
         env = {k: v for k, v in os.environ.items() if k != "PPC_STORE"}
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self._argv + ["--port", str(self.port)], stdout=self._log,
-                                     stderr=subprocess.STDOUT, env=env)  # fmt: skip
+        self.proc = subprocess.Popen(self._argv + ["--port", str(self.port)], stdout=self._log, stderr=subprocess.STDOUT, env=env)  # fmt: skip
 
     def __enter__(self):
         deadline, tries = time.monotonic() + START_TIMEOUT, 0
         while time.monotonic() < deadline:
-            # A port a parallel test took first: another one (ppc serve says so, then hangs).
-            if "Address already in use" in self.log() and tries < 3:
+            if "Address already in use" in self.log() and tries < 3:  # a parallel test took the port (ppc serve hangs)
                 self.__exit__()
                 self._start()
                 tries += 1
