@@ -186,7 +186,9 @@ def test_a_signal_ends_the_line_says_what_was_kept_and_a_rerun_resumes(model, tm
 
 @pytest.mark.slow
 def test_a_full_disk_stops_the_run_and_the_summary_counts_what_was_stored(model, small_tmpfs, tmp_path):
-    prompts = write_prompts(tmp_path / "in", 20, 400, seed=2)  # ~4 MB of KV for a 2 MiB disk
+    # ~7.9 MB of KV (512 bytes a token) for a 1 MiB disk: it fills within the first prompts.
+    subprocess.run(["mount", "-o", "remount,size=1M", str(small_tmpfs)], check=True, timeout=30)
+    prompts = write_prompts(tmp_path / "in", 20, 200, seed=2)
     store = small_tmpfs / "store"
     argv = command(model, store, prompts, "--store-disk-bytes", "unlimited")  # no budget: the disk fills
     proc, summary = run_json(argv)
