@@ -367,7 +367,7 @@ class Server:
     def __enter__(self):
         deadline, tries = time.monotonic() + START_TIMEOUT, 0
         while time.monotonic() < deadline:
-            if "Address already in use" in self.log() and tries < 3:  # a parallel test took the port (ppc serve hangs)
+            if "Address already in use" in self.log() and tries < 3:  # a parallel test took the port
                 self.__exit__()
                 self._start()
                 tries += 1
@@ -503,6 +503,26 @@ def test_serve_refuses_a_missing_model_folder(tmp_path, capsys):
     code = serve.main(["--model", str(tmp_path / "nope"), "--store", str(tmp_path / "s")])
     assert code == 2
     assert "no such folder" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_serve_on_a_taken_port_says_so_and_exits(serve_model_dir, tmp_path):
+    # mlx_lm.server starts its generation thread before it listens, and never stops it
+    # when the listen fails: ppc serve hung there, after its error line.
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        cmd = [sys.executable, "-m", "persistent_prefix_cache", "serve", "--model", str(serve_model_dir),
+               "--store", str(tmp_path / "store"), "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if k != "PPC_STORE"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 1, (proc.returncode, proc.stderr)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [errors[0]] and "cannot listen" in errors[0] and "--port" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 # -- configuration errors stop the server before it starts -----------------------------

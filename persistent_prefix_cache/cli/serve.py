@@ -202,6 +202,12 @@ def _serve(args: argparse.Namespace, server_argv: list[str]) -> int:
                         )
     except SystemExit as exc:  # mlx_lm.server's argparse: usage already printed
         return exc.code if isinstance(exc.code, int) else 2
+    except OSError as exc:  # mlx_lm.server could not listen: a port taken, an address not this host's
+        print(f"error: ppc serve cannot listen: {exc.strerror or exc} (another process holds the port? "
+              "pass another --port)", file=sys.stderr, flush=True)  # fmt: skip
+        # Its generation thread, started before it listened, never stops on its own: the
+        # process would hang at exit. The store was closed above.
+        _exit_now(1)
     finally:
         sys.argv = saved_argv
         signal.signal(signal.SIGTERM, previous)
