@@ -269,6 +269,7 @@ class WriteBack:
         """
         self.merges.stop()  # its tidy of the last writes, if any, is a data job: waited for
         self.submit(self._apply_bookkeeping, data=False)
+        deadline = None  # one wait for all the bookkeeping, not one per job
         while True:
             with self._lock:
                 data, pending = list(self._data), list(self._futures)
@@ -278,7 +279,9 @@ class WriteBack:
                 continue
             if not pending:
                 break
-            done = [f for f in pending if f.done() or _wait(f, BOOKKEEPING_WAIT_SECONDS)]
+            if deadline is None:
+                deadline = time.monotonic() + BOOKKEEPING_WAIT_SECONDS
+            done = [f for f in pending if f.done() or _wait(f, max(0.0, deadline - time.monotonic()))]
             if len(done) < len(pending):
                 log.warning(
                     "store %s: recency and hit counts of this handle not committed: another "
