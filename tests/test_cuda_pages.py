@@ -252,6 +252,21 @@ def test_a_damaged_segment_is_checked_after_the_copies_land(monkeypatch, store_d
     assert len(rest) == len(tokens) + 1 - 2 * BLOCK  # the two blocks before the damaged one
 
 
+def _assert_stored_bitwise(store_dir, model, tokens, cache, fingerprint):
+    """A fresh handle (off CUDA, no RAM tier) restores `tokens` as `cache` holds them, bit for bit."""
+    from helpers import BLOCK
+
+    from persistent_prefix_cache import PersistentPrefixCache
+
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK, fingerprint=fingerprint, memory_bytes=0) as store:
+        restored, rest = store.fetch(tokens + [7])
+    assert list(rest) == [7]
+    n = len(tokens)
+    for mine, theirs in zip(restored, cache):
+        for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+            assert np.array_equal(np.array(a[..., :n, :].view(mx.uint16)), np.array(b[..., :n, :].view(mx.uint16)))
+
+
 def test_the_writer_copies_a_stores_kv_to_the_host_by_the_copy_engine(monkeypatch, store_dir):
     # On a CUDA GPU the writer must not read a store's copy of the new KV in place: managed
     # memory moves to whoever touches it, page by page, while the caller's next forward
@@ -287,14 +302,7 @@ def test_the_writer_copies_a_stores_kv_to_the_host_by_the_copy_engine(monkeypatc
     layers = len(cache)
     assert len(copied) == 2 * layers and sum(copied) == kv  # each field's copy, once
     assert moved == []
-    # What was written is the caller's KV, bit for bit.
-    with PersistentPrefixCache(store_dir, model, block_size=BLOCK, fingerprint="host", memory_bytes=0) as store:
-        restored, rest = store.fetch(tokens + [7])
-    assert list(rest) == [7]
-    n = len(tokens)
-    for mine, theirs in zip(restored, cache):
-        for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
-            assert np.array_equal(np.array(a[..., :n, :].view(mx.uint16)), np.array(b[..., :n, :].view(mx.uint16)))
+    _assert_stored_bitwise(store_dir, model, tokens, cache, "host")  # what was written: the caller's KV
 
 
 def test_a_host_copy_that_disagrees_is_never_written(monkeypatch, store_dir):
@@ -322,13 +330,7 @@ def test_a_host_copy_that_disagrees_is_never_written(monkeypatch, store_dir):
             store.store(tokens, cache)
             store.flush()
         assert not cuda_pages._staging
-    with PersistentPrefixCache(store_dir, model, block_size=BLOCK, fingerprint="wrong", memory_bytes=0) as store:
-        restored, rest = store.fetch(tokens + [7])
-    assert list(rest) == [7]
-    n = len(tokens)
-    for mine, theirs in zip(restored, cache):
-        for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
-            assert np.array_equal(np.array(a[..., :n, :].view(mx.uint16)), np.array(b[..., :n, :].view(mx.uint16)))
+    _assert_stored_bitwise(store_dir, model, tokens, cache, "wrong")
 
 
 def test_the_writer_hands_the_ram_tiers_copy_back_to_the_gpu(monkeypatch, store_dir):
