@@ -52,26 +52,27 @@ def restore(
         intact means the block after them is missing or damaged; all intact and None
         means the blocks do not fit the layout.
     """
-    cached, origins = [], []
-    for node in nodes:
-        entry = memory.get(node.key)
-        cached.append(entry[1] if entry is not None else None)
-        origins.append(entry[2] if entry is not None else {})
-    intact, runs, snaps = read_path(
-        nodes, cached, files, layout.kinds, position, layout.fields, digests, origins, target=target
-    )
-    if intact < len(nodes):
-        return None, intact
-    last = nodes[-1]
-    sources = {
-        lid: JoinedSource(layout.view(last, lid, snaps.get(lid, {})), runs.get(lid, {}))
-        for lid, _, _ in layout.leaves
-    }
-    cache = layout.rebuild(sources, position)
-    if cache is not None:
-        memory.count_served([n.key for n, have in zip(nodes, cached) if have is not None])
-        admit(memory, nodes, cached, runs, snaps, files, target)
-    return cache, len(nodes)
+    with files.reads_first.reading():  # the store's writer waits meanwhile (`reads_first`)
+        cached, origins = [], []
+        for node in nodes:
+            entry = memory.get(node.key)
+            cached.append(entry[1] if entry is not None else None)
+            origins.append(entry[2] if entry is not None else {})
+        intact, runs, snaps = read_path(
+            nodes, cached, files, layout.kinds, position, layout.fields, digests, origins, target=target
+        )
+        if intact < len(nodes):
+            return None, intact
+        last = nodes[-1]
+        sources = {
+            lid: JoinedSource(layout.view(last, lid, snaps.get(lid, {})), runs.get(lid, {}))
+            for lid, _, _ in layout.leaves
+        }
+        cache = layout.rebuild(sources, position)
+        if cache is not None:
+            memory.count_served([n.key for n, have in zip(nodes, cached) if have is not None])
+            admit(memory, nodes, cached, runs, snaps, files, target)
+        return cache, len(nodes)
 
 
 def admit(

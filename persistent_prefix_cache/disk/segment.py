@@ -53,6 +53,7 @@ from ..blocks import Node
 from ..files import NotRegularFileError, open_regular, pid_alive, pid_of_temp
 from .faults import pause_point
 from .portable import durable_fsync
+from .reads_first import ReadsFirst
 from .segment_writer import Sink, plan_segment, pwritev_all
 from .segment_reader import OpenSegment
 from .store_guard import unsafe_entry
@@ -77,6 +78,8 @@ class SegmentFiles:
         self.segments = os.path.join(root, "segments")
         self.tmp = os.path.join(root, "tmp")
         self.legacy = os.path.join(root, "blocks")  # schema v1-v2: one file per block
+        # Restores mark themselves here; `write` gives way to them (see `reads_first`).
+        self.reads_first = ReadsFirst()
         if not readonly:
             for sub in (self.segments, self.tmp):
                 try:
@@ -129,6 +132,7 @@ class SegmentFiles:
             ValueError: If the blocks are not one chain of one model, or their
                 tensors disagree.
         """
+        self.reads_first.wait()
         segment = os.urandom(16)
         plan = plan_segment(segment, blocks, root, model, block_size)
         skeleton = len(plan.header(None, None, None))  # the data starts after it
@@ -139,7 +143,7 @@ class SegmentFiles:
             # The data first (hashed as it goes, written from a second thread), then the
             # header that records its digests, at offset 0: until the fsync and the
             # rename below, the file is a temporary one no reader ever opens.
-            sink = Sink(fd, skeleton, nbytes=plan.nbytes)
+            sink = Sink(fd, skeleton, nbytes=plan.nbytes, pause=self.reads_first.wait)
             try:
                 checksums, digests, digest = plan.stream(sink.put)
             finally:
@@ -148,6 +152,7 @@ class SegmentFiles:
             if len(head) != skeleton:
                 raise ValueError("a segment header changed length once its digests were known")
             pwritev_all(fd, [head], 0)
+            self.reads_first.wait()
             durable_fsync(fd)
             tmp.close_file()
             pause_point("before_rename")
@@ -200,6 +205,7 @@ class SegmentFiles:
         Raises:
             OSError: If a folder cannot be synced.
         """
+        self.reads_first.wait()
         for sub in sorted({s.hex()[:2] for s in segments}):
             with folder(self.root, f"segments/{sub}") as fd:
                 durable_fsync(fd)

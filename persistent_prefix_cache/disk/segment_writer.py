@@ -127,10 +127,12 @@ class Sink:
         offset: Where the data starts (after the header, which is written last).
         nbytes: Bytes of data to come: from `THREADED_BYTES` on, written from a second
             thread.
+        pause: Called before each batch is handed over and before it is written (a
+            writer that gives way to restores: `reads_first.ReadsFirst.wait`).
     """
 
-    def __init__(self, fd: int, offset: int, *, nbytes: int):
-        self.fd, self.at = fd, offset
+    def __init__(self, fd: int, offset: int, *, nbytes: int, pause: Callable[[], None] = lambda: None):
+        self.fd, self.at, self.pause = fd, offset, pause
         self.batch: list = []
         self.pending = 0
         self.error: BaseException | None = None
@@ -156,6 +158,7 @@ class Sink:
     def _hand_over(self) -> None:
         if not self.batch:
             return
+        self.pause()  # the hashing of the next batch waits too
         job = (self.batch, self.at, self.pending)
         self.at += self.pending
         self.batch, self.pending = [], 0
@@ -175,6 +178,7 @@ class Sink:
                 return
             if self.error is None:
                 try:
+                    self.pause()
                     self._write(*job)
                 except BaseException as exc:  # raised on the writer's thread by `close`
                     self.error = exc
