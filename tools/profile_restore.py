@@ -13,6 +13,11 @@ learned disk rate after each fetch. A probe process times what a first staged re
 makes (the CUDA driver, rings of pinned pieces).
 
     python tools/profile_restore.py [--tokens 2048,8192] [--turns 8] [--small]
+
+``--writer A,B`` instead times, in one process, a fetch of A tokens right after a
+`store()` of B other tokens (written in the background, as by default), with the writer
+giving way to the restore (`disk.reads_first`: "on"), not giving way ("off"), and with
+no write ("idle"), interleaved; medians of ``--rounds`` each.
 """
 
 from __future__ import annotations
@@ -137,17 +142,63 @@ def child(spec: str) -> int:
     return 0
 
 
+def writer_ab(fetched: int, written: int, shape: dict, rounds: int) -> dict:
+    """Fetch times (s) per mode "on" / "off" / "idle" (see the module's docstring)."""
+    import contextlib
+
+    from persistent_prefix_cache.disk import reads_first
+
+    work = tempfile.mkdtemp(prefix="ppc-profile-writer-")
+    ids = [(7 * i + fetched) % 30000 + 1 for i in range(fetched)]
+    times: dict[str, list[float]] = {"on": [], "off": [], "idle": []}
+    gives_way = reads_first.ReadsFirst.reading
+    try:
+        with PersistentPrefixCache(work, _Model(shape["layers"]), fingerprint="profile-writer", memory_bytes=0,
+                                   cost_model=False) as store:  # fmt: skip
+            store.store(ids, synthetic_cache(fetched, shape, seed=1))
+            store.flush()
+            others = [synthetic_cache(written, shape, seed=2 + k) for k in range(2)]
+            for k in range(3 * rounds):
+                mode = ("on", "off", "idle")[k % 3]
+                reads_first.ReadsFirst.reading = gives_way if mode == "on" else lambda self: contextlib.nullcontext()
+                if mode != "idle":
+                    other = [(13 * i + 17 * k) % 30000 + 1 for i in range(written)]
+                    store.store(other, others[k % 2])  # the writer writes it while the fetch below runs
+                    time.sleep(0.02)
+                mx.synchronize()
+                started = time.perf_counter()
+                cache, _ = store.fetch(ids + [3])
+                mx.eval([c.keys for c in cache])
+                mx.synchronize()
+                times[mode].append(time.perf_counter() - started)
+                store.flush()
+    finally:
+        reads_first.ReadsFirst.reading = gives_way
+        shutil.rmtree(work, ignore_errors=True)
+    return times
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", default="2048,8192")
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--repeat", type=int, default=1, help="processes per mode (an H200 host ran 9 in more than 170 s)")
     p.add_argument("--small", action="store_true", help="a small shape (to check the tool on a CPU)")
+    p.add_argument("--writer", help="FETCHED,WRITTEN tokens: a fetch beside a write, the writer giving way or not")
+    p.add_argument("--rounds", type=int, default=4, help="with --writer: fetches per mode")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         return child(args.child)
     shape = SMALL if args.small else SHAPE
+    if args.writer:
+        fetched, written = (int(x) for x in args.writer.split(","))
+        times = writer_ab(fetched, written, shape, args.rounds)
+        for mode, runs in times.items():
+            ms = sorted(1e3 * t for t in runs)
+            print(f"{mode}: fetch of {fetched} tokens, median {ms[len(ms) // 2]:.0f} ms (all {[round(t) for t in ms]})")
+        print(json.dumps(times))
+        return 0
     lengths = [int(x) for x in args.tokens.split(",")]
     work = Path(tempfile.mkdtemp(prefix="ppc-profile-restore-"))
     try:
