@@ -120,10 +120,14 @@ def prefill(
     logits = model(mx.array(ids[pos:])[None], cache=cache)[:, -1, :]
     mx.eval(logits)
     store.observe_prefill(len(ids) - pos, time.perf_counter() - started, start=pos, restored=restored)
-    if stored < stop:
-        # After the caller's last forward (the writer's work never overlaps it), cut from
-        # the cache that now holds one token more: the same blocks, the same bits.
-        store.store(ids[:stop], cache)
+    if not every_forward and stored < len(ids):
+        # After the caller's last forward (the writer's work never overlaps it), the whole
+        # prompt: a sliced cache trims, so a fetch of the same prompt takes all but its
+        # last token and one that extends it takes every token (`ppc precompute`, which
+        # stores the whole prompt, wrote the last block twice when this stored one less).
+        store.store(ids, cache)
+    elif stored < stop:
+        store.store(ids[:stop], cache)  # where an identical prompt resumes (its snapshot)
     if progress is not None:
         progress(len(ids), len(ids))
     return cache, logits

@@ -122,11 +122,10 @@ def test_precompute_explains_blocks_written_and_in_store(tmp_path, tiny_model_di
     assert ppc_main([*argv, "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     n = summary["tokens"]
-    # Stored up to the last token, then whole: the partial block of the first store is
-    # replaced by the second (unless n - 1 ends on a block boundary).
+    # The whole prompt stored once: every block written once (the last one was written
+    # twice when prefill stored all but the last token first).
     assert summary["blocks_in_store_before"] == 0
-    assert summary["blocks_written"] == math.ceil((n - 1) / BLOCK) + 1
-    assert summary["blocks_in_store"] == math.ceil(n / BLOCK)
+    assert summary["blocks_written"] == summary["blocks_in_store"] == math.ceil(n / BLOCK)
     assert ppc_main(argv) == 0
     text = capsys.readouterr().out
     now = summary["blocks_in_store"]

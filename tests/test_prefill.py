@@ -56,12 +56,16 @@ def test_an_attention_model_runs_mlx_lms_forwards_and_is_stored_once(store_dir, 
         cache, logits = prefill(counted, tokens, steering)
         store.flush()
         # As mlx_lm.generate: every token but the last in one forward (< 2,048), then the
-        # last one for the logits; the prompt stored once, up to its last token.
+        # last one for the logits; the whole prompt stored once, after the last forward.
         assert counted.sizes == [299, 1]
-        assert steering.stored == [299]
+        assert steering.stored == [300]
         assert len(segment_files(store_dir)) == 1
-        assert store.stats()["blocks"] == -(-299 // BLOCK)
+        assert store.stats()["blocks"] == -(-300 // BLOCK)
         assert_same_logits(logits[0], cold_logits(model, tokens))
+        # The same prompt again: all but its last token restored (the last block trimmed).
+        again, rest = store.fetch(tokens)
+        assert len(rest) == 1
+        assert_same_logits(model(mx.array(rest)[None], cache=again)[0, -1], cold_logits(model, tokens))
 
     counted.sizes.clear()
     with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
@@ -70,9 +74,9 @@ def test_an_attention_model_runs_mlx_lms_forwards_and_is_stored_once(store_dir, 
         # A smaller step: more forwards, still one store (every block boundary resumes).
         restored = store.peek(longer)
         _, logits = prefill(counted, longer, steering, prefill_step_size=64)
-        assert restored == 299
-        assert counted.sizes == [64, 64, 22, 1]
-        assert steering.stored == [len(longer) - 1]
+        assert restored == 300
+        assert counted.sizes == [64, 64, 21, 1]
+        assert steering.stored == [len(longer)]
         assert_same_logits(logits[0], cold_logits(model, longer))
 
 
@@ -84,7 +88,7 @@ def test_a_prompt_longer_than_a_step_is_cut_in_mlx_lms_steps(store_dir, model):
         prefill(counted, tokens, steering)
         store.flush()
         assert counted.sizes == [2048, 2048, 903, 1]
-        assert steering.stored == [4999]
+        assert steering.stored == [5000]
         assert len(segment_files(store_dir)) == 1
 
 

@@ -87,19 +87,20 @@ def test_precompute_push_pull_between_hosts(tmp_path, tiny_model_dir, redis_serv
 
 
 def test_pull_counts_add_up_and_pulled_blocks_are_used_now(tmp_path, tiny_model_dir, redis_server, ppc):
-    """Precompute with --remote publishes a prompt's partial last block and then its
-    longer replacement (the server keeps both); a pull of the model brings both, and the
+    """Precompute with --remote publishes a prompt's partial last block and then the
+    longer block of a prompt that extends it (the server keeps both); a pull of the model brings both, and the
     counts say so: the store grows by pulled - replaced. Every pulled block carries the
     pull's time as its last use (never 1970)."""
     import time
 
     from persistent_prefix_cache.disk.maintenance import StoreAdmin
 
-    prompts = tmp_path / "p.txt"
-    prompts.write_text("a prompt with a partial last block " * 2 + "and a few more words")
+    short, longer = tmp_path / "short.txt", tmp_path / "longer.txt"
+    short.write_text("a prompt with a partial last block " * 2 + "and a few")  # 37 tokens: 5 in a partial block
+    longer.write_text("a prompt with a partial last block " * 2 + "and a few more words")  # extends it
     a = tmp_path / "a"
     out = ppc("precompute", "--model", tiny_model_dir, "--store", a, "--block-size", 16, "--remote", redis_server.url,
-              "--ignore-chat-template", prompts, "--json")  # fmt: skip
+              "--ignore-chat-template", short, longer, "--json")  # fmt: skip
     assert out.returncode == 0, out.stderr
     stored = json.loads(out.stdout)
     assert stored["blocks_written"] > stored["blocks_in_store"]  # a partial block was replaced here too

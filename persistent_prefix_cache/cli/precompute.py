@@ -238,9 +238,10 @@ def _render(summary: dict) -> str:
         ("tokens restored", summary["tokens_restored"]),
         ("tokens computed", summary["tokens_computed"]),
         # Written counts every block record this run committed, a prompt's partial last
-        # block included, which the store replaces once the prompt's full last block is
-        # stored (prefill stores up to the last token, then the whole prompt): so the
-        # store can grow by fewer blocks than were written (eviction, too). Blocks
+        # block included, which the store replaces once a longer prompt fills that block
+        # (and, for a cache with snapshots, once the whole prompt is stored after its
+        # last token): so the store can grow by fewer blocks than were written
+        # (eviction, too). Blocks
         # another process committed first are not this run's.
         ("blocks written (this run)", summary["blocks_written"]),
         ("bytes written (this run)", summary["bytes_written"]),
@@ -324,8 +325,9 @@ def _precompute(args) -> int:
                     partial = 0
                     with kv_quantization_errors(args):
                         cache, _ = prefill(model, list(ids), counting, prefill_step_size=step, progress=report)
-                    # prefill stores up to the last token (where an identical prompt resumes);
-                    # the full prompt is stored as well, for prompts that extend it.
+                    # prefill stored the whole prompt where every layer is sliced; else up
+                    # to its last token (where an identical prompt resumes): the whole
+                    # prompt is stored here too, for prompts that extend it.
                     counting.store(list(ids), cache)
                     details.append(
                         {"input": seen[ids], "tokens": len(ids), "restored": counting.restored,
