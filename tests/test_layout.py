@@ -60,22 +60,23 @@ MODULES = _modules()
 
 def _imports(name: str, tree: ast.Module) -> list[tuple[str, list[str], int]]:
     """(absolute module, imported names, line) for every import in a module."""
-    is_package = MODULES[name][0].name == "__init__.py"
-    here = [NAME] + (name.split(".") if name else [])
-    if not is_package:
-        here = here[:-1]
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out += [(a.name, [], node.lineno) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = here[: len(here) - node.level + 1]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
-            out.append((module, [a.name for a in node.names], node.lineno))
+            out.append((_absolute_module(name, node), [a.name for a in node.names], node.lineno))
     return out
+
+
+def _absolute_module(name: str, node: ast.ImportFrom) -> str:
+    """The absolute module a ``from ... import`` statement of module `name` reads."""
+    if not node.level:
+        return node.module or ""
+    here = [NAME] + (name.split(".") if name else [])
+    if MODULES[name][0].name != "__init__.py":
+        here = here[:-1]
+    return ".".join(here[: len(here) - node.level + 1] + ([node.module] if node.module else []))
 
 
 def _own(module: str, names: list[str]) -> list[str]:
@@ -287,6 +288,102 @@ def test_no_module_imports_another_modules_private_name():
         if n.startswith("_") and not n.startswith("__")
     ]
     assert found == []
+
+
+# Classes that read a private attribute they define nowhere (nor a base class of the
+# package does): a mixin reading its host's state. Each exception with its reason.
+READS_UNDEFINED = {
+    "cli.common.Parser": "argparse.ArgumentParser's own _actions: ppc's parser names a misspelt option",
+    "calibration.CalibrationMixin": "the facade's calibrate, mixed into it",
+    "costs.CostsMixin": "the facade's cost model, mixed into it",
+    "options.OpenedWith": "the facade's read-only views, mixed into it",
+    "compat.paged_pool.PoolCalls": "PagedCacheManager's vLLM-style calls, mixed into it",
+}
+
+
+def _on_self(node: ast.Attribute) -> bool:
+    return isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+
+
+def _defined_in(cls: ast.ClassDef) -> set[str]:
+    """What a class defines: its methods, class attributes and annotations, and every
+    ``self.x`` its methods assign (``=``, ``+=``, annotated, in a tuple, ``del``)."""
+    out = set()
+    for node in cls.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.Assign):
+            out |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            out.add(node.target.id)
+    for node in ast.walk(cls):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del)) and _on_self(node):
+            out.add(node.attr)
+    return out
+
+
+def _package_classes() -> dict[str, tuple[ast.ClassDef, list[str], bool]]:
+    """``module.Class`` -> (the class, its bases of the package as ``module.Class``,
+    whether it has a base from outside: ``object`` apart)."""
+    found, imported = {}, {}
+    for name, (_, tree) in MODULES.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                module = _absolute_module(name, node)[len(NAME) + 1 :]
+                imported.update({(name, a.asname or a.name): f"{module}.{a.name}" for a in node.names})
+        found.update({f"{name}.{c.name}": (name, c) for c in tree.body if isinstance(c, ast.ClassDef)})
+    out = {}
+    for dotted, (name, cls) in found.items():
+        named = [b.id if isinstance(b, ast.Name) else None for b in cls.bases]  # mod.Base: not ours
+        refs = [f"{name}.{b}" if f"{name}.{b}" in found else imported.get((name, b)) for b in named if b != "object"]
+        ours = [r for r in refs if r in found]
+        out[dotted] = (cls, ours, len(ours) < len(refs))
+    return out
+
+
+def _reads_undefined() -> dict[str, list[str]]:
+    """``module.Class`` -> the private attributes it reads on itself (``self._x``, with
+    the line) that neither it nor a base class of the package defines."""
+    classes = _package_classes()
+
+    def defined(dotted: str) -> tuple[set[str], bool]:
+        cls, bases, outside = classes[dotted]
+        names = _defined_in(cls)
+        for base in bases:
+            more, further = defined(base)
+            names, outside = names | more, outside or further
+        return names, outside
+
+    found = {}
+    for dotted, (cls, _, _) in classes.items():
+        have, outside = defined(dotted)
+        reads = {
+            f"{node.attr}:{node.lineno}"
+            for node in ast.walk(cls)
+            if isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Load)
+            and _on_self(node)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and node.attr not in have
+        }
+        if reads:
+            found[dotted] = [r + (" (a base outside the package?)" if outside else "") for r in sorted(reads)]
+    return found
+
+
+def test_no_class_reads_attributes_it_does_not_define():
+    # A class reads on itself only what it (or a base class of the package) defines: its
+    # collaborators are passed to it, never found on a host it is mixed into.
+    found = _reads_undefined()
+    assert {k: v for k, v in found.items() if k not in READS_UNDEFINED} == {}
+    assert set(READS_UNDEFINED) <= set(found), "an exception that no longer applies"
+
+
+def test_the_rule_finds_a_mixin(monkeypatch):
+    code = "class Host(Part):\n    def __init__(self):\n        self._x = 1\n\n\nclass Part:\n    def f(self):\n        return self._x\n"
+    monkeypatch.setitem(MODULES, "fake", (PKG / "fake.py", ast.parse(code)))
+    assert _reads_undefined()["fake.Part"] == ["_x:8"] and "fake.Host" not in _reads_undefined()
 
 
 def test_no_library_module_is_over_600_lines():
