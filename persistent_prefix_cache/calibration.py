@@ -4,23 +4,18 @@ A store learns the prefill from the forwards its callers run (`prefill()`, ``ppc
 generate``, ``ppc serve``'s prompts, the compat layers' prompts); `calibrate` runs
 forwards of its own where no caller has taught it yet (the compat layers, ``ppc
 serve``'s among them, at the first read that finds a stored prefix worth it;
-`PersistentPrefixCache.calibrate`). Around it, the facade's
-`calibrate` (`CalibrationMixin`): a rate this machine measured before for the model
-(`machine_costs`) is taken instead of measuring, a measurement is kept there for every
-store, and the first one of a process is said once (logging, INFO, with its duration).
+`PersistentPrefixCache.calibrate`). Around it, a handle's `cost_model.CostModel.calibrate`:
+a rate this machine measured before for the model (`machine_costs`) is taken instead of
+measuring, a measurement is kept there for every store, and the first one of a process
+is said once (logging, INFO, with its duration: `first_measured`).
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any, Callable
 
-from . import machine_costs
 from .costs import Costs, first_forward_here
-from .keys import root_key
-
-log = logging.getLogger("persistent_prefix_cache")
 
 MAX_CALIBRATION_TOKENS = 4096  # the longest prompt `calibrate` grows to
 # Measuring for a fetch (`stake`): at most about this share of the predicted prefill of
@@ -114,68 +109,12 @@ def calibrate(costs: Any, model: Any, make_cache: Callable[[], list], tokens: in
     return True
 
 
-class CalibrationMixin:
-    """`PersistentPrefixCache.calibrate` (the facade's private `_costs`, `_saved_costs`,
-    `_fingerprint`, `_layout`, `_model_name` and `_remote`)."""
-
-    def calibrate(
-        self, model: Any, *, tokens: int = 512, only_if_unknown: bool = False, prompt: Any = None
-    ) -> float | None:
-        """Measure how fast `model` prefills on this machine, for the cost model (see
-        `calibration.calibrate`): remembered in the store for this model and device kind,
-        and for every store of it on this machine (`machine_costs`); the first measurement
-        of a process is logged (INFO, with its duration). Call it on the thread that runs
-        the model (MLX's streams belong to a thread).
-
-        Args:
-            model: The model the store was opened with.
-            tokens: Tokens of the first timed forward (more, up to 4,096, where a forward
-                of that many is bound by its call: a fast GPU).
-            only_if_unknown: Measure nothing if the prefill of this model on this
-                device kind is known: measured here, remembered by the store, or measured
-                on this machine before (then taken from there: no forward runs).
-            prompt: Measure for a fetch of this prompt: nothing unless the store holds
-                a prefix of it (a miss decides nothing: the caller's prefill then teaches
-                the rate), and at most about `SHARE` of that prefix's predicted prefill
-                (nothing for a prefix under ``MIN_TOKENS * FIRST_SET / SHARE``: 288 tokens).
-
-        Returns:
-            Tokens/s of a 1,024-token prefill as now known (None: skipped, unknown).
-
-        Raises:
-            StoreClosedError: If the store is closed.
-            InvalidArgumentError: If `tokens` < 2.
-        """
-        self._check_open()
-        costs, saved = self._costs, self._saved_costs
-        if only_if_unknown and costs.prefill_tokens_per_s is not None:
-            return costs.prefill_tokens_per_s
-        model_root = root_key(self._fingerprint, "", self._layout.signature + self._layout.variant).hex()
-        key, name = machine_costs.record_key(model_root, saved.device), self._model_name or self._fingerprint[:16]
-        if only_if_unknown:
-            record = machine_costs.recall(key)
-            if record is not None and plausible(record):
-                costs.take_prefill(record)
-                log.debug("cost model: the prefill of %s on %s as this machine measured it before", name, saved.device)
-                return costs.prefill_tokens_per_s
-        # What a fetch of `prompt` would restore (a remote tier may hold more than the disk).
-        stake = None if prompt is None else len(prompt) if self._remote is not None else self.peek(prompt)
-        began = time.perf_counter()
-        if not calibrate(costs, model, self.make_cache, tokens, stake=stake):
-            return costs.prefill_tokens_per_s
-        seconds = time.perf_counter() - began
-        saved.maybe_save(force=True)
-        record = dict(costs.prefill_record(), device=saved.device, model=name[:200])
-        kept = plausible(record) and machine_costs.remember(key, record)
-        if key not in _announced:  # said once a process, where it happened
-            _announced.add(key)
-            log.info(
-                "cost model: measured the prefill of %s on %s in %.2f s: %.0f tokens/s (%s)",
-                name, saved.device, seconds, costs.prefill_tokens_per_s or 0.0,
-                f"kept for every store of this model on this machine, in {machine_costs.folder()}" if kept
-                else "kept for this store only",
-            )  # fmt: skip
-        return costs.prefill_tokens_per_s
+def first_measured(key: str) -> bool:
+    """Whether this process has not said yet that it measured the record `key` (and
+    from now on it has): the first measurement of each is logged, once."""
+    first = key not in _announced
+    _announced.add(key)
+    return first
 
 
 def plausible(record: dict) -> bool:

@@ -23,27 +23,22 @@ A continuation the remote tier holds is read only if reading it and then restori
 is faster than prefilling its tokens (`worth_reading`). Until the prefill is known
 every fetch restores (and is timed).
 
-Rates persist in the store folder, in ``costs.json``, per model root and device kind
-(`device_kind`: MLX's default device and its name): a restarted process starts
-informed, and a rate measured on another device is never used. A small file, not the
-index: these are hints, not data (a lost or damaged file costs one calibration, never a
-block), writing them never takes the index's write lock, and they are saved at most
-every `SAVE_EVERY` seconds (and at flush and close), never once per fetch. Records
-older than `MAX_AGE` seconds are ignored (a driver or MLX upgrade changes the rates).
+`Costs` is what was learned and what it decides; a handle's `cost_model.CostModel`
+teaches it, asks it for every fetch and keeps it in the store's ``costs.json`` per model
+root and device kind (`device_kind`: MLX's default device and its name), as a `record`
+that `load` takes back. Records older than `MAX_AGE` seconds are ignored (a driver or
+MLX upgrade changes the rates).
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from .cost_fit import ALPHA, TRUSTED_WEIGHT, Fit
-from .files import open_regular
 
 # Restores smaller than this teach the fixed cost only (the rate would be noise).
 MIN_TIMED_BYTES = 1 << 20
@@ -61,9 +56,6 @@ FIRST_FORWARD_TOKENS = 256
 # Saved records of this version and later hold a first forward learned as above and per
 # restored token (older ones' is ignored, the rest of them kept).
 RECORD_VERSION = 3
-FILE_NAME = "costs.json"
-MAX_FILE_BYTES = 1 << 20  # a costs file holds a few records per model and device: more is not one
-SAVE_EVERY = 30.0
 MAX_AGE = 30 * 24 * 3600.0
 TIERS = ("ram", "disk", "remote")
 # Tiers this process has restored from (and "forward" once it ran one, `first_forward_here`):
@@ -163,7 +155,7 @@ class Costs:
         # bound on the per-call coefficient, which noise can otherwise inflate).
         self.fastest_forward: float | None = None
         self.changed = False  # anything learned since the last save
-        self.device: str | None = None  # the device kind the costs are of (`SavedCosts`)
+        self.device: str | None = None  # the device kind the costs are of (`cost_model.SavedCosts`)
         self._lock = threading.Lock()
 
     # -- the rates, as numbers ----------------------------------------------------------
@@ -397,7 +389,16 @@ class Costs:
         return best
 
     def figures(self) -> dict[str, Any]:
-        """The costs as `PersistentPrefixCache.stats` shows them (None: not measured)."""
+        """The costs as `PersistentPrefixCache.stats` shows them (None: not measured).
+
+        Returns:
+            prefill_tokens_per_s (of a 1,024-token prompt), prefill_growth (seconds per
+            token per position: attention's share), prefill_per_forward_s,
+            restore_bytes_per_s_ram, _disk and _remote, restore_fixed_s_ram, _disk and
+            _remote, first_forward_s_per_token, first_restore_s_ram and _disk (what a
+            process's first restore from a tier takes beyond its rate: MLX's kernel
+            compiles, buffers made), cost_device (the device kind the costs are of).
+        """
         coef = self._prefill_coefficients()
         out: dict[str, Any] = {"prefill_tokens_per_s": self.prefill_tokens_per_s}
         out["prefill_growth"] = None if coef is None else coef[1]
@@ -464,137 +465,3 @@ class Costs:
             fastest = record.get("fastest_forward")
             self.fastest_forward = None if fastest is None else max(0.0, float(fastest))
         return True
-
-
-class SavedCosts:
-    """The costs of one model root on this device kind, kept in the store's
-    ``costs.json`` (see the module's docstring).
-
-    Args:
-        root: The store directory.
-        key: The model's root key (hex).
-        costs: The handle's `Costs`, loaded from the file here.
-        readonly: Never write the file.
-    """
-
-    def __init__(self, root: str, key: str, costs: Costs, *, readonly: bool):
-        self.path = os.path.join(root, FILE_NAME)
-        self.root, self.key, self.costs, self.readonly = root, key, costs, readonly
-        self.device = costs.device = device_kind()
-        self._saved_at = 0.0
-        self._lock = threading.Lock()  # the caller's thread and the writer's may both save
-        record = self._read().get(self.key, {}).get(self.device)
-        self.loaded = isinstance(record, dict) and costs.load(record)
-
-    def _read(self) -> dict:
-        try:
-            # Never through a link, never blocked by a FIFO, never more than a costs file holds.
-            with os.fdopen(open_regular(self.path), "rb") as f:
-                raw = f.read(MAX_FILE_BYTES + 1)
-            if len(raw) > MAX_FILE_BYTES:
-                return {}
-            data = json.loads(raw)
-        except (OSError, ValueError):
-            return {}  # none yet, damaged, or not a file: rates are hints, measured again
-        models = data.get("models") if isinstance(data, dict) else None
-        return models if isinstance(models, dict) else {}
-
-    def maybe_save(self, *, force: bool = False) -> None:
-        """Save what was learned, if anything was and (unless `force`) the last save is
-        `SAVE_EVERY` seconds old. Never raises: a rate not saved is measured again."""
-        with self._lock:
-            if force or self.due():
-                self._save()
-
-    def due(self) -> bool:
-        """Whether `maybe_save` would write now (cheap: a fetch hands the write to the
-        writer thread, ~1 ms of file work the caller does not wait for)."""
-        return not self.readonly and self.costs.changed and time.monotonic() - self._saved_at >= SAVE_EVERY
-
-    def _save(self) -> None:
-        if self.readonly or not self.costs.changed:
-            return
-        self._saved_at = time.monotonic()
-        self.costs.changed = False
-        from .disk.store_dir import TempFile, folder
-
-        tmp = None
-        try:
-            models = self._read()  # another process's models and devices are kept
-            entry = models.get(self.key)
-            models[self.key] = entry = entry if isinstance(entry, dict) else {}
-            entry[self.device] = self.costs.record()
-            # Exclusively, under a random name, in the store folder; renamed by descriptor.
-            tmp = TempFile(self.root, "", FILE_NAME.replace(".", "_"))
-            with os.fdopen(tmp.fd, "w", encoding="utf-8", closefd=False) as f:
-                json.dump({"version": 1, "models": models}, f)
-            with folder(self.root) as root:
-                tmp.move_to(root, FILE_NAME)
-        except OSError:
-            pass
-        finally:
-            if tmp is not None:
-                tmp.discard()
-
-
-class CostsMixin:
-    """The cost model's part of `PersistentPrefixCache` (its private `_costs`,
-    `_saved_costs`, `_memory`, `_warmer`, `_writeback` and `_counters`): what callers tell it, and what a
-    fetch asks it."""
-
-    def observe_prefill(
-        self, tokens: int, seconds: float, *, start: int = 0, restored: bool = False, forwards: int = 1
-    ) -> None:
-        """Tell the cost model that the model computed positions ``[start, start +
-        tokens)`` in `seconds` (`prefill()`, ``ppc generate`` and ``ppc serve`` do; so can
-        a caller that prefills on its own).
-
-        Args:
-            tokens: Tokens fed in one forward (or a run of them).
-            seconds: The time, the evaluation of the cache included.
-            start: Positions the cache held before.
-            restored: This was the first forward on a cache `fetch` had just restored
-                (it teaches the first forward's extra cost, not the prefill rate).
-            forwards: How many forward calls it took.
-        """
-        self._check_open()
-        if first_forward_here():
-            return  # it compiled the kernels: it says nothing of the model or the restore
-        if restored and start > 0:
-            self._costs.observe_first_forward(tokens, seconds, start=start)
-        else:
-            self._costs.observe_prefill(tokens, seconds, start=start, forwards=forwards)
-        self._save_costs_soon()
-
-    def _save_costs_soon(self) -> None:
-        """Hand a due save of the costs to the writer thread: its file work (a read, a
-        write and a rename: milliseconds) is never on a caller's path."""
-        if self._saved_costs.due() and self._writeback is not None:
-            self._writeback.submit(self._saved_costs.maybe_save, data=False)
-
-    def resumable_step(self) -> int | None:
-        """Tokens per forward for a prefill that stores after every forward (a model with
-        recurrent or sliding-window layers resumes only where one ended): the shortest run
-        of whole blocks whose per-call cost stays within `SNAPSHOT_OVERHEAD` of its tokens'
-        by the costs measured for this model (`Costs.resumable_step`); None until they are
-        known. `prefill.prefill` asks it before every forward (StoreClosedError after `close`)."""
-        self._check_open()
-        return self._costs.resumable_step(self.block_size)
-
-    def _cheaper(self, path: list, matched: int, total: int) -> tuple[list, int]:
-        """The prefix of `path` the cost model restores (all of it until it knows),
-        its decision counted (`total`: the prompt's length)."""
-        ends = [n.end for n in path[:-1]] + [matched]
-        cuts = [i for i, n in enumerate(path[:-1]) if n.resumable] + [len(path) - 1]
-        in_ram = [self._memory.node(n.key) is not None for n in path]
-        choice = self._costs.choose(ends, [n.size for n in path], in_ram, cuts, total)
-        self._counters.add(**{choice.decision: 1}, tokens_skipped=matched - choice.tokens)
-        if choice.blocks < len(path) and not all(in_ram[choice.blocks :]):
-            # Left on disk: the tier may still learn it, once the caller has computed it.
-            self._warmer.skipped(path, choice.blocks, matched, after=self._costs.prefill_seconds(choice.tokens, matched))
-        return path[: choice.blocks], choice.tokens
-
-    def _timed(self, nodes: list, seconds: float, in_ram: bool) -> None:
-        # `in_ram` as it was before the restore: a disk restore admits what it read
-        tier = "ram" if in_ram else "disk"
-        self._costs.observe_restore(tier, sum(n.size for n in nodes), seconds, first=first_restore_here(tier))

@@ -11,12 +11,24 @@ from __future__ import annotations
 
 import threading
 
-# What a handle counts of its own work (`PersistentPrefixCache.stats` says what each is).
+# What a handle counts of its own work (`PersistentPrefixCache.stats` shows them).
 HANDLE_COUNTERS = (
-    "queries", "hits", "misses", "not_longer", "tokens_saved", "skipped_slower", "tokens_skipped",
-    "restored_all", "restored_ram_only", "restored_shorter",
-    "corrupt", "evictions", "write_errors", "blocks_written", "bytes_written", "restored_blocks_disk",
-    "segments_merged", "bytes_rewritten", "group_commits", "group_commit_writes",
+    "queries", "hits", "misses",  # fetches: queries = hits + misses
+    "not_longer",  # fetches stopped by ``longer_than``, loading nothing
+    "tokens_saved",  # tokens the hits restored
+    # The cost model's decision of each fetch that found blocks: all of them, only the
+    # leading part held in RAM, another shorter prefix, nothing (computing was faster);
+    # and the tokens the cuts left to compute.
+    "restored_all", "restored_ram_only", "restored_shorter", "skipped_slower", "tokens_skipped",
+    "corrupt", "evictions", "write_errors",  # damage met, blocks evicted, writes failed
+    "restored_blocks_disk",  # blocks restores read from segment files (the RAM tier's: its memory_hits_*)
+    # Blocks this handle committed and the bytes of the segment files it wrote for them
+    # (another process's are not counted).
+    "blocks_written", "bytes_written",
+    # Segments this handle's writer merged away (a chain stored piece by piece: see
+    # `merging`), and the bytes it wrote doing so.
+    "segments_merged", "bytes_rewritten",
+    "group_commits", "group_commit_writes",  # index transactions of its block writes, and the writes they held
 )  # fmt: skip
 
 

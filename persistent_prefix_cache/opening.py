@@ -1,6 +1,7 @@
-"""Opening a store directory for a handle: where a store may be, its files and index,
-its budgets, taking back a store that a failed open made for nothing, and closing the
-handles still open at exit."""
+"""Opening a store for a handle: its options checked, where a store may be, its files
+and index, its budgets, the handle's parts built once (`open_parts`: each given what it
+needs), taking back a store that a failed open made for nothing, and closing the handles
+still open at exit."""
 
 from __future__ import annotations
 
@@ -9,14 +10,34 @@ import os
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from .blocks import DEFAULT_BLOCK_SIZE
+from .cost_model import CostModel
+from .costs import Costs
+from .counters import HANDLE_COUNTERS, Counters
+from .disk.buffers import Target
 from .disk.index import Index
+from .disk.read_path import device_target
 from .disk.segment import SegmentFiles
 from .disk.store_dir import check_location, create_root, missing_folders, undo_creation
 from .errors import InvalidArgumentError, StoreNotWritableError
-from .options import existing_but_not_writable
+from .fetching import Fetcher
+from .layers import Layout, template_cache
+from .layers.mlx_lm_versions import layout_variant
+from .lookup import Trie
+from .model_record import ModelRecord
+from .options import Options, existing_but_not_writable
+from .paths import expand_path
+from .storing import Storer
+from .tiers import REMOTE_COUNTERS, REMOTE_QUEUE_BYTES
+from .tiers.memory import MemoryTier
+from .warm import Warmer
+from .writeback import WriteBack
+
+if TYPE_CHECKING:  # the remote's client is imported only where a remote is configured
+    from .remote_fill import RemoteFill
+    from .tiers.remote import RemoteTier
 
 
 # The handles open in this process (`store.PersistentPrefixCache` adds and discards itself).
@@ -160,3 +181,118 @@ def give_back(path: str, opened: OpenedDirectory) -> None:
     opened.index.close()
     if opened.made_folder is not None:
         undo_creation(path, made_folder=opened.made_folder, parents=opened.parents)
+
+
+@dataclass
+class Parts:
+    """What a handle is made of, built once at its open (`open_parts`).
+
+    Attributes:
+        path: The store directory (absolute); `readonly`, `block_size`: as opened.
+        layout: The model's cache layout; `model` its record (fingerprint, root key).
+        index, files: The store's index and segment files.
+        memory: The RAM tier; `trie` the stored blocks of this model as it and the index hold them.
+        target: Where restored bytes live (MLX's device), decided once for the handle.
+        counters: The handle's counters.
+        writeback: The writer thread (None: read-only).
+        remote: The remote tier, `remote_fill` its part in a fetch (None: none configured).
+        warmer: Background fills of the RAM tier.
+        costs: The cost model; `fetcher` and `storer` the handle's fetches and stores.
+    """
+
+    path: str
+    readonly: bool
+    block_size: int
+    layout: Layout
+    model: ModelRecord
+    index: Index
+    files: SegmentFiles
+    memory: MemoryTier
+    trie: Trie
+    target: Target
+    counters: Counters
+    writeback: WriteBack | None
+    remote: RemoteTier | None
+    remote_fill: RemoteFill | None
+    warmer: Warmer
+    costs: CostModel
+    fetcher: Fetcher
+    storer: Storer
+
+
+def open_parts(
+    path: str | os.PathLike, model: Any, options: Options, *, check_open: Callable[[], None], peek: Callable[[Any], int]
+) -> Parts:
+    """Check a handle's options, open its store and build its parts, each given what it
+    needs; nothing is left behind if this raises.
+
+    Args:
+        path, model, options: What `PersistentPrefixCache` was given (its docstring says
+            what each is, and what it raises).
+        check_open, peek: The handle's (its cost model's `calibrate` needs them).
+    """
+    path = os.path.abspath(expand_path(path, what="path"))
+    o = options.checked()
+    # Open anyway if a layer cannot be stored (fetch misses), so that a server can run
+    # uncached; store() raises.
+    layout = Layout(template_cache(model, kv_bits=o.kv_bits, kv_group_size=o.kv_group_size), variant=layout_variant())
+    opened = open_directory(path, readonly=o.readonly, shared=o.shared, block_size=o.block_size)
+    readonly, files, index = opened.readonly, opened.files, opened.index
+    writeback = warmer = None
+    try:
+        record = ModelRecord.open(
+            index, model, layout, fingerprint=o.fingerprint, model_path=o.model_path, name=o.model_name,
+            namespace=o.namespace,
+        )  # fmt: skip
+        root, block_size = record.root, index.block_size
+        memory = MemoryTier(memory_budget(model, o.memory_bytes))
+        # Where restored bytes live (MLX's device: CPU, unified memory, a CUDA GPU's),
+        # decided once for the handle, whichever thread calls it.
+        target = device_target()
+        trie = Trie(index, memory, root, block_size)
+        counters = Counters(*HANDLE_COUNTERS, *REMOTE_COUNTERS)
+        learned = Costs(enabled=o.cost_model)
+        if not readonly:
+            writeback = WriteBack(
+                index, files, memory, counters, root=root, describe=record.describe,
+                disk_bytes=disk_budget(path, o.disk_bytes, index.totals()[0]), on_device=target.device,
+            )  # fmt: skip
+        remote = remote_fill = None
+        if o.remote is not None:
+            from .remote_fill import RemoteFill  # the remote's client: imported only where used
+            from .tiers.remote import RemoteTier
+
+            remote = RemoteTier(
+                o.remote, root=root, secret=o.remote_secret, ttl=o.remote_ttl, timeout=o.remote_timeout,
+                queue_bytes=REMOTE_QUEUE_BYTES, counters=counters,
+            )  # fmt: skip
+            remote_fill = RemoteFill(
+                remote, trie=trie, memory=memory, layout=layout, writeback=writeback, costs=learned, root=root,
+                block_size=block_size, target=target,
+            )  # fmt: skip
+        # Its thread runs from here on (the tier learns what the cost model skips).
+        warmer = Warmer(layout, memory, files, index.segment_digests, target)
+        costs = CostModel(
+            learned, folder=path, readonly=readonly, model=record, block_size=block_size, memory=memory,
+            warmer=warmer, counters=counters, writeback=writeback, check_open=check_open, peek=peek,
+            make_cache=layout.make_cache, remote=remote is not None,
+        )  # fmt: skip
+        fetcher = Fetcher(
+            layout=layout, trie=trie, memory=memory, files=files, index=index, target=target, counters=counters,
+            costs=costs, writeback=writeback, remote_fill=remote_fill,
+        )  # fmt: skip
+        storer = Storer(
+            layout=layout, trie=trie, memory=memory, counters=counters, root=root, block_size=block_size,
+            target=target, writeback=writeback, remote=remote, sync_writes=o.sync_writes,
+            index_damaged=fetcher.index_damaged,
+        )  # fmt: skip
+    except BaseException:
+        for thread in (warmer, writeback):  # their threads end before the index is given back
+            if thread is not None:
+                thread.stop()
+        give_back(path, opened)
+        raise
+    return Parts(
+        path, readonly, block_size, layout, record, index, files, memory, trie, target, counters, writeback, remote,
+        remote_fill, warmer, costs, fetcher, storer,
+    )

@@ -1,13 +1,59 @@
-"""Checks of the options `PersistentPrefixCache` is opened with, and `OpenedWith`: what
-a handle was opened with, read-only."""
+"""The options `PersistentPrefixCache` is opened with (`Options`), and their checks."""
 
 from __future__ import annotations
 
-import json
 import os
+from dataclasses import dataclass, replace
 
 from .disk.store_dir import store_exists, unwritable_part
 from .errors import InvalidArgumentError
+from .paths import expand_path
+
+
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    """The keyword options of a `PersistentPrefixCache`, every one as given (its
+    docstring says what each is); `checked` expands and checks them."""
+
+    fingerprint: str | None
+    model_path: str | os.PathLike | None
+    model_name: str | None
+    namespace: str
+    block_size: int | None
+    memory_bytes: int | str
+    disk_bytes: int | str | None
+    readonly: bool
+    kv_bits: int | None
+    kv_group_size: int
+    sync_writes: bool
+    cost_model: bool
+    remote: str | None
+    remote_secret: str | bytes | None
+    remote_ttl: float | None
+    remote_timeout: float
+    remote_insecure: bool
+    shared: bool
+
+    def checked(self) -> "Options":
+        """These options with `model_path` expanded (`paths.expand_path`) and
+        `model_name` defaulting to it (made absolute).
+
+        Raises:
+            InvalidArgumentError: For a malformed option (a remote's URL included), and for a
+                remote without a secret that `remote_insecure` does not choose explicitly.
+        """
+        model_path = None if self.model_path is None else expand_path(self.model_path, what="model_path")
+        if self.model_name is not None and not isinstance(self.model_name, str):
+            raise InvalidArgumentError(f"model_name must be a string, got {type(self.model_name).__name__}")
+        check_remote(remote=self.remote, secret=self.remote_secret, ttl=self.remote_ttl, timeout=self.remote_timeout,
+                     insecure=self.remote_insecure)  # fmt: skip
+        check_options(
+            fingerprint=self.fingerprint, model_path=model_path, namespace=self.namespace, block_size=self.block_size,
+            memory_bytes=self.memory_bytes, disk_bytes=self.disk_bytes, kv_bits=self.kv_bits,
+            kv_group_size=self.kv_group_size, shared=self.shared,
+        )  # fmt: skip
+        name = self.model_name or (None if model_path is None else os.path.abspath(model_path))
+        return replace(self, model_path=model_path, model_name=name)
 
 
 def existing_but_not_writable(path: str) -> bool:
@@ -77,48 +123,3 @@ def check_remote(*, remote, secret, ttl, timeout, insecure=False) -> None:
             continue
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
             raise InvalidArgumentError(f"{name} must be a number of seconds > 0, got {value!r}")
-
-
-def _read_only(name: str, doc: str) -> property:
-    # What a handle was opened with, shown without a setter: its collaborators are private.
-    return property(lambda self: getattr(self, name), doc=doc)
-
-
-class OpenedWith:
-    """The part of `PersistentPrefixCache` that says what it was opened with: read-only
-    views, and the model's record (what its root key stands for)."""
-
-    path = _read_only("_path", "The store directory (an absolute path).")
-    readonly = _read_only("_readonly", "Whether `store()` writes nothing (asked for, or a store this process cannot write).")
-    block_size = _read_only("_block_size", "Tokens per block: the store's own.")
-    fingerprint = _read_only("_fingerprint", "The model fingerprint this handle's blocks are keyed under.")
-    model_name = _read_only("_model_name", "The model's name in the store's record (a folder or hub id; None: unknown).")
-    namespace = _read_only("_namespace", "The namespace that keeps this handle's blocks apart from other tenants'.")
-
-    def this_model(self) -> dict:
-        """This handle's model as `stored_models` lists one (stored here or not yet).
-
-        Returns:
-            ``{"root", "fingerprint", "namespace", "layout", "name"}``.
-        """
-        return {"root": self._root.hex(), **{k: v for k, v in json.loads(self._describe()).items() if k != "fields"}}
-
-    def _describe(self) -> bytes:
-        """The model's record: what its root key stands for, and its KV's dtypes and shapes."""
-        return json.dumps(
-            {
-                "fingerprint": self._fingerprint,
-                "namespace": self._namespace,
-                "layout": self._layout.signature,
-                "fields": self._layout.fields or {},
-                "name": self._model_name,
-            }
-        ).encode()
-
-    def _recorded_fields(self) -> dict | None:
-        with self._index.reader() as reader:
-            raw = reader.model(self._root)
-        try:
-            return json.loads(raw).get("fields") or None if raw else None
-        except (ValueError, AttributeError):
-            return None

@@ -235,7 +235,7 @@ def pull_model(store: Any, progress: Progress | None = None) -> dict[str, int]:
             if value is UNAVAILABLE:  # the server stopped answering (or skips, backing off)
                 unread.add(wire.split_key(skey)[1])
                 continue
-            block = _verified(tier, fill, store._root, skey, value)
+            block = _verified(tier, fill, tier.root, skey, value)
             if block is None:
                 out["rejected"] += value is not None
                 continue
@@ -248,7 +248,7 @@ def pull_model(store: Any, progress: Progress | None = None) -> dict[str, int]:
     tier.counters.add(remote_errors=tier.bulk.errors - errors)
     with store._index.reader() as reader:
         local = {b.node.key for b in blocks if reader.get(b.node.key) is not None}
-        known = local | {store._root}
+        known = local | {tier.root}
     runs: dict[bytes, list] = {}  # key of a run's last block -> the run
     order = []
     for block in sorted(blocks, key=lambda b: (b.node.position, b.node.key)):

@@ -10,7 +10,7 @@ from helpers import BLOCK, assert_same_logits, cold_logits, prefill, random_toke
 from persistent_prefix_cache import PersistentPrefixCache
 from persistent_prefix_cache.disk import read_path
 from persistent_prefix_cache.costs import Costs
-from persistent_prefix_cache.keys import as_token_array
+from persistent_prefix_cache.keys import as_token_array, chain_keys
 
 
 def _store(path, model, tokens, **options):
@@ -63,16 +63,16 @@ def test_a_store_skips_what_is_slower_and_counts_it(store_dir, model):
     tokens = random_tokens(3 * BLOCK + 5, seed=900)
     with _store(store_dir, model, tokens) as store:
         # Blocks stored by this handle are in its RAM tier; say RAM is slow, prefill fast.
-        store._costs.prefill_tokens_per_s = 1e12
-        store._costs.restore_bytes_per_s = {"ram": 1.0, "disk": 1.0}
+        store.costs.learned.prefill_tokens_per_s = 1e12
+        store.costs.learned.restore_bytes_per_s = {"ram": 1.0, "disk": 1.0}
         cache, remaining = store.fetch(tokens)
         assert cache is None and remaining == tokens
         stats = store.stats()
         assert stats["skipped_slower"] == 1 and stats["tokens_skipped"] == len(tokens) - 1
         assert stats["hits"] == 0
     with PersistentPrefixCache(store_dir, model, cost_model=False) as store:
-        store._costs.prefill_tokens_per_s = 1e12
-        store._costs.restore_bytes_per_s = {"ram": 1.0, "disk": 1.0}
+        store.costs.learned.prefill_tokens_per_s = 1e12
+        store.costs.learned.restore_bytes_per_s = {"ram": 1.0, "disk": 1.0}
         cache, remaining = store.fetch(tokens)
         assert len(tokens) - len(remaining) == len(tokens) - 1  # switched off: restores
 
@@ -80,11 +80,10 @@ def test_a_store_skips_what_is_slower_and_counts_it(store_dir, model):
 def test_only_the_fast_tier_is_restored_and_continues_exactly(store_dir, model):
     tokens = random_tokens(3 * BLOCK + 5, seed=901)
     with _store(store_dir, model, tokens) as store:
-        later = [n for n in store._trie.longest(as_token_array(tokens + [1]))[0] if n.position >= BLOCK]
-        for node in later:
-            store._memory.discard(node.key)  # only the first block stays in RAM
-        store._costs.prefill_tokens_per_s = 100.0
-        store._costs.restore_bytes_per_s = {"ram": 1e12, "disk": 1.0}
+        for key in chain_keys(bytes.fromhex(store.this_model()["root"]), as_token_array(tokens), BLOCK)[1:]:
+            store._memory.discard(key)  # only the first block stays in RAM
+        store.costs.learned.prefill_tokens_per_s = 100.0
+        store.costs.learned.restore_bytes_per_s = {"ram": 1e12, "disk": 1.0}
         query = tokens + [1, 2]
         cache, remaining = store.fetch(query)
         assert len(query) - len(remaining) == BLOCK
@@ -252,16 +251,15 @@ def test_a_store_counts_each_decision(store_dir, model):
     tokens = random_tokens(3 * BLOCK + 5, seed=904)
     with _store(store_dir, model, tokens) as store:
         query = tokens + [1, 2]
-        store._costs.set_prefill(1e12)
-        store._costs.set_restore({"ram": 1.0, "disk": 1.0})
+        store.costs.learned.set_prefill(1e12)
+        store.costs.learned.set_restore({"ram": 1.0, "disk": 1.0})
         assert store.fetch(query)[0] is None
-        store._costs.set_prefill(100.0)
-        store._costs.set_restore({"ram": 1e12, "disk": 1e12})
+        store.costs.learned.set_prefill(100.0)
+        store.costs.learned.set_restore({"ram": 1e12, "disk": 1e12})
         assert store.fetch(query)[0] is not None
-        later = [n for n in store._trie.longest(as_token_array(query))[0] if n.position >= BLOCK]
-        for node in later:
-            store._memory.discard(node.key)
-        store._costs.set_restore({"ram": 1e12, "disk": 1.0})
+        for key in chain_keys(bytes.fromhex(store.this_model()["root"]), as_token_array(tokens), BLOCK)[1:]:
+            store._memory.discard(key)  # only the first block stays in RAM
+        store.costs.learned.set_restore({"ram": 1e12, "disk": 1.0})
         cache, remaining = store.fetch(query)
         assert len(query) - len(remaining) == BLOCK
         stats = store.stats()

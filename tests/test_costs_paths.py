@@ -18,7 +18,8 @@ from test_serve import FIRST, OTHER, SHAPE, SYSTEM, Server
 
 from persistent_prefix_cache import PersistentPrefixCache
 from persistent_prefix_cache.compat.prefix_cache import PrefixCacheManager
-from persistent_prefix_cache.costs import FILE_NAME, device_kind
+from persistent_prefix_cache.cost_model import FILE_NAME
+from persistent_prefix_cache.costs import device_kind
 from persistent_prefix_cache.lru_prompt_cache import PersistentLRUPromptCache
 from persistent_prefix_cache.tiny_model import write_tiny_model
 
@@ -30,8 +31,8 @@ from persistent_prefix_cache import PersistentPrefixCache
 from persistent_prefix_cache.tiny_model import load_tiny_model
 store = PersistentPrefixCache(sys.argv[1], load_tiny_model(sys.argv[2]))
 if len(sys.argv) > 3:  # teach: set the rates as a benchmark would
-    store._costs.set_prefill(1234.0, 1e-7)
-    store._costs.set_restore({"disk": 5e8}, {"disk": 0.002})
+    store.costs.learned.set_prefill(1234.0, 1e-7)
+    store.costs.learned.set_restore({"disk": 5e8}, {"disk": 0.002})
 stats = store.stats()
 store.close()
 print(json.dumps({k: stats[k] for k in %r + ("cost_device",)}))
@@ -76,7 +77,7 @@ def test_a_readonly_store_never_writes_its_costs(store_dir, model):
     with PersistentPrefixCache(store_dir, model, block_size=BLOCK):
         pass
     with PersistentPrefixCache(store_dir, model, readonly=True) as store:
-        store._costs.set_prefill(99.0)
+        store.costs.learned.set_prefill(99.0)
     assert not os.path.exists(os.path.join(store_dir, FILE_NAME))
 
 
@@ -92,7 +93,7 @@ def test_prefill_and_calibrate_feed_and_keep_the_model(store_dir, model):
         assert store.stats()["first_forward_s_per_token"] is not None
     with PersistentPrefixCache(store_dir, model) as store:
         assert store.stats()["prefill_tokens_per_s"] is not None  # remembered
-        assert store.calibrate(model, tokens=32, only_if_unknown=True) == store._costs.prefill_tokens_per_s
+        assert store.calibrate(model, tokens=32, only_if_unknown=True) == store.costs.learned.prefill_tokens_per_s
     with PersistentPrefixCache(os.path.join(store_dir, "..", "fresh"), model, block_size=BLOCK) as store:
         assert store.calibrate(model, tokens=32, only_if_unknown=True) > 0
 
@@ -137,7 +138,7 @@ def test_the_lru_layer_times_the_prefill_between_a_read_and_a_prompt_write(store
         lru.insert_cache("m", prompt[: 2 * BLOCK], prefill(model, prompt[: 2 * BLOCK])[1])  # a prompt segment
         assert store.stats()["prefill_tokens_per_s"] is not None
         # A write holding generated tokens also holds their decoding: it teaches nothing.
-        store._costs.prefill_tokens_per_s = None
+        store.costs.learned.prefill_tokens_per_s = None
         longer = prompt + [5, 6]
         lru.fetch_nearest_cache("m", prompt + [9] * BLOCK)
         lru.insert_cache("m", longer, prefill(model, longer)[1])

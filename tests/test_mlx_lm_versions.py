@@ -124,8 +124,8 @@ def test_the_two_lines_never_share_stored_kv(tmp_path):
 
     model = build("llama")
     with PersistentPrefixCache(tmp_path, model) as store:
-        plain = root_key(store.fingerprint, "", store._layout.signature)
-        assert (store._root == plain) is (versions.MLX_LM >= (0, 32, 0))
+        plain = root_key(store.fingerprint, "", store.this_model()["layout"])
+        assert (store.this_model()["root"] == plain.hex()) is (versions.MLX_LM >= (0, 32, 0))
         assert store._layout.variant == ("" if versions.MLX_LM >= (0, 32, 0) else "+mlx-lm-0.31")
 
 

@@ -56,7 +56,8 @@ def fetch_exact(host, model, toks) -> int:
 
 
 def server_keys(host, toks) -> list[bytes]:
-    return [host._remote.key(k) for k in chain_keys(host._root, np.asarray(toks, "<i4"), BS)]
+    root = bytes.fromhex(host.this_model()["root"])
+    return [host._remote.key(k) for k in chain_keys(root, np.asarray(toks, "<i4"), BS)]
 
 
 @pytest.mark.parametrize(
@@ -142,7 +143,7 @@ def test_the_cost_model_leaves_a_remote_slower_than_prefill_on_the_server(tmp_pa
     # Host B learned, as from real work, that the remote reads 1 MB/s and the model
     # prefills a million tokens a second: reading the continuation loses.
     b = open_host(tmp_path / "b", model, redis_server.url)
-    b._costs.observe_restore("remote", 1 << 20, 1.0)
+    b.costs.learned.observe_restore("remote", 1 << 20, 1.0)
     b._remote._value_bytes = 20_000  # as if a block of this model had been read before
     b.observe_prefill(1_000_000, 1.0)
     cache, rest = b.fetch(toks + [1])
@@ -151,11 +152,11 @@ def test_the_cost_model_leaves_a_remote_slower_than_prefill_on_the_server(tmp_pa
     assert (st["remote_slower"], st["tokens_skipped"], st["remote_blocks"], st["remote_misses"]) == (1, 96, 0, 0)
     # cost_model=False reads it all the same; so does a host whose prefill is slow.
     c = open_host(tmp_path / "c", model, redis_server.url, cost_model=False)
-    c._costs.observe_restore("remote", 1 << 20, 1.0)
+    c.costs.learned.observe_restore("remote", 1 << 20, 1.0)
     c.observe_prefill(1_000_000, 1.0)
     assert fetch_exact(c, model, toks + [1]) == 96 and c.stats()["remote_slower"] == 0
     d = open_host(tmp_path / "d", model, redis_server.url)
-    d._costs.observe_restore("remote", 1 << 20, 1.0)
+    d.costs.learned.observe_restore("remote", 1 << 20, 1.0)
     d._remote._value_bytes = 20_000
     d.observe_prefill(10, 1.0)  # 10 tokens/s: any read wins
     assert fetch_exact(d, model, toks + [1]) == 96 and d.stats()["remote_slower"] == 0
@@ -312,7 +313,8 @@ def test_forged_value_is_rejected_with_a_secret(tmp_path, model, redis_server, c
     client = redis_server.client()
     # A forger who can write to the server: a well-formed value for block 1 with the
     # right key, parent and tokens, a correct checksum, other KV and no valid MAC.
-    chain = chain_keys(a._root, np.asarray(toks, "<i4"), BS)
+    root = bytes.fromhex(a.this_model()["root"])
+    chain = chain_keys(root, np.asarray(toks, "<i4"), BS)
     block = np.asarray(toks[BS : 2 * BS], "<i4").tobytes()
     good = wire.decode(client.get(keys[1]), keys[1], key=chain[1], parent=chain[0], position=BS, tokens=block, mac=None)
     forged = {
@@ -330,9 +332,9 @@ def test_forged_value_is_rejected_with_a_secret(tmp_path, model, redis_server, c
     # values are not there (a miss); values it finds there are trusted like a disk.
     d = open_host(tmp_path / "d", model, redis_server.url, memory_bytes=0)
     assert fetch_exact(d, model, toks + [1]) == 0 and d.stats()["remote_unauthenticated"] == 0
-    for k, plain in zip(keys, chain_keys(a._root, np.asarray(toks, "<i4"), BS)):
-        client.set(wire.server_key(a._root, plain), client.get(k))  # MAC-carrying values where d reads
-    client.set(wire.server_key(a._root, chain[1]), wire.encode(keys[1], good.node, forged, mac=None))
+    for k, plain in zip(keys, chain):
+        client.set(wire.server_key(root, plain), client.get(k))  # MAC-carrying values where d reads
+    client.set(wire.server_key(root, chain[1]), wire.encode(keys[1], good.node, forged, mac=None))
     e = open_host(tmp_path / "e", model, redis_server.url, memory_bytes=0)
     with caplog.at_level(logging.WARNING, logger="persistent_prefix_cache"):
         cache, rest = e.fetch(toks + [1])

@@ -74,8 +74,9 @@ def test_publisher_killed_mid_batch_leaves_whole_values_only(tmp_path, tiny_mode
     b = open_host(tmp_path / "b", model, redis_server.url, remote_secret=FLEET)
     keys = server_keys(b, toks)
     assert [bool(client.exists(k)) for k in keys] == [True] + [False] * 4
-    chain = chain_keys(b._root, np.asarray(toks, "<i4"), BS)
-    block = wire.decode(client.get(keys[0]), keys[0], key=chain[0], parent=b._root, position=0,
+    root = bytes.fromhex(b.this_model()["root"])
+    chain = chain_keys(root, np.asarray(toks, "<i4"), BS)
+    block = wire.decode(client.get(keys[0]), keys[0], key=chain[0], parent=root, position=0,
                         tokens=np.asarray(toks[:BS], "<i4").tobytes(), mac=b._remote.mac)  # fmt: skip
     assert block.node.n_tokens == BS
     assert fetch_exact(b, model, toks + [1]) == BS

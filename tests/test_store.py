@@ -89,9 +89,10 @@ def check_fetch(store, model, query, expected_matched: int):
 # -- sharing ------------------------------------------------------------------------
 
 
-# The handle's whole public surface: what it was opened with (read-only) and what callers do.
+# The handle's whole public surface: what it was opened with (read-only), its cost model
+# (a public object, read-only) and what callers do.
 PUBLIC_SURFACE = {
-    "path", "readonly", "block_size", "fingerprint", "model_name", "namespace", "closed",
+    "path", "readonly", "block_size", "fingerprint", "model_name", "namespace", "closed", "costs",
     "fetch", "peek", "make_cache", "store", "flush", "close", "stats", "stored_models", "this_model",
     "forget_fingerprints", "sweep_orphans", "limit_memory", "observe_prefill", "calibrate", "resumable_step",
 }  # fmt: skip
@@ -101,7 +102,7 @@ def test_the_handle_shows_its_api_and_hides_its_collaborators(store_dir, model):
     with open_store(store_dir, model, namespace="t") as store:
         assert {n for n in dir(store) if not n.startswith("_")} == PUBLIC_SURFACE
         assert not [n for n in vars(store) if not n.startswith("_")]  # no public mutable attribute
-        for name in ("path", "readonly", "block_size", "fingerprint", "model_name", "namespace"):
+        for name in ("path", "readonly", "block_size", "fingerprint", "model_name", "namespace", "costs"):
             with pytest.raises(AttributeError):
                 setattr(store, name, None)
         assert store.path == os.path.abspath(store_dir) and store.namespace == "t" and not store.readonly
@@ -228,7 +229,7 @@ def test_forged_record_under_the_right_key_is_a_miss(store_dir, model):
     stored = random_tokens(BLOCK, seed=32, first=1)
     with open_store(store_dir, model) as store:
         put(store, model, stored)
-        root = store._root
+        root = bytes.fromhex(store.this_model()["root"])
     (real,) = nodes_by_position(store_dir)
     victim = random_tokens(BLOCK, seed=33, first=2)
     # A record filed under the victim's true key, pointing at the real block's

@@ -49,8 +49,8 @@ def write_store(path, model, prompts) -> int:
 
 def disk_loses(store: PersistentPrefixCache) -> None:
     """Rates where a disk read always loses to a prefill and a RAM restore always wins."""
-    store._costs.set_prefill(1e6)  # 1 µs a token
-    store._costs.set_restore({"ram": 1e15, "disk": 1.0})  # a byte a second from disk
+    store.costs.learned.set_prefill(1e6)  # 1 µs a token
+    store.costs.learned.set_restore({"ram": 1e15, "disk": 1.0})  # a byte a second from disk
 
 
 @pytest.mark.parametrize("join", ["numpy", "mlx", "mlx, arena zeroed on the default stream"])

@@ -489,8 +489,8 @@ class Bench:
 
         def disk_loses(s: PersistentPrefixCache) -> PersistentPrefixCache:
             # Rates set as on a fast GPU: a disk read loses to a prefill, the RAM tier wins.
-            s._costs.set_prefill(1e9)
-            s._costs.set_restore({"ram": 1e15, "disk": 1.0})
+            s.costs.learned.set_prefill(1e9)
+            s.costs.learned.set_restore({"ram": 1e15, "disk": 1.0})
             return s
 
         def skipped(s: PersistentPrefixCache) -> None:

@@ -169,7 +169,8 @@ def remote_figures(bench: Any, shape: Any, helpers: dict) -> dict | None:
         with bench.open_store(bench.scratch("probe"), shape, remote=server.url, remote_secret="bench", remote_timeout=10) as p:
             from persistent_prefix_cache.keys import chain_keys
 
-            keys = chain_keys(p._root, long, bs)
+            root = bytes.fromhex(p.this_model()["root"])
+            keys = chain_keys(root, long, bs)
             pipe = server.client.pipeline(transaction=False)
             for k in keys:
                 pipe.set(p._remote.key(k), b"x")
@@ -178,7 +179,7 @@ def remote_figures(bench: Any, shape: Any, helpers: dict) -> dict | None:
             runs = []
             for _ in range(max(5, bench.repeat) + 1):
                 t0 = time.perf_counter()
-                found = p._remote.probe(p._root, 0, data, bs)
+                found = p._remote.probe(root, 0, data, bs)
                 runs.append(time.perf_counter() - t0)
             assert len(found) == len(keys)
             probe = summarize(runs[1:])

@@ -143,7 +143,7 @@ def case(model, n: int, repeat: int, work: Path) -> dict:
     out["ours_disk_forward_s"] = timed(restore(disk, "disk"), repeat)
     # The cost model, as a caller would use it: calibrate once, fetch (timed by the store).
     for tier, handle in (("ram", ram), ("disk", disk)):
-        handle._costs.enabled = True
+        handle.costs.learned.enabled = True
         handle.calibrate(model, tokens=min(n, 2048))
         handle.fetch(query)  # learns (or confirms) this tier's rate
         before = handle.stats()

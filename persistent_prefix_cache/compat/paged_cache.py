@@ -19,7 +19,6 @@ does the bookkeeping and never looks inside ``cache_data``. The records it hands
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from typing import Any
 
 from ..errors import InvalidArgumentError
@@ -39,9 +38,10 @@ class PagedCacheManager(PoolCalls):
     """A thread-safe pool of reference-counted blocks with a positional block index.
 
     Every public method takes `lock` (re-entrant); hold it yourself to make several
-    calls atomic. The vLLM-style calls (`get_new_blocks`, `free_block_batch`, `touch`,
-    `get_cached_block`, `cache_full_blocks`, `get_computed_blocks`,
-    `reset_prefix_cache`) are in `paged_pool.PoolCalls`.
+    calls atomic. The free list and the positional index, with the vLLM-style calls on
+    them (`get_new_blocks`, `free_block_batch`, `touch`, `get_cached_block`,
+    `cache_full_blocks`, `get_computed_blocks`, `reset_prefix_cache`), are its base class's,
+    `paged_pool.PoolCalls`.
 
     Args:
         block_size: Tokens per block.
@@ -73,12 +73,7 @@ class PagedCacheManager(PoolCalls):
         self.null_block.ref_count = 1
         self.allocated_blocks: dict[int, CacheBlock] = {0: self.null_block}
         self.request_tables: dict[str, BlockTable] = {}
-        # Free blocks, least recently used first; allocation pops from the front.
-        self._free: OrderedDict[int, CacheBlock] = OrderedDict(
-            (b.block_id, b) for b in self.blocks[1:]
-        )
-        self._by_hash: dict[bytes, CacheBlock] = {}
-        self._children: dict[bytes, dict[int, CacheBlock]] = {}
+        self._reset_pool()
 
     # -- allocation and references ---------------------------------------------------
 
@@ -275,47 +270,6 @@ class PagedCacheManager(PoolCalls):
                 ids.append(block.block_id)
                 parent = block.block_hash
             return ids, tokens[len(ids) * self.block_size :]
-
-    def _lookup(self, parent: bytes, data: bytes) -> CacheBlock | None:
-        block = self._by_hash.get(block_key(parent, data))
-        if block is None or block.parent_hash != parent or block.token_ids != data:
-            return None
-        return block
-
-    def _counted(self, block: CacheBlock | None) -> CacheBlock | None:
-        """A lookup's answer, counted as a hit (and refreshed) or a miss; under the lock."""
-        if block is None:
-            self.stats.cache_misses += 1
-            return None
-        self.stats.cache_hits += 1
-        self._refresh(block)
-        return block
-
-    def _refresh(self, block: CacheBlock) -> None:
-        block.touch()
-        if block.ref_count == 0:
-            self._free.move_to_end(block.block_id)
-
-    def _unindex(self, block: CacheBlock) -> None:
-        if block.block_hash is None:
-            return
-        if self._by_hash.get(block.block_hash) is block:
-            del self._by_hash[block.block_hash]
-        siblings = self._children.get(block.parent_hash)
-        if siblings is not None:
-            siblings.pop(block.block_id, None)
-            if not siblings:
-                del self._children[block.parent_hash]
-        block.block_hash = block.parent_hash = None
-        block.token_ids = b""
-
-    def _forget(self, block: CacheBlock) -> None:
-        """Empty a block that is being reused or evicted."""
-        if block.block_hash is not None:
-            self.stats.evictions += 1
-        self._unindex(block)
-        block.token_count = 0
-        block.cache_data = None
 
     # -- block tables ----------------------------------------------------------------
 

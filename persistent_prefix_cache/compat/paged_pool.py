@@ -3,9 +3,10 @@
 vllm-mlx's manager has two generations of API: the original one (`allocate_block`,
 `find_cached_block`, `register_block_hash`, ...) and calls modelled on vLLM's
 ``BlockPool`` (`get_new_blocks`, `free_block_batch`, `touch`, `get_cached_block`,
-`cache_full_blocks`, `get_computed_blocks`, `reset_prefix_cache`). `PoolCalls` adds
-the second set to `paged_cache.PagedCacheManager`, on the same pool and positional
-index, with vllm-mlx's documented semantics and these differences (its bugs):
+`cache_full_blocks`, `get_computed_blocks`, `reset_prefix_cache`). `PoolCalls`, the base
+class of `paged_cache.PagedCacheManager`, holds the pool's free list and positional index
+(and the helpers on them both generations use), and makes the second set of calls on
+them, with vllm-mlx's documented semantics and these differences (its bugs):
 
 - a block given twice to `free_block_batch`, or one that is already free, is ignored
   (the original drives its reference count negative, then raises ``KeyError``);
@@ -21,6 +22,7 @@ index, with vllm-mlx's documented semantics and these differences (its bugs):
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Iterable
 
 from ..errors import InvalidArgumentError
@@ -29,7 +31,56 @@ from .paged_blocks import CacheBlock
 
 
 class PoolCalls:
-    """vLLM-style calls, mixed into `PagedCacheManager` (which provides the pool)."""
+    """The free list and positional index of `PagedCacheManager`'s pool, and the
+    vLLM-style calls on them (the subclass holds the blocks, `stats` and `lock`)."""
+
+    def _reset_pool(self) -> None:
+        """Every block but the null block free, nothing indexed."""
+        # Free blocks, least recently used first; allocation pops from the front.
+        self._free: OrderedDict[int, CacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
+        self._by_hash: dict[bytes, CacheBlock] = {}
+        self._children: dict[bytes, dict[int, CacheBlock]] = {}
+
+    def _lookup(self, parent: bytes, data: bytes) -> CacheBlock | None:
+        block = self._by_hash.get(block_key(parent, data))
+        if block is None or block.parent_hash != parent or block.token_ids != data:
+            return None
+        return block
+
+    def _counted(self, block: CacheBlock | None) -> CacheBlock | None:
+        """A lookup's answer, counted as a hit (and refreshed) or a miss; under the lock."""
+        if block is None:
+            self.stats.cache_misses += 1
+            return None
+        self.stats.cache_hits += 1
+        self._refresh(block)
+        return block
+
+    def _refresh(self, block: CacheBlock) -> None:
+        block.touch()
+        if block.ref_count == 0:
+            self._free.move_to_end(block.block_id)
+
+    def _unindex(self, block: CacheBlock) -> None:
+        if block.block_hash is None:
+            return
+        if self._by_hash.get(block.block_hash) is block:
+            del self._by_hash[block.block_hash]
+        siblings = self._children.get(block.parent_hash)
+        if siblings is not None:
+            siblings.pop(block.block_id, None)
+            if not siblings:
+                del self._children[block.parent_hash]
+        block.block_hash = block.parent_hash = None
+        block.token_ids = b""
+
+    def _forget(self, block: CacheBlock) -> None:
+        """Empty a block that is being reused or evicted."""
+        if block.block_hash is not None:
+            self.stats.evictions += 1
+        self._unindex(block)
+        block.token_count = 0
+        block.cache_data = None
 
     def _own(self, block: Any) -> CacheBlock:
         if (
