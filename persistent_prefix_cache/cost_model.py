@@ -116,8 +116,8 @@ class SavedCosts:
 
 class CostModel:
     """The cost model of one `PersistentPrefixCache`: its `costs` (see the module's
-    docstring). Every public method but `save` raises `StoreClosedError` once the
-    handle is closed.
+    docstring). What callers tell it and ask it (`observe_prefill`, `resumable_step`,
+    `calibrate`) raises `StoreClosedError` once the handle is closed.
 
     Args:
         learned: The handle's learned costs (the remote fill asks them too).

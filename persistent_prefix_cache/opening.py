@@ -16,7 +16,6 @@ from .blocks import DEFAULT_BLOCK_SIZE
 from .cost_model import CostModel
 from .costs import Costs
 from .counters import HANDLE_COUNTERS, Counters
-from .disk.buffers import Target
 from .disk.index import Index
 from .disk.read_path import device_target
 from .disk.segment import SegmentFiles
@@ -191,8 +190,7 @@ class Parts:
         path: The store directory (absolute); `readonly`, `block_size`: as opened.
         layout: The model's cache layout; `model` its record (fingerprint, root key).
         index, files: The store's index and segment files.
-        memory: The RAM tier; `trie` the stored blocks of this model as it and the index hold them.
-        target: Where restored bytes live (MLX's device), decided once for the handle.
+        memory: The RAM tier.
         counters: The handle's counters.
         writeback: The writer thread (None: read-only).
         remote: The remote tier, `remote_fill` its part in a fetch (None: none configured).
@@ -208,8 +206,6 @@ class Parts:
     index: Index
     files: SegmentFiles
     memory: MemoryTier
-    trie: Trie
-    target: Target
     counters: Counters
     writeback: WriteBack | None
     remote: RemoteTier | None
@@ -293,6 +289,6 @@ def open_parts(
         give_back(path, opened)
         raise
     return Parts(
-        path, readonly, block_size, layout, record, index, files, memory, trie, target, counters, writeback, remote,
-        remote_fill, warmer, costs, fetcher, storer,
+        path, readonly, block_size, layout, record, index, files, memory, counters, writeback, remote, remote_fill,
+        warmer, costs, fetcher, storer,
     )

@@ -35,7 +35,7 @@ WINGS = [
     ("compat", ["compat", "prefix_cache", "paged_cache", "lru_prompt_cache"]),
     ("cli", ["cli", "__main__"]),
 ]
-INTERNAL = ("disk", "tiers", "lookup", "restore", "writeback", "merging", "remote_fill", "remote_sync", "warm")  # not for compat
+INTERNAL = ("disk", "tiers", "lookup", "restore", "writeback", "merging", "remote_fill", "remote_sync", "warm", "fetching", "storing")  # not for compat
 CACHE_CLASSES = {
     "KVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache", "ArraysCache",
     "CacheList", "make_prompt_cache", "can_trim_prompt_cache", "trim_prompt_cache",
