@@ -60,8 +60,9 @@ def test_stats_and_inspect(filled):
     assert stats["blocks"] == len(read_index(store_dir)["nodes"])
     assert stats["bytes_on_disk"] == sum(files.values())
     assert stats["block_bytes"] == sum(n.size for n in read_index(store_dir)["nodes"].values())
-    # Two hits: the second prefill restored the shared 32 tokens, then the fetch.
-    assert stats["hits"] == 2 and stats["tokens_saved"] == 32 + len(prompts[0]) - 1
+    # Two hits: the second prefill restored the shared 32 tokens, then the fetch (of a
+    # prompt that extends the first: all its tokens, stored whole by prefill).
+    assert stats["hits"] == 2 and stats["tokens_saved"] == 32 + len(prompts[0])
     text = ppc("stats", "--store", store_dir).stdout
     assert "bytes on disk" in text and f"{stats['blocks']:,}" in text
     # The hit rate of the queries that asked; each model with its bytes and last use.
@@ -77,8 +78,8 @@ def test_stats_and_inspect(filled):
     (model,) = info["models"]
     assert model["blocks"] == stats["blocks"] and model["namespace"] == ""
     ends = [p["tokens"] for p in info["longest_prefixes"]]
-    # prefill stores each prompt resumable one token before its end.
-    assert ends == sorted([len(p) - 1 for p in prompts], reverse=True)
+    # prefill stores each prompt whole (this model's layers are all sliced).
+    assert ends == sorted([len(p) for p in prompts], reverse=True)
     assert "longest stored prefixes" in ppc("inspect", "--store", store_dir).stdout
 
 
