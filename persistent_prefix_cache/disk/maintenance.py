@@ -18,6 +18,7 @@ from ..errors import EmptiesStoreError, InvalidArgumentError
 from ..keys import block_key
 from ..paths import expand_path
 from . import packs, store_guard
+from .commit import commit
 from .compaction import compact_sparse
 from .pack_members import PackReader
 from .segment import SegmentFiles
@@ -304,12 +305,11 @@ class StoreAdmin:
             (nodes removed, segments unlinked).
         """
 
-        def rewrite(w: Writer):
+        def rewrite(w: Writer) -> list[bytes]:
             w.rebuild(alive, doomed, sizes=sizes)
             return w.freed
 
-        freed = self.index.write(rewrite)
-        self.files.unlink(freed)
+        freed = commit(self.index, self.files, rewrite)
         return len(doomed), freed
 
     # -- eviction -------------------------------------------------------------------------
@@ -356,10 +356,9 @@ class StoreAdmin:
                     f"this would remove every block of store {self.path} ({held_blocks:,} blocks, {held:,} bytes)",
                     blocks=held_blocks, block_bytes=held,
                 )  # fmt: skip
-            return removed, w.freed
+            return removed
 
-        removed, freed = self.index.write(work)
-        self.files.unlink(freed)
+        removed = commit(self.index, self.files, work)
         compact_sparse(self.index, self.files, (n.segment for n in removed))
         return removed
 
