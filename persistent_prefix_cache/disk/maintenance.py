@@ -22,8 +22,8 @@ from .commit import commit
 from .compaction import compact_sparse
 from .pack_members import PackReader
 from .segment import SegmentFiles
-from .index import SCHEMA_VERSION, Index, Reader, Writer
-from .schema import schema_error
+from .index import Index, Reader, Writer
+from .schema import check_schema
 from .check_report import CheckReport
 from ..blocks import Node
 from .store_dir import check_location, check_readable, create_root, require_writable
@@ -69,10 +69,11 @@ class StoreAdmin:
         self.index = Index(
             os.path.join(self.path, "index"), readonly=readonly, block_size=block_size, migrate=create
         )
-        version = self.index.version()
-        if version != SCHEMA_VERSION:
+        try:
+            check_schema(self.path, self.index.version(), shown=path)
+        except BaseException:
             self.index.close()
-            raise schema_error(self.path, version, shown=path)
+            raise
         self.files = SegmentFiles(self.path, readonly=readonly)
 
     def close(self) -> None:
