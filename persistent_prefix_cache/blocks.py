@@ -15,7 +15,8 @@ in segment files and reads them back, the remote tier's wire form carries them.
   joined with the other blocks' pieces on a restore) or a `SNAPSHOT` (a whole tensor that
   belongs to one block: a window, a recurrent state). A field's shape rule says which axis
   holds the tokens and which axes (with the dtype) must agree across the blocks of a
-  model; its dtype rule is the dtype table (`DTYPES`). `Tensors` is one block's tensors
+  model; its dtype rule is the dtype table (`DTYPES`), and `UINTS` (`mx_uint`,
+  `np_uint`) the unsigned dtype its bits are seen as. `Tensors` is one block's tensors
   for one leaf, by field.
 
 A new cache kind is a new `Field` (or field kind) here, and the code that asks
@@ -275,6 +276,26 @@ def mx_dtype(name: str) -> Any:
     import mlx.core as mx
 
     return getattr(mx, DTYPES[name][0])
+
+
+# Item size -> the unsigned dtype of that width: a tensor's bits, whatever its dtype, seen
+# without a copy to copy, hash, join or send them (numpy has no bfloat16).
+UINTS = {1: "U8", 2: "U16", 4: "U32", 8: "U64"}
+_MX_UINTS: dict = {}  # item size -> mlx dtype, filled on first use (asked per tensor)
+
+
+def mx_uint(itemsize: int) -> Any:
+    """The mlx unsigned dtype of `itemsize` bytes (``x.view(mx_uint(x.itemsize))``)."""
+    found = _MX_UINTS.get(itemsize)
+    if found is None:
+        found = _MX_UINTS[itemsize] = mx_dtype(UINTS[itemsize])
+    return found
+
+
+def np_uint(itemsize: int) -> str:
+    """The numpy unsigned dtype of `itemsize` bytes, little-endian as the block formats
+    store it (``"<u2"``: numpy takes the string wherever it takes a dtype)."""
+    return DTYPES[UINTS[itemsize]][1]
 
 
 def dtype_info(dtype: Any) -> tuple[str, int]:

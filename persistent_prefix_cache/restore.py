@@ -17,7 +17,7 @@ import numpy as np
 import mlx.core as mx
 
 from .disk.read_path import array_bits, read_path, reader_pool
-from .blocks import Node, dtype_info, is_sliced
+from .blocks import Node, dtype_info, is_sliced, mx_uint
 from .disk.buffers import Target, allocate
 from .disk.segment import SegmentFiles
 from .layers import JoinedSource, Layout
@@ -250,12 +250,12 @@ def _copies(arrays: list[mx.array], on_device: bool) -> list[mx.array]:
             if axis is not None and x.shape[axis] > 1:
                 out.append(mx.concatenate(mx.split(x, [1], axis=axis), axis=axis))
             else:  # one element at most: through the host
-                out.append(mx.array(np.array(x.view(_UINT[x.itemsize]))).view(x.dtype))
+                out.append(mx.array(np.array(x.view(mx_uint(x.itemsize)))).view(x.dtype))
         mx.eval(out)
         return out
     fresh = allocate([(f"c{i}", x.shape, dtype_info(x.dtype)[0]) for i, x in enumerate(arrays)])
     out = [fresh[f"c{i}"] for i in range(len(arrays))]
-    sources = [x.view(_UINT[x.itemsize]) for x in arrays]
+    sources = [x.view(mx_uint(x.itemsize)) for x in arrays]
     mx.eval(sources)
 
     def copy(i: int) -> None:
@@ -268,6 +268,3 @@ def _copies(arrays: list[mx.array], on_device: bool) -> list[mx.array]:
         for i in range(len(arrays)):
             copy(i)
     return out
-
-
-_UINT = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}

@@ -34,7 +34,7 @@ import numpy as np
 from .disk import cuda_pages
 from .disk.segment import SegmentFiles
 from .disk.compaction import compact_sparse
-from .disk.faults import hold_point, pause_point
+from .disk.commit import commit
 from .disk.index import WRITE_ERRORS, Index, Writer
 from .blocks import Node
 from .counters import Counters
@@ -370,7 +370,7 @@ class WriteBack:
         (`merging.Merges`, in jobs of their own)."""
         joined = _joined(groups)
         description = self.describe()  # kept in the segment too: the index can be rebuilt
-        done = []  # (segment, size, digest, nodes)
+        segments, blocks = [], []  # each new segment (id, size, digest), and its blocks
         writes = 0  # the block writes (`write` calls) the commit holds
         now = time.time_ns()
         for new, n_writes in joined:
@@ -378,7 +378,7 @@ class WriteBack:
             for node in written:  # a block that comes without a time of use (the remote's) is used now
                 node.last_access = node.last_access or now
             try:
-                segment, size, digest = self.files.write(
+                segment = self.files.write(
                     new, root=self.root, model=description, block_size=self.index.block_size, sync_folder=False
                 )
             except (OSError, ValueError) as exc:
@@ -386,26 +386,24 @@ class WriteBack:
                 continue
             finally:
                 self._give_back(new)
-            done.append((segment, size, digest, written))
+            segments.append(segment)
+            blocks.append(written)
             writes += n_writes
-        if not done:
+        if not segments:
             return
+        ids = [segment for segment, _, _ in segments]
         try:
-            self.files.sync_folders([segment for segment, _, _, _ in done])
+            self.files.sync_folders(ids)
         except OSError as exc:
-            for segment, _, _, written in done:
+            for written in blocks:
                 self._failed("write", written, exc)
-            self.files.unlink([segment for segment, _, _, _ in done])
+            self.files.unlink(ids)
             return
         book = self._book.take(self._lock)
 
-        def commit(w: Writer):
-            # The model is recorded with its first block, not at open: a run that
-            # stores nothing leaves no trace in the store.
-            w.register_model(self.root, description)
+        def records(w: Writer):
             removed, taken, nbytes = [], 0, 0
-            for segment, size, digest, written in done:
-                w.add_segment(segment, size, digest)
+            for (_, size, _), written in zip(segments, blocks):
                 took = 0
                 for node in written:
                     if w.insert(node):  # else someone stored this block first: theirs stays
@@ -416,31 +414,32 @@ class WriteBack:
             book.apply(w)
             if self.disk_bytes is not None:
                 removed.extend(w.evict(self.disk_bytes))
-            for segment, _, _, _ in done:
-                held = w.segment(segment)
-                if held is not None and held[0] == 0:
-                    w.free_segment(segment)  # none of its blocks was taken
-            return removed, w.freed, taken, nbytes
+            return removed, taken, nbytes
 
-        pause_point("before_commit")
-        hold_point("before_commit")
         try:
-            removed, freed, taken, nbytes = self.index.write(commit)
+            # The model is recorded with its first block, not at open: a run that
+            # stores nothing leaves no trace in the store.
+            removed, taken, nbytes = commit(
+                self.index,
+                self.files,
+                records,
+                new=segments,
+                models=[(self.root, description)],
+                before="before_commit",
+                after="after_commit",
+            )
         except WRITE_ERRORS as exc:
-            # The index could not take the records (disk full, say) and is as it was.
-            # The segments' ids are this writer's alone: nobody else can reference them.
-            for _, _, _, written in done:
+            # The index could not take the records (disk full, say) and is as it was;
+            # `commit` unlinked the segments.
+            for written in blocks:
                 self._failed("commit", written, exc)
-            self.files.unlink([segment for segment, _, _, _ in done])
             return
-        pause_point("after_commit")
         # What this handle added to the store (another writer's blocks are theirs).
         self.counters.add(blocks_written=taken, bytes_written=nbytes, group_commits=1, group_commit_writes=writes)
-        self.files.unlink(freed)
         self._forget(removed)
         compact_sparse(self.index, self.files, (n.segment for n in removed))
         # Jobs behind any write queued meanwhile: a caller waiting for its own never waits for them.
-        self.merges.after_write([segment for segment, _, _, _ in done], [written[-1].key for _, _, _, written in done])
+        self.merges.after_write(ids, [written[-1].key for written in blocks])
 
     def _give_back(self, new: list[tuple[Node, dict]]) -> None:
         """On a CUDA GPU, the RAM tier's copy of these blocks back on the device: the writer
@@ -477,8 +476,7 @@ class WriteBack:
 
     def drop_subtree(self, key: bytes) -> None:
         """Remove a block and everything stored after it (a writer-thread job)."""
-        removed, freed = self.index.write(lambda w: (w.remove_subtree(key), w.freed))
-        self.files.unlink(freed)
+        removed = commit(self.index, self.files, lambda w: w.remove_subtree(key))
         for node in removed:
             self.memory.discard(node.key)
         compact_sparse(self.index, self.files, (n.segment for n in removed))

@@ -21,7 +21,8 @@ from test_reliability import _snapshot
 
 from persistent_prefix_cache.disk.faults import hooks_value
 from persistent_prefix_cache import PersistentPrefixCache, StoreVersionError
-from persistent_prefix_cache.disk.index import SCHEMA_VERSION, Index
+from persistent_prefix_cache.disk.index import Index
+from persistent_prefix_cache.disk.schema import SCHEMA_VERSION
 from persistent_prefix_cache.blocks import Node
 
 

@@ -53,7 +53,8 @@ from persistent_prefix_cache import (
     StoreVersionError,
     UnsupportedCacheError,
 )
-from persistent_prefix_cache.disk.index import SCHEMA_VERSION, Index
+from persistent_prefix_cache.disk.index import Index
+from persistent_prefix_cache.disk.schema import SCHEMA_VERSION
 from persistent_prefix_cache.disk.index_tables import META
 from persistent_prefix_cache.keys import block_key
 from persistent_prefix_cache.blocks import Node

@@ -347,7 +347,7 @@ def store_path(
         raise UserError(f"no store at {path} (expected {os.path.join(path, 'index')})")
     if walk and os.path.isdir(os.path.join(path, "index")):
         from ..disk.index_probe import probe_index
-        from ..disk.schema import SCHEMA_VERSION, schema_error
+        from ..disk.schema import check_schema
         from ..disk.store_guard import corrupt_index
 
         health = probe_index(os.path.join(path, "index"), trial_write=False)
@@ -355,10 +355,10 @@ def store_path(
             raise UserError(health.refused)
         if health.damaged:
             raise corrupt_index(os.path.abspath(path), health.damaged)
-        if not any_schema and health.version not in (None, SCHEMA_VERSION):
+        if not any_schema and health.version is not None:
             # One behaviour for an older store: no command migrates it on the side (a
             # migration rewrites every segment; a read-only command must not write).
-            raise schema_error(os.path.abspath(path), health.version, shown=path)
+            check_schema(os.path.abspath(path), health.version, shown=path)
     return path
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 from .common import add_json_option, add_store_option, emit, make_parser, run, store_path
-from ..disk.index import SCHEMA_VERSION, Index
-from ..disk.schema import schema_error
+from ..disk.index import Index
+from ..disk.schema import check_schema
 from ..disk.maintenance import WRITE_HINT
 from ..disk.store_dir import require_writable, unwritable_part
 
@@ -26,8 +26,7 @@ def main(argv: list[str]) -> int:
         index = Index(os.path.join(path, "index"), readonly=not writable, migrate=False)
         try:
             version = index.version()
-            if version > SCHEMA_VERSION:
-                raise schema_error(path, version)
+            check_schema(path, version, migrate=True)  # a newer store: upgrade the library
             pending = [{"version": m.VERSION, "description": m.DESCRIPTION} for m in index.pending_migrations()]
             applied = []
             if pending and not args.dry_run:

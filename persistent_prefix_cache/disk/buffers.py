@@ -11,12 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 import numpy as np
 
-from ..blocks import dtype_info, mx_dtype
+from ..blocks import dtype_info, mx_dtype, mx_uint, np_uint
 from . import cuda_pages
 
-_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-# MLX unsigned dtypes by item size: a tensor's bits, viewed without a copy.
-UINT_MX = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 
 
 class Target:
@@ -58,7 +55,7 @@ class Target:
             return allocate(specs)
         out = {}
         for name, shape, dtype in specs:
-            bits = _BITS[dtype_info(dtype)[1]]
+            bits = np_uint(dtype_info(dtype)[1])
             got = self._take(shape, bits) if self.arena is not None else None
             out[name] = got if got is not None else np.empty(shape, dtype=bits)
         return out
@@ -67,7 +64,7 @@ class Target:
         """What a read hands back for a buffer it filled: the array, or host bits."""
         return HostBits(array, dtype, self.arena) if self.host else array
 
-    def _take(self, shape: tuple[int, ...], bits: type) -> np.ndarray | None:
+    def _take(self, shape: tuple[int, ...], bits: str) -> np.ndarray | None:
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(bits).itemsize
         start = -(-self._used // 64) * 64
         if start + nbytes > len(self.arena.bytes):
@@ -140,7 +137,7 @@ class Arena:
         first, last = at // 64, -(-(at + span) // 64)
         if last > self.array.shape[0]:
             return None
-        words = self.array[first : max(last, first + 1)].view(UINT_MX[size])
+        words = self.array[first : max(last, first + 1)].view(mx_uint(size))
         return mx.as_strided(words, bits.shape, [st // size for st in bits.strides], (at - first * 64) // size).view(dtype)
 
 
@@ -213,9 +210,8 @@ def allocate(specs: list[tuple[str, tuple[int, ...], str]]) -> dict[str, mx.arra
     if not specs:
         return {}
     if on_gpu() or not _UNWRITTEN_WORKS or ALLOCATE_ZEROS:
-        uint = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
         out = {
-            name: mx.zeros(shape, dtype=uint[dtype_info(dtype)[1]]).view(mx_dtype(dtype))
+            name: mx.zeros(shape, dtype=mx_uint(dtype_info(dtype)[1])).view(mx_dtype(dtype))
             for name, shape, dtype in specs
         }
     else:

@@ -1,10 +1,8 @@
 """Rewriting segments: reclaiming partly dead ones, and merging a chain's small ones.
 
-Both copy live blocks into a new segment and move their records there in one commit;
-an old file goes when its last reference does. Crash-safe like any write: the new
-segment is durable before the commit, and a crash before it leaves an unreferenced
-file for the sweep; a record that changed meanwhile (another writer, an eviction) is
-left where it is.
+Both copy live blocks into a new segment and move their records there in one commit
+(`commit`: crash-safe like any write); an old file goes when its last reference does,
+and a record that changed meanwhile (another writer, an eviction) is left where it is.
 
 - **Sparse segments** (`compact_sparse`): a segment that lost some blocks (evicted
   leaves, a superseded partial leaf, a block another writer had stored first) keeps
@@ -28,7 +26,7 @@ import logging
 from typing import Iterable
 
 from ..blocks import Node
-from .faults import pause_point
+from .commit import commit
 from .index import WRITE_ERRORS, Index, Writer
 from .segment import SegmentFiles
 
@@ -185,22 +183,18 @@ def rewrite(
         log.warning("could not %s segment(s) %s: %s", why, run[0][0].segment.hex(), exc)
         return None
 
-    def commit(w: Writer):
-        w.add_segment(new, size, digest)
+    def records(w: Writer) -> list[bytes]:
         # The copy's checksum is computed anew from the same bytes: equal, or the block
         # is left where it is.
-        moved = [node.key for (node, _), (copy, _) in zip(run, copies) if copy.checksum == node.checksum and w.move(node, new)]
-        held = w.segment(new)
-        if held is not None and held[0] == 0:
-            w.free_segment(new)
-        return moved, w.freed
+        return [
+            node.key
+            for (node, _), (copy, _) in zip(run, copies)
+            if copy.checksum == node.checksum and w.move(node, new)
+        ]
 
-    pause_point("before_move")
     try:
-        moved, freed = index.write(commit)
+        moved = commit(index, files, records, new=[(new, size, digest)], before="before_move")
     except WRITE_ERRORS as exc:
         log.warning("could not %s segment(s) %s: %s", why, run[0][0].segment.hex(), exc)
-        files.unlink([new])
         return None
-    files.unlink(freed)
     return new, moved, size

@@ -11,7 +11,8 @@ docs/environment.md). `hook` reads one. The library's own hooks:
 - ``hold_at=<point>`` with ``pause_file=<path>``: the same, but the process goes on once
   the test removes the file (``pull_batch``: ``ppc pull`` has read its first batch of
   blocks, the test stops the server there; ``before_commit``: the writer holds a write
-  uncommitted, and the writes queued meanwhile share the next group commit).
+  uncommitted, and the writes queued meanwhile share the next group commit; any point a
+  `commit.commit` passes before its transaction is one).
 
 Points: ``before_rename`` (segment file written and fsynced under ``tmp/``),
 ``before_commit`` (segment renamed into ``segments/``, index not yet committed),

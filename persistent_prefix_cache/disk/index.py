@@ -25,7 +25,7 @@ from .index_tables import (  # noqa: F401 (the tables re-exported)
     CHILDREN, DIGESTS, FINGERPRINTS, HITS, LRU, META, MODELS, NODES, SEGMENTS, Reader, Writer,
 )
 from ..blocks import Node
-from .schema import MIGRATIONS, SCHEMA_VERSION, schema_error
+from .schema import MIGRATIONS, check_schema
 
 T = TypeVar("T")
 log = logging.getLogger("persistent_prefix_cache")
@@ -119,12 +119,8 @@ class Index:
         return [m for m in MIGRATIONS if m.VERSION > self.version()]
 
     def _migrate(self, block_size: int) -> None:
-        version = self.version()
-        if version > SCHEMA_VERSION or (version < SCHEMA_VERSION and self.readonly):
-            raise schema_error(store_of(self.path), version)
-        if version == SCHEMA_VERSION:
-            return
-        self.apply_migrations({"block_size": block_size})
+        if check_schema(store_of(self.path), self.version(), migrate=not self.readonly):
+            self.apply_migrations({"block_size": block_size})
 
     def apply_migrations(self, params: dict, *, upto: int | None = None) -> list[int]:
         """Apply pending migrations in one write transaction, stamping the version last.

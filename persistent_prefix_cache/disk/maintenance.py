@@ -18,11 +18,12 @@ from ..errors import EmptiesStoreError, InvalidArgumentError
 from ..keys import block_key
 from ..paths import expand_path
 from . import packs, store_guard
+from .commit import commit
 from .compaction import compact_sparse
 from .pack_members import PackReader
 from .segment import SegmentFiles
-from .index import SCHEMA_VERSION, Index, Reader, Writer
-from .schema import schema_error
+from .index import Index, Reader, Writer
+from .schema import check_schema
 from .check_report import CheckReport
 from ..blocks import Node
 from .store_dir import check_location, check_readable, create_root, require_writable
@@ -68,10 +69,11 @@ class StoreAdmin:
         self.index = Index(
             os.path.join(self.path, "index"), readonly=readonly, block_size=block_size, migrate=create
         )
-        version = self.index.version()
-        if version != SCHEMA_VERSION:
+        try:
+            check_schema(self.path, self.index.version(), shown=path)
+        except BaseException:
             self.index.close()
-            raise schema_error(self.path, version, shown=path)
+            raise
         self.files = SegmentFiles(self.path, readonly=readonly)
 
     def close(self) -> None:
@@ -304,12 +306,11 @@ class StoreAdmin:
             (nodes removed, segments unlinked).
         """
 
-        def rewrite(w: Writer):
+        def rewrite(w: Writer) -> list[bytes]:
             w.rebuild(alive, doomed, sizes=sizes)
             return w.freed
 
-        freed = self.index.write(rewrite)
-        self.files.unlink(freed)
+        freed = commit(self.index, self.files, rewrite)
         return len(doomed), freed
 
     # -- eviction -------------------------------------------------------------------------
@@ -356,10 +357,9 @@ class StoreAdmin:
                     f"this would remove every block of store {self.path} ({held_blocks:,} blocks, {held:,} bytes)",
                     blocks=held_blocks, block_bytes=held,
                 )  # fmt: skip
-            return removed, w.freed
+            return removed
 
-        removed, freed = self.index.write(work)
-        self.files.unlink(freed)
+        removed = commit(self.index, self.files, work)
         compact_sparse(self.index, self.files, (n.segment for n in removed))
         return removed
 

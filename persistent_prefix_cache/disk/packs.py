@@ -32,7 +32,8 @@ from ..files import open_regular, replace_beside
 from ..migrations.formats import block_files_v2, segment_v3, segment_v4
 from ..paths import expand_path
 from . import pack_sign
-from .index import Index, Writer
+from .commit import commit
+from .index import Index
 from .pack_members import NODES, MANIFEST, RECORD_HEAD, SIGNATURE, PackReader, add_bytes, digest, dumps
 from .portable import durable_fsync
 from .segment import SegmentFiles
@@ -256,22 +257,9 @@ def _commit(files: SegmentFiles, index: Index, manifest: dict, todo: list[Node],
     now = time.time_ns()
     for n in todo:
         n.child_count, n.last_access = 0, now
-
-    def commit(w: Writer):
-        for root_hex, desc in manifest["models"].items():
-            w.register_model(bytes.fromhex(root_hex), json.dumps(desc).encode())
-        for seg, (size, seg_digest) in written.items():
-            w.add_segment(seg, size, seg_digest)
-        inserted = sum(w.insert(n) for n in todo)
-        for seg in written:
-            held = w.segment(seg)
-            if held is not None and held[0] == 0:
-                w.free_segment(seg)
-        return inserted, w.freed
-
-    inserted, freed = index.write(commit)
-    files.unlink(freed)
-    return inserted
+    models = [(bytes.fromhex(r), json.dumps(desc).encode()) for r, desc in manifest["models"].items()]
+    new = [(seg, size, seg_digest) for seg, (size, seg_digest) in written.items()]
+    return commit(index, files, lambda w: sum(w.insert(n) for n in todo), new=new, models=models)
 
 
 class _Import:

@@ -25,9 +25,9 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..blocks import Node, Tensors, dtype_info, is_sliced
+from ..blocks import Node, Tensors, dtype_info, is_sliced, mx_uint, np_uint
 from . import cuda_pages
-from .buffers import UINT_MX, HostBits, Target, on_gpu
+from .buffers import HostBits, Target, on_gpu
 from .segment import OpenSegment, SegmentFiles
 
 KV_STEP = 256  # mlx-lm's KVCache grows in steps of 256 tokens
@@ -525,18 +525,15 @@ def _first_bad(nodes, where, runs, verified: set[int], target: Target) -> int | 
     return None
 
 
-_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
 def array_bits(view: memoryview, x: mx.array) -> np.ndarray:
     """A numpy view of an evaluated array's bits (numpy has no bfloat16; the bits are
     what we copy); a strided view (a RAM-tier block cut from one copy per field) is
     seen through a view as unsigned ints, not copied."""
     if not view.c_contiguous:
-        u = x.view(UINT_MX[x.itemsize])
+        u = x.view(mx_uint(x.itemsize))
         mx.eval(u)
         return np.asarray(memoryview(u))
-    return np.frombuffer(view.cast("B"), dtype=_BITS[x.itemsize]).reshape(x.shape)
+    return np.frombuffer(view.cast("B"), dtype=np_uint(x.itemsize)).reshape(x.shape)
 
 
 
@@ -554,7 +551,7 @@ def _copy_cached(nodes, cached, origins, runs) -> None:
     # Blocks cut from one copy per field are strided views: see them all as unsigned
     # ints with one evaluation, not one per piece (blocks from the remote tier come
     # as host bits already).
-    views = [x.bits if isinstance(x, HostBits) else x.view(UINT_MX[x.itemsize]) for *_, x in pieces]
+    views = [x.bits if isinstance(x, HostBits) else x.view(mx_uint(x.itemsize)) for *_, x in pieces]
     mx.eval([v for v in views if not isinstance(v, np.ndarray)])
     by_run: dict[int, list] = {}
     for (r, start, end, _), v in zip(pieces, views):

@@ -36,6 +36,7 @@ from ..errors import ReadOnlyStoreError
 from ..keys import block_key
 from ..migrations.formats import segment_v4
 from . import store_guard
+from .commit import register
 from .faults import pause_point
 from .index import Index
 from .manifest import Manifest, read_manifest
@@ -283,10 +284,12 @@ def rebuild_index(store: str, *, block_size: int | None = None) -> RebuildReport
         segments = {m.segment: m for m, _ in manifests}
 
         def fill(w):
-            for m, _ in manifests:  # the record that knows the most fields wins
-                w.register_model(m.root, m.model)
-            for seg in {n.segment for n in kept.values()}:
-                w.add_segment(seg, segments[seg].file_bytes, segments[seg].digest)
+            # Files that are the store's already, into a new index: `register` alone, not
+            # `commit` (which unlinks the segments of a transaction that fails). Each
+            # model's records in turn: the one that knows the most fields wins.
+            used = [segments[seg] for seg in {n.segment for n in kept.values()}]
+            models = [(m.root, m.model) for m, _ in manifests]
+            register(w, [(m.segment, m.file_bytes, m.digest) for m in used], models)
             for node in sorted(kept.values(), key=lambda n: n.position):
                 w.insert(node)
 

@@ -1,4 +1,5 @@
-"""The schema: the shipped migrations (found without LMDB) and the version they reach.
+"""The schema: the shipped migrations (found without LMDB), the version they reach, and
+the one check of whether this process can use a store of a given version.
 
 Each module in ``persistent_prefix_cache.migrations`` (the repository's ``migrations/``)
 has ``VERSION``, ``DESCRIPTION`` and ``upgrade(env, txn, params)``; `Index` applies the
@@ -49,3 +50,30 @@ def schema_error(store: str, version: int, *, shown: str | None = None) -> Store
         hint=f"run `ppc migrate --store {shown or store}` while no other process uses the store; "
         "it was left untouched",
     )
+
+
+def check_schema(store: str, version: int, *, migrate: bool = False, shown: str | None = None) -> bool:
+    """Whether this process can use a store of schema `version`, asked by every opening
+    of an index (the library's, the maintenance commands', each ``ppc`` command's walk
+    of the index, ``ppc migrate``).
+
+    Args:
+        store: The store directory (for the error).
+        version: The schema version stamped in its index.
+        migrate: The caller may migrate an older store (a writable open, ``ppc
+            migrate``); False: only this version is usable.
+        shown: The store as the user wrote it, for the command to run (`schema_error`).
+
+    Returns:
+        True if migrations are pending (only with `migrate`), False if the store is at
+        this version.
+
+    Raises:
+        StoreVersionError: A newer store (upgrade the library), or an older one the
+            caller may not migrate (`schema_error`: run ``ppc migrate``).
+    """
+    if version == SCHEMA_VERSION:
+        return False
+    if version > SCHEMA_VERSION or not migrate:
+        raise schema_error(store, version, shown=shown)
+    return True

@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..blocks import FIELDS, RESUMABLE, TRIMMABLE, Kind, Node, Tensors, dtype_info, sliced_spec
+from ..blocks import FIELDS, RESUMABLE, TRIMMABLE, Kind, Node, Tensors, dtype_info, mx_uint, sliced_spec
 from ..errors import UnsupportedCacheError
 from .adapters import (
     SEQ,
@@ -366,9 +366,6 @@ class BlockBits(Mapping):
         return len(self._tensors)
 
 
-_UINTS = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
-
-
 def _as_uint(x: mx.array) -> mx.array:
     """The same bytes as unsigned ints of the same width (a view: numpy reads them)."""
-    return x.view(_UINTS[x.itemsize])
+    return x.view(mx_uint(x.itemsize))

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from ..blocks import Node, dtype_info
+from ..blocks import Node, dtype_info, np_uint
 from ..keys import block_key
 
 MAGIC = b"PPCB"
@@ -49,7 +49,6 @@ _HEAD = struct.Struct("<4sBBHI")
 _DIGEST = 16
 _MAC = 32
 HAS_MAC = 1
-_BITS = {1: "u1", 2: "<u2", 4: "<u4", 8: "<u8"}
 
 
 def server_key(root: bytes, key: bytes, kid: str | None = None) -> bytes:
@@ -232,7 +231,7 @@ def decode(
             start = data + int(offset)
             if offset < 0 or count < 0 or start + count * itemsize > body:
                 raise ValueError("tensor outside the value")
-            arr = np.frombuffer(value, dtype=_BITS[itemsize], count=count, offset=start).reshape(shape)
+            arr = np.frombuffer(value, dtype=np_uint(itemsize), count=count, offset=start).reshape(shape)
             bits.setdefault(str(lid), {})[str(fld)] = (arr, dtype)
             size += count * itemsize
     except (ValueError, TypeError, KeyError) as exc:
