@@ -467,3 +467,45 @@ def test_negative_grace_is_refused(store_dir, model, api):
             else:
                 with StoreAdmin(str(store_dir)) as admin:
                     admin.check(fix=True, grace=-1)
+
+
+@pytest.mark.parametrize("error", ["MapResizedError", "ReadersFullError"])
+def test_housekeeping_after_a_commit_neither_fails_nor_repeats_it(store_dir, model, error):
+    """Every 256th commit frees the reader slots of dead processes (LMDB's
+    ``reader_check``). Its failure came after the commit: a resize error re-ran the
+    committed change, another error failed the write (whose caller then unlinks the
+    segments the index holds). Now it is only logged."""
+    import lmdb
+
+    from persistent_prefix_cache.disk.index import Index
+
+    PersistentPrefixCache(store_dir, model, block_size=BLOCK).close()  # a store, then its index alone
+    index = Index(os.path.join(store_dir, "index"))
+
+    class FailingCheck:
+        """The real environment, whose reader_check fails."""
+
+        def __init__(self, env):
+            self._env = env
+
+        def reader_check(self):
+            raise getattr(lmdb, error)("planted")
+
+        def __getattr__(self, name):
+            return getattr(self._env, name)
+
+    real = index.env
+    index.env = FailingCheck(real)
+    runs = []
+    try:
+        for i in range(300):  # past the 256th commit
+            def change(w, i=i):
+                runs.append(i)
+                w.put_meta(b"test-counter", str(i).encode())
+            assert index.write(change) is None
+    finally:
+        index.env = real
+    assert runs == list(range(300))  # each change ran once, none failed
+    with index.reader() as r:
+        assert r.meta(b"test-counter") == b"299"
+    index.close()

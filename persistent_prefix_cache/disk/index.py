@@ -176,14 +176,26 @@ class Index:
                 with self._gate.transaction(), self.env.begin(write=True) as txn:
                     result = fn(txn)
                     pause_point("in_write_txn")
-                self._commits += 1
-                if self._commits % 256 == 0:
-                    self.env.reader_check()  # free slots of readers that died
-                return result
             except lmdb.MapFullError:
                 self._gate.resize(self.env, self.env.info()["map_size"] * 2)
+                continue
             except lmdb.MapResizedError:
                 self._gate.resize(self.env, 0)
+                continue
+            # Committed: nothing below may fail the write (its caller would unlink the
+            # segments the index now holds) or retry it (`fn` would run twice).
+            self._commits += 1
+            if self._commits % 256 == 0:
+                self._free_dead_readers()
+            return result
+
+    def _free_dead_readers(self) -> None:
+        """Free the reader slots of processes that died (LMDB's ``reader_check``):
+        housekeeping after a commit, whose failure is only logged."""
+        try:
+            self.env.reader_check()
+        except lmdb.Error as exc:
+            log.debug("could not free the reader slots of dead processes in %s: %s", self.path, exc)
 
     def write(self, fn: Callable[[Writer], T]) -> T:
         """Run `fn` with a `Writer` inside one write transaction (committed on return)."""
