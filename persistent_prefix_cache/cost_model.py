@@ -8,7 +8,7 @@ blocks it leaves on disk go to the warmer, `warm.Warmer`) and how long a restore
 (`timed`). Its collaborators are passed to it: the RAM tier, the warmer, the handle's
 counters, the writer thread (where saves run), and what `calibrate` needs.
 
-Rates persist per model root and device kind (`costs.device_kind`): a restarted
+Rates persist per model root and device kind (`device.target.device_kind`): a restarted
 process starts informed, and a rate measured on another device is never used. A small
 file, not the index: these are hints, not data (a lost or damaged file costs one
 calibration, never a block), writing them never takes the index's write lock, and they
@@ -28,7 +28,8 @@ from typing import Any, Callable
 from . import machine_costs
 from .blocks import Node
 from .calibration import calibrate, first_measured, plausible
-from .costs import Costs, device_kind, first_forward_here, first_restore_here
+from .costs import Costs, first_forward_here, first_restore_here
+from .device.target import device_kind
 from .counters import Counters
 from .files import open_regular
 from .model_record import ModelRecord

@@ -25,7 +25,7 @@ every fetch restores (and is timed).
 
 `Costs` is what was learned and what it decides; a handle's `cost_model.CostModel`
 teaches it, asks it for every fetch and keeps it in the store's ``costs.json`` per model
-root and device kind (`device_kind`: MLX's default device and its name), as a `record`
+root and device kind (`device.target.device_kind`: MLX's default device and its name), as a `record`
 that `load` takes back. Records older than `MAX_AGE` seconds are ignored (a driver or
 MLX upgrade changes the rates).
 """
@@ -78,19 +78,6 @@ def first_restore_here(tier: str) -> bool:
     first = tier not in _restored_here
     _restored_here.add(tier)
     return first
-
-
-def device_kind() -> str:
-    """What MLX computes on here: the default device and its name (e.g.
-    ``gpu:NVIDIA H200``, ``cpu:Intel(R) Xeon(R) Processor``)."""
-    import mlx.core as mx
-
-    device = mx.default_device()
-    try:
-        name = mx.device_info().get("device_name") or ""
-    except Exception:  # an MLX without device_info, or a backend that cannot say
-        name = ""
-    return f"{'gpu' if device.type == mx.DeviceType.gpu else 'cpu'}:{name}"
 
 
 def _prefill_features(start: int, end: int, forwards: int) -> tuple[float, float, float]:

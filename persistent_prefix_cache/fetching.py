@@ -26,7 +26,7 @@ import numpy as np
 from .blocks import Node
 from .cost_model import CostModel
 from .counters import Counters
-from .disk.buffers import Target
+from .device.target import Target
 from .disk.index import Index
 from .disk.segment import SegmentFiles
 from .errors import StoreCorruptError
@@ -48,7 +48,7 @@ class Fetcher:
 
     Args:
         layout, trie, memory, files, index, counters: The handle's.
-        target: Where the handle's restores put what they read (`read_path.device_target`).
+        target: Where the handle's restores put what they read (`device.target.device_target`).
         costs: The handle's cost model.
         writeback: The writer thread (None: a read-only handle notes and drops nothing).
         remote_fill: The remote tier's part of a fetch (None: no remote).

@@ -62,7 +62,7 @@ def record_key(model: str, device: str) -> str:
     Args:
         model: The model's identity in the store (its root key without a namespace:
             fingerprint and cache layout).
-        device: What MLX computes on (`costs.device_kind`).
+        device: What MLX computes on (`device.target.device_kind`).
 
     Returns:
         32 hex digits.

@@ -17,7 +17,7 @@ from .cost_model import CostModel
 from .costs import Costs
 from .counters import HANDLE_COUNTERS, Counters
 from .disk.index import Index
-from .disk.read_path import device_target
+from .device.target import device_target
 from .disk.segment import SegmentFiles
 from .disk.store_dir import check_location, create_root, missing_folders, undo_creation
 from .errors import InvalidArgumentError, StoreNotWritableError
@@ -251,7 +251,7 @@ def open_parts(
         if not readonly:
             writeback = WriteBack(
                 index, files, memory, counters, root=root, describe=record.describe,
-                disk_bytes=disk_budget(path, o.disk_bytes, index.totals()[0]), on_device=target.device,
+                disk_bytes=disk_budget(path, o.disk_bytes, index.totals()[0]), target=target,
             )  # fmt: skip
         remote = remote_fill = None
         if o.remote is not None:

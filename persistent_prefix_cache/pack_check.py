@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .disk.buffers import HostBits
+from .device.buffers import HostBits
 from .disk.packs import Check, PackBlocks
 from .errors import InvalidArgumentError
 from .keys import root_key

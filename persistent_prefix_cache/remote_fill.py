@@ -18,7 +18,8 @@ import numpy as np
 
 from .blocks import is_sliced, sliced_spec
 from .costs import Costs
-from .disk.buffers import HostBits, Target
+from .device.buffers import HostBits
+from .device.target import Target
 from .keys import chain_keys
 from .layers import Layout
 from .lookup import Trie

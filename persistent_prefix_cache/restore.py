@@ -16,9 +16,11 @@ from __future__ import annotations
 import numpy as np
 import mlx.core as mx
 
-from .disk.read_path import array_bits, read_path, reader_pool
+from .disk.read_path import array_bits, read_path
 from .blocks import Node, dtype_info, is_sliced, mx_uint
-from .disk.buffers import Target, allocate
+from .device.buffers import allocate
+from .device.readers import reader_pool
+from .device.target import Target
 from .disk.segment import SegmentFiles
 from .layers import JoinedSource, Layout
 from .tiers.memory import MemoryTier
@@ -39,7 +41,7 @@ def restore(
     """Rebuild the cache at `position` from `nodes` (the blocks any leaf needs).
 
     Args:
-        target: Where the handle's restores put what they read (`read_path.device_target`).
+        target: Where the handle's restores put what they read (`device.target.device_target`).
         layout: The store's layout.
         memory: The RAM tier.
         files: The segment files.

@@ -18,7 +18,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .counters import Counters
-from .disk.buffers import Target
+from .device.target import Target
 from .errors import InvalidArgumentError, LayoutMismatchError, StoreCorruptError
 from .keys import as_token_array, chain_keys
 from .layers import Layout, all_sliced, cache_length, signature_of

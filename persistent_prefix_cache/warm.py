@@ -14,7 +14,7 @@ What it costs the caller, and what it keeps:
 - The read runs on one thread at low priority (nice 19 where the OS allows), after
   the caller's prefill of what was skipped (as the cost model predicts it), one fill
   at a time (a fill asked for while one runs is dropped and counted), never more bytes
-  than ``memory_bytes``, with the reader pool left to callers (`buffers.host_target`).
+  than ``memory_bytes``, with the reader pool left to callers (`device.target.host_target`).
 - No MLX work runs on that thread (a GPU stream belongs to the caller's thread): it reads
   into numpy buffers, and the tier holds those bits as they are (`HostBits`, as it holds
   the remote's blocks). On a GPU those buffers are carved from an `Arena` of MLX's
@@ -36,8 +36,8 @@ import threading
 from typing import Any, Callable
 
 from .disk.read_path import read_path
-from .disk import cuda_pages
-from .disk.buffers import Arena, HostBits, Target, host_target
+from .device.buffers import Arena, HostBits
+from .device.target import Target, host_target
 from .blocks import Node, is_sliced
 from .disk.segment import SegmentFiles
 from .layers import Layout
@@ -165,10 +165,10 @@ class Warmer:
         if got is None:
             return
         nodes, runs, snaps = got
-        if arena is not None and cuda_pages.prefetch([arena.bytes]):
+        if arena is not None:
             # On this thread, before the blocks join the tier: the host wrote these
             # pages, and a restore's copies would fault them over one by one.
-            cuda_pages.wait()
+            arena.to_device()
         for k, node in enumerate(nodes):
             tensors, origin = _block_bits(node, self.layout.kinds, runs, snaps.get(k, {}))
             self.memory.put(node, tensors, origin, source="disk")

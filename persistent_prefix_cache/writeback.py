@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from .disk import cuda_pages
+from .device.target import Target
 from .disk.segment import SegmentFiles
 from .disk.compaction import compact_sparse
 from .disk.commit import commit
@@ -145,8 +145,9 @@ class WriteBack:
         root: The model's root key, and `describe` what gives its JSON record
             (registered with the first block, and when the record learns more).
         disk_bytes: Budget of the blocks' bytes (None: unbounded).
-        on_device: The handle's restores live on a CUDA GPU (`buffers.Target.device`): the
-            RAM tier's copy of what is written goes back there once written.
+        target: The handle's restore target (`device.target.Target`): where its restores
+            live on a device the host's reads take pages from (`Target.device`), the RAM
+            tier's copy of what is written goes back there once written.
     """
 
     def __init__(
@@ -159,11 +160,11 @@ class WriteBack:
         root: bytes,
         describe: Callable[[], bytes],
         disk_bytes: int | None,
-        on_device: bool = False,
+        target: Target | None = None,
     ):
         self.index, self.files, self.memory, self.counters = index, files, memory, counters
         self.root, self.describe, self.disk_bytes = root, describe, disk_bytes
-        self.on_device = on_device
+        self.target = target
         self._book = Bookkeeping()
         self._futures: set[Future] = set()
         self._data: set[Future] = set()  # jobs that write blocks (never abandoned)
@@ -444,9 +445,10 @@ class WriteBack:
     def _give_back(self, new: list[tuple[Node, dict]]) -> None:
         """On a CUDA GPU, the RAM tier's copy of these blocks back on the device: the writer
         read its pages on the host (managed memory moves to whoever touches it), and the
-        tier's next restore would fault them back one by one (`cuda_pages.give_back`; a
+        tier's next restore would fault them back one by one (`Target.give_back`; a
         no-op elsewhere, and for blocks the tier did not keep)."""
-        if not self.on_device or not any(self.memory.node(node.key) is node for node, _ in new):
+        target = self.target
+        if target is None or not target.device or not any(self.memory.node(node.key) is node for node, _ in new):
             return
         owners = {}
         for _, bits in new:
@@ -457,7 +459,7 @@ class WriteBack:
                         owner = owner.base
                     if isinstance(owner, memoryview):  # a field's copy (`Layout.new_blocks`)
                         owners[id(owner)] = owner
-        cuda_pages.give_back(list(owners.values()))
+        target.give_back(list(owners.values()))
 
     def _failed(self, what: str, nodes: list[Node], exc: Exception) -> None:
         if isinstance(exc, StoreCorruptError):

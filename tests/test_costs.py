@@ -8,7 +8,7 @@ import pytest
 from helpers import BLOCK, assert_same_logits, cold_logits, prefill, random_tokens, warm_logits
 
 from persistent_prefix_cache import PersistentPrefixCache
-from persistent_prefix_cache.disk import read_path
+from persistent_prefix_cache.device import target as device_target
 from persistent_prefix_cache.costs import Costs
 from persistent_prefix_cache.keys import as_token_array, chain_keys
 
@@ -154,7 +154,7 @@ def test_calibrate_grows_the_prompt_while_a_forward_is_bound_by_its_call(model, 
 def test_ram_tier_join_on_the_device_restores_exactly(store_dir, model, monkeypatch, join):
     # What a GPU does (mx.concatenate of the RAM tier's blocks, with room to grow),
     # forced here on the CPU; and the host copy, for comparison.
-    monkeypatch.setattr(read_path, "RAM_JOIN", join)
+    monkeypatch.setattr(device_target, "RAM_JOIN", join)
     tokens = random_tokens(4 * BLOCK + 7, seed=903)
     with _store(store_dir, model, tokens) as store:
         query = tokens + [3]

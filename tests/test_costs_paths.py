@@ -19,7 +19,7 @@ from test_serve import FIRST, OTHER, SHAPE, SYSTEM, Server
 from persistent_prefix_cache import PersistentPrefixCache
 from persistent_prefix_cache.compat.prefix_cache import PrefixCacheManager
 from persistent_prefix_cache.cost_model import FILE_NAME
-from persistent_prefix_cache.costs import device_kind
+from persistent_prefix_cache.device.target import device_kind
 from persistent_prefix_cache.lru_prompt_cache import PersistentLRUPromptCache
 from persistent_prefix_cache.tiny_model import write_tiny_model
 

@@ -28,6 +28,7 @@ NAME = "persistent_prefix_cache"
 # Wings from the bottom up: a module imports only from its own wing or those below.
 WINGS = [
     ("base", ["errors", "keys", "fingerprint", "weights_hash", "paths", "files", "tiny_model", "blocks", "untrusted"]),
+    ("device", ["device"]),  # where restored bytes live: imports nothing of the package but `blocks`
     ("disk", ["disk", "migrations"]),  # the frozen formats use disk/portable's OS calls
     ("layers", ["layers"]),
     ("tiers", ["tiers"]),
@@ -151,6 +152,65 @@ def test_layers_import_nothing_from_disk():
         if target.split(".")[0] == "disk"
     ]
     assert not found
+
+
+# What names a device in code: its kind (CUDA, a GPU, Metal), MLX's choice of one, or a
+# driver reached through ctypes. Comments, docstrings and messages to users are not code.
+DEVICE_WORDS = re.compile(r"cuda|gpu|metal|default_device|ctypes", re.IGNORECASE)
+# Modules outside device/ allowed to name one, each with its reason.
+NAMES_A_DEVICE = {
+    # Fingerprinting, not placement: which hash is cheap depends on where the weights live
+    # (lane sums on a GPU); the base sits below every wing, the device wing included.
+    "weights_hash": {"gpu", "default_device"},
+    # The OS's sync_file_range (a libc call), not a driver's.
+    "disk.portable": {"ctypes"},
+}
+
+
+def _device_names(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, name) for each name in the code of `tree` that names a device (`DEVICE_WORDS`):
+    imports, names, attributes, definitions, arguments and keywords."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            idents = [a.name for a in node.names] + [a.asname for a in node.names if a.asname]
+        elif isinstance(node, ast.ImportFrom):
+            idents = [node.module or ""] + [a.name for a in node.names] + [a.asname for a in node.names if a.asname]
+        elif isinstance(node, ast.Name):
+            idents = [node.id]
+        elif isinstance(node, ast.Attribute):
+            idents = [node.attr]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            idents = [node.name]
+        elif isinstance(node, (ast.arg, ast.keyword)):
+            idents = [node.arg or ""]
+        else:
+            continue
+        found += [(node.lineno, i) for i in idents if DEVICE_WORDS.search(i)]
+    return found
+
+
+def test_only_the_device_wing_names_a_device():
+    # Every other module asks the handle's `device.target.Target` (host_bits,
+    # join_on_device, device, how read bytes reach the device) instead.
+    found, used = [], {}
+    for name, (_, tree) in MODULES.items():
+        if name.split(".")[0] == "device":
+            continue
+        for line, ident in _device_names(tree):
+            words = {w.lower() for w in DEVICE_WORDS.findall(ident)}
+            allowed = NAMES_A_DEVICE.get(name, set())
+            used.setdefault(name, set()).update(words & allowed)
+            if words - allowed:
+                found.append(f"{name}:{line} names {ident}")
+    assert found == []
+    assert {n: w for n, w in NAMES_A_DEVICE.items() if used.get(n) != w} == {}, "an exception that no longer applies"
+
+
+def test_the_device_rule_finds_a_cuda_call():
+    code = "import ctypes\nfrom .disk import cuda_pages\n\n\ndef f(x):\n    cuda_pages.to_gpu(x)\n    return mx.default_device() == mx.gpu\n"
+    got = [ident for _, ident in _device_names(ast.parse(code))]
+    assert sorted(got) == sorted(["ctypes", "cuda_pages", "cuda_pages", "to_gpu", "default_device", "gpu"])
 
 
 def test_no_import_cycles():
@@ -469,7 +529,7 @@ def _wrong_names(text: str, *, drawing: bool) -> list[str]:
             continue  # a file's name: the tests above check those
         if parts[0] == NAME:
             parts = parts[1:]
-        if not parts or (parts[0] not in top and parts[0] not in {"disk", "layers", "tiers", "compat", "cli"}):
+        if not parts or (parts[0] not in top and parts[0] not in {"device", "disk", "layers", "tiers", "compat", "cli"}):
             continue  # another project's name (mlx_lm.server, vllm_mlx.prefix_cache)
         k = max(k for k in range(len(parts) + 1) if ".".join(parts[:k]) in MODULES or k == 0)
         rest = parts[k:]

@@ -19,7 +19,7 @@ from helpers import assert_same_logits, cold_logits, feed, prefill as one_shot, 
 from test_remote import BS, open_host, publish
 
 from persistent_prefix_cache import PersistentPrefixCache
-from persistent_prefix_cache.disk import read_path
+from persistent_prefix_cache.device import target as device_target
 from persistent_prefix_cache.prefill import prefill
 
 BLOCK = 16
@@ -88,7 +88,7 @@ def test_fresh_handle_serves_the_third_fetch_from_the_tier(tmp_path, model):
 def join(request, monkeypatch):
     """Both ways the read path joins RAM-tier blocks: host copies (CPU, unified memory)
     and MLX operations (a GPU's; there the tier also admits on a first hit with room)."""
-    monkeypatch.setattr(read_path, "RAM_JOIN", request.param)
+    monkeypatch.setattr(device_target, "RAM_JOIN", request.param)
     return request.param
 
 
@@ -206,7 +206,7 @@ def test_remote_hits_are_served_from_the_tier_next_time(tmp_path, model, redis_s
 def test_a_device_copy_admits_on_the_first_hit_where_there_is_room(tmp_path, model, monkeypatch):
     """Where blocks are joined with MLX operations (a GPU), admitting is a device copy:
     the first hit is admitted when it evicts nothing; a full tier waits for a second."""
-    monkeypatch.setattr(read_path, "RAM_JOIN", "mlx")
+    monkeypatch.setattr(device_target, "RAM_JOIN", "mlx")
     prompts = [random_tokens(64, 50 + i, first=50 + i) for i in range(2)]
     with PersistentPrefixCache(tmp_path / "s", model, block_size=BS, memory_bytes=0) as writer:
         for toks in prompts:

@@ -3,7 +3,7 @@
 Where a prefill is faster than a disk read (an H200 below ~32k tokens), a fetch reads
 nothing; a background fill then reads the skipped blocks into the tier, so the next
 fetch of that prefix restores from RAM. Rates are set explicitly (tests never decide by
-timing); ``store.flush()`` waits for the fill. ``read_path.RAM_JOIN = "mlx"`` takes the GPU's route
+timing); ``store.flush()`` waits for the fill. ``device.target.RAM_JOIN = "mlx"`` takes the GPU's route
 (host reads into an arena of MLX memory, restored from as views of it) on this CPU.
 """
 
@@ -19,8 +19,9 @@ from helpers import assert_same_logits, cold_logits, feed, prefill as one_shot, 
 from test_ram_admission import assert_same_bits, memory_counts
 
 from persistent_prefix_cache import PersistentPrefixCache
-from persistent_prefix_cache.disk import buffers, read_path
-from persistent_prefix_cache.disk.buffers import HostBits
+from persistent_prefix_cache.device import buffers
+from persistent_prefix_cache.device import target as device_target
+from persistent_prefix_cache.device.buffers import HostBits
 
 BS = 16
 MiB = 1 << 20
@@ -58,7 +59,7 @@ def test_a_skipped_prefix_is_served_from_the_tier_next_time(tmp_path, model, mon
     if join.startswith("mlx, "):  # ARENA_ZEROS's other way (the default zeroes on the CPU stream)
         monkeypatch.setattr(buffers, "ARENA_ZEROS", "gpu")
         join = "mlx"
-    monkeypatch.setattr(read_path, "RAM_JOIN", join)
+    monkeypatch.setattr(device_target, "RAM_JOIN", join)
     toks = random_tokens(96, 1, first=1)
     total = write_store(tmp_path / "s", model, [toks])
     query = toks + random_tokens(3, 2)
@@ -192,7 +193,8 @@ def test_a_fill_on_the_gpu_route_reads_into_device_memory_and_copies_nothing():
     # prefill on the H200). The same code runs here on the CPU: views, and exact bits.
     import numpy as np
 
-    from persistent_prefix_cache.disk.buffers import Arena, host_target
+    from persistent_prefix_cache.device.buffers import Arena
+    from persistent_prefix_cache.device.target import host_target
 
     arena = Arena(1 << 14)
     target = host_target(arena)

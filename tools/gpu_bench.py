@@ -39,7 +39,7 @@ except ImportError:  # run from a checkout without installing
 
 from mlx_lm.models import llama
 
-from persistent_prefix_cache.disk import buffers, cuda_pages, read_path
+from persistent_prefix_cache.device import buffers, cuda, target
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_precompute  # noqa: E402  (tools/bench_precompute.py)
@@ -279,14 +279,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fingerprint", action="store_true", help="also time the weight hash of a first open")
     p.add_argument("--ram-join", choices=("mlx", "numpy"), default=None,
                    help="how the RAM tier's blocks are joined (default: by device; to measure both)")  # fmt: skip
-    p.add_argument("--gpu-pages", choices=("stage", "prefetch", "touch", "none"), default=cuda_pages.MODE,
-                   help="how restored buffers the host wrote reach the GPU (disk/cuda_pages.py)")  # fmt: skip
+    p.add_argument("--gpu-pages", choices=("stage", "prefetch", "touch", "none"), default=cuda.MODE,
+                   help="how restored buffers the host wrote reach the GPU (device/cuda.py)")  # fmt: skip
     p.add_argument("--arena", choices=("gpu", "cpu"), default=buffers.ARENA_ZEROS,
-                   help="how a background fill's device memory is made (disk/buffers.py ARENA_ZEROS)")  # fmt: skip
+                   help="how a background fill's device memory is made (device/buffers.py ARENA_ZEROS)")  # fmt: skip
     p.add_argument("--log-costs", action="store_true", help="every timing the cost model is told, in --json")
     args = p.parse_args(argv)
-    read_path.RAM_JOIN = args.ram_join
-    cuda_pages.MODE = args.gpu_pages
+    target.RAM_JOIN = args.ram_join
+    cuda.MODE = args.gpu_pages
     buffers.ARENA_ZEROS = args.arena
     if args.log_costs:
         log_costs()

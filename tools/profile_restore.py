@@ -90,11 +90,11 @@ def child(spec: str) -> int:
     results = []
 
     if args.get("probe"):  # what a process's first staged restore made: driver, a ring of pinned pieces
-        from persistent_prefix_cache.disk import cuda_pages
+        from persistent_prefix_cache.device import cuda
 
         probe = {}
         started = time.perf_counter()
-        driver = cuda_pages._get_driver()
+        driver = cuda._get_driver()
         probe["driver_s"] = time.perf_counter() - started
         if driver is not None:
             def ring():

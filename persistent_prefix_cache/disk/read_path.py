@@ -14,11 +14,7 @@ the same buffers.
 
 from __future__ import annotations
 
-import itertools
-import os
-import threading
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -26,96 +22,19 @@ import mlx.core as mx
 import numpy as np
 
 from ..blocks import Node, Tensors, dtype_info, is_sliced, mx_uint, np_uint
-from . import cuda_pages
-from .buffers import HostBits, Target, on_gpu
+from ..device.buffers import HostBits, as_mx
+from ..device.join import join_on_device
+from ..device.readers import reader_pool
+from ..device.target import Target
 from .segment import OpenSegment, SegmentFiles
 
 KV_STEP = 256  # mlx-lm's KVCache grows in steps of 256 tokens
-# Reader threads: reads and checksums of a path's (segment, field) pieces, and copies
-# of RAM-tier blocks, run in parallel (all drop the GIL); a pool of 4 on small machines,
-# up to 8 where cores allow (module settings: a benchmark may set both). A restore's
-# reads are shared by READ_THREADS threads, the caller's among them: one per core (at
-# most 8), each taking the next (segment, field) as it finishes one (`_map`); on a single
-# core the caller reads alone. Quiet 2-core VM, 128 MiB float16, page cache warm
-# (`tools/bench.py`): 36.4 ms on the caller's thread alone, 24-25 ms with the pool taking
-# one job per hand-over (4 threads), 21-22 ms so (raw read: 20.5 ms; the reads and
-# checksums themselves ~16 ms, at a bare 2-thread loop's ~15.5 ms). A thread that
-# neighbours slow down takes fewer jobs, where the pool's rounds waited for it.
-_CPUS = os.cpu_count() or 1
-READERS = max(4, min(8, _CPUS))  # threads of the pool (set before the first restore)
-READ_THREADS = 1 if _CPUS <= 1 else min(8, _CPUS)  # threads sharing a restore's reads, the caller's included
-# How RAM-tier blocks are joined: None by device (`device_target`), or "mlx" / "numpy"
-# (tests and ``tools/gpu_bench.py --ram-join`` set it, to measure both).
-RAM_JOIN: str | None = None
-_pool: ThreadPoolExecutor | None = None
 _PARALLEL_COPY_BYTES = 4 << 20  # below this, handing copies to threads costs more than it saves
-_pool_lock = threading.Lock()
-
-
-def reader_pool() -> ThreadPoolExecutor:
-    """The reader threads shared by every restore of this process (made on first use)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(READERS, thread_name_prefix="ppc-reader")
-        return _pool
-
-
-def _forget_pool_after_fork() -> None:
-    global _pool
-    _pool = None  # its threads do not exist in the child
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool_after_fork)
-
-
-def _map(fn, items: list, target: Target) -> list:
-    """`fn` over `items`: on the reader threads and this one, or here alone (a host
-    target: a background fill; or a single core).
-
-    Each thread takes the next item as it finishes one: one hand-over per thread, not
-    one per item (a restore of 128 MiB has 32 jobs of ~0.5 ms; on a 2-core VM the
-    pool's hand-over of each cost ~1.5 ms in all), and a thread a neighbour slows down
-    takes fewer items. This thread works too, instead of waiting.
-    """
-    n = len(items)
-    if n <= 1 or READ_THREADS <= 1 or target.host:
-        return [fn(x) for x in items]
-    out: list = [None] * n
-    taken = itertools.count()  # its next() is atomic: each item goes to one thread
-
-    def work() -> None:
-        for i in iter(taken.__next__, None):
-            if i >= n:
-                return
-            out[i] = fn(items[i])
-
-    helpers = [reader_pool().submit(work) for _ in range(min(READ_THREADS, n) - 1)]
-    try:
-        work()
-    finally:
-        wait(helpers)  # they write into the caller's buffers: never leave before them
-    for f in helpers:
-        f.result()  # a helper's failure is this call's
-    return out
 
 
 def _capacity(position: int) -> int:
     """Rows to allocate for a cache restored at `position`: room for a few decode steps."""
     return (position // KV_STEP + 1) * KV_STEP
-
-
-def device_target() -> Target:
-    """Where a handle's restores put what they read, decided once at open: MLX arrays on
-    MLX's default device, RAM-tier blocks joined with MLX operations on a GPU (where CPU
-    writes would migrate pages) and copied into host buffers on the CPU and Apple's
-    unified memory (`RAM_JOIN` ``"mlx"`` or ``"numpy"`` overrides, to measure both)."""
-    join = RAM_JOIN == "mlx" if RAM_JOIN in ("mlx", "numpy") else on_gpu()
-    target = Target(join_on_device=join)
-    if target.device:
-        cuda_pages.prepare_readers(reader_pool, READERS)
-    return target
 
 
 def _pieces(nodes, cached, origins) -> list[tuple[str, int, int, mx.array]]:
@@ -153,46 +72,7 @@ def _pieces(nodes, cached, origins) -> list[tuple[str, int, int, mx.array]]:
     ]
 
 
-def _join_on_device(nodes, cached, origins, lid_kind, position):
-    """Runs and snapshots from RAM-tier blocks only, joined by `mx.concatenate` (with
-    zeros appended as room to grow in place); blocks a fill read into an arena join as
-    views of it."""
-    parts: dict[str, list[list]] = {}  # name -> runs of [start, end, [arrays]]
-    for name, start, end, x in _pieces(nodes, cached, origins):
-        x = _as_mx(x)
-        runs = parts.setdefault(name, [])
-        if runs and runs[-1][1] == start and runs[-1][2][-1].shape[:2] == x.shape[:2]:
-            runs[-1][1] = end
-            runs[-1][2].append(x)
-        else:
-            runs.append([start, end, [x]])
-    by_leaf: dict[str, dict[str, list]] = {}
-    joined = []
-    for name, runs in parts.items():
-        lid, _, fld = name.rpartition(".")
-        for start, end, arrays in runs:
-            if start == 0 and lid_kind.get(lid) == "seq":
-                pad = _capacity(position) - (end - start)
-                if pad > 0:
-                    b, h, _, w = arrays[0].shape
-                    arrays = arrays + [mx.zeros((b, h, pad, w), dtype=arrays[0].dtype)]
-            array = mx.concatenate(arrays, axis=2) if len(arrays) > 1 else mx.array(arrays[0])
-            joined.append(array)
-            by_leaf.setdefault(lid, {}).setdefault(fld, []).append((start, end, array))
-    mx.eval(joined)
-    last = nodes[-1]
-    snaps = {
-        lid: {f: _as_mx(x) for f, x in part.items() if not is_sliced(f"{lid}.{f}", x.shape, last.n_tokens)}
-        for lid, part in cached[-1].items()
-    }
-    return by_leaf, snaps
-
-
 # -- the read path ---------------------------------------------------------------------
-
-
-def _as_mx(x):
-    return x.to_mx() if isinstance(x, HostBits) else x
 
 
 @dataclass
@@ -207,7 +87,7 @@ class _Run:
     array: mx.array | None = None
     view: memoryview | None = None
     row_stride: int = 0  # bytes from one (batch, head) row of the buffer to the next
-    moving: bool = False  # its pages are on their way to a CUDA GPU (`cuda_pages.prefetch`)
+    moving: bool = False  # its pages are on their way to the device (`Target.start_moves`)
     checked_on_host: bool = False  # some of its blocks are checked by the host after their copies land
 
 
@@ -226,8 +106,8 @@ def read_path(
     """Read a path of blocks into joined buffers, for a restore at `position`.
 
     Args:
-        target: Where the buffers are made and what comes back (`device_target`: MLX
-            arrays with room to grow; `buffers.host_target`: host bits, no MLX work).
+        target: Where the buffers are made and what comes back (`device.target`:
+            `device_target`, MLX arrays with room to grow; `host_target`, host bits, no MLX work).
         nodes: The blocks, in order.
         cached: For each block, its tensors from the RAM tier, or None to read it.
         files: The store's segment files.
@@ -246,7 +126,8 @@ def read_path(
         missing or damaged block: then the runs are empty and only the count matters.
     """
     if all(have is not None for have in cached) and target.join_on_device and not target.host:
-        return len(nodes), *_join_on_device(nodes, cached, origins, lid_kind, position)
+        pieces = _pieces(nodes, cached, origins)
+        return len(nodes), *join_on_device(pieces, cached[-1], nodes[-1].n_tokens, lid_kind, _capacity(position))
     segments: dict[bytes, OpenSegment | None] = {}
     runs: list[_Run] = []
     unfit: dict[bytes, int] = {}  # segment -> first block whose fields do not fit
@@ -287,7 +168,7 @@ def read_path(
         if any(r.moving for r in runs):
             # Copies and moves of what was read land before the host looks at any of
             # it again (a block checked one by one, a RAM-tier block copied in).
-            cuda_pages.wait()
+            target.wait_moves()
         if field_digests is None:
             return _intact_before(len(nodes), *again, verify=True), {}, {}
         bad = _first_bad(nodes, where, runs, _read_whole(where, field_digests, digests or {}), target)
@@ -297,7 +178,7 @@ def read_path(
         if where[last] is None:
             for lid, part in cached[last].items():
                 snaps[lid] = {
-                    f: _as_mx(x) for f, x in part.items() if not is_sliced(f"{lid}.{f}", x.shape, nodes[last].n_tokens)
+                    f: as_mx(x) for f, x in part.items() if not is_sliced(f"{lid}.{f}", x.shape, nodes[last].n_tokens)
                 }
         else:
             seg = where[last][0]
@@ -308,12 +189,12 @@ def read_path(
                 snaps.setdefault(lid, {})[fld] = target.wrap(arrays[f"s{k}"], s.dtype)
         _copy_cached(nodes, cached, origins, runs)
         if not target.host:
-            # Verified, then moved to a CUDA GPU in bulk, inside the timed restore (the
-            # first forward would fault the pages over one by one, unseen by the costs).
+            # Verified, then moved to the device in bulk (a CUDA GPU's), inside the timed
+            # restore (the first forward would fault the pages over one by one, unseen by the costs).
             # (Buffers read in pieces or moved as read were waited for after the reads.)
             rest = [r.array for r in runs if not r.moving or r.checked_on_host]
             rest += [arrays[f"s{k}"] for k in range(len(snaps_wanted))]
-            cuda_pages.to_gpu(rest)
+            target.place(rest)
         by_leaf: dict[str, dict[str, list]] = {}
         for r in runs:
             r.view = None  # release every view of the buffers before MLX owns them again
@@ -323,7 +204,7 @@ def read_path(
         return len(nodes), by_leaf, snaps
     finally:
         if any(r.moving for r in runs):
-            cuda_pages.wait()  # copies still landing in buffers this read gives up: never reused early
+            target.wait_moves()  # copies still landing in buffers this read gives up: never reused early
         for seg in segments.values():
             if seg is not None:
                 seg.close()
@@ -446,15 +327,15 @@ def _read_segments(nodes, where, runs, target: Target) -> dict[bytes, dict[str, 
             if r is None:
                 return None
             jobs.append([seg, f, first, hi, r, (start - r.start) * f.row_bytes, whole, False])
-    if target.device and cuda_pages.moves():
-        # Every job goes to the GPU as it is read where stages run (`cuda_pages.Stager`:
+    if target.moves_as_read():
+        # Every job goes to the GPU as it is read where stages run (`Target.stager`:
         # pinned pieces, the copy engine), whatever segments fill its buffer: a chat stored
         # turn by turn, a prefix shared with another prompt (read through the host into
         # managed memory, such a restore ran at ~2 GB/s on an H200 against 5-8 by stages).
         # Stages copy into device pages: the buffers go there first, in order on the same
         # stream. Without stages, a buffer one job fills whole moves once read while the
         # other jobs read (H200, 1 GiB: 105 ms against 125 ms moved after the last read).
-        staging = cuda_pages.stager_possible()
+        staging = target.stages()
         fills = Counter(id(job[4]) for job in jobs)
         for job in jobs:
             job[7] = staging or (job[6] and fills[id(job[4])] == 1)
@@ -463,8 +344,8 @@ def _read_segments(nodes, where, runs, target: Target) -> dict[bytes, dict[str, 
             job[4].checked_on_host = job[4].checked_on_host or (staging and not job[6])
         if staging:
             for r in {id(job[4]): job[4] for job in jobs}.values():
-                r.moving = cuda_pages.prefetch([r.view])
-    done = _map(lambda job: _read_job(*job), jobs, target)
+                r.moving = target.start_moves([r.view])
+    done = target.share(lambda job: _read_job(*job, target), jobs)
     if not all(ok for ok, _ in done):
         return None
     digests: dict[bytes, dict[str, int]] = {}
@@ -474,12 +355,14 @@ def _read_segments(nodes, where, runs, target: Target) -> dict[bytes, dict[str, 
     return digests
 
 
-def _read_job(seg: OpenSegment, f, lo: int, hi: int, r: _Run, offset: int, whole: bool, move: bool) -> tuple[bool, int | None]:
-    stage = cuda_pages.stager(r.view) if move and r.moving else None
+def _read_job(
+    seg: OpenSegment, f, lo: int, hi: int, r: _Run, offset: int, whole: bool, move: bool, target: Target
+) -> tuple[bool, int | None]:
+    stage = target.stager(r.view) if move and r.moving else None
     if whole:  # the whole field: hashed as it is read, while each piece is in cache
         digest = seg.read_field_hashed(f, r.view, offset, r.row_stride, stage)
         if move and digest is not None and stage is None:
-            r.moving = cuda_pages.prefetch([r.view])
+            r.moving = target.start_moves([r.view])
         return digest is not None, digest
     return seg.read_rows(f, lo, hi, [r.view], [offset], r.row_stride, stage), None
 
@@ -518,7 +401,7 @@ def _first_bad(nodes, where, runs, verified: set[int], target: Target) -> int | 
 
         return seg.block_digest(i, piece, node) == node.checksum
 
-    ok = _map(check, todo, target)
+    ok = target.share(check, todo)
     for k, good in zip(todo, ok):
         if not good:
             return k

@@ -308,7 +308,7 @@ class OpenSegment:
         if one destination is given for all rows (``len(dests) == 1``), else to its own.
 
         Args:
-            stage: A `cuda_pages.Stager` for ``dests[0]`` (one destination only), if
+            stage: A stager (`device.cuda.Stager`) for ``dests[0]`` (one destination only), if
                 any: each row is read into its pinned pieces and copied to the device.
 
         Returns:
@@ -357,7 +357,7 @@ class OpenSegment:
         CPU's cache (a second pass over the whole field would read it from memory again).
 
         Args:
-            stage: A `cuda_pages.Stager` for `dest`, if any: each piece is read into its
+            stage: A stager (`device.cuda.Stager`) for `dest`, if any: each piece is read into its
                 pinned memory, hashed there and copied to `dest` on the device.
 
         Returns:

@@ -351,7 +351,7 @@ def prepare_readers(pool, threads: int) -> None:
     for the disk's rate). Where pinned memory is refused, staging stops for the process.
 
     Args:
-        pool: Gives the reader threads' executor (`read_path.reader_pool`).
+        pool: Gives the reader threads' executor (`readers.reader_pool`).
         threads: How many threads it has.
     """
     global _prepared

@@ -1,6 +1,6 @@
 """Buffers the read path fills: MLX arrays allocated without a zero-fill, blocks held
-as host bits, and where a read puts what it reads (`Target`: MLX arrays for a restore, or
-numpy buffers for a background fill of the RAM tier, which does no MLX work on its thread).
+as host bits (`HostBits`), and the MLX memory a background fill on a GPU reads into
+(`Arena`). Which of them a read gets is its `target.Target`'s to say.
 """
 
 from __future__ import annotations
@@ -11,72 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 import numpy as np
 
-from ..blocks import dtype_info, mx_dtype, mx_uint, np_uint
-from . import cuda_pages
-
-
-
-class Target:
-    """Where a read puts the bytes it reads, decided once by whoever reads and passed to
-    the read path explicitly: a handle's restores (`read_path.device_target`, chosen
-    once at open from MLX's device) or a background fill (`host_target`).
-
-    Args:
-        host: Numpy buffers, read on the calling thread alone (the reader pool is the
-            callers'), handed back as `HostBits`, no MLX work: a background fill.
-        join_on_device: Join RAM-tier blocks with MLX operations (a GPU, where CPU
-            writes would migrate pages) rather than copying them into host buffers.
-        arena: Where host buffers are carved from, if it holds them (else numpy's own):
-            MLX memory made on a GPU, so that a fill reads straight into it.
-
-    Attributes:
-        device: MLX arrays on a CUDA GPU: made there, restored bytes moved there within
-            the restore (`cuda_pages`).
-    """
-
-    def __init__(self, *, host: bool = False, join_on_device: bool = False, arena: "Arena | None" = None):
-        self.host, self.join_on_device, self.arena = host, join_on_device, arena
-        self.device = not host and cuda_pages.on_cuda()
-        self._used = 0  # bytes of the arena handed out
-
-    @property
-    def host_bits(self):
-        """How a writer takes the bits of a store's copy of new KV (numpy over MLX
-        memory) to the host: on a CUDA GPU `cuda_pages.to_host`, a copy by the copy
-        engine (the device's pages stay where the RAM tier and the next forward want
-        them); elsewhere None: it reads them in place."""
-        return cuda_pages.to_host if self.device else None
-
-    def allocate(self, specs: list[tuple[str, tuple[int, ...], str]]) -> dict:
-        """Buffers of these shapes and safetensors dtypes, contents undefined: MLX arrays
-        (`allocate`), or for a host target numpy arrays of the bits (from the arena
-        where they fit; np.empty leaves the pages untouched too)."""
-        if not self.host:
-            return allocate(specs)
-        out = {}
-        for name, shape, dtype in specs:
-            bits = np_uint(dtype_info(dtype)[1])
-            got = self._take(shape, bits) if self.arena is not None else None
-            out[name] = got if got is not None else np.empty(shape, dtype=bits)
-        return out
-
-    def wrap(self, array, dtype: str):
-        """What a read hands back for a buffer it filled: the array, or host bits."""
-        return HostBits(array, dtype, self.arena) if self.host else array
-
-    def _take(self, shape: tuple[int, ...], bits: str) -> np.ndarray | None:
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(bits).itemsize
-        start = -(-self._used // 64) * 64
-        if start + nbytes > len(self.arena.bytes):
-            return None
-        self._used = start + nbytes
-        return self.arena.bytes[start : start + nbytes].view(bits).reshape(shape)
-
-
-def host_target(arena: "Arena | None" = None) -> Target:
-    """The target of a background fill of the RAM tier: numpy buffers (carved from
-    `arena` where it holds them), on the fill's thread alone."""
-    return Target(host=True, arena=arena)
+from ..blocks import dtype_info, mx_dtype, mx_uint
+from . import cuda
 
 
 # How an `Arena` is made: "cpu" zeros it on MLX's CPU stream, evaluated asynchronously,
@@ -123,6 +59,13 @@ class Arena:
         """The address of its first byte."""
         _ = self.bytes
         return self._base
+
+    def to_device(self) -> None:
+        """Move its pages to a CUDA GPU and wait, where pages move (a no-op elsewhere):
+        the fill's thread wrote them, and a restore's copies would fault them over one
+        by one."""
+        if cuda.prefetch([self.bytes]):
+            cuda.wait()
 
     def view(self, bits: np.ndarray, dtype: mx.Dtype) -> mx.array | None:
         """The MLX array over the same bytes as `bits` (a view of this arena's memory, as
@@ -266,6 +209,11 @@ class HostBits:
         return x
 
 
+def as_mx(x):
+    """`x` as an MLX array: host bits made one (`HostBits.to_mx`), an array as it is."""
+    return x.to_mx() if isinstance(x, HostBits) else x
+
+
 _COPIERS: list[ThreadPoolExecutor] = []  # made on first use
 _COPY_PIECE = 8 << 20  # bytes one copier thread takes at a time
 
@@ -305,5 +253,5 @@ def to_device(items: list[HostBits]) -> list[mx.array]:
             _COPIERS.append(ThreadPoolExecutor(8, thread_name_prefix="ppc-to-device"))
         for _ in _COPIERS[0].map(lambda job: np.copyto(*job), jobs):
             pass
-    cuda_pages.to_gpu(arrays)  # the host wrote them: on the GPU in bulk
+    cuda.to_gpu(arrays)  # the host wrote them: on the GPU in bulk
     return arrays

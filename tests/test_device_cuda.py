@@ -1,4 +1,4 @@
-"""Moving restored buffers onto a CUDA GPU (`disk/cuda_pages.py`): a hint that never
+"""Moving restored buffers onto a CUDA GPU (`device/cuda.py`): a hint that never
 changes a bit and never fails a restore. The move itself runs on the H200 only
 (``tools/gpu_bench.py``, docs/h200-measurements.md §9); here, off CUDA and without a
 CUDA driver, the fallbacks are what runs."""
@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from persistent_prefix_cache.disk import cuda_pages
+from persistent_prefix_cache.device import cuda
 
 
 def _arrays():
@@ -24,34 +24,34 @@ def test_moves_never_change_the_bits(monkeypatch):
     bits = lambda x: np.array(x.view(mx.uint16) if x.dtype == mx.bfloat16 else x)  # noqa: E731
     before = [bits(x) for x in arrays]
     for mode in ("prefetch", "touch", "none"):
-        monkeypatch.setattr(cuda_pages, "MODE", mode)
-        cuda_pages.to_gpu(arrays)
-        cuda_pages.to_gpu([])
-    cuda_pages.touch(arrays)
+        monkeypatch.setattr(cuda, "MODE", mode)
+        cuda.to_gpu(arrays)
+        cuda.to_gpu([])
+    cuda.touch(arrays)
     assert all(np.array_equal(bits(x), y) for x, y in zip(arrays, before))
 
 
 def test_off_cuda_nothing_is_started():
-    assert not cuda_pages.on_cuda()  # this machine computes on its CPU
-    assert not cuda_pages.moves()
-    assert not cuda_pages.prefetch([memoryview(x) for x in _arrays()])
-    cuda_pages.wait()  # nothing to wait for: returns
+    assert not cuda.on_cuda()  # this machine computes on its CPU
+    assert not cuda.moves()
+    assert not cuda.prefetch([memoryview(x) for x in _arrays()])
+    cuda.wait()  # nothing to wait for: returns
 
 
 def test_without_a_driver_a_cuda_restore_touches_its_pages(monkeypatch):
     # A CUDA build whose driver library cannot be loaded here (none on this machine):
     # the move falls back to touching every page with MLX, on the caller's thread.
-    monkeypatch.setattr(cuda_pages, "on_cuda", lambda: True)
-    monkeypatch.setattr(cuda_pages, "MODE", "prefetch")
+    monkeypatch.setattr(cuda, "on_cuda", lambda: True)
+    monkeypatch.setattr(cuda, "MODE", "prefetch")
     touched = []
-    real = cuda_pages.touch
-    monkeypatch.setattr(cuda_pages, "touch", lambda arrays: touched.append(len(arrays)) or real(arrays))
+    real = cuda.touch
+    monkeypatch.setattr(cuda, "touch", lambda arrays: touched.append(len(arrays)) or real(arrays))
     arrays = _arrays()
-    assert not cuda_pages.prefetch([memoryview(x) for x in arrays])  # the driver is not there
-    cuda_pages.to_gpu(arrays)
+    assert not cuda.prefetch([memoryview(x) for x in arrays])  # the driver is not there
+    cuda.to_gpu(arrays)
     assert touched == [4]
-    monkeypatch.setattr(cuda_pages, "MODE", "none")
-    cuda_pages.to_gpu(arrays)
+    monkeypatch.setattr(cuda, "MODE", "none")
+    cuda.to_gpu(arrays)
     assert touched == [4]  # "none" leaves the pages where they are
 
 
@@ -69,7 +69,7 @@ class _HostDriver:
     def ring(self):
         ring = getattr(self._threads, "ring", None)
         if ring is None:
-            ring = self._threads.ring = [[np.zeros(cuda_pages.STAGE_PIECE, np.uint8), None, False] for _ in range(2)]
+            ring = self._threads.ring = [[np.zeros(cuda.STAGE_PIECE, np.uint8), None, False] for _ in range(2)]
             self._threads.next = 0
         return ring
 
@@ -118,10 +118,10 @@ def _fetches(monkeypatch, store_dir, family, driver, piece, fill=None):
     logits = []
     for staged in (False, True):
         if staged:
-            monkeypatch.setattr(cuda_pages, "on_cuda", lambda: True)
-            monkeypatch.setattr(cuda_pages, "_get_driver", lambda: driver)
-            monkeypatch.setattr(cuda_pages, "STAGE_PIECE", piece)
-            monkeypatch.setattr(cuda_pages, "_staging", True)
+            monkeypatch.setattr(cuda, "on_cuda", lambda: True)
+            monkeypatch.setattr(cuda, "_get_driver", lambda: driver)
+            monkeypatch.setattr(cuda, "STAGE_PIECE", piece)
+            monkeypatch.setattr(cuda, "_staging", True)
         with PersistentPrefixCache(store_dir, model, **options) as store:
             restored, rest = store.fetch(tokens + [3])
         assert list(rest) == [3]
@@ -148,7 +148,7 @@ def test_a_failing_driver_costs_no_piece(monkeypatch, store_dir, family, piece):
     # the process, and the restore is still exact (never a block taken for damaged).
     driver = _HostDriver(fail_after=3)
     plain, staged = _fetches(monkeypatch, store_dir, family, driver, piece)
-    assert driver.copies == 3 and not cuda_pages._staging
+    assert driver.copies == 3 and not cuda._staging
     assert np.array_equal(plain, staged)
 
 
@@ -241,10 +241,10 @@ def test_a_damaged_segment_is_checked_after_the_copies_land(monkeypatch, store_d
         store.store(tokens, prefill(model, tokens)[1])
     flip_block_byte(store_dir, nodes_by_position(store_dir)[2], at=7)
     driver = _LateDriver()
-    monkeypatch.setattr(cuda_pages, "on_cuda", lambda: True)
-    monkeypatch.setattr(cuda_pages, "_get_driver", lambda: driver)
-    monkeypatch.setattr(cuda_pages, "STAGE_PIECE", 1 << 20)
-    monkeypatch.setattr(cuda_pages, "_staging", True)
+    monkeypatch.setattr(cuda, "on_cuda", lambda: True)
+    monkeypatch.setattr(cuda, "_get_driver", lambda: driver)
+    monkeypatch.setattr(cuda, "STAGE_PIECE", 1 << 20)
+    monkeypatch.setattr(cuda, "_staging", True)
     with PersistentPrefixCache(store_dir, model, **options) as store:
         restored, rest = store.fetch(tokens + [3])
         assert store.stats()["corrupt"] == 1
@@ -293,8 +293,8 @@ def test_the_writer_copies_a_stores_kv_to_the_host_by_the_copy_engine(monkeypatc
     tokens = [t % 256 for t in random_tokens(5 * BLOCK + 3, seed=4244)]
     cache = prefill(model, tokens)[1]
     with monkeypatch.context() as m:
-        m.setattr(cuda_pages, "on_cuda", lambda: True)
-        m.setattr(cuda_pages, "_get_driver", lambda: Driver())
+        m.setattr(cuda, "on_cuda", lambda: True)
+        m.setattr(cuda, "_get_driver", lambda: Driver())
         with PersistentPrefixCache(store_dir, model, block_size=BLOCK, fingerprint="host") as store:
             store.store(tokens, cache)
             store.flush()
@@ -323,13 +323,13 @@ def test_a_host_copy_that_disagrees_is_never_written(monkeypatch, store_dir):
     tokens = [t % 256 for t in random_tokens(3 * BLOCK, seed=4245)]
     cache = prefill(model, tokens)[1]
     with monkeypatch.context() as m:
-        m.setattr(cuda_pages, "on_cuda", lambda: True)
-        m.setattr(cuda_pages, "_get_driver", lambda: Wrong())
-        m.setattr(cuda_pages, "_staging", True)
+        m.setattr(cuda, "on_cuda", lambda: True)
+        m.setattr(cuda, "_get_driver", lambda: Wrong())
+        m.setattr(cuda, "_staging", True)
         with PersistentPrefixCache(store_dir, model, block_size=BLOCK, fingerprint="wrong") as store:
             store.store(tokens, cache)
             store.flush()
-        assert not cuda_pages._staging
+        assert not cuda._staging
     _assert_stored_bitwise(store_dir, model, tokens, cache, "wrong")
 
 
@@ -351,9 +351,9 @@ def test_the_writer_hands_the_ram_tiers_copy_back_to_the_gpu(monkeypatch, store_
 
     model = build("llama")
     tokens = [t % 256 for t in random_tokens(5 * BLOCK, seed=4243)]
-    monkeypatch.setattr(cuda_pages, "MODE", "prefetch")
-    monkeypatch.setattr(cuda_pages, "on_cuda", lambda: True)
-    monkeypatch.setattr(cuda_pages, "_get_driver", lambda: Driver())
+    monkeypatch.setattr(cuda, "MODE", "prefetch")
+    monkeypatch.setattr(cuda, "on_cuda", lambda: True)
+    monkeypatch.setattr(cuda, "_get_driver", lambda: Driver())
     with PersistentPrefixCache(store_dir, model, block_size=BLOCK, fingerprint="back") as store:
         store.store(tokens, prefill(model, tokens)[1])
         store.flush()
@@ -378,7 +378,7 @@ def test_a_cuda_handle_makes_the_readers_rings_at_open(monkeypatch, store_dir):
     from families import build
 
     from persistent_prefix_cache import PersistentPrefixCache
-    from persistent_prefix_cache.disk import read_path
+    from persistent_prefix_cache.device import readers
 
     made = []
 
@@ -389,18 +389,18 @@ def test_a_cuda_handle_makes_the_readers_rings_at_open(monkeypatch, store_dir):
             return super().ring()
 
     driver = Driver()
-    monkeypatch.setattr(cuda_pages, "on_cuda", lambda: True)
-    monkeypatch.setattr(cuda_pages, "_get_driver", lambda: driver)
-    monkeypatch.setattr(cuda_pages, "_prepared", False)
-    monkeypatch.setattr(read_path, "_pool", None)  # a fresh pool: its threads are made here
+    monkeypatch.setattr(cuda, "on_cuda", lambda: True)
+    monkeypatch.setattr(cuda, "_get_driver", lambda: driver)
+    monkeypatch.setattr(cuda, "_prepared", False)
+    monkeypatch.setattr(readers, "_pool", None)  # a fresh pool: its threads are made here
     model = build("llama")
     with PersistentPrefixCache(store_dir, model, fingerprint="rings"):
         deadline = time.monotonic() + 60
-        while len(made) < read_path.READERS and time.monotonic() < deadline:
+        while len(made) < readers.READERS and time.monotonic() < deadline:
             time.sleep(0.01)
-    assert len(made) == read_path.READERS == len(set(made))
+    assert len(made) == readers.READERS == len(set(made))
     assert all(name.startswith("ppc-reader") for name in made)
     with PersistentPrefixCache(store_dir, model, fingerprint="rings"):
         pass
-    read_path.reader_pool().submit(lambda: None).result()
-    assert len(made) == read_path.READERS  # once per process
+    readers.reader_pool().submit(lambda: None).result()
+    assert len(made) == readers.READERS  # once per process
