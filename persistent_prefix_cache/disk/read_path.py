@@ -22,8 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..blocks import Node, Tensors, dtype_info, is_sliced, mx_uint, np_uint
-from ..device.buffers import HostBits, as_mx
-from ..device.join import join_on_device
+from ..device.buffers import HostBits, as_mx, join_on_device
 from ..device.readers import reader_pool
 from ..device.target import Target
 from .segment import OpenSegment, SegmentFiles
