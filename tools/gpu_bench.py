@@ -39,7 +39,8 @@ except ImportError:  # run from a checkout without installing
 
 from mlx_lm.models import llama
 
-from persistent_prefix_cache.device import buffers, cuda, target
+from persistent_prefix_cache.device import buffers, cuda
+from persistent_prefix_cache.device import target as device_target
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_precompute  # noqa: E402  (tools/bench_precompute.py)
@@ -285,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="how a background fill's device memory is made (device/buffers.py ARENA_ZEROS)")  # fmt: skip
     p.add_argument("--log-costs", action="store_true", help="every timing the cost model is told, in --json")
     args = p.parse_args(argv)
-    target.RAM_JOIN = args.ram_join
+    device_target.RAM_JOIN = args.ram_join
     cuda.MODE = args.gpu_pages
     buffers.ARENA_ZEROS = args.arena
     if args.log_costs:
