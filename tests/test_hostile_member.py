@@ -299,6 +299,49 @@ def test_a_member_swapping_lock_mdb_for_a_link_in_a_loop_never_wins(store, membe
     assert outcomes <= {"opened", "error"}
 
 
+@pytest.mark.parametrize("replaced", [1, "always"])
+def test_lock_mdb_replaced_while_it_is_linked_is_linked_again_never_opened_in_place(
+    place, outside, model, monkeypatch, replaced
+):
+    """What the loop above wins about once in twenty runs on a busy machine, played in
+    one process: ``lock.mdb`` is replaced while the open hard-links it (the link fails:
+    its file lost its last name), and becomes a link to the victim just before LMDB
+    opens it. The open links it again (LMDB then opens the checked file) or, replaced
+    every time, refuses with one error; it never opens the index folder's names in place."""
+    import lmdb
+
+    from persistent_prefix_cache import StoreCorruptError
+    from persistent_prefix_cache.disk import index_env
+    from persistent_prefix_cache.disk.index import Index
+
+    path = place / "store"
+    PersistentPrefixCache(path, model, block_size=BLOCK).close()
+    before = snapshot(outside)
+    real_link, real_open = os.link, lmdb.open
+    failures = []
+
+    def link(src, dst, *args, **kwargs):
+        if src == "lock.mdb" and (replaced == "always" or len(failures) < replaced):
+            failures.append(dst)
+            raise FileNotFoundError(2, "No such file or directory")  # as linkat says of a file just replaced
+        return real_link(src, dst, *args, **kwargs)
+
+    def open_after_a_swap(*args, **kwargs):
+        lock = path / "index" / "lock.mdb"
+        os.unlink(lock)
+        os.symlink(outside / "victim", lock)  # what the member puts there at that moment
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(os, "link", link)
+    monkeypatch.setattr(index_env.lmdb, "open", open_after_a_swap)
+    if replaced == "always":
+        with pytest.raises(StoreCorruptError, match="replaced while it was opened"):
+            Index(str(path / "index"))
+    else:
+        Index(str(path / "index")).close()
+    assert failures and snapshot(outside) == before
+
+
 # -- 3. the orphan sweep -------------------------------------------------------------------------
 
 

@@ -19,9 +19,11 @@ truncate and write the file it points to. So, before LMDB opens anything:
   goes once LMDB has closed the files: `remove_pin`; a process that died leaves it, and
   its links, to `sweep_pins`).
 
-Where a private folder cannot be made (a store this user cannot write, a system
-without ``/proc``, a file system without hard links), the checks run on the index
-folder itself just before LMDB opens it (a narrow window, see docs/guarantees.md).
+A file replaced while it is being linked (somebody swapping it) is linked again, never
+opened in place; after `PIN_TRIES` such replacements the open is refused. Where a private
+folder cannot be made (a store this user cannot write, a system without ``/proc``, a
+file system without hard links), the checks run on the index folder itself just before
+LMDB opens it (a narrow window, see docs/guarantees.md).
 
 Then ``data.mdb``'s size is checked against the pages its trees use (`index_pages`):
 a file shorter than its newest meta page's ``last_pgno`` is normal after an eviction;
@@ -50,6 +52,15 @@ LMDB_FILES = ("data.mdb", "lock.mdb")
 # that name is somebody else's, ``lmdb-open-<uid>.<pid>.<random>.tmp``.
 PIN_STEM = "lmdb-open"
 _PROC_FD = "/proc/self/fd"
+# Times an LMDB file is linked into the private folder when it keeps being replaced
+# while it is linked (a member swapping it): then the open is refused.
+PIN_TRIES = 16
+
+
+class _KeptChanging(Exception):
+    """An LMDB file was replaced every time it was linked (`_pin`)."""
+
+
 # A writer in another process may reuse a page while the walk reads it: read the
 # meta page again and walk again this many times before calling the file damaged.
 WALK_TRIES = 5
@@ -139,13 +150,29 @@ def _pin(idx: int) -> Pin | None:
     if not fresh:
         _sweep_links(fd)
     pin = Pin(fd, folder, f"{os.getpid()}.{secrets.token_hex(8)}", fresh)
-    try:
-        os.link("data.mdb", pin.name, src_dir_fd=idx, dst_dir_fd=fd, follow_symlinks=False)
-        os.link("lock.mdb", pin.name + "-lock", src_dir_fd=idx, dst_dir_fd=fd, follow_symlinks=False)
-    except OSError:
-        _unpin(idx, pin)
-        return None  # no hard links here (a file system without them, or not ours to link)
-    return pin
+    for _ in range(PIN_TRIES):
+        try:
+            os.link("data.mdb", pin.name, src_dir_fd=idx, dst_dir_fd=fd, follow_symlinks=False)
+            os.link("lock.mdb", pin.name + "-lock", src_dir_fd=idx, dst_dir_fd=fd, follow_symlinks=False)
+            return pin
+        except FileNotFoundError:
+            # The entry was replaced while it was being linked (its file lost its last
+            # name): somebody is swapping it. Never fall back to opening in place for
+            # that (LMDB would follow whatever stands there then): link again.
+            _unlink_pinned(pin)
+        except OSError:
+            _unpin(idx, pin)
+            return None  # no hard links here (a file system without them, or not ours to link)
+    _unpin(idx, pin)
+    raise _KeptChanging()
+
+
+def _unlink_pinned(pin: Pin) -> None:
+    for name in (pin.name, pin.name + "-lock"):
+        try:
+            os.unlink(name, dir_fd=pin.fd)
+        except OSError:
+            pass
 
 
 def _unpin(idx: int, pin: Pin | None, *, remove: bool = True) -> None:
@@ -153,11 +180,7 @@ def _unpin(idx: int, pin: Pin | None, *, remove: bool = True) -> None:
     for this open and `remove` (else once LMDB has closed them: `remove_pin`)."""
     if pin is None:
         return
-    for name in (pin.name, pin.name + "-lock"):
-        try:
-            os.unlink(name, dir_fd=pin.fd)
-        except OSError:
-            pass
+    _unlink_pinned(pin)
     os.close(pin.fd)
     if remove and pin.own_folder:
         try:
@@ -302,7 +325,10 @@ def checked(index_path: str, *, readonly: bool, writable: bool) -> Iterator[Chec
         if writable:
             sweep_pins(idx)
         present = [name for name in LMDB_FILES if _check(idx, name, store_st, rel, store)]
-        pin = _pin(idx) if writable and len(present) == 2 else None
+        try:
+            pin = _pin(idx) if writable and len(present) == 2 else None
+        except _KeptChanging:
+            raise store_guard.unsafe_entry(store, f"{rel}/data.mdb or {rel}/lock.mdb was replaced while it was opened, {PIN_TRIES} times") from None
         if pin is not None:  # the files LMDB will open, as they are now: nobody can swap them
             where, names = pin.fd, {"data.mdb": pin.name, "lock.mdb": pin.name + "-lock"}
         else:
