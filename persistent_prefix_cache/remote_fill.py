@@ -12,7 +12,7 @@ the next fetch is local.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -119,6 +119,19 @@ class RemoteFill:
         if self.writeback is None or not blocks:
             return None
         return self.writeback.write([(b.node, b.bits) for b in blocks])
+
+    def held(self, keys: Iterable[bytes]) -> set[bytes]:
+        """Which of `keys` the local store's index holds (the RAM tier aside): what
+        ``ppc pull`` need not write.
+
+        Args:
+            keys: Block keys.
+
+        Returns:
+            Those of them with a record in the index.
+        """
+        with self.trie.index.reader() as reader:
+            return {key for key in keys if reader.get(key) is not None}
 
     def fits(self, block: RemoteBlock) -> bool:
         """Whether one block's tensors fit the model's layout (see `_fit`)."""

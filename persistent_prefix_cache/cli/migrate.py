@@ -7,7 +7,7 @@ import os
 from .common import add_json_option, add_store_option, emit, make_parser, run, store_path
 from ..disk.index import Index
 from ..disk.schema import check_schema
-from ..disk.maintenance import WRITE_HINT
+from ..admin import WRITE_HINT
 from ..disk.store_dir import require_writable, unwritable_part
 
 
