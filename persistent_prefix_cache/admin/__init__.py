@@ -3,11 +3,12 @@
 
 `StoreAdmin` is its entry point (a store opened for maintenance: summary, check, repair,
 gc, export, import); `check_store` runs ``ppc check`` as a whole (the index probed in a
-child process, rebuilt from the segments if damaged); `push_store` and `pull_model` move
-whole stores to and from the remote tier. It reaches ``disk/`` and ``tiers/`` through
-their public names and a store handle through its public API only; nothing below it
-imports it (docs/architecture.md). The names here are imported on first use, so that
-``ppc stats`` does not import what checking a pack against a model needs (mlx-lm).
+child process, rebuilt from the segments if damaged), `migrate_store` ``ppc migrate``;
+`push_store` and `pull_model` move whole stores to and from the remote tier. It reaches
+``disk/`` and ``tiers/`` through their public names and a store handle through its
+public API only; nothing below it imports it (docs/architecture.md). The names here are
+imported on first use, so that ``ppc stats`` does not import what checking a pack
+against a model needs (mlx-lm).
 """
 
 from importlib import import_module as _import_module
@@ -15,7 +16,7 @@ from importlib import import_module as _import_module
 # public name -> module of this wing that defines it
 _LAZY = {
     "StoreAdmin": ".store_admin",
-    "WRITE_HINT": ".store_admin",
+    "migrate_store": ".migrate",
     "check_store": ".store_check",
     "describe_entries": ".store_audit",
     "describe_finding": ".store_audit",
@@ -36,7 +37,7 @@ _LAZY = {
 
 __all__ = [
     "StoreAdmin",
-    "WRITE_HINT",
+    "migrate_store",
     "check_store",
     "describe_entries",
     "describe_finding",
