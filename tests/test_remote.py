@@ -7,6 +7,7 @@ fetch is checked bitwise: the next-token logits after a restore equal a cold pre
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -131,6 +132,34 @@ def test_host_b_restores_what_host_a_stored(tmp_path, model, redis_server):
     b = open_host(tmp_path / "b", model, redis_server.url)
     redis_server.client().flushall()  # the next fetch must be local
     assert fetch_exact(b, model, query) == 100
+    assert b.stats()["remote_hits"] == 0
+    for h in (a, b):
+        h.close()
+
+
+def test_the_remote_fill_is_what_a_pull_goes_through(tmp_path, model, redis_server):
+    # The handle's public seam for ppc pull (instead of its private parts): the tier, the
+    # layout check, which keys the index holds, and the writer thread.
+    from persistent_prefix_cache.admin.remote_sync import checked_value
+
+    plain = PersistentPrefixCache(tmp_path / "p", model, block_size=BS)
+    assert plain.remote_fill is None
+    plain.close()
+    toks = random_tokens(100, 1, first=1)
+    a = open_host(tmp_path / "a", model, redis_server.url)
+    assert publish(a, model, toks) == 7
+    b = open_host(tmp_path / "b", model, redis_server.url)
+    fill, skeys = b.remote_fill, server_keys(b, toks)
+    values = fill.remote.bulk.get_values(skeys)
+    blocks = [checked_value(k, v, fill.remote.root, fill.remote.mac) for k, v in zip(skeys, values)]
+    keys = [block.node.key for block in blocks]
+    assert all(fill.fits(block) for block in blocks) and fill.held(keys) == set()
+    first = blocks[0]
+    assert not fill.fits(dataclasses.replace(first, bits={"no such leaf": next(iter(first.bits.values()))}))
+    fill.write(blocks).result()
+    assert fill.held(keys) == set(keys)
+    redis_server.client().flushall()  # what b restores now is its own
+    assert fetch_exact(b, model, toks + random_tokens(9, 2)) == 100
     assert b.stats()["remote_hits"] == 0
     for h in (a, b):
         h.close()
