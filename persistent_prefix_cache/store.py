@@ -384,7 +384,12 @@ class PersistentPrefixCache:
     def remote_fill(self) -> RemoteFill | None:
         """The remote tier's part in this handle (`remote_fill.RemoteFill`; None without
         ``remote=``): its tier, and the checks and writes a remote block goes through
-        (``ppc pull`` fills a store through it)."""
+        (``ppc pull`` fills a store through it).
+
+        Raises:
+            StoreClosedError: If the store is closed.
+        """
+        self._check_open()
         return self._remote_fill
 
     def observe_prefill(
