@@ -3,10 +3,11 @@
 Start with `PersistentPrefixCache`: ``fetch(tokens)`` restores the longest stored prefix
 as fresh mlx-lm cache objects, ``store(tokens, cache)`` keeps a prompt's KV on disk.
 
-The package's folders are its wings (see docs/architecture.md): ``disk/`` (the index,
-segment files, maintenance), ``layers/`` (mlx-lm's cache classes), ``tiers/`` (the RAM
+The package's folders are its wings (see docs/architecture.md): ``disk/`` (the index
+and segment files), ``layers/`` (mlx-lm's cache classes), ``tiers/`` (the RAM
 and remote tiers), the facade `store` with `lookup`, `restore` and `writeback` beside it,
-``compat/`` (vllm-mlx's and mlx-lm's APIs) and ``cli/`` (``ppc``).
+``admin/`` (check, repair, export, import, push, pull), ``compat/`` (vllm-mlx's and
+mlx-lm's APIs) and ``cli/`` (``ppc``).
 
 Names are imported on first use, so that store maintenance (``ppc stats``, ``ppc
 check``, …) does not pay for importing mlx-lm and transformers. `__all__` is the API:

@@ -4,7 +4,7 @@ One instance per `PersistentPrefixCache` counts what its fetches, stores, writer
 and remote tier do (the names: `HANDLE_COUNTERS`, `tiers.REMOTE_COUNTERS`);
 `stats()` reads a snapshot of them beside the store-wide totals the index keeps
 (`disk.index_tables.STORE_WIDE_COUNTERS`). ``ppc push`` and ``ppc pull`` count a
-transfer with one too (`remote_sync`).
+transfer with one too (`admin/remote_sync.py`).
 """
 
 from __future__ import annotations

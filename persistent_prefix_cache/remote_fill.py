@@ -12,7 +12,7 @@ the next fetch is local.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -31,6 +31,10 @@ from .writeback import WriteBack
 
 class RemoteFill:
     """Fills the RAM tier (and, behind it, the local store) from the remote tier.
+
+    A handle's is public (`PersistentPrefixCache.remote_fill`): its tier (`remote`) and
+    what a block from the server goes through (`fits`, `held`, `write`), which ``ppc pull``
+    uses; the store's parts it is given stay its own.
 
     Args:
         remote: The remote tier.
@@ -53,9 +57,9 @@ class RemoteFill:
         block_size: int,
         target: Target,
     ):
-        self.remote, self.trie, self.memory, self.layout = remote, trie, memory, layout
-        self.writeback, self.costs, self.root, self.block_size = writeback, costs, root, block_size
-        self.target = target
+        self.remote, self._trie, self._memory, self._layout = remote, trie, memory, layout
+        self._writeback, self._costs, self._root, self._block_size = writeback, costs, root, block_size
+        self._target = target
 
     def fill(self, toks: np.ndarray, matched: int = 0) -> list[RemoteBlock] | None:
         """Bring the remote's continuation of the local chain for `toks` into the RAM tier.
@@ -69,16 +73,16 @@ class RemoteFill:
             the local store (`write`: after the caller's restore, so that the writer
             thread does not compete with it), empty if they are written already.
         """
-        keys = chain_keys(self.root, toks, self.block_size)
+        keys = chain_keys(self._root, toks, self._block_size)
         data = toks.tobytes()
-        held = self.trie.stored_prefix(keys, data)
+        held = self._trie.stored_prefix(keys, data)
         if held is None or len(held) == len(keys):
             return None  # a key collision, or the local store holds the whole query
-        full = sum(1 for node in held if node.n_tokens == self.block_size)
-        parent = keys[full - 1] if full else self.root
+        full = sum(1 for node in held if node.n_tokens == self._block_size)
+        parent = keys[full - 1] if full else self._root
         started = time.perf_counter()
         blocks = self._fit(
-            self.remote.read_chain(parent, full * self.block_size, data, self.block_size, beyond=matched, worth=self._worth)
+            self.remote.read_chain(parent, full * self._block_size, data, self._block_size, beyond=matched, worth=self._worth)
         )
         if not blocks:
             return None
@@ -86,16 +90,16 @@ class RemoteFill:
         total = sum(block.node.size for block in blocks)
         # The RAM tier holds the blocks' bits as read (one copy less), unless a GPU
         # joins them with MLX operations.
-        as_mx = self.target.join_on_device
+        as_mx = self._target.join_on_device
         for block in blocks:
             block.node.last_access = now
-            tensors = {lid: {} for lid in self.layout.kinds}
+            tensors = {lid: {} for lid in self._layout.kinds}
             for lid, part in block.bits.items():
                 for fld, (bits, dtype) in part.items():
                     tensors[lid][fld] = HostBits(bits, dtype).to_mx() if as_mx else HostBits(bits, dtype)
-            self.memory.put(block.node, tensors, source="remote")
-        self.costs.observe_restore("remote", total, time.perf_counter() - started)
-        if self.writeback is not None and total > self.memory.max_bytes:
+            self._memory.put(block.node, tensors, source="remote")
+        self._costs.observe_restore("remote", total, time.perf_counter() - started)
+        if self._writeback is not None and total > self._memory.max_bytes:
             self.write(blocks).result()  # the RAM tier cannot hold them all: the fetch reads them from disk
             return []
         return blocks
@@ -105,7 +109,7 @@ class RemoteFill:
         prefill (the cost model; True until it knows): if not, it is left there and
         it is counted (``remote_slower``, and its tokens in ``tokens_skipped``)."""
         tokens = sum(len(toks) // 4 for *_, toks in chain)
-        if self.costs.worth_reading("remote", tokens, self.remote.value_bytes * len(chain)):
+        if self._costs.worth_reading("remote", tokens, self.remote.value_bytes * len(chain)):
             return True
         self.remote.counters.add(remote_slower=1, tokens_skipped=tokens)
         return False
@@ -116,9 +120,22 @@ class RemoteFill:
         Returns:
             The write's future (None for a read-only store).
         """
-        if self.writeback is None or not blocks:
+        if self._writeback is None or not blocks:
             return None
-        return self.writeback.write([(b.node, b.bits) for b in blocks])
+        return self._writeback.write([(b.node, b.bits) for b in blocks])
+
+    def held(self, keys: Iterable[bytes]) -> set[bytes]:
+        """Which of `keys` the local store's index holds (the RAM tier aside): what
+        ``ppc pull`` need not write.
+
+        Args:
+            keys: Block keys.
+
+        Returns:
+            Those of them with a record in the index.
+        """
+        with self._trie.index.reader() as reader:
+            return {key for key in keys if reader.get(key) is not None}
 
     def fits(self, block: RemoteBlock) -> bool:
         """Whether one block's tensors fit the model's layout (see `_fit`)."""
@@ -128,8 +145,8 @@ class RemoteFill:
         """The leading blocks whose tensors fit the model's layout: known leaves, and
         every sliced field with the dtype and shape the layout holds (or, before the
         store has recorded them, the same as the first block's)."""
-        expect: dict[str, list] = dict(self.layout.fields or {})
-        known = set(self.layout.kinds)
+        expect: dict[str, list] = dict(self._layout.fields or {})
+        known = set(self._layout.kinds)
         for i, block in enumerate(blocks):
             for lid, part in block.bits.items():
                 if lid not in known:

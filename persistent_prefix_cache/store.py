@@ -11,7 +11,7 @@ what restoring and computing cost to its public cost model (`costs`:
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from .cost_model import CostModel
 from .errors import InvalidArgumentError, StoreClosedError
@@ -20,6 +20,9 @@ from .opening import OPEN_HANDLES, open_parts
 from .options import Options
 from .tiers import REMOTE_TIMEOUT
 from .writeback import sweep_orphans
+
+if TYPE_CHECKING:  # the remote's client is imported only where a remote is configured
+    from .remote_fill import RemoteFill
 
 
 class PersistentPrefixCache:
@@ -126,7 +129,7 @@ class PersistentPrefixCache:
         self._path, self._readonly, self._block_size = parts.path, parts.readonly, parts.block_size
         self._layout, self._model, self._index, self._files = parts.layout, parts.model, parts.index, parts.files
         self._memory, self._counters, self._writeback = parts.memory, parts.counters, parts.writeback
-        self._remote, self._remote_fill = parts.remote, parts.remote_fill  # the latter for `remote_sync` only
+        self._remote, self._remote_fill = parts.remote, parts.remote_fill
         self._warmer, self._costs, self._fetcher, self._storer = parts.warmer, parts.costs, parts.fetcher, parts.storer
         OPEN_HANDLES.add(self)
 
@@ -376,6 +379,18 @@ class PersistentPrefixCache:
         """The cost model (`cost_model.CostModel`): what restoring and computing cost
         here (its `learned` costs), what teaches it, and what a fetch restores."""
         return self._costs
+
+    @property
+    def remote_fill(self) -> RemoteFill | None:
+        """The remote tier's part in this handle (`remote_fill.RemoteFill`; None without
+        ``remote=``): its tier, and the checks and writes a remote block goes through
+        (``ppc pull`` fills a store through it).
+
+        Raises:
+            StoreClosedError: If the store is closed.
+        """
+        self._check_open()
+        return self._remote_fill
 
     def observe_prefill(
         self, tokens: int, seconds: float, *, start: int = 0, restored: bool = False, forwards: int = 1

@@ -20,7 +20,7 @@ from helpers import BLOCK, assert_same_logits, cold_logits, random_tokens, read_
 
 from persistent_prefix_cache import PersistentPrefixCache, StoreVersionError
 from persistent_prefix_cache.disk.index import Index
-from persistent_prefix_cache.disk.maintenance import StoreAdmin
+from persistent_prefix_cache.admin import StoreAdmin
 from persistent_prefix_cache.prefill import prefill
 
 

@@ -19,7 +19,7 @@ from helpers import BLOCK, prefill, random_tokens, segment_files
 from persistent_prefix_cache import PersistentPrefixCache
 from persistent_prefix_cache.cli import main as ppc_main
 from persistent_prefix_cache.compat.lru_prompt_cache import PersistentLRUPromptCache
-from persistent_prefix_cache.disk.maintenance import StoreAdmin
+from persistent_prefix_cache.admin import StoreAdmin
 from persistent_prefix_cache.prefill import prefill as store_prefill
 from persistent_prefix_cache.tiny_model import DEMO_TEXT
 

@@ -39,8 +39,8 @@ from persistent_prefix_cache import PersistentPrefixCache
 from persistent_prefix_cache.blocks import Node
 from persistent_prefix_cache.cli import main as ppc_main
 from persistent_prefix_cache.disk.index import Index
-from persistent_prefix_cache.disk.maintenance import StoreAdmin
-from persistent_prefix_cache.disk.pack_members import RECORD_HEAD, unpack_records
+from persistent_prefix_cache.admin import StoreAdmin
+from persistent_prefix_cache.admin.pack_members import RECORD_HEAD, unpack_records
 from persistent_prefix_cache.disk.segment import SegmentFiles
 from persistent_prefix_cache.disk.segment_reader import DIGEST_MARK, OpenSegment, header_digest, parse_header
 from persistent_prefix_cache.keys import block_key

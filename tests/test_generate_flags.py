@@ -19,7 +19,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
-from persistent_prefix_cache.disk.maintenance import StoreAdmin
+from persistent_prefix_cache.admin import StoreAdmin
 from persistent_prefix_cache.tiny_model import TEST_MODEL, load_tiny_model, write_tiny_model
 
 PROMPT = (

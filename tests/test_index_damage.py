@@ -165,7 +165,7 @@ def _ppc(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 _OPEN = """
     import json, sys
     from persistent_prefix_cache.disk import store_guard
-    from persistent_prefix_cache.disk.maintenance import StoreAdmin
+    from persistent_prefix_cache.admin import StoreAdmin
     store_guard.OPEN_WAIT = 0.2  # a repair in progress is said after a short wait
     try:
         StoreAdmin(sys.argv[1]).close()
@@ -261,7 +261,7 @@ def test_a_repair_refuses_while_the_store_is_open_elsewhere(source, model, tmp_p
 # Hold a store open (as ppc serve would) until killed.
 _HOLD = """
 import sys, time
-from persistent_prefix_cache.disk.maintenance import StoreAdmin
+from persistent_prefix_cache.admin import StoreAdmin
 admin = StoreAdmin(sys.argv[1])
 print("open", flush=True)
 time.sleep(600)
@@ -275,7 +275,7 @@ def test_a_forked_child_closing_its_copy_keeps_the_parents_lock(source, tmp_path
     shutil.copytree(source["store"], store)
     code = """
         import os, sys
-        from persistent_prefix_cache.disk.maintenance import StoreAdmin
+        from persistent_prefix_cache.admin import StoreAdmin
         from persistent_prefix_cache.disk import store_guard
         from persistent_prefix_cache.errors import StoreBusyError
         admin = StoreAdmin(sys.argv[1])
@@ -341,7 +341,7 @@ def test_rebuild_sets_a_damaged_segment_aside_and_keeps_everything_else(source, 
 @pytest.mark.slow
 @pytest.mark.parametrize("command", [["stats"], ["inspect"], ["gc", "--max-bytes", "0"], ["export"]])
 def test_every_command_on_a_damaged_index_is_one_error_line(source, tmp_path, command):
-    from persistent_prefix_cache.disk.index_probe import probe_index
+    from persistent_prefix_cache.admin.index_probe import probe_index
 
     # A tree page, which LMDB reports (or aborts on) only when it is read; and page 0,
     # a meta page (LMDB refuses the file at once).
@@ -446,7 +446,7 @@ def test_a_rebuild_keeps_the_block_size_when_no_block_is_full(tmp_path):
     there, not from the longest block (here every block is a short prompt's last)."""
     import shutil
 
-    from persistent_prefix_cache.disk.maintenance import StoreAdmin
+    from persistent_prefix_cache.admin import StoreAdmin
     from persistent_prefix_cache.tiny_model import load_tiny_model, write_tiny_model
 
     model = load_tiny_model(write_tiny_model(tmp_path / "model", seed=4))
@@ -501,7 +501,7 @@ def test_damage_that_only_breaks_writes_is_one_line_not_a_traceback(source, tiny
     import random
     import shutil
 
-    from persistent_prefix_cache.disk.index_probe import probe_index
+    from persistent_prefix_cache.admin.index_probe import probe_index
 
     clean = tmp_path / "clean"
     shutil.copytree(source["store"], clean)

@@ -32,11 +32,12 @@ WINGS = [
     ("disk", ["disk", "migrations"]),  # the frozen formats use disk/portable's OS calls
     ("layers", ["layers"]),
     ("tiers", ["tiers"]),
-    ("core", ["store", "counters", "tier_report", "opening", "lookup", "restore", "writeback", "prefill", "options", "costs", "cost_fit", "remote_fill", "remote_sync", "warm", "merging", "calibration", "machine_costs", "pack_check", "cost_model", "model_record", "fetching", "storing"]),
+    ("core", ["store", "counters", "tier_report", "opening", "lookup", "restore", "writeback", "prefill", "options", "costs", "cost_fit", "remote_fill", "warm", "merging", "calibration", "machine_costs", "cost_model", "model_record", "fetching", "storing"]),
+    ("admin", ["admin"]),  # check, repair, gc, export/import, push/pull: on the wings below, nothing below on it
     ("compat", ["compat", "prefix_cache", "paged_cache", "lru_prompt_cache"]),
     ("cli", ["cli", "__main__"]),
 ]
-INTERNAL = ("disk", "tiers", "lookup", "restore", "writeback", "merging", "remote_fill", "remote_sync", "warm", "fetching", "storing")  # not for compat
+INTERNAL = ("disk", "tiers", "lookup", "restore", "writeback", "merging", "remote_fill", "admin", "warm", "fetching", "storing")  # not for compat
 CACHE_CLASSES = {
     "KVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache", "ArraysCache",
     "CacheList", "make_prompt_cache", "can_trim_prompt_cache", "trim_prompt_cache",
@@ -295,12 +296,68 @@ def test_compat_and_cli_reach_no_collaborator_of_the_store():
     assert not found
 
 
+def _admin_findings() -> list[str]:
+    """What breaks the admin wing's rules: a module of a wing below it importing it, ppc
+    or compat importing one of its rooms instead of its face (``from ..admin import X``),
+    and admin code touching a private attribute of another object (the store's
+    collaborators among them: it uses the facade's public API)."""
+    below = {tops_name for rank, (_, tops) in enumerate(WINGS) if rank < _wing("admin") for tops_name in tops}
+    found = []
+    for name, (_, tree) in MODULES.items():
+        top = name.split(".")[0]
+        for module, names, line in _imports(name, tree):
+            reached = [t for t in _own(module, names) if t.split(".")[0] == "admin"]
+            if reached and top in below:
+                found.append(f"{name}:{line} imports {reached[-1]} from below the admin wing")
+            if top in ("cli", "compat") and any(t != "admin" for t in reached):
+                found.append(f"{name}:{line} imports {max(reached)}, not the admin wing's face")
+        if top == "admin":
+            found += [
+                f"{name}:{node.lineno} uses private attribute {node.attr}"
+                for node in ast.walk(tree)
+                if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                and not _on_self(node) and not _on_super(node)
+            ]  # fmt: skip
+    return found
+
+
+def _on_super(node: ast.Attribute) -> bool:
+    # ``super()._hook``: a base's hook the class overrides (tarfile's, in a pack's reader)
+    return isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name) and node.value.func.id == "super"
+
+
+def test_the_admin_wing_stands_on_public_names_and_is_entered_by_its_face():
+    assert _admin_findings() == []
+    from persistent_prefix_cache import admin
+
+    assert all(getattr(admin, n) is not None for n in admin.__all__)  # each name of the face is there
+
+
+def test_the_admin_rule_finds_what_breaks_it(monkeypatch):
+    fakes = {
+        "disk.fake": "from ..admin import StoreAdmin\n",
+        "remote_fake": "from .admin.store_admin import StoreAdmin\n",
+        "cli.fake": "from ..admin.packs import import_pack\nfrom ..admin import StoreAdmin\n",
+        "admin.fake": "def pull(store):\n    return store._writeback\n",
+    }
+    for name, code in fakes.items():
+        monkeypatch.setitem(MODULES, name, (PKG / (name.replace(".", "/") + ".py"), ast.parse(code)))
+    wings = [(wing, [*tops, "remote_fake"] if wing == "core" else tops) for wing, tops in WINGS]
+    monkeypatch.setattr(sys.modules[__name__], "WINGS", wings)
+    assert sorted(_admin_findings()) == [
+        "admin.fake:2 uses private attribute _writeback",
+        "cli.fake:1 imports admin.packs, not the admin wing's face",
+        "disk.fake:1 imports admin from below the admin wing",
+        "remote_fake:1 imports admin.store_admin from below the admin wing",
+    ]
+
+
 def test_the_package_shows_only_its_api():
     # `__all__` is the API: the only public top-level names, even once a program has
     # imported submodules (which Python binds as attributes of the package).
     code = (
         "import persistent_prefix_cache as p, persistent_prefix_cache.store, persistent_prefix_cache.cli.serve,"
-        " persistent_prefix_cache.compat.lru_prompt_cache, persistent_prefix_cache.disk.maintenance\n"
+        " persistent_prefix_cache.compat.lru_prompt_cache, persistent_prefix_cache.admin.store_admin\n"
         "public = [n for n in dir(p) if not n.startswith('_')]\n"
         "assert public == sorted(p.__all__), sorted(set(public) ^ set(p.__all__))\n"
         "assert all(getattr(p, n) is not None for n in p.__all__)\n"

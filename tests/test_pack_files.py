@@ -27,8 +27,8 @@ from helpers import BLOCK, random_tokens, read_terminal
 from persistent_prefix_cache import PersistentPrefixCache
 from persistent_prefix_cache.cli import main as ppc_main
 from persistent_prefix_cache.cli import import_  # noqa: F401 (imported before a child drops its rights)
-from persistent_prefix_cache.disk.maintenance import StoreAdmin
-from persistent_prefix_cache.disk.pack_members import PackReader
+from persistent_prefix_cache.admin import StoreAdmin
+from persistent_prefix_cache.admin.pack_members import PackReader
 from persistent_prefix_cache.errors import InvalidArgumentError
 from persistent_prefix_cache.prefill import prefill
 

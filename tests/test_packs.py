@@ -165,7 +165,7 @@ def test_an_altered_signed_pack_is_refused(tmp_path, model, tiny_model_dir):
     line = ppc("import", "--store", store, tmp_path / "a.tar", expect=2).stderr
     assert "was altered after it was signed: manifest.json" in line
     # ... and the digests in signature.json rewritten to match: the MAC does not
-    from persistent_prefix_cache.disk.packs import digest_of
+    from persistent_prefix_cache.admin.packs import digest_of
 
     sig = json.loads(edited[-1][1])
     sig["digests"]["manifest.json"] = digest_of(edited[0][1]).hex()
@@ -206,10 +206,10 @@ def test_an_older_unsigned_pack_needs_model_or_trust(tmp_path, model, tiny_model
 
 def test_signatures_and_the_model_check_in_process(tmp_path, model, tiny_model_dir):
     """The same rules through `StoreAdmin` (the fast loop's share of this file)."""
-    from persistent_prefix_cache.disk.maintenance import StoreAdmin
-    from persistent_prefix_cache.disk.packs import UnverifiedPackError
+    from persistent_prefix_cache.admin import StoreAdmin
+    from persistent_prefix_cache.admin.packs import UnverifiedPackError
     from persistent_prefix_cache.errors import InvalidArgumentError
-    from persistent_prefix_cache.pack_check import model_check
+    from persistent_prefix_cache.admin.pack_check import model_check
 
     bad, good = tmp_path / "bad", tmp_path / "good"
     fill(bad, model, tiny_model_dir, [(B, A)])
@@ -234,7 +234,7 @@ def test_signatures_and_the_model_check_in_process(tmp_path, model, tiny_model_d
 
 
 def test_a_declared_size_is_checked_before_reading_in_process(tmp_path):
-    from persistent_prefix_cache.disk.pack_members import PackReader
+    from persistent_prefix_cache.admin.pack_members import PackReader
     from persistent_prefix_cache.errors import InvalidArgumentError
 
     raw = io.BytesIO()

@@ -23,7 +23,7 @@ from persistent_prefix_cache import (
 )
 from persistent_prefix_cache.cli import main as ppc_main
 from persistent_prefix_cache.compat.lru_prompt_cache import PersistentLRUPromptCache
-from persistent_prefix_cache.disk.maintenance import StoreAdmin
+from persistent_prefix_cache.admin import StoreAdmin
 from persistent_prefix_cache.disk.store_dir import check_location
 from persistent_prefix_cache.paths import expand_path
 from persistent_prefix_cache.prefill import prefill

@@ -34,8 +34,8 @@ from persistent_prefix_cache import (
     PrefixCacheManager,
     StorePathError,
 )
-from persistent_prefix_cache.disk.maintenance import StoreAdmin
-from persistent_prefix_cache.disk.store_audit import exposed
+from persistent_prefix_cache.admin import StoreAdmin
+from persistent_prefix_cache.admin.store_audit import exposed
 
 BLOCK = 16
 NOBODY = 65534
@@ -156,7 +156,7 @@ def runner(request, open_root) -> Runner:
     probe_dir = open_root / "probe"
     probe_dir.mkdir()
     r = Runner(how, open_root)
-    probe = [sys.executable, "-c", "import persistent_prefix_cache.disk.maintenance"]
+    probe = [sys.executable, "-c", "import persistent_prefix_cache.admin.store_admin"]
     why = _probe(r.argv(probe, probe_dir), open_root)
     if why is not None and how == "nobody":
         pytest.skip(f"user nobody cannot run this checkout's venv ({why}): the no-capabilities run covers it")
@@ -335,7 +335,7 @@ def test_lru_prompt_cache_reports_a_store_that_cannot_open_once(tmp_path, model,
 _LIBRARY_SCRIPT = """
 import json, sys
 from persistent_prefix_cache import PersistentPrefixCache, PrefixCacheManager, PrefixCacheError
-from persistent_prefix_cache.disk.maintenance import StoreAdmin
+from persistent_prefix_cache.admin import StoreAdmin
 from persistent_prefix_cache.tiny_model import load_tiny_model
 model = load_tiny_model(sys.argv[1])
 out = {}

@@ -47,7 +47,7 @@ from persistent_prefix_cache import (
 from persistent_prefix_cache.disk.segment import SegmentFiles
 from persistent_prefix_cache.disk.segment_reader import DIGEST_MARK, header_digest
 from persistent_prefix_cache.disk.index import Index
-from persistent_prefix_cache.disk.maintenance import StoreAdmin
+from persistent_prefix_cache.admin import StoreAdmin
 
 
 

@@ -7,6 +7,7 @@ fetch is checked bitwise: the next-token logits after a restore equal a cold pre
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -57,7 +58,7 @@ def fetch_exact(host, model, toks) -> int:
 
 def server_keys(host, toks) -> list[bytes]:
     root = bytes.fromhex(host.this_model()["root"])
-    return [host._remote.key(k) for k in chain_keys(root, np.asarray(toks, "<i4"), BS)]
+    return [host.remote_fill.remote.key(k) for k in chain_keys(root, np.asarray(toks, "<i4"), BS)]
 
 
 @pytest.mark.parametrize(
@@ -136,6 +137,34 @@ def test_host_b_restores_what_host_a_stored(tmp_path, model, redis_server):
         h.close()
 
 
+def test_the_remote_fill_is_what_a_pull_goes_through(tmp_path, model, redis_server):
+    # The handle's public seam for ppc pull (instead of its private parts): the tier, the
+    # layout check, which keys the index holds, and the writer thread.
+    from persistent_prefix_cache.admin.remote_sync import checked_value
+
+    plain = PersistentPrefixCache(tmp_path / "p", model, block_size=BS)
+    assert plain.remote_fill is None
+    plain.close()
+    toks = random_tokens(100, 1, first=1)
+    a = open_host(tmp_path / "a", model, redis_server.url)
+    assert publish(a, model, toks) == 7
+    b = open_host(tmp_path / "b", model, redis_server.url)
+    fill, skeys = b.remote_fill, server_keys(b, toks)
+    values = fill.remote.bulk.get_values(skeys)
+    blocks = [checked_value(k, v, fill.remote.root, fill.remote.mac) for k, v in zip(skeys, values)]
+    keys = [block.node.key for block in blocks]
+    assert all(fill.fits(block) for block in blocks) and fill.held(keys) == set()
+    first = blocks[0]
+    assert not fill.fits(dataclasses.replace(first, bits={"no such leaf": next(iter(first.bits.values()))}))
+    fill.write(blocks).result()
+    assert fill.held(keys) == set(keys)
+    redis_server.client().flushall()  # what b restores now is its own
+    assert fetch_exact(b, model, toks + random_tokens(9, 2)) == 100
+    assert b.stats()["remote_hits"] == 0
+    for h in (a, b):
+        h.close()
+
+
 def test_the_cost_model_leaves_a_remote_slower_than_prefill_on_the_server(tmp_path, model, redis_server):
     toks = random_tokens(96, 21, first=21)
     a = open_host(tmp_path / "a", model, redis_server.url)
@@ -144,7 +173,7 @@ def test_the_cost_model_leaves_a_remote_slower_than_prefill_on_the_server(tmp_pa
     # prefills a million tokens a second: reading the continuation loses.
     b = open_host(tmp_path / "b", model, redis_server.url)
     b.costs.learned.observe_restore("remote", 1 << 20, 1.0)
-    b._remote._value_bytes = 20_000  # as if a block of this model had been read before
+    b.remote_fill.remote._value_bytes = 20_000  # as if a block of this model had been read before
     b.observe_prefill(1_000_000, 1.0)
     cache, rest = b.fetch(toks + [1])
     assert cache is None and len(rest) == len(toks) + 1
@@ -157,7 +186,7 @@ def test_the_cost_model_leaves_a_remote_slower_than_prefill_on_the_server(tmp_pa
     assert fetch_exact(c, model, toks + [1]) == 96 and c.stats()["remote_slower"] == 0
     d = open_host(tmp_path / "d", model, redis_server.url)
     d.costs.learned.observe_restore("remote", 1 << 20, 1.0)
-    d._remote._value_bytes = 20_000
+    d.remote_fill.remote._value_bytes = 20_000
     d.observe_prefill(10, 1.0)  # 10 tokens/s: any read wins
     assert fetch_exact(d, model, toks + [1]) == 96 and d.stats()["remote_slower"] == 0
     for h in (a, b, c, d):
@@ -423,7 +452,7 @@ def test_ttl_and_publish_queue_bound(tmp_path, model, redis_server):
     publish(a, model, toks)
     ttl = redis_server.client().pttl(server_keys(a, toks)[0])
     assert 0 < ttl <= 3600 * 1000
-    a._remote.queue_bytes = 1  # no room: every block is dropped and counted, none waits
+    a.remote_fill.remote.queue_bytes = 1  # no room: every block is dropped and counted, none waits
     publish(a, model, random_tokens(40, 17, first=17))
     st = a.stats()
     assert st["remote_dropped"] == 3 and st["remote_pending"] == 0

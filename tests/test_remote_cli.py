@@ -93,7 +93,7 @@ def test_pull_counts_add_up_and_pulled_blocks_are_used_now(tmp_path, tiny_model_
     pull's time as its last use (never 1970)."""
     import time
 
-    from persistent_prefix_cache.disk.maintenance import StoreAdmin
+    from persistent_prefix_cache.admin import StoreAdmin
 
     short, longer = tmp_path / "short.txt", tmp_path / "longer.txt"
     short.write_text("a prompt with a partial last block " * 2 + "and a few")  # 37 tokens: 5 in a partial block

@@ -77,7 +77,7 @@ def test_publisher_killed_mid_batch_leaves_whole_values_only(tmp_path, tiny_mode
     root = bytes.fromhex(b.this_model()["root"])
     chain = chain_keys(root, np.asarray(toks, "<i4"), BS)
     block = wire.decode(client.get(keys[0]), keys[0], key=chain[0], parent=root, position=0,
-                        tokens=np.asarray(toks[:BS], "<i4").tobytes(), mac=b._remote.mac)  # fmt: skip
+                        tokens=np.asarray(toks[:BS], "<i4").tobytes(), mac=b.remote_fill.remote.mac)  # fmt: skip
     assert block.node.n_tokens == BS
     assert fetch_exact(b, model, toks + [1]) == BS
     b.close()

@@ -93,7 +93,7 @@ def check_fetch(store, model, query, expected_matched: int):
 # The handle's whole public surface: what it was opened with (read-only), its cost model
 # (a public object, read-only) and what callers do.
 PUBLIC_SURFACE = {
-    "path", "readonly", "block_size", "fingerprint", "model_name", "namespace", "closed", "costs",
+    "path", "readonly", "block_size", "fingerprint", "model_name", "namespace", "closed", "costs", "remote_fill",
     "fetch", "peek", "make_cache", "store", "flush", "close", "stats", "stored_models", "this_model",
     "forget_fingerprints", "sweep_orphans", "limit_memory", "observe_prefill", "calibrate", "resumable_step",
 }  # fmt: skip
@@ -103,7 +103,7 @@ def test_the_handle_shows_its_api_and_hides_its_collaborators(store_dir, model):
     with open_store(store_dir, model, namespace="t") as store:
         assert {n for n in dir(store) if not n.startswith("_")} == PUBLIC_SURFACE
         assert not [n for n in vars(store) if not n.startswith("_")]  # no public mutable attribute
-        for name in ("path", "readonly", "block_size", "fingerprint", "model_name", "namespace", "costs"):
+        for name in ("path", "readonly", "block_size", "fingerprint", "model_name", "namespace", "costs", "remote_fill"):
             with pytest.raises(AttributeError):
                 setattr(store, name, None)
         assert store.path == os.path.abspath(store_dir) and store.namespace == "t" and not store.readonly

@@ -173,13 +173,13 @@ def remote_figures(bench: Any, shape: Any, helpers: dict) -> dict | None:
             keys = chain_keys(root, long, bs)
             pipe = server.client.pipeline(transaction=False)
             for k in keys:
-                pipe.set(p._remote.key(k), b"x")
+                pipe.set(p.remote_fill.remote.key(k), b"x")
             pipe.execute()
             data = long.tobytes()
             runs = []
             for _ in range(max(5, bench.repeat) + 1):
                 t0 = time.perf_counter()
-                found = p._remote.probe(root, 0, data, bs)
+                found = p.remote_fill.remote.probe(root, 0, data, bs)
                 runs.append(time.perf_counter() - t0)
             assert len(found) == len(keys)
             probe = summarize(runs[1:])

@@ -8,8 +8,7 @@ found again after it, listed as ``not fixed``),
 
 from __future__ import annotations
 
-from ..disk.store_check import check_store
-from ..disk.store_audit import describe_entries, describe_finding, permissions_finding
+from ..admin import check_store, describe_entries, describe_finding, permissions_finding
 from .common import (
     add_json_option, add_store_option, add_store_shared_option, emit, make_parser, run, store_path, table,
 )  # fmt: skip

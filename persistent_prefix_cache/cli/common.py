@@ -216,7 +216,7 @@ def add_pack_secret_option(parser: argparse.ArgumentParser) -> None:
 
 def pack_secret(args: argparse.Namespace) -> bytes | None:
     """The pack secret: ``--secret-file``'s, else ``$PPC_PACK_SECRET``'s, else None."""
-    from ..disk.pack_sign import SECRET_ENV, read_secret_file
+    from ..admin import SECRET_ENV, read_secret_file
 
     if args.secret_file is not None:
         return read_secret_file(args.secret_file)
@@ -346,7 +346,7 @@ def store_path(
             raise corrupt_index(os.path.abspath(path), f"index/ is missing, but {held} segment file(s) hold blocks")
         raise UserError(f"no store at {path} (expected {os.path.join(path, 'index')})")
     if walk and os.path.isdir(os.path.join(path, "index")):
-        from ..disk.index_probe import probe_index
+        from ..admin import probe_index
         from ..disk.schema import check_schema
         from ..disk.store_guard import corrupt_index
 

@@ -215,7 +215,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _new_store(path: str) -> None:
     """An empty store at `path`, marked as the demo's (a store must exist before a file
     of ours may sit beside its index: a folder of other files is never made a store)."""
-    from ..disk.maintenance import StoreAdmin
+    from ..admin import StoreAdmin
 
     with StoreAdmin(path, create=True):
         pass

@@ -12,7 +12,7 @@ from .common import (
     UserError, add_json_option, add_pack_secret_option, add_store_option, make_parser, pack_secret, path_arg, run,
     store_path,
 )  # fmt: skip
-from ..disk.maintenance import StoreAdmin
+from ..admin import StoreAdmin
 
 #: The output name that writes the pack to stdout (``ppc export --store S - | ssh host ppc import ... -``).
 STDOUT = "-"

@@ -26,7 +26,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     def work() -> int:
-        from ..disk.maintenance import StoreAdmin
+        from ..admin import StoreAdmin
         from ..fingerprint import forget_fingerprints
 
         with StoreAdmin(store_path(args, must_exist=True)) as admin:

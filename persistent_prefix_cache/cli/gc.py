@@ -66,7 +66,7 @@ def main(argv: list[str]) -> int:
         parser.error("say what to remove: --max-bytes, --model and/or --unused-for")
 
     def work() -> int:
-        from ..disk.maintenance import StoreAdmin
+        from ..admin import StoreAdmin
 
         with StoreAdmin(store_path(args, must_exist=True)) as admin:
             before = admin.summary()

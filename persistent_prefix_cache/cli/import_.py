@@ -15,8 +15,7 @@ from .common import (
     UserError, add_json_option, add_pack_secret_option, add_store_option, add_store_shared_option, emit, load_model,
     make_parser, pack_secret, path_arg, positive_int, run, store_path,
 )  # fmt: skip
-from ..disk.maintenance import StoreAdmin
-from ..disk.pack_members import PackReader
+from ..admin import PackReader, StoreAdmin
 from ..disk.store_dir import missing_folders, store_exists, undo_creation
 
 #: The input name that reads the pack from stdin (``ppc export --store S - | ppc import ... -``).
@@ -74,7 +73,7 @@ def main(argv: list[str]) -> int:
             block_size = reader.manifest()["block_size"]  # a new store takes the pack's
             check = None
             if args.model is not None:
-                from ..pack_check import model_check
+                from ..admin import model_check
 
                 check = model_check(load_model(args.model)[0], chains=args.check_chains)
             existed, made = store_exists(path), missing_folders(path)

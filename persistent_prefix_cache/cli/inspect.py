@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from .common import add_json_option, add_store_option, emit, make_parser, run, short_fingerprint, store_path, table
-from ..disk.maintenance import StoreAdmin
+from ..admin import StoreAdmin
 
 
 def _render(s: dict) -> str:

@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
+from ..admin import migrate_store
 from .common import add_json_option, add_store_option, emit, make_parser, run, store_path
-from ..disk.index import Index
-from ..disk.schema import check_schema
-from ..disk.maintenance import WRITE_HINT
-from ..disk.store_dir import require_writable, unwritable_part
 
 
 def main(argv: list[str]) -> int:
@@ -21,22 +16,7 @@ def main(argv: list[str]) -> int:
 
     def work() -> int:
         path = store_path(args, must_exist=True, any_schema=True)
-        # A store this user cannot write is read: "nothing to do" needs no write access.
-        writable = not args.dry_run and unwritable_part(path) is None
-        index = Index(os.path.join(path, "index"), readonly=not writable, migrate=False)
-        try:
-            version = index.version()
-            check_schema(path, version, migrate=True)  # a newer store: upgrade the library
-            pending = [{"version": m.VERSION, "description": m.DESCRIPTION} for m in index.pending_migrations()]
-            applied = []
-            if pending and not args.dry_run:
-                # One line naming the remedy, not LMDB's "Read-only file system" traceback.
-                require_writable(path, hint=f"{WRITE_HINT}; `ppc migrate --dry-run` only reads it")
-                applied = index.apply_migrations({"block_size": index.block_size})
-            result = {"store": path, "from_version": version, "to_version": index.version(),
-                      "pending": pending, "applied": applied, "dry_run": args.dry_run}  # fmt: skip
-        finally:
-            index.close()
+        result = migrate_store(path, dry_run=args.dry_run)
 
         def render(r):
             if not r["pending"]:

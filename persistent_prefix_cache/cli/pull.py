@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     def work() -> int:
-        from ..remote_sync import BULK_TIMEOUT, count_unauthenticated, pull_model, reach, remote_key_spaces
+        from ..admin import BULK_TIMEOUT, count_unauthenticated, pull_model, reach, remote_key_spaces
         from .precompute import read_inputs, tokenize
 
         options = require_remote(args)

@@ -60,7 +60,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     def work() -> int:
-        from ..remote_sync import push_store
+        from ..admin import push_store
         from ..tiers.remote_client import redact
 
         path = store_path(args, must_exist=True)

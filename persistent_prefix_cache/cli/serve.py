@@ -292,7 +292,7 @@ def _check_store(path: str, args: argparse.Namespace) -> None:
     Raises:
         UserError, PrefixCacheError: Saying what is wrong and what to do.
     """
-    from ..disk.maintenance import StoreAdmin
+    from ..admin import StoreAdmin
     from ..disk.store_dir import check_location, create_root
     from ..options import existing_but_not_writable
 

@@ -17,7 +17,7 @@ from .common import (
     store_path,
     table,
 )
-from ..disk.maintenance import StoreAdmin
+from ..admin import StoreAdmin
 
 
 def _render(s: dict) -> str:
@@ -117,7 +117,7 @@ def main(argv: list[str]) -> int:
         with StoreAdmin(store_path(args, must_exist=True), readonly=True) as admin:
             summary = admin.summary()
         if options:
-            from ..remote_sync import remote_summary
+            from ..admin import remote_summary
             from ..tiers.remote_client import redact
 
             roots = [bytes.fromhex(m["root"]) for m in summary["models"]]

@@ -28,7 +28,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from persistent_prefix_cache import PersistentPrefixCache
-from persistent_prefix_cache.disk.maintenance import StoreAdmin
+from persistent_prefix_cache.admin import StoreAdmin
 from persistent_prefix_cache.tiny_model import load_tiny_model
 
 

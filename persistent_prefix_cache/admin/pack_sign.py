@@ -22,10 +22,10 @@ import hmac
 import os
 from dataclasses import dataclass
 
+from ..disk.portable import durable_fsync
+from ..disk.store_dir import folder_fd
 from ..errors import InvalidArgumentError
 from ..files import create_temp, open_regular
-from .portable import durable_fsync
-from .store_dir import folder_fd
 
 KEY_FILE = "pack.key"
 SIGNATURE_FORMAT = "ppc-pack-signature/1"

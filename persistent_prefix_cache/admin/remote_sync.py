@@ -18,16 +18,16 @@ import json
 import os
 from typing import Any, Callable
 
-from .disk.faults import hold_point
-from .disk.index import Index
-from .blocks import Node
-from .disk.segment import SegmentFiles
-from .errors import InvalidArgumentError, PrefixCacheError, RemoteUnreachableError
-from .tiers import remote_wire as wire
-from .tiers import REMOTE_COUNTERS
-from .tiers.remote import RemoteTier
-from .tiers.remote_client import UNAVAILABLE, contact, redact
-from .counters import Counters
+from ..blocks import Node
+from ..counters import Counters
+from ..disk.faults import hold_point
+from ..disk.index import Index
+from ..disk.segment import SegmentFiles
+from ..errors import InvalidArgumentError, PrefixCacheError, RemoteUnreachableError
+from ..tiers import REMOTE_COUNTERS
+from ..tiers import remote_wire as wire
+from ..tiers.remote import RemoteTier
+from ..tiers.remote_client import UNAVAILABLE, contact, redact
 
 BATCH = 16
 BULK_TIMEOUT = 10.0  # seconds per round trip for bulk transfers (no caller waits on them)
@@ -168,13 +168,13 @@ def _holds_good(tier: RemoteTier, node: Node) -> bool:
 
 def remote_key_spaces(store: Any) -> dict[str | None, list[bytes]]:
     """`key_spaces` of `store`'s remote tier (opened with ``remote=``)."""
-    return key_spaces(store._remote)  # the facade's collaborator: this module is its part
+    return key_spaces(store.remote_fill.remote)
 
 
 def count_unauthenticated(store: Any) -> None:
     """Make `store`'s remote tier count values that fail authentication without a warning
     per value (``ppc pull`` says it once, with the count)."""
-    store._remote.warn_unauthenticated = False  # the facade's collaborator: this module is its part
+    store.remote_fill.remote.warn_unauthenticated = False
 
 
 def key_spaces(tier: RemoteTier) -> dict[str | None, list[bytes]]:
@@ -215,10 +215,10 @@ def pull_model(store: Any, progress: Progress | None = None) -> dict[str, int]:
         RemoteConfigError: If the server refuses the URL's db, user or password.
         RemoteUnreachableError: If the server cannot be scanned.
     """
-    # The facade's collaborators (private to it; this module is its part that pulls).
-    tier, fill, writeback = store._remote, store._remote_fill, store._writeback
-    if tier is None or writeback is None:
+    fill = store.remote_fill  # the handle's remote tier, what it fits and writes blocks through
+    if fill is None or store.readonly:
         raise InvalidArgumentError("pull needs a writable store opened with remote=URL")
+    tier = fill.remote
     spaces = key_spaces(tier)
     keys = sorted(spaces.pop(tier.kid, []))
     names = ("found", "other_secrets", "pulled", "present", "rejected", "unread", "waiting", "orphans", "replaced")
@@ -246,9 +246,8 @@ def pull_model(store: Any, progress: Progress | None = None) -> dict[str, int]:
             hold_point("pull_batch")  # tests: the server is stopped here
     out["unread"] = len(unread)
     tier.counters.add(remote_errors=tier.bulk.errors - errors)
-    with store._index.reader() as reader:
-        local = {b.node.key for b in blocks if reader.get(b.node.key) is not None}
-        known = local | {tier.root}
+    local = fill.held(b.node.key for b in blocks)
+    known = local | {tier.root}
     runs: dict[bytes, list] = {}  # key of a run's last block -> the run
     order = []
     for block in sorted(blocks, key=lambda b: (b.node.position, b.node.key)):
@@ -268,10 +267,10 @@ def pull_model(store: Any, progress: Progress | None = None) -> dict[str, int]:
         if run is None:
             run = []
             order.append(run)
-        run.append((node, block.bits))
+        run.append(block)
         runs[node.key] = run
     for run in order:  # parents first: the writer thread commits in submission order
-        writeback.write(run)
+        fill.write(run)
     store.flush()
     after = store.stats()
     # What was committed, not what was handed over (another process may store a block first).
@@ -336,7 +335,7 @@ def remote_summary(
         authenticate) and nodes (used_memory, maxmemory, maxmemory_policy, evicted_keys
         per node), or reachable False and the error.
     """
-    from .tiers.remote_client import Servers
+    from ..tiers.remote_client import Servers
 
     kid = wire.key_id(wire.mac_key(secret)) if secret else None
     servers = Servers(url, timeout=BULK_TIMEOUT)

@@ -17,14 +17,14 @@ from typing import Any
 
 import numpy as np
 
-from .device.buffers import HostBits
-from .disk.packs import Check, PackBlocks
-from .errors import InvalidArgumentError
-from .keys import root_key
-from .layers import BlockSource, Layout, kv_quantization, signature_of, template_cache
-from .layers.mlx_lm_versions import layout_variant
-from .layers.recompute import DEFAULT_SPANS, check_cache
-from .weights_hash import fingerprint_model, scheme_of
+from ..device.buffers import HostBits
+from ..errors import InvalidArgumentError
+from ..keys import root_key
+from ..layers import BlockSource, Layout, kv_quantization, signature_of, template_cache
+from ..layers.mlx_lm_versions import layout_variant
+from ..layers.recompute import DEFAULT_SPANS, check_cache
+from ..weights_hash import fingerprint_model, scheme_of
+from .packs import Check, PackBlocks
 
 
 def model_check(model: Any, *, chains: int | None, spans: int = DEFAULT_SPANS) -> Check:

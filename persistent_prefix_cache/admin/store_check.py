@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import os
 
+from ..disk import store_guard
 from ..errors import InvalidArgumentError
 from ..paths import expand_path
-from . import store_guard
-from .index_probe import probe_index
 from .check_report import CheckReport
-from .maintenance import StoreAdmin
-from .rebuild import rebuild_index
+from .index_probe import probe_index
+from .index_rebuild import rebuild_index
+from .store_admin import StoreAdmin
 from .store_audit import blocks_opening, entry_findings
 
 INDEX_DAMAGED = "index damaged"

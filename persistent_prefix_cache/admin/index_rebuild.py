@@ -32,18 +32,18 @@ import shutil
 import time
 from dataclasses import dataclass, field
 
+from ..blocks import DEFAULT_BLOCK_SIZE, Node
+from ..disk import store_guard
+from ..disk.commit import register
+from ..disk.faults import pause_point
+from ..disk.index import Index
+from ..disk.manifest import Manifest, read_manifest
+from ..disk.portable import fsync_dir
+from ..disk.segment import SegmentFiles
+from ..disk.store_dir import folder, make_dirs, remove_entry
 from ..errors import ReadOnlyStoreError
 from ..keys import block_key
 from ..migrations.formats import segment_v4
-from . import store_guard
-from .commit import register
-from .faults import pause_point
-from .index import Index
-from .manifest import Manifest, read_manifest
-from ..blocks import DEFAULT_BLOCK_SIZE, Node
-from .segment import SegmentFiles
-from .portable import fsync_dir
-from .store_dir import folder, make_dirs, remove_entry
 
 
 @dataclass

@@ -5,7 +5,7 @@ LMDB trusts its pages: on a damaged one it may raise, abort the process (an
 record read and decoded, then a trial write that is never committed) in a fresh
 interpreter and turns whatever happens there (an LMDB error, a record that does not
 decode, death by a signal, a walk that never ends) into an `IndexHealth` a report can
-show. ``python -m persistent_prefix_cache.disk.index_probe INDEX [--write]`` is the
+show. ``python -m persistent_prefix_cache.admin.index_probe INDEX [--write]`` is the
 child; it prints one JSON line per finding.
 """
 
@@ -125,7 +125,7 @@ def probe_index(index_path: str, *, trial_write: bool = True, timeout: float | N
 
 def _main(argv: list[str]) -> int:
     from ..errors import PrefixCacheError
-    from .index import walk_index
+    from ..disk.index import walk_index
 
     def say(item: dict) -> None:
         print(json.dumps(item), flush=True)

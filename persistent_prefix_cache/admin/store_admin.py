@@ -14,19 +14,20 @@ import stat
 import time
 from typing import BinaryIO, Iterator
 
+from ..blocks import Node
+from ..disk import store_guard
+from ..disk.commit import commit
+from ..disk.compaction import compact_sparse
+from ..disk.index import Index, Reader, Writer
+from ..disk.schema import check_schema
+from ..disk.segment import SegmentFiles
+from ..disk.store_dir import check_location, check_readable, create_root, require_writable
 from ..errors import EmptiesStoreError, InvalidArgumentError
 from ..keys import block_key
 from ..paths import expand_path
-from . import packs, store_guard
-from .commit import commit
-from .compaction import compact_sparse
-from .pack_members import PackReader
-from .segment import SegmentFiles
-from .index import Index, Reader, Writer
-from .schema import check_schema
+from . import packs
 from .check_report import CheckReport
-from ..blocks import Node
-from .store_dir import check_location, check_readable, create_root, require_writable
+from .pack_members import PackReader
 
 WRITE_HINT = (
     "this writes the store: run it as the store's owner, make the store writable (its permissions, a "

@@ -26,19 +26,19 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable
 
 from ..blocks import Node
+from ..disk.commit import commit
+from ..disk.index import Index
+from ..disk.portable import durable_fsync
+from ..disk.segment import SegmentFiles
+from ..disk.segment_reader import MAX_HEADER
+from ..disk.store_dir import TempFile, file_mode
 from ..errors import InvalidArgumentError, UnverifiedPackError
-from ..keys import block_key
 from ..files import open_regular, replace_beside
+from ..keys import block_key
 from ..migrations.formats import block_files_v2, segment_v3, segment_v4
 from ..paths import expand_path
 from . import pack_sign
-from .commit import commit
-from .index import Index
 from .pack_members import NODES, MANIFEST, RECORD_HEAD, SIGNATURE, PackReader, add_bytes, digest, dumps
-from .portable import durable_fsync
-from .segment import SegmentFiles
-from .segment_reader import MAX_HEADER
-from .store_dir import TempFile, file_mode
 
 EXPORT_FORMAT = "ppc-export/4"  # segment files of format v5 (and, since issue 29, a signature)
 V4_EXPORT_FORMAT = "ppc-export/3"  # segment files of format v4 (rewritten on import)

@@ -21,10 +21,10 @@ import stat
 from dataclasses import dataclass
 from typing import Iterator
 
+from ..disk.index_files import PIN_STEM
+from ..disk.store_dir import PRIVATE_FILE, PRIVATE_FOLDER, SHARED_FILE, SHARED_FOLDER
 from ..files import NotRegularFileError, kind_of, open_folder, open_regular, pid_alive, pid_of_temp
-from .index_files import PIN_STEM
 from .pack_sign import KEY_FILE
-from .store_dir import PRIVATE_FILE, PRIVATE_FOLDER, SHARED_FILE, SHARED_FOLDER
 
 MAX_DEPTH = 16  # a store is a few folders deep; deeper nests are not walked (and reported)
 # Where an entry that is not the store's stops every open (LMDB's files, the store lock).
