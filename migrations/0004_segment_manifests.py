@@ -81,7 +81,9 @@ def upgrade(env, txn, params):
         for run in filter(None, runs):
             root = roots[run[0][0].key]
             try:
-                new, size, digest = segment_v4.write(store, run, root=root, model=w.model(root) or b"{}", block_size=block_size)
+                new, size, digest = segment_v4.write(
+                    store, run, root=root, model=w.model(root) or b"{}", block_size=block_size
+                )
             except ValueError:  # tensors that do not make a segment: damaged
                 doomed.extend(nodes[copy.key] for copy, _ in run)
                 continue

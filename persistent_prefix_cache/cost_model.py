@@ -202,7 +202,9 @@ class CostModel:
         self._check_open()
         return self.learned.resumable_step(self._block_size)
 
-    def calibrate(self, model: Any, *, tokens: int = 512, only_if_unknown: bool = False, prompt: Any = None) -> float | None:
+    def calibrate(
+        self, model: Any, *, tokens: int = 512, only_if_unknown: bool = False, prompt: Any = None
+    ) -> float | None:
         """Measure how fast `model` prefills on this machine (`calibration.calibrate`):
         remembered in the store for this model and device kind, and for every store of
         it on this machine (`machine_costs`); the first measurement of a process is

@@ -117,9 +117,7 @@ class Trie:
                 and child.position == pos
                 and block_key(parent, child.tokens) == child.key  # key follows from tokens
             ]
-        best = best_continuation(
-            toks[pos : pos + self.block_size], children, partial_ok=lambda c: c.trimmable
-        )
+        best = best_continuation(toks[pos : pos + self.block_size], children, partial_ok=lambda c: c.trimmable)
         matched = pos
         if best is not None:
             path.append(best[0])

@@ -289,6 +289,20 @@ def open_parts(
         give_back(path, opened)
         raise
     return Parts(
-        path, readonly, block_size, layout, record, index, files, memory, counters, writeback, remote, remote_fill,
-        warmer, costs, fetcher, storer,
+        path,
+        readonly,
+        block_size,
+        layout,
+        record,
+        index,
+        files,
+        memory,
+        counters,
+        writeback,
+        remote,
+        remote_fill,
+        warmer,
+        costs,
+        fetcher,
+        storer,
     )

@@ -82,7 +82,9 @@ class RemoteFill:
         parent = keys[full - 1] if full else self._root
         started = time.perf_counter()
         blocks = self._fit(
-            self.remote.read_chain(parent, full * self._block_size, data, self._block_size, beyond=matched, worth=self._worth)
+            self.remote.read_chain(
+                parent, full * self._block_size, data, self._block_size, beyond=matched, worth=self._worth
+            )
         )
         if not blocks:
             return None

@@ -183,7 +183,9 @@ def join_admitted(
                     continue
                 lo = bounds[inside[0]][0] - a
                 rows = copy[..., lo : bounds[inside[-1]][1] - a, :]
-                parts = mx.split(rows, [bounds[k][1] - a - lo for k in inside[:-1]], axis=-2) if len(inside) > 1 else [rows]
+                parts = (
+                    mx.split(rows, [bounds[k][1] - a - lo for k in inside[:-1]], axis=-2) if len(inside) > 1 else [rows]
+                )
                 if not is_sliced(f"{lid}.{fld}", parts[0].shape, bounds[inside[0]][1] - bounds[inside[0]][0]):
                     continue
                 for k, x in zip(inside, parts):

@@ -398,7 +398,9 @@ class PersistentPrefixCache:
         """Tell the cost model how long a prefill took: see `CostModel.observe_prefill`."""
         self._costs.observe_prefill(tokens, seconds, start=start, restored=restored, forwards=forwards)
 
-    def calibrate(self, model: Any, *, tokens: int = 512, only_if_unknown: bool = False, prompt: Any = None) -> float | None:
+    def calibrate(
+        self, model: Any, *, tokens: int = 512, only_if_unknown: bool = False, prompt: Any = None
+    ) -> float | None:
         """Measure how fast `model` prefills on this machine: see `CostModel.calibrate`."""
         return self._costs.calibrate(model, tokens=tokens, only_if_unknown=only_if_unknown, prompt=prompt)
 

@@ -10,6 +10,7 @@ def blocks_by_tier(before: dict, after: dict) -> dict[str, int]:
     """The blocks restores took from each tier between two `stats()` of one handle:
     ``ram`` (stored by the handle, or admitted from a disk read), ``disk`` (read from
     segment files) and ``remote`` (read from the fleet's server)."""
+
     def grew(key: str) -> int:
         return after.get(key, 0) - before.get(key, 0)
 

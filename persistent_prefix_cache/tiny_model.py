@@ -188,9 +188,7 @@ def write_tiny_model(
     missing = [
         f.name
         for f in dataclasses.fields(args_class)
-        if f.name not in config
-        and f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING
+        if f.name not in config and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     ]
     if missing:
         raise ValueError(f"{family} also needs {missing}; pass them in extra_config")
@@ -223,9 +221,7 @@ def write_tiny_model(
             "chat_template": _CHAT_TEMPLATE,
         },
     )
-    _write_json(
-        folder / "special_tokens_map.json", {"eos_token": _EOS, "pad_token": _EOS}
-    )
+    _write_json(folder / "special_tokens_map.json", {"eos_token": _EOS, "pad_token": _EOS})
     return folder
 
 

@@ -218,7 +218,9 @@ def _mix(words: mx.array, positions: mx.array, start: int) -> mx.array:
         return mx.array(_host_terms(np.array(words, dtype=np.uint32), start))
     c = _constants()
     offset = mx.array(start % (1 << 32), dtype=mx.uint32)
-    return (_compiled if _FUSED[0] else _terms)(words, positions[: words.size], offset, c["p"], c["q"], c["m1"], c["m2"])
+    return (_compiled if _FUSED[0] else _terms)(
+        words, positions[: words.size], offset, c["p"], c["q"], c["m1"], c["m2"]
+    )
 
 
 def host_lane_sums(value: mx.array) -> bytes:

@@ -36,9 +36,7 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def other_model_dir(tmp_path_factory):
     """Same shapes and config as `tiny_model_dir`, different random weights."""
-    return write_tiny_model(
-        tmp_path_factory.mktemp("other_model"), seed=1, **TINY_MODEL
-    )
+    return write_tiny_model(tmp_path_factory.mktemp("other_model"), seed=1, **TINY_MODEL)
 
 
 @pytest.fixture(scope="session")

@@ -147,9 +147,9 @@ def assert_tree_consistent(store_path: str | os.PathLike) -> dict[bytes, Node]:
     snap = read_index(store_path)
     nodes: dict[bytes, Node] = snap["nodes"]
     for node in nodes.values():
-        assert (
-            node.parent in snap["roots"] or node.parent in nodes
-        ), f"node {node.key.hex()} at {node.position} has a missing parent"
+        assert node.parent in snap["roots"] or node.parent in nodes, (
+            f"node {node.key.hex()} at {node.position} has a missing parent"
+        )
         if node.parent in nodes:
             assert nodes[node.parent].end == node.position
         else:
@@ -179,9 +179,7 @@ def nodes_by_position(store_path: str | os.PathLike) -> list[Node]:
 # -- real subprocesses --------------------------------------------------------------
 
 
-def run_python(
-    code: str, *args: str, timeout: float = 120, check: bool = True
-) -> subprocess.CompletedProcess:
+def run_python(code: str, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
     """Run a Python snippet in a fresh interpreter (``sys.executable -c``).
 
     Args:
@@ -198,8 +196,7 @@ def run_python(
     )
     if check and proc.returncode != 0:
         raise AssertionError(
-            f"subprocess exited with {proc.returncode}\n--- stdout\n{proc.stdout}"
-            f"\n--- stderr\n{proc.stderr}"
+            f"subprocess exited with {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
         )
     return proc
 
@@ -212,9 +209,7 @@ def run_python_json(code: str, *args: str, timeout: float = 120) -> Any:
     return json.loads(lines[-1])
 
 
-def ppc_check(
-    store_path: str | os.PathLike, *flags: str, timeout: float = 120
-) -> tuple[int, dict]:
+def ppc_check(store_path: str | os.PathLike, *flags: str, timeout: float = 120) -> tuple[int, dict]:
     """Run ``ppc check --json`` (plus `flags`) in a subprocess, as a user would.
 
     Returns:
@@ -283,4 +278,3 @@ def read_terminal(fd: int, until: bytes | None = None, timeout: float = 120.0) -
             break
         out += chunk
     return out
-

@@ -182,8 +182,16 @@ class RedisCluster:
         self.nodes = [
             RedisServer(
                 os.path.join(str(workdir), f"node{i}"),
-                args=["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                      "--cluster-node-timeout", "60000", "--cluster-require-full-coverage", "no"],
+                args=[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "60000",
+                    "--cluster-require-full-coverage",
+                    "no",
+                ],
                 engine=engine,
             )  # fmt: skip
             for i in range(n)

@@ -193,9 +193,7 @@ class Worker:
             if line.strip() == f"READY {label}":
                 return
         self.dump_stacks()
-        raise AssertionError(
-            f"worker never got ready ({label}), exit {self.proc.poll()}: {self.stderr()}"
-        )
+        raise AssertionError(f"worker never got ready ({label}), exit {self.proc.poll()}: {self.stderr()}")
 
     def go(self) -> None:
         """Release a worker blocked in a ``wait`` step."""

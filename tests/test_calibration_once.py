@@ -135,7 +135,7 @@ def _nobody() -> tuple[int, int]:
 def _damage(how: str, folder, data: dict) -> None:
     """Make the per-user file (or its folder) untrustworthy in one way."""
     path = folder / machine_costs.FILE_NAME
-    (key, record), = data["records"].items()
+    ((key, record),) = data["records"].items()
     if how == "not json":
         path.write_text('{"format": "ppc-prefill/1", "records": {')
     elif how == "too large":

@@ -222,7 +222,10 @@ def test_check_counts_blocks_and_segment_files_and_names_the_damaged_file(filled
     n_segments = len(segment_files(filled))
     report = json.loads(_ppc("check", "--store", filled, "--json").stdout)
     assert report["segments_verified"] == n_segments and report["blocks_verified"] == report["nodes"]
-    assert clean.stdout.splitlines()[0] == f"{report['nodes']} of {report['nodes']} blocks verified in {n_segments} segment files"
+    assert (
+        clean.stdout.splitlines()[0]
+        == f"{report['nodes']} of {report['nodes']} blocks verified in {n_segments} segment files"
+    )
     name = sorted(segment_files(filled))[0]
     path = os.path.join(filled, "segments", name)
     with open(path, "r+b") as f:  # a flipped byte near the end: one block's checksum fails

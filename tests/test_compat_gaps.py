@@ -205,6 +205,8 @@ def test_3d_kv_states_are_stored_and_rebuilt_exactly(model, keep):
     # the original once the batch axis is put back.
     table, rest = prefix.fetch_cache("q", tokens[:keep] + [7])
     assert table.num_tokens == keep and rest == [7]
-    again = [make_layer(KVCache, (c.keys[None], c.values[None]), offset=c.offset) for c in prefix.reconstruct_cache(table)]
+    again = [
+        make_layer(KVCache, (c.keys[None], c.values[None]), offset=c.offset) for c in prefix.reconstruct_cache(table)
+    ]
     _, original = prefill(model, tokens[:keep])
     assert mx.array_equal(feed(model, again, [7]), feed(model, original, [7]))

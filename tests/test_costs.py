@@ -144,7 +144,19 @@ def test_calibrate_grows_the_prompt_while_a_forward_is_bound_by_its_call(model, 
 
     monkeypatch.setattr(costs_module, "MAX_CALIBRATION_TOKENS", 512)
     _, seen = _calibrated(model, monkeypatch, 64, lambda n: 0.012)
-    assert seen == [(8, 0), (64, 0), (16, 0), (128, 0), (32, 0), (256, 0), (64, 0), (512, 0), (128, 512), (256, 640), (128, 896)]
+    assert seen == [
+        (8, 0),
+        (64, 0),
+        (16, 0),
+        (128, 0),
+        (32, 0),
+        (256, 0),
+        (64, 0),
+        (512, 0),
+        (128, 512),
+        (256, 640),
+        (128, 896),
+    ]
     # Where the tokens show from some length on, it stops there.
     _, seen = _calibrated(model, monkeypatch, 64, lambda n: max(0.012, 0.0001 * n))
     assert [n for n, start in seen if start == 0][-1] == 256

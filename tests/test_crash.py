@@ -295,9 +295,7 @@ def test_kill9_inside_the_write_transaction(tmp_path, store_dir, committed, mode
     ids=["read_only", "writable"],
 )
 @pytest.mark.slow
-def test_open_during_another_process_commit_does_not_wait(
-    tmp_path, store_dir, committed, tiny_model_dir, readonly
-):
+def test_open_during_another_process_commit_does_not_wait(tmp_path, store_dir, committed, tiny_model_dir, readonly):
     a, _, _ = committed
     r = random_tokens(2 * BLOCK + 4, seed=204, first=6)  # new from its first block
     marker = tmp_path / "paused"
@@ -346,9 +344,7 @@ _DIES_READING = """
 
 
 @pytest.mark.slow
-def test_reader_killed_mid_transaction_does_not_bloat_the_index(
-    tmp_path, store_dir, committed, model, tiny_model_dir
-):
+def test_reader_killed_mid_transaction_does_not_bloat_the_index(tmp_path, store_dir, committed, model, tiny_model_dir):
     # Regression: a reader slot left by a process killed mid-read was never cleared, so
     # LMDB could not reuse freed pages; a 5-minute soak with kills grew the index to
     # 700 MB for 72 MB of block files.
@@ -580,9 +576,7 @@ def test_disk_full_fails_cleanly(small_tmpfs, model):
     ids=["block_file_fails", "index_commit_fails"],
 )
 @pytest.mark.slow
-def test_file_size_quota_fails_cleanly(
-    tmp_path, store_dir, committed, model, tiny_model_dir, limit, failure
-):
+def test_file_size_quota_fails_cleanly(tmp_path, store_dir, committed, model, tiny_model_dir, limit, failure):
     # P's segment (two blocks) is ~17 KiB: at 4 KiB its own write fails; at 24 KiB it
     # is written and renamed, but the index commit (pages past 24 KiB of data.mdb) fails.
     a, b, p = committed

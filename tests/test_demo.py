@@ -85,7 +85,9 @@ def test_a_tiny_model_folder_the_demo_did_not_make_is_refused(tmp_path):
     (work / "tiny-model" / "config.json").write_text('{"mine": true}')
     before = snapshot(work)
     err = ppc("demo", "--workdir", work, expect=2).stderr
-    assert err.startswith(f"error: {work / 'tiny-model'} exists and is not marked as the demo's") and err.count("\n") == 1
+    assert (
+        err.startswith(f"error: {work / 'tiny-model'} exists and is not marked as the demo's") and err.count("\n") == 1
+    )
     assert snapshot(work) == before  # no store/ made either: every name is checked first
     # A marker file that is not the demo's text does not make it the demo's.
     (work / "tiny-model" / MARKER).write_text("something else\n")

@@ -361,7 +361,9 @@ def test_the_writer_hands_the_ram_tiers_copy_back_to_the_gpu(monkeypatch, store_
     # Every field's copy, once (its blocks are views of it): the tier keeps them all.
     assert sum(moved) == kv
     moved.clear()
-    with PersistentPrefixCache(store_dir / "none", model, block_size=BLOCK, fingerprint="back", memory_bytes=0) as store:
+    with PersistentPrefixCache(
+        store_dir / "none", model, block_size=BLOCK, fingerprint="back", memory_bytes=0
+    ) as store:
         store.store(tokens, prefill(model, tokens)[1])
         store.flush()
     assert moved == []  # the tier kept nothing: nothing to move back

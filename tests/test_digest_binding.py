@@ -529,7 +529,9 @@ def test_the_pristine_stores_restore_and_check_clean(kv_case, snapshot_case, tmp
     restored = _assert_zero_wrong(kv_case, _copy(kv_case, tmp_path / "kv"))
     p1, p2, target = kv_case.prompts
     assert restored == (len(p1) - 2) + (len(p2) - 1) + 3 * BLOCK
-    assert _assert_zero_wrong(snapshot_case, _copy(snapshot_case, tmp_path / "snap")) == (3 * BLOCK + 5) + 2 * BLOCK + (BLOCK + 3)
+    assert _assert_zero_wrong(snapshot_case, _copy(snapshot_case, tmp_path / "snap")) == (3 * BLOCK + 5) + 2 * BLOCK + (
+        BLOCK + 3
+    )
 
 
 def test_the_issues_swap_as_a_user_meets_it(kv_case, tmp_path):

@@ -109,7 +109,9 @@ def test_slug_matches_github():
     assert _slug("`ppc serve`: mlx_lm.server that remembers prompts across restarts") == (
         "ppc-serve-mlx_lmserver-that-remembers-prompts-across-restarts"
     )
-    assert _slug("The remote tier (loopback redis-server, same run)") == "the-remote-tier-loopback-redis-server-same-run"
+    assert (
+        _slug("The remote tier (loopback redis-server, same run)") == "the-remote-tier-loopback-redis-server-same-run"
+    )
     assert _slug("`ppc check [--fix]`: verify a store") == "ppc-check---fix-verify-a-store"
 
 
@@ -137,7 +139,7 @@ def _runnable_blocks() -> tuple[list[tuple[str, str, str]], list[str]]:
                 problems.append(f"{where}: a runnable block must be one of {sorted(LANGUAGES)}")
             else:
                 end = next(j for j in range(number + 1, len(lines)) if lines[j].strip().startswith(fence.group(1)))
-                blocks.append((where, LANGUAGES[fence.group(2)], "\n".join(lines[number + 1:end]) + "\n"))
+                blocks.append((where, LANGUAGES[fence.group(2)], "\n".join(lines[number + 1 : end]) + "\n"))
     return blocks, problems
 
 

@@ -86,8 +86,12 @@ def test_every_error_a_user_can_meet_is_exported_from_the_top_level():
         assert cls.__module__ == "persistent_prefix_cache.errors", f"{qualified}: errors.py is the typed errors' home"
         assert cls is PrefixCacheError or cls.hint, f"{qualified} has no hint of what to do"
     others = set(found) - set(typed)
-    assert others == set(INTERNAL), f"classify: {sorted(others - set(INTERNAL))}; gone: {sorted(set(INTERNAL) - others)}"
-    exported_errors = {n for n in ppc.__all__ if isinstance(getattr(ppc, n), type) and issubclass(getattr(ppc, n), BaseException)}
+    assert others == set(INTERNAL), (
+        f"classify: {sorted(others - set(INTERNAL))}; gone: {sorted(set(INTERNAL) - others)}"
+    )
+    exported_errors = {
+        n for n in ppc.__all__ if isinstance(getattr(ppc, n), type) and issubclass(getattr(ppc, n), BaseException)
+    }
     assert exported_errors == {c.__name__ for c in typed.values()}  # nothing internal leaks into the API
 
 
@@ -132,7 +136,9 @@ def test_a_closed_store_raises_its_own_error_from_every_call_that_needs_the_stor
     tokens = random_tokens(2 * BLOCK + 3, seed=71, first=71)
     _, cache = prefill(model, tokens)
     store = PersistentPrefixCache(store_dir, model, block_size=BLOCK)
-    opened = {n: getattr(store, n) for n in ("path", "readonly", "block_size", "fingerprint", "model_name", "namespace")}
+    opened = {
+        n: getattr(store, n) for n in ("path", "readonly", "block_size", "fingerprint", "model_name", "namespace")
+    }
     ours, costs = store.this_model(), store.costs
     store.close()
     calls = {

@@ -40,9 +40,7 @@ def restored(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("families"))
     worker = os.path.join(HERE, "family_worker.py")
     for mode in ("store", "fetch"):
-        proc = subprocess.run(
-            [sys.executable, worker, mode, workdir], capture_output=True, text=True, timeout=600
-        )
+        proc = subprocess.run([sys.executable, worker, mode, workdir], capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
     return {name: dict(np.load(os.path.join(workdir, f"{name}.npz"))) for name in RUNNABLE}
 

@@ -415,7 +415,9 @@ def test_fifos_hang_neither_open_nor_fetch_nor_check(store, member, outside, tin
     as_member(member, plant)
     code, report = check_json(store)  # 120 s timeout: a hang fails
     kinds = {(p["kind"], p["detail"].split(":")[0]) for p in report["problems"]}
-    assert code == 1 and ("special file", str(seg.relative_to(store))) in kinds and ("special file", "costs.json") in kinds
+    assert (
+        code == 1 and ("special file", str(seg.relative_to(store))) in kinds and ("special file", "costs.json") in kinds
+    )
     got = restores(store, tiny_model_dir)  # 180 s timeout: a hang fails
     # The prompt whose segment is a FIFO misses (and its blocks go); the others restore.
     assert sorted(got)[0] < 3 * BLOCK + 4 and sorted(got)[1:] == [3 * BLOCK + 4] * 2

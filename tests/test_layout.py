@@ -32,12 +32,48 @@ WINGS = [
     ("disk", ["disk", "migrations"]),  # the frozen formats use disk/portable's OS calls
     ("layers", ["layers"]),
     ("tiers", ["tiers"]),
-    ("core", ["store", "counters", "tier_report", "opening", "lookup", "restore", "writeback", "prefill", "options", "costs", "cost_fit", "remote_fill", "warm", "merging", "calibration", "machine_costs", "cost_model", "model_record", "fetching", "storing"]),
+    (
+        "core",
+        [
+            "store",
+            "counters",
+            "tier_report",
+            "opening",
+            "lookup",
+            "restore",
+            "writeback",
+            "prefill",
+            "options",
+            "costs",
+            "cost_fit",
+            "remote_fill",
+            "warm",
+            "merging",
+            "calibration",
+            "machine_costs",
+            "cost_model",
+            "model_record",
+            "fetching",
+            "storing",
+        ],
+    ),
     ("admin", ["admin"]),  # check, repair, gc, export/import, push/pull: on the wings below, nothing below on it
     ("compat", ["compat", "prefix_cache", "paged_cache", "lru_prompt_cache"]),
     ("cli", ["cli", "__main__"]),
 ]
-INTERNAL = ("disk", "tiers", "lookup", "restore", "writeback", "merging", "remote_fill", "admin", "warm", "fetching", "storing")  # not for compat
+INTERNAL = (
+    "disk",
+    "tiers",
+    "lookup",
+    "restore",
+    "writeback",
+    "merging",
+    "remote_fill",
+    "admin",
+    "warm",
+    "fetching",
+    "storing",
+)  # not for compat
 CACHE_CLASSES = {
     "KVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache", "ArraysCache",
     "CacheList", "make_prompt_cache", "can_trim_prompt_cache", "trim_prompt_cache",
@@ -514,10 +550,11 @@ def test_architecture_page_names_every_module_and_nothing_else():
     in_package = {str(p.relative_to(PKG)) for p in PKG.rglob("*.py")}
     in_repo = {str(p.relative_to(ROOT)) for p in [*ROOT.glob("*/*.py"), *ROOT.glob("migrations/formats/*.py")]}
     modules = {m for m in in_package if not m.endswith("/__init__.py")}
-    modules |= {m for m in in_repo if m.startswith(("migrations/0", "migrations/formats/")) and not m.endswith("__init__.py")}
+    modules |= {
+        m for m in in_repo if m.startswith(("migrations/0", "migrations/formats/")) and not m.endswith("__init__.py")
+    }
     assert modules - named == set(), "modules the architecture page does not name"
     assert named - in_package - in_repo == set(), "files it names that do not exist"
-
 
 
 # -- the architecture page is right --------------------------------------------------------
@@ -556,7 +593,9 @@ def _definitions() -> tuple[dict[str, set[str]], dict[str, list[str]], dict[str,
                 for item in ast.walk(node):
                     if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
                         own.add(item.name)
-                    elif isinstance(item, ast.Attribute) and isinstance(item.value, ast.Name) and item.value.id == "self":
+                    elif (
+                        isinstance(item, ast.Attribute) and isinstance(item.value, ast.Name) and item.value.id == "self"
+                    ):
                         own.add(item.attr)
                     elif isinstance(item, (ast.Assign, ast.AnnAssign)):
                         targets = item.targets if isinstance(item, ast.Assign) else [item.target]
@@ -586,7 +625,9 @@ def _wrong_names(text: str, *, drawing: bool) -> list[str]:
             continue  # a file's name: the tests above check those
         if parts[0] == NAME:
             parts = parts[1:]
-        if not parts or (parts[0] not in top and parts[0] not in {"device", "disk", "layers", "tiers", "compat", "cli"}):
+        if not parts or (
+            parts[0] not in top and parts[0] not in {"device", "disk", "layers", "tiers", "compat", "cli"}
+        ):
             continue  # another project's name (mlx_lm.server, vllm_mlx.prefix_cache)
         k = max(k for k in range(len(parts) + 1) if ".".join(parts[:k]) in MODULES or k == 0)
         rest = parts[k:]
@@ -640,10 +681,9 @@ def test_the_drawing_check_finds_a_stale_name():
         "class Fleet (in Fleet.fill)", "Trie.shortest", "file fleet.py", "function read_blocks", "name fleet_sync",
     ]  # fmt: skip
 
+
 def test_nothing_cites_a_document_that_is_not_in_the_repository():
-    tracked = subprocess.run(
-        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout.split()
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     present = set(tracked)
     citing = []
     for rel in tracked:
@@ -791,5 +831,9 @@ FROZEN = {
 
 
 def test_frozen_formats_never_change():
-    got = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in sorted(FORMATS.glob("*.py")) if p.stem != "__init__"}
+    got = {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()[:16]
+        for p in sorted(FORMATS.glob("*.py"))
+        if p.stem != "__init__"
+    }
     assert got == FROZEN

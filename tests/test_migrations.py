@@ -132,7 +132,9 @@ def test_kill9_during_the_migration_leaves_the_old_store(tmp_path, legacy):
     # The v2 files are untouched; only segments the dead migration wrote are new.
     after = _snapshot(path)
     assert {k: v for k, v in after.items() if k in before} == before
-    assert all(k.startswith(("segments", "tmp")) or k == "lock" for k in set(after) - set(before))  # lock: every open shares it
+    assert all(
+        k.startswith(("segments", "tmp")) or k == "lock" for k in set(after) - set(before)
+    )  # lock: every open shares it
     _assert_restores_exactly(path, legacy)
     assert ppc_check(path)[1]["clean"]
 
@@ -253,7 +255,9 @@ def test_kill9_during_the_v4_migration_leaves_the_v3_store(tmp_path, legacy_v3):
     assert _version(path) == 3
     after = _snapshot(path)
     assert {k: v for k, v in after.items() if k in before} == before
-    assert all(k.startswith(("segments", "tmp")) or k == "lock" for k in set(after) - set(before))  # lock: every open shares it
+    assert all(
+        k.startswith(("segments", "tmp")) or k == "lock" for k in set(after) - set(before)
+    )  # lock: every open shares it
     _assert_restores_exactly(path, legacy_v3)  # the rerun finishes the migration
     assert _version(path) == SCHEMA_VERSION and ppc_check(path)[1]["clean"]
 

@@ -137,7 +137,9 @@ def test_import_then_restore_equals_the_file(fixtures, tmp_path, case, version):
     assert result["tokens"] == len(info["tokens"]) and result["new_blocks"] >= 1
     assert result["layout"] == f"mlx-lm {version[:4]}"
     options = {"kv_bits": 8, "kv_group_size": 32} if case == "llama_kv8" else {}
-    assert_same(stored(store, fixtures / "models" / case, info["tokens"], **options), read_prompt_cache(str(file)).cache)
+    assert_same(
+        stored(store, fixtures / "models" / case, info["tokens"], **options), read_prompt_cache(str(file)).cache
+    )
 
 
 @pytest.fixture
@@ -344,7 +346,11 @@ def test_export_opens_in_mlx_lm_and_generates_as_cold(fixtures, tmp_path):
                "--stored-only", "--json", cwd=fixtures)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
-    assert (result["tokens"], result["restored_tokens"], result["bytes"]) == (len(tokens), len(tokens), out.stat().st_size)
+    assert (result["tokens"], result["restored_tokens"], result["bytes"]) == (
+        len(tokens),
+        len(tokens),
+        out.stat().st_size,
+    )
     loaded, metadata = load_prompt_cache(str(out), return_metadata=True)  # the installed mlx-lm's own loader
     assert metadata["model"] == "models/llama"
     assert_same(loaded, cold)

@@ -377,17 +377,12 @@ def test_bug8_full_hit_leaves_one_token_and_generates_like_cold(model, model_pre
 def test_seed_per_layer_dicts_are_accepted(model, model_prefix):
     prompt = random_tokens(30, seed=44, first=44)
     cache = prefill(model, prompt)[1]
-    dicts = [
-        {"state": c.state, "meta_state": "", "class_ref": KVCache, "class_name": "KVCache"}
-        for c in cache
-    ]
+    dicts = [{"state": c.state, "meta_state": "", "class_ref": KVCache, "class_name": "KVCache"} for c in cache]
     model_prefix.store_cache("r1", prompt, dicts)
     query = prompt + [1, 2]
     table, remaining = model_prefix.fetch_cache("r2", query)
     assert remaining == [1, 2]
-    assert_same_logits(
-        feed(model, model_prefix.reconstruct_cache(table), remaining), cold_logits(model, query)
-    )
+    assert_same_logits(feed(model, model_prefix.reconstruct_cache(table), remaining), cold_logits(model, query))
 
 
 def test_recurrent_layers_resume_only_where_a_snapshot_was_stored():

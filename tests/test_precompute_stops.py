@@ -137,7 +137,12 @@ def test_after_a_resume_the_eta_counts_computed_tokens_only(model, tmp_path):
     lines = [PROGRESS.search(part) for part in shown.split("\r")]
     checked = 0
     for m in filter(None, lines):
-        done, total, rate, left = int(m[3].replace(",", "")), int(m[4].replace(",", "")), int(m[5].replace(",", "")), m[6]
+        done, total, rate, left = (
+            int(m[3].replace(",", "")),
+            int(m[4].replace(",", "")),
+            int(m[5].replace(",", "")),
+            m[6],
+        )
         if left == "-":  # no rate yet: restored prompts compute a token or two each
             continue
         minutes, seconds = map(int, left.split(":")[-2:])

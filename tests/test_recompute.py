@@ -146,4 +146,3 @@ def test_a_cache_is_not_changed_by_its_check():
     check_cache(model, tokens, cache, block_size=BLOCK)
     assert all(layer.offset == N for layer in cache)
     assert all(mx.array_equal(b, layer.keys[..., :N, :]).item() for b, layer in zip(before, cache))
-

@@ -50,7 +50,6 @@ from persistent_prefix_cache.disk.index import Index
 from persistent_prefix_cache.admin import StoreAdmin
 
 
-
 def assert_fetch(store, model, query, matched: int) -> None:
     """`query` restores exactly `matched` tokens and continues like a cold prefill."""
     cache, remaining = store.fetch(query)
@@ -65,9 +64,7 @@ def _snapshot(root) -> dict:
         for name in names:
             if name != "lock.mdb":
                 with open(os.path.join(folder, name), "rb") as f:
-                    out[os.path.relpath(os.path.join(folder, name), root)] = hashlib.sha256(
-                        f.read()
-                    ).hexdigest()
+                    out[os.path.relpath(os.path.join(folder, name), root)] = hashlib.sha256(f.read()).hexdigest()
     return out
 
 
@@ -228,7 +225,9 @@ def _damage(store_dir, node, damage, *, rewrite_record: bool) -> None:
         for f in seg.fields_of(i):
             assert seg.read_rows(f, i, i + 1, [memoryview(pieces[f.name])], [0], f.nbytes // f.rows)
         step = {name: len(b) // seg.fields[name].rows for name, b in pieces.items()}
-        node.checksum = seg.block_digest(i, lambda f, r: memoryview(pieces[f.name])[r * step[f.name] : (r + 1) * step[f.name]], node)
+        node.checksum = seg.block_digest(
+            i, lambda f, r: memoryview(pieces[f.name])[r * step[f.name] : (r + 1) * step[f.name]], node
+        )
         size_before, node.size = node.size, sum(len(b) for b in pieces.values())
     finally:
         seg.close()
@@ -293,9 +292,7 @@ def test_a_flipped_byte_is_caught_by_the_checksum(store_dir, model, three_blocks
     ],
     ids=["wrong_dtype_first_block", "wrong_dtype_second_block", "wrong_shape_second_block"],
 )
-def test_tensors_not_fitting_the_layout_are_a_counted_miss(
-    store_dir, model, three_blocks, damage, victim
-):
+def test_tensors_not_fitting_the_layout_are_a_counted_miss(store_dir, model, three_blocks, damage, victim):
     node = nodes_by_position(store_dir)[victim]
     _damage(store_dir, node, damage, rewrite_record=True)
     query = three_blocks[: (victim + 1) * BLOCK] + [1, 2, 3]
@@ -499,9 +496,11 @@ def test_housekeeping_after_a_commit_neither_fails_nor_repeats_it(store_dir, mod
     runs = []
     try:
         for i in range(300):  # past the 256th commit
+
             def change(w, i=i):
                 runs.append(i)
                 w.put_meta(b"test-counter", str(i).encode())
+
             assert index.write(change) is None
     finally:
         index.env = real

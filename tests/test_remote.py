@@ -63,7 +63,16 @@ def server_keys(host, toks) -> list[bytes]:
 
 @pytest.mark.parametrize(
     "url",
-    ["localhost:6379", "http://h:1", "redis://", "redis://h", "redis://h:0", "redis://a:1,b:2", "unix://", "redis+cluster://"],
+    [
+        "localhost:6379",
+        "http://h:1",
+        "redis://",
+        "redis://h",
+        "redis://h:0",
+        "redis://a:1,b:2",
+        "unix://",
+        "redis+cluster://",
+    ],
 )
 def test_bad_urls_are_clear_errors(tmp_path, model, url):
     with pytest.raises(InvalidArgumentError) as err:
@@ -100,10 +109,10 @@ from persistent_prefix_cache import PersistentPrefixCache
 from persistent_prefix_cache import MissingDependencyError
 from persistent_prefix_cache.tiny_model import load_tiny_model
 m = load_tiny_model({str(tiny_model_dir)!r})
-s = PersistentPrefixCache({str(tmp_path / 'local')!r}, m)
+s = PersistentPrefixCache({str(tmp_path / "local")!r}, m)
 s.close()
 try:
-    PersistentPrefixCache({str(tmp_path / 'r')!r}, m, remote='redis://127.0.0.1:1', remote_insecure=True)
+    PersistentPrefixCache({str(tmp_path / "r")!r}, m, remote='redis://127.0.0.1:1', remote_insecure=True)
 except MissingDependencyError as e:
     print('MISSING', e)
 """
@@ -346,9 +355,7 @@ def test_forged_value_is_rejected_with_a_secret(tmp_path, model, redis_server, c
     chain = chain_keys(root, np.asarray(toks, "<i4"), BS)
     block = np.asarray(toks[BS : 2 * BS], "<i4").tobytes()
     good = wire.decode(client.get(keys[1]), keys[1], key=chain[1], parent=chain[0], position=BS, tokens=block, mac=None)
-    forged = {
-        lid: {f: (np.zeros_like(bits), d) for f, (bits, d) in part.items()} for lid, part in good.bits.items()
-    }
+    forged = {lid: {f: (np.zeros_like(bits), d) for f, (bits, d) in part.items()} for lid, part in good.bits.items()}
     client.set(keys[1], wire.encode(keys[1], good.node, forged, mac=None))
     b = open_host(tmp_path / "b", model, redis_server.url, remote_secret="fleet-secret")
     assert fetch_exact(b, model, toks + [1]) == BS

@@ -31,6 +31,7 @@ from test_remote import BS, fetch_exact, open_host, publish
 from persistent_prefix_cache import PersistentPrefixCache
 from persistent_prefix_cache.errors import InvalidArgumentError, RemoteConfigError
 
+
 def ppc(*args, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """A real ``ppc`` process; no ``PPC_*`` settings from the caller's environment."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("PPC_")}
@@ -178,7 +179,9 @@ def test_a_mistyped_secret_cannot_spoil_the_fleet_and_each_mistake_is_told_apart
 
     client = redis_server.client()
     mine = sorted(k for k in client.scan_iter(match=b"ppc:b1:*") if wire.split_key(k)[0] == stats["secret"])
-    theirs = sorted(k for k in client.scan_iter(match=b"ppc:b1:*") if wire.split_key(k)[0] not in (None, stats["secret"]))
+    theirs = sorted(
+        k for k in client.scan_iter(match=b"ppc:b1:*") if wire.split_key(k)[0] not in (None, stats["secret"])
+    )
     by_block = {wire.split_key(k)[1]: k for k in theirs}
     for k in mine[:2]:
         client.set(k, client.get(by_block[wire.split_key(k)[1]]))  # the typo's value of that very block

@@ -48,7 +48,9 @@ def test_host_b_restores_host_a_precompute_bitwise(tmp_path, tiny_model_dir, red
     assert out[:3] == [{"matched": len(p), "exact": True} for p in prompts]
     assert out[-1]["remote_hits"] == 3 and out[-1]["blocks"] == 14  # written into B's store
     redis_server.client().flushall()
-    again = host(tmp_path, "b", tiny_model_dir, redis_server.url, [["fetch", q] for q in queries] + [["stats"]], name="b2")
+    again = host(
+        tmp_path, "b", tiny_model_dir, redis_server.url, [["fetch", q] for q in queries] + [["stats"]], name="b2"
+    )
     try:
         out = again.result(timeout=300)["steps"]
     finally:

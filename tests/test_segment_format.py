@@ -248,5 +248,10 @@ def test_a_segment_holds_one_chain_of_one_model(tmp_path):
     with pytest.raises(ValueError, match="root"):
         files.write([(node(b"c" * 16, other, 0), {"0": {"k": x}})], root=root, model=b"{}", block_size=4)
     with pytest.raises(ValueError, match="chain"):
-        files.write([(a, {"0": {"k": x}}), (node(b"d" * 16, b"z" * 16, 4), {"0": {"k": x}})], root=root, model=b"{}", block_size=4)
+        files.write(
+            [(a, {"0": {"k": x}}), (node(b"d" * 16, b"z" * 16, 4), {"0": {"k": x}})],
+            root=root,
+            model=b"{}",
+            block_size=4,
+        )
     assert not os.listdir(files.tmp)

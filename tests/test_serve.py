@@ -130,9 +130,7 @@ def test_front_tier_answers_like_mlx_lm(serve_model, step_caches, tmp_path):
 def test_store_alone_answers_like_mlx_lm(serve_model, step_caches, tmp_path):
     # No in-memory tier (max_size=0) and no RAM tier in the store: every hit is read
     # from the block files.
-    store = PersistentPrefixCache(
-        tmp_path / "store", serve_model, block_size=BLOCK, memory_bytes=0, sync_writes=True
-    )
+    store = PersistentPrefixCache(tmp_path / "store", serve_model, block_size=BLOCK, memory_bytes=0, sync_writes=True)
     ours = PersistentLRUPromptCache(store, max_size=0)
     got = _run_steps(ours, serve_model, step_caches)
     want = _run_steps(LRUPromptCache(max_size=10), serve_model, step_caches)
@@ -464,7 +462,9 @@ def test_server_restores_from_the_store_after_a_restart(serve_model_dir, tmp_pat
     # The whole first conversation came back (its prompt and what was generated).
     assert restored[1] >= first["usage"]["prompt_tokens"]
     # On its way out it says what its store decided (why a seen prompt could miss).
-    said = re.search(r"store .*: (\d+) fetches, (\d+) hits, (\d+) misses; restored all (\d+), .*; costs: prefill ", server.log())
+    said = re.search(
+        r"store .*: (\d+) fetches, (\d+) hits, (\d+) misses; restored all (\d+), .*; costs: prefill ", server.log()
+    )
     assert said, server.log()
     fetches, hits, misses, all_ = map(int, said.groups())
     assert fetches == hits + misses and hits >= 2 and all_ >= 1, said.group(0)

@@ -103,9 +103,12 @@ def test_the_help_of_sizes_says_what_the_parser_does():
     assert len(examples) == 2
     for text, value in examples:
         assert parse_size(text) == eval(value.replace(",", "")), text  # noqa: S307 (our own help text)
-    assert common.SIZE_UNITS_HELP in subprocess.run(
-        [*PPC, "gc", "--help"], capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "1000"}
-    ).stdout
+    assert (
+        common.SIZE_UNITS_HELP
+        in subprocess.run(
+            [*PPC, "gc", "--help"], capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "1000"}
+        ).stdout
+    )
 
 
 @pytest.mark.slow
@@ -144,8 +147,10 @@ def test_gc_that_would_remove_every_block_asks_first(chains):
     )
     assert status == 1 and segment_folders(chains) == files
     said, status = on_a_terminal(["gc", "--store", chains, "--max-bytes", "0"], b"y\n")
-    assert status == 0 and said.endswith("removed 18 block(s), " + f"{json.loads(before)['block_bytes']:,} bytes; "
-                                         "0 bytes in 0 block(s) remain (budget 0), 0 bytes of segment files\n")
+    assert status == 0 and said.endswith(
+        "removed 18 block(s), " + f"{json.loads(before)['block_bytes']:,} bytes; "
+        "0 bytes in 0 block(s) remain (budget 0), 0 bytes of segment files\n"
+    )
     assert segment_folders(chains) == {}  # no empty sub-folder left behind
     assert json.loads(ppc("check", "--store", chains, "--json", expect=0).stdout)["clean"]
 

@@ -40,7 +40,5 @@ def test_soak_runs_with_kills(tmp_path, tiny_model_dir):
 @pytest.mark.slow
 def test_soak_refuses_bad_arguments():
     # Refused by the parser (exit 2) before any work starts.
-    proc = subprocess.run(
-        [sys.executable, SOAK, "--procs", "0"], capture_output=True, text=True, timeout=60
-    )
+    proc = subprocess.run([sys.executable, SOAK, "--procs", "0"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--procs" in proc.stderr

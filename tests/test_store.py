@@ -103,7 +103,16 @@ def test_the_handle_shows_its_api_and_hides_its_collaborators(store_dir, model):
     with open_store(store_dir, model, namespace="t") as store:
         assert {n for n in dir(store) if not n.startswith("_")} == PUBLIC_SURFACE
         assert not [n for n in vars(store) if not n.startswith("_")]  # no public mutable attribute
-        for name in ("path", "readonly", "block_size", "fingerprint", "model_name", "namespace", "costs", "remote_fill"):
+        for name in (
+            "path",
+            "readonly",
+            "block_size",
+            "fingerprint",
+            "model_name",
+            "namespace",
+            "costs",
+            "remote_fill",
+        ):
             with pytest.raises(AttributeError):
                 setattr(store, name, None)
         assert store.path == os.path.abspath(store_dir) and store.namespace == "t" and not store.readonly
@@ -148,9 +157,7 @@ def test_repeat_store_writes_nothing_new(store_dir, model):
         assert store.store(other, cache) == 0
         store.flush()
         assert store.stats()["blocks"] == 4
-        assert {
-            k: v for k, v in segment_files(store_dir).items() if k in before
-        } == before
+        assert {k: v for k, v in segment_files(store_dir).items() if k in before} == before
 
 
 def test_full_block_supersedes_partial_leaf(store_dir, model):
@@ -364,9 +371,7 @@ def test_damaged_block_is_a_miss_and_is_dropped(store_dir, model, kind, damaged,
         assert stats["corrupt"] == 1
         store.flush()  # the damaged block and everything after it leave the index
         nodes = assert_tree_consistent(store_dir)
-        assert sorted(n.position for n in nodes.values()) == [
-            i * BLOCK for i in range(damaged)
-        ]
+        assert sorted(n.position for n in nodes.values()) == [i * BLOCK for i in range(damaged)]
         # The store heals: the prompt can be stored again and then hits in full.
         assert put(store, model, tokens) == 3 - damaged
         check_fetch(store, model, query, len(tokens))
@@ -467,9 +472,7 @@ def test_disk_budget_evicts_old_parents_before_the_newest_leaf(tmp_path, model):
 
 
 @pytest.mark.parametrize("blocks_in_ram", [0, 3])
-def test_ram_budget_is_respected_and_disk_serves_the_rest(
-    store_dir, model, blocks_in_ram
-):
+def test_ram_budget_is_respected_and_disk_serves_the_rest(store_dir, model, blocks_in_ram):
     budget = blocks_in_ram * BLOCK_TENSOR_BYTES
     prompts = [random_tokens(3 * BLOCK, seed=90 + i, first=1 + i) for i in range(3)]
     with open_store(store_dir, model, memory_bytes=budget) as store:
@@ -674,16 +677,12 @@ def test_closed_store_refuses_calls(store_dir, model):
 # -- fingerprint memo ---------------------------------------------------------------------
 
 
-def test_fingerprint_is_remembered_by_weight_files(
-    tmp_path, model, tiny_model_dir, monkeypatch
-):
+def test_fingerprint_is_remembered_by_weight_files(tmp_path, model, tiny_model_dir, monkeypatch):
     # A private copy of the folder: this test changes the weights file's mtime.
     folder = Path(shutil.copytree(tiny_model_dir, tmp_path / "model"))
     calls = []
     real = fingerprint_module.fingerprint_model
-    monkeypatch.setattr(
-        fingerprint_module, "fingerprint_model", lambda m: calls.append(1) or real(m)
-    )
+    monkeypatch.setattr(fingerprint_module, "fingerprint_model", lambda m: calls.append(1) or real(m))
     path = tmp_path / "store"
     with open_store(path, model, model_path=folder) as store:
         first = store.fingerprint
@@ -733,9 +732,7 @@ def _snapshot(store_dir) -> dict:
                 continue
             full = os.path.join(folder, name)
             with open(full, "rb") as f:
-                out[os.path.relpath(full, store_dir)] = hashlib.sha256(
-                    f.read()
-                ).hexdigest()
+                out[os.path.relpath(full, store_dir)] = hashlib.sha256(f.read()).hexdigest()
     return out
 
 

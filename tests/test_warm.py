@@ -74,7 +74,9 @@ def test_a_skipped_prefix_is_served_from_the_tier_next_time(tmp_path, model, mon
         # In the tier already (on a GPU's route as views of the arena the fill read into)
         assert counts["memory_warmed"] == blocks and counts["memory_warmed_bytes"] == total
         assert counts["bytes_in_memory"] == total
-        held = [x for _, tensors, *_ in store._memory._entries.values() for part in tensors.values() for x in part.values()]
+        held = [
+            x for _, tensors, *_ in store._memory._entries.values() for part in tensors.values() for x in part.values()
+        ]
         assert all(isinstance(x, HostBits) and (x.arena is not None) == (join == "mlx") for x in held)
         restored, rest = store.fetch(query)
         stats = store.stats()

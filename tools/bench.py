@@ -141,10 +141,7 @@ class Shape:
         return Shape(self.layers, self.kv_heads, self.head_dim, self.dtype, tokens)
 
     def layout(self) -> str:
-        return (
-            f"{self.layers} layers x {self.kv_heads} KV heads x head dim {self.head_dim}, "
-            f"{self.dtype}"
-        )
+        return f"{self.layers} layers x {self.kv_heads} KV heads x head dim {self.head_dim}, {self.dtype}"
 
     def describe(self) -> str:
         return f"{self.layout()}, {self.tokens} tokens = {self.kv_bytes / MiB:.1f} MiB of KV"
@@ -521,16 +518,19 @@ class Bench:
         warm = [
             Contender("limit_read_warm", lambda _: raw_read(raw, dst)),
             Contender("limit_memcpy", lambda _: np.copyto(dst, src)),
-            Contender(
-                "limit_read_warm_threads", lambda _: raw_read_threads(raw, dst, pool, threads)
-            ),
+            Contender("limit_read_warm_threads", lambda _: raw_read_threads(raw, dst, pool, threads)),
             Contender("peer_mlx_load_warm", load_mlx),
             Contender("ours_fetch_disk_warm", fetch, disk_store(False), close),
             Contender("ours_fetch_ram", fetch, lambda: ram),
             Contender("ours_fetch_fresh_2nd", fetch, fresh_handle(1), close),
             Contender("ours_fetch_fresh_3rd", fetch, fresh_handle(2), close),
             Contender("ours_fetch_fresh_filled", fetch, filled_handle, close),
-            Contender("ours_fetch_skipped", skipped, lambda: disk_loses(self.open_store(skip_dir, shape, memory_bytes=0)), close),
+            Contender(
+                "ours_fetch_skipped",
+                skipped,
+                lambda: disk_loses(self.open_store(skip_dir, shape, memory_bytes=0)),
+                close,
+            ),
         ]
         if cold:  # the main cases only: the sweep keeps to restores
             warm += [
@@ -551,9 +551,7 @@ class Bench:
         remove(folder)
         return {name: summarize(t, nbytes) for name, t in times.items()}
 
-    def vllm_mlx_contenders(
-        self, cache: list, tokens: np.ndarray, nbytes: int, *, write: bool
-    ) -> list:
+    def vllm_mlx_contenders(self, cache: list, tokens: np.ndarray, nbytes: int, *, write: bool) -> list:
         """vllm-mlx's SSD tier, when installed. It has no stable public API: its private
         write and read methods are driven, after one trial run; a mismatch becomes a note."""
         try:
@@ -645,9 +643,7 @@ class Bench:
         """
         args = self.args
         shape = Shape(1, 1, 8, "float16", args.lookup_tokens)
-        progress(
-            f"lookup: building a store of {args.lookup_blocks} blocks of {shape.tokens} tokens"
-        )
+        progress(f"lookup: building a store of {args.lookup_blocks} blocks of {shape.tokens} tokens")
         folder = self.scratch("lookup")
         rng = np.random.default_rng(1)
         cache = make_cache(random_kv(shape, shape.tokens, 1))
@@ -770,9 +766,7 @@ def ratio(value: float, target: str | None) -> dict:
     ok = None
     if target is not None:
         op, bound = target.split()
-        ok = {">=": value >= float(bound), "<=": value <= float(bound), "<": value < float(bound)}[
-            op
-        ]
+        ok = {">=": value >= float(bound), "<=": value <= float(bound), "<": value < float(bound)}[op]
     return {"value": value, "target": target, "ok": ok}
 
 
@@ -838,9 +832,7 @@ def format_report(result: dict) -> str:
             ms = span(f["min_s"] * 1e3, f["max_s"] * 1e3, ".1f")
             gbps = span(f["gbps_min"], f["gbps_max"], ".2f")
             label = LABELS.get(name, name)
-            lines.append(
-                f"  {label:<42} {f['median_s'] * 1e3:>10.1f} {ms:>19} {f['gbps']:>7.2f} {gbps:>18}"
-            )
+            lines.append(f"  {label:<42} {f['median_s'] * 1e3:>10.1f} {ms:>19} {f['gbps']:>7.2f} {gbps:>18}")
         lines.append(f"  {'ratio (same run)':<42} {'value':>10} {'target':>10}")
         for name, r in case["ratios"].items():
             line = f"  {name:<42} {r['value']:>10.3f} {r['target'] or '':>10} {verdict(r)}"
@@ -970,17 +962,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, help="KV heads per layer")
     p.add_argument("--head-dim", type=int, help="head dimension")
     p.add_argument("--tokens", type=int, help="prompt length of the main cases")
-    p.add_argument(
-        "--dtypes", default="float16,bfloat16", help="comma-separated: float16, bfloat16, float32"
-    )
+    p.add_argument("--dtypes", default="float16,bfloat16", help="comma-separated: float16, bfloat16, float32")
     p.add_argument("--block-size", type=int, default=64, help="tokens per block of our stores")
-    p.add_argument(
-        "--llama8b", action="store_true", help="add a Llama-8B-shaped case (32 x 8 x 128, bfloat16)"
-    )
+    p.add_argument("--llama8b", action="store_true", help="add a Llama-8B-shaped case (32 x 8 x 128, bfloat16)")
     p.add_argument("--repeat", type=int, help="runs per figure (the median is reported)")
-    p.add_argument(
-        "--lookup-blocks", type=int, help="blocks in the lookup store (0 skips the lookup)"
-    )
+    p.add_argument("--lookup-blocks", type=int, help="blocks in the lookup store (0 skips the lookup)")
     p.add_argument("--lookup-tokens", type=int, help="length of the prompt looked up")
     p.add_argument("--shared-prompts", type=int, help="prompts sharing one prefix (0 skips)")
     p.add_argument("--shared-prefix", type=int, help="tokens of the shared prefix")
@@ -988,20 +974,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--precompute-prompts", type=int, help="prompts of the precompute figures (0 skips)")
     p.add_argument("--precompute-tokens", type=int, help="tokens per prompt of the precompute figures")
     p.add_argument("--sweep", help="comma-separated prompt lengths of the plot ('' skips)")
-    p.add_argument(
-        "--plot", default="bench_restore.png", help="PNG of restore throughput by length"
-    )
+    p.add_argument("--plot", default="bench_restore.png", help="PNG of restore throughput by length")
     p.add_argument("--no-plot", action="store_true", help="write no plot")
     p.add_argument(
         "--device", choices=("default", "cpu"), default="default",
         help="cpu: run MLX on the CPU even where it has a GPU (the unified-memory proxy)",
     )  # fmt: skip
-    p.add_argument(
-        "--no-remote", action="store_true", help="skip the remote tier (a loopback redis-server)"
-    )
-    p.add_argument(
-        "--json", action="store_true", help="print the results as JSON on stdout (table on stderr)"
-    )
+    p.add_argument("--no-remote", action="store_true", help="skip the remote tier (a loopback redis-server)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON on stdout (table on stderr)")
     p.add_argument(
         "--serve", action="store_true",
         help="add the server memory row: ppc serve beside mlx_lm server (tools/bench_serve.py; minutes)",
@@ -1053,16 +1033,10 @@ def main(argv: list[str] | None = None) -> int:
         "ratios": {},
     }
     try:
-        cases = [
-            (f"{d}", Shape(args.layers, args.kv_heads, args.head_dim, d, args.tokens))
-            for d in args.dtypes
-        ]
+        cases = [(f"{d}", Shape(args.layers, args.kv_heads, args.head_dim, d, args.tokens)) for d in args.dtypes]
         if args.llama8b:
             cases.append(("llama8b-bfloat16", Shape(32, 8, 128, "bfloat16", args.tokens)))
-        largest = max(
-            [s.kv_bytes for _, s in cases]
-            + [cases[0][1].with_tokens(n).kv_bytes for n in args.sweep]
-        )
+        largest = max([s.kv_bytes for _, s in cases] + [cases[0][1].with_tokens(n).kv_bytes for n in args.sweep])
         result["machine"]["mlx_cache_limit"] = set_mlx_cache_limit(args.mlx_cache_limit, largest)
         for i, (name, shape) in enumerate(cases):
             result["cases"].append(bench.case(name, shape, seed=10 + i))
@@ -1078,9 +1052,7 @@ def main(argv: list[str] | None = None) -> int:
             result["ratios"]["shared_prefix_vs_distinct_kv"] = ratio(
                 sp["ours_bytes"] / sp["distinct_kv_bytes"], "<= 1.05"
             )
-            result["ratios"]["mlx_lm_files_vs_ours"] = ratio(
-                sp["mlx_lm_files_bytes"] / sp["ours_bytes"], None
-            )
+            result["ratios"]["mlx_lm_files_vs_ours"] = ratio(sp["mlx_lm_files_bytes"] / sp["ours_bytes"], None)
         if args.precompute_prompts > 0:
             release_memory()
             result["precompute"] = bench.precompute()

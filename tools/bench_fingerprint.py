@@ -128,13 +128,17 @@ def main() -> int:
         rate = nbytes / full / 1e9
         print(f"xxh3 (full hash, host)          {full:8.3f} s   {rate:.2f} GB/s (first {full_first:.3f} s)")
         if lanes is not None:
-            print(f"lanes1 (full hash, MLX ops)     {lanes:8.3f} s   {nbytes / lanes / 1e9:.2f} GB/s (first {lanes_first:.3f} s)")
+            print(
+                f"lanes1 (full hash, MLX ops)     {lanes:8.3f} s   {nbytes / lanes / 1e9:.2f} GB/s (first {lanes_first:.3f} s)"
+            )
         print(
             f"xxh3 per tensor, {args.threads} threads     {threaded:8.3f} s   {nbytes / threaded / 1e9:.2f} GB/s"
             f" (first {threaded_first:.3f} s; measured, not used)"
         )
         cheaper = result["full_over_sample"]
-        print(f"sample_digest (every reuse)     {sample:8.4f} s   {cheaper}x cheaper than xxh3 (first {sample_first:.4f} s)")
+        print(
+            f"sample_digest (every reuse)     {sample:8.4f} s   {cheaper}x cheaper than xxh3 (first {sample_first:.4f} s)"
+        )
         print(f"compare_with_folder (once)      {compare:8.4f} s   (first {compare_first:.4f} s)")
         print(f"per tensor                      {result['sample_per_tensor_us']} us")
     return 0

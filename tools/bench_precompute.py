@@ -44,7 +44,6 @@ LABELS = {
 }
 
 
-
 def _write_fsync(path: Path, data) -> None:
     """A raw write of `data` to a new file, in 16 MiB calls, then fsync: the disk's limit."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -55,6 +54,7 @@ def _write_fsync(path: Path, data) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
 
 def _prompts(vocab: int, prompts: int, tokens: int) -> list[list[int]]:
     return [[(7 * i + 131 * p + 3) % vocab for i in range(tokens)] for p in range(prompts)]
@@ -80,7 +80,14 @@ def _fsync(path: str) -> None:
 
 
 def precompute_figures(
-    model: Any, *, prompts: int, tokens: int, work: Path, repeat: int = 1, prefill_step: int = 2048, block_size: int = 64
+    model: Any,
+    *,
+    prompts: int,
+    tokens: int,
+    work: Path,
+    repeat: int = 1,
+    prefill_step: int = 2048,
+    block_size: int = 64,
 ) -> dict:
     """Time a precompute of `prompts` prompts of `tokens` tokens each (see the module).
 

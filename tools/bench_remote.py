@@ -92,7 +92,9 @@ def remote_figures(bench: Any, shape: Any, helpers: dict) -> dict | None:
         tokens = np.random.default_rng(99).integers(0, 32000, shape.tokens).astype(np.int32)
         query = np.concatenate([tokens, np.array([7], dtype=np.int32)])
         big = 2 * shape.kv_bytes + (64 << 20)
-        with bench.open_store(bench.scratch("publisher"), shape, remote=server.url, remote_secret="bench", remote_timeout=10) as a:
+        with bench.open_store(
+            bench.scratch("publisher"), shape, remote=server.url, remote_secret="bench", remote_timeout=10
+        ) as a:
             a.store(tokens, cache)
             a.flush()
             published = a.stats()["remote_published"]
@@ -108,7 +110,14 @@ def remote_figures(bench: Any, shape: Any, helpers: dict) -> dict | None:
         def fresh_remote():
             # A generous timeout: a stall of this loaded machine must not end a restore
             # (the timeout bounds stalls only; it does not change the throughput).
-            return bench.open_store(bench.scratch("host"), shape, remote=server.url, remote_secret="bench", memory_bytes=big, remote_timeout=10)
+            return bench.open_store(
+                bench.scratch("host"),
+                shape,
+                remote=server.url,
+                remote_secret="bench",
+                memory_bytes=big,
+                remote_timeout=10,
+            )
 
         def drop(s) -> None:
             s.close()
@@ -119,7 +128,9 @@ def remote_figures(bench: Any, shape: Any, helpers: dict) -> dict | None:
         assert check.stats()["remote_blocks"] == published and check.stats()["remote_corrupt"] == 0
         drop(check)
         keys = sorted(server.client.scan_iter(match=b"ppc:*", count=1000))
-        per_batch = max(1, min(remote_tier.MAX_BATCH_BLOCKS, remote_tier.BATCH_BYTES // (shape.kv_bytes // max(1, len(keys)))))
+        per_batch = max(
+            1, min(remote_tier.MAX_BATCH_BLOCKS, remote_tier.BATCH_BYTES // (shape.kv_bytes // max(1, len(keys))))
+        )
         batches = [keys[i : i + per_batch] for i in range(0, len(keys), per_batch)]
 
         def raw_get(client) -> None:
@@ -166,7 +177,9 @@ def remote_figures(bench: Any, shape: Any, helpers: dict) -> dict | None:
         # The probe of a 32k-token prompt whose every block the server holds.
         bs = bench.args.block_size
         long = np.random.default_rng(5).integers(0, 32000, 32768).astype(np.int32)
-        with bench.open_store(bench.scratch("probe"), shape, remote=server.url, remote_secret="bench", remote_timeout=10) as p:
+        with bench.open_store(
+            bench.scratch("probe"), shape, remote=server.url, remote_secret="bench", remote_timeout=10
+        ) as p:
             from persistent_prefix_cache.keys import chain_keys
 
             root = bytes.fromhex(p.this_model()["root"])
@@ -213,7 +226,9 @@ def remote_figures(bench: Any, shape: Any, helpers: dict) -> dict | None:
             "figures": f,
             "probe_32k": {**probe, "blocks": len(keys)},
             "ratios": {
-                "remote_vs_disk_warm": ratio(paired_ratio(f["ours_fetch_remote"], f["ours_fetch_disk_warm"], "speed"), ">= 0.5"),
+                "remote_vs_disk_warm": ratio(
+                    paired_ratio(f["ours_fetch_remote"], f["ours_fetch_disk_warm"], "speed"), ">= 0.5"
+                ),
                 "raw_get_vs_disk_warm": ratio(paired_ratio(f["raw_get"], f["ours_fetch_disk_warm"], "speed"), None),
                 "remote_vs_raw_get": ratio(paired_ratio(f["ours_fetch_remote"], f["raw_get"], "speed"), None),
                 "remote_vs_redis_py_get": ratio(paired_ratio(f["ours_fetch_remote"], f["redis_py_get"], "speed"), None),
@@ -254,5 +269,3 @@ def format_remote(r: dict | None) -> list[str]:
         target = f" (target {value['target']})" if value.get("target") else ""
         lines.append(f"  {name:<52} {value['value']:9.3f}{target}")
     return lines
-
-

@@ -309,7 +309,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         print("\n".join(bench_precompute.format_precompute(results["precompute"])), file=sys.stderr)
     if args.fingerprint:
-        results["fingerprint"] = fp = fingerprint_case(model, args.repeat, min(8192, max(int(n) for n in args.tokens.split(","))))
+        results["fingerprint"] = fp = fingerprint_case(
+            model, args.repeat, min(8192, max(int(n) for n in args.tokens.split(",")))
+        )
         print(
             "fingerprint of %.1f GB: xxh3 %s s one thread, %s s from device copies, lanes1 %s s; next prefill "
             "%s / %s / %s s; same value: %s; lanes on the GPU = on the CPU: %s"
@@ -320,7 +322,10 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
     print(f"persistent_prefix_cache GPU case: mlx {results['mlx']} on {results['device']}; "
           f"--gpu-pages {args.gpu_pages}", file=sys.stderr)  # fmt: skip
-    print(f"{'tokens':>7} {'cold s':>8} {'mlx-lm':>8} {'ours RAM':>9} {'ours disk':>9}   (restore + 1 forward, s; x cold)   cost model (RAM / disk)", file=sys.stderr)
+    print(
+        f"{'tokens':>7} {'cold s':>8} {'mlx-lm':>8} {'ours RAM':>9} {'ours disk':>9}   (restore + 1 forward, s; x cold)   cost model (RAM / disk)",
+        file=sys.stderr,
+    )
     rows = []
     for c in results["cases"]:
         print(
@@ -342,7 +347,10 @@ def main(argv: list[str] | None = None) -> int:
           file=sys.stderr)  # fmt: skip
     for row in rows:
         print(row, file=sys.stderr)
-    print("restarted process, default options (fetch + first forward; x cold; the cost model's decisions):", file=sys.stderr)
+    print(
+        "restarted process, default options (fetch + first forward; x cold; the cost model's decisions):",
+        file=sys.stderr,
+    )
     for c in results["cases"]:
         decided = " ".join(f"{k} {v}" for k, v in c["restarted_default_decisions"].items() if v)
         print(

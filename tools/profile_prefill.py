@@ -8,6 +8,7 @@ fetch decisions) in the same process.
 
     python tools/profile_prefill.py [--small] [--tokens 256,4096,16384]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -121,11 +122,13 @@ def store_parts(model, ids, work) -> dict:
     Layout = layout_mod.Layout
     saved = {n: Layout.__dict__[n] for n in ("cut", "flags", "learn_fields", "evaluate")}
     for n, f in saved.items():
+
         def w(*a, _f=f, _n=n, **k):
             t = time.perf_counter()
             out = (_f.__func__ if isinstance(_f, staticmethod) else _f)(*a, **k)
             spent["Layout." + _n] = spent.get("Layout." + _n, 0.0) + time.perf_counter() - t
             return out
+
         setattr(Layout, n, staticmethod(w) if n == "evaluate" else w)
     # Calls of types (cProfile counts them as the caller's own time) and the collector's pauses.
     for name, real in (("memoryview", memoryview), ("Node", layout_mod.Node), ("BlockBits", layout_mod.BlockBits),
@@ -173,14 +176,26 @@ def main() -> None:
         r = report[n] = {}
         r["plain_s"] = statistics.median(clock(lambda: mlx_prefill(model, ids))[0] for _ in range(3))
         r["store_parts"] = [store_parts(model, ids, work) for _ in range(3)]
+
         # prefill()'s own loop with a store that does nothing (fetch misses, nothing kept).
         class Null:
             block_size = 64
-            def fetch(self, toks): return None, toks
-            def make_cache(self): return __import__("mlx_lm.models.cache", fromlist=["x"]).make_prompt_cache(model)
-            def store(self, toks, cache): return 0
-            def observe_prefill(self, *a, **k): pass
-            def resumable_step(self): return None
+
+            def fetch(self, toks):
+                return None, toks
+
+            def make_cache(self):
+                return __import__("mlx_lm.models.cache", fromlist=["x"]).make_prompt_cache(model)
+
+            def store(self, toks, cache):
+                return 0
+
+            def observe_prefill(self, *a, **k):
+                pass
+
+            def resumable_step(self):
+                return None
+
         r["null_store_s"] = statistics.median(clock(lambda: prefill(model, ids, Null()))[0] for _ in range(3))
         runs = []
         for rep in range(3):
@@ -191,13 +206,23 @@ def main() -> None:
             total, _ = clock(lambda: prefill(proxy, ids, store))
             t_flush, _ = clock(store.flush)
             t_close, _ = clock(store.close)
-            runs.append(dict(total=total, forwards=proxy.spent, calls=proxy.calls, open=t_open, flush=t_flush,
-                             close=t_close, **timed.spent))
+            runs.append(
+                dict(
+                    total=total,
+                    forwards=proxy.spent,
+                    calls=proxy.calls,
+                    open=t_open,
+                    flush=t_flush,
+                    close=t_close,
+                    **timed.spent,
+                )
+            )
             if rep < 2:
                 shutil.rmtree(path)
         r["prefill_runs"] = runs
         # prefill()'s evaluations timed (the device's work and the waits for it), a fresh handle each.
         from persistent_prefix_cache import prefill as prefill_mod_fn  # noqa: F401
+
         prefill_mod = sys.modules["persistent_prefix_cache.prefill"]
         evals = []
         for rep in range(2):
@@ -254,12 +279,25 @@ def main() -> None:
                 before = store.stats()["tokens_saved"]
                 proxy = Model(model)
                 t, _ = clock(lambda: prefill(proxy, ids, store))
-                calls.append(dict(total=t, restored=store.stats()["tokens_saved"] - before, forwards=proxy.spent,
-                                  calls=proxy.calls))
+                calls.append(
+                    dict(
+                        total=t,
+                        restored=store.stats()["tokens_saved"] - before,
+                        forwards=proxy.spent,
+                        calls=proxy.calls,
+                    )
+                )
             st = store.stats()
-            handles.append(dict(calls=calls, spent=timed.spent, decisions={k: st[k] for k in (
-                "restored_all", "restored_ram_only", "restored_shorter", "skipped_slower")},
-                first_restore=[st.get("first_restore_s_ram"), st.get("first_restore_s_disk")]))
+            handles.append(
+                dict(
+                    calls=calls,
+                    spent=timed.spent,
+                    decisions={
+                        k: st[k] for k in ("restored_all", "restored_ram_only", "restored_shorter", "skipped_slower")
+                    },
+                    first_restore=[st.get("first_restore_s_ram"), st.get("first_restore_s_disk")],
+                )
+            )
             store.close()
         r["handles"] = handles
         print(json.dumps({n: {k: v for k, v in r.items() if not k.startswith("profile")}}, default=str), flush=True)

@@ -97,6 +97,7 @@ def child(spec: str) -> int:
         driver = cuda._get_driver()
         probe["driver_s"] = time.perf_counter() - started
         if driver is not None:
+
             def ring():
                 t = time.perf_counter()
                 driver.ring()

@@ -67,10 +67,7 @@ def make_pool(seed: int, size: int, vocab: int) -> list[list[int]]:
         if prefixes and rng.random() < 0.3:
             head = rng.choice(prefixes) + head[:24]
         prefixes.append(head)
-    return [
-        rng.choice(prefixes) + [rng.randrange(vocab) for _ in range(rng.randint(1, 60))]
-        for _ in range(size)
-    ]
+    return [rng.choice(prefixes) + [rng.randrange(vocab) for _ in range(rng.randint(1, 60))] for _ in range(size)]
 
 
 # -- worker process -----------------------------------------------------------------------------
@@ -249,8 +246,7 @@ def run_verify(spec: dict) -> int:
 
 def _ppc_check(store: str, *flags: str) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-m", "persistent_prefix_cache", "check", "--json", "--store", store]
-        + list(flags),
+        [sys.executable, "-m", "persistent_prefix_cache", "check", "--json", "--store", store] + list(flags),
         capture_output=True,
         text=True,
         timeout=600,
@@ -445,12 +441,7 @@ def supervise(args: argparse.Namespace) -> int:
         # An index much larger than its blocks means freed pages are not reused (LMDB
         # readers left behind by killed processes pin them).
         "index_bytes": os.path.getsize(os.path.join(store, "index", "data.mdb")),
-        "block_bytes": sum(
-            e.stat().st_size
-            for d in os.scandir(blocks_dir)
-            if d.is_dir()
-            for e in os.scandir(d.path)
-        ),
+        "block_bytes": sum(e.stat().st_size for d in os.scandir(blocks_dir) if d.is_dir() for e in os.scandir(d.path)),
     }
 
     ok = (
@@ -515,8 +506,7 @@ def _render(s: dict) -> str:
         f"  after fix         removed {c['fix_removed_files']} files, "
         f"{'clean' if c['clean_after_fix'] else 'NOT CLEAN'}",
         f"  verify            {s['verify']}",
-        f"  on disk           index {s['sizes']['index_bytes']:,} bytes, "
-        f"blocks {s['sizes']['block_bytes']:,} bytes",
+        f"  on disk           index {s['sizes']['index_bytes']:,} bytes, blocks {s['sizes']['block_bytes']:,} bytes",
         "OK" if s["ok"] else f"FAILED (details in {s['workdir']})",
     ]
     return "\n".join(lines)
@@ -527,9 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=300.0, help="how long to run (300)")
     parser.add_argument("--procs", type=int, default=4, help="worker processes (4)")
     parser.add_argument("--threads", type=int, default=2, help="threads per worker (2)")
-    parser.add_argument(
-        "--kill-every", type=float, default=3.0, help="mean seconds between SIGKILLs (3)"
-    )
+    parser.add_argument("--kill-every", type=float, default=3.0, help="mean seconds between SIGKILLs (3)")
     parser.add_argument("--no-kills", action="store_const", const=0.0, dest="kill_every")
     parser.add_argument(
         "--min-ops", type=int, default=0,

@@ -249,7 +249,9 @@ class Bench:
         entry = {"row": row, "path": ROW_NAMES[row], "what": what, "figure": figure, "baseline": baseline,
                  "ratio": ratio, "target": target, "unit": unit, "baseline_is": baseline_is, "detail": detail}  # fmt: skip
         self.rows.append(entry)
-        self.log(f"row {row} {what}: {fmt_value(figure, unit)} vs {fmt_value(baseline, unit)}, ratio {ratio:.3f} ({target})")
+        self.log(
+            f"row {row} {what}: {fmt_value(figure, unit)} vs {fmt_value(baseline, unit)}, ratio {ratio:.3f} ({target})"
+        )
 
     def run_child(self, spec: dict, name: str) -> dict:
         """Run this file's ``--child`` (a new process: a restart) on `spec`; its JSON."""
@@ -326,7 +328,11 @@ def chat_tokens(vocab: int, plan: Plan) -> list[list[int]]:
     conv: list[int] = []
     out = []
     for turn in range(plan.chat_turns):
-        conv = conv + prompt_ids(vocab, plan.chat_user, seed=1000 + turn) + prompt_ids(vocab, plan.chat_answer, seed=2000 + turn)
+        conv = (
+            conv
+            + prompt_ids(vocab, plan.chat_user, seed=1000 + turn)
+            + prompt_ids(vocab, plan.chat_answer, seed=2000 + turn)
+        )
         out.append(conv)
     return out
 
@@ -399,7 +405,9 @@ def rows_restarted(b: Bench, rows: set[int]) -> None:
         restore = {k: [t for c in chats for t in c["restore_s"][k]] for k in ("turns", "once", "blocks")}
         restored = {k: sorted({t for c in chats for t in c["restored"][k]}) for k in restore}
         n = len(chat["tokens"])
-        detail = dict(tokens=n, kv_bytes=chat["kv_bytes"], restored_tokens=restored, build_turn_by_turn_s=chat["build_turns_s"])
+        detail = dict(
+            tokens=n, kv_bytes=chat["kv_bytes"], restored_tokens=restored, build_turn_by_turn_s=chat["build_turns_s"]
+        )
         # Restore speed: tokens restored per second (the same bytes a token, so bytes/s alike).
         speed = {k: [max(restored[k]) / t for t in v] for k, v in restore.items()}
         b.add(4, f"{n} tokens: restore, chat stored every turn ÷ stored at once", median(restore["turns"]),
@@ -446,7 +454,9 @@ def child(spec_path: str) -> int:
                 stats = store.stats()
             finally:
                 store.close()
-            decisions = {k: stats[k] for k in ("restored_all", "restored_ram_only", "restored_shorter", "skipped_slower")}
+            decisions = {
+                k: stats[k] for k in ("restored_all", "restored_ram_only", "restored_shorter", "skipped_slower")
+            }
             out["restart"].append({"cold_s": cold, "cold_after_open_s": cold_after_open, "open_s": opened,
                                    "calls_s": calls, "restored": restored, "decisions": decisions})  # fmt: skip
     if "chat" in job:
@@ -515,9 +525,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gpu", action="store_true", help="an 8B-shaped model (rows 2-4) and a 3B folder (the others)")
     p.add_argument("--smoke", action="store_true", help="a tiny run (CI)")
-    p.add_argument("--small", action="store_true", help="with --gpu: its paths with small shapes (to check them on a CPU)")
+    p.add_argument(
+        "--small", action="store_true", help="with --gpu: its paths with small shapes (to check them on a CPU)"
+    )
     p.add_argument("--rows", default="1-7", help="which rows, e.g. 2,3 or 5-7 (default: all)")
-    p.add_argument("--repeat", type=int, default=0, help="timed rounds per figure (default: 3; 2 with --gpu; 1 with --smoke)")
+    p.add_argument(
+        "--repeat", type=int, default=0, help="timed rounds per figure (default: 3; 2 with --gpu; 1 with --smoke)"
+    )
     p.add_argument("--tokens", default="", help="prompt lengths of rows 2 and 3, comma-separated")
     p.add_argument("--json", action="store_true", help="JSON on stdout (the table goes to stderr)")
     p.add_argument("--dir", default=None, help="scratch folder's parent (default: the system's temp folder)")

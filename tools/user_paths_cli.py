@@ -286,7 +286,9 @@ def row_precompute(b: Bench) -> None:
         wall, out = run_timed([*ppc_command(), "precompute", "--model", str(folder), "--store", str(store),
                                "--json", "--no-progress", *map(str, files)])  # fmt: skip
         summary = json.loads(out)
-        reported.append({k: summary[k] for k in ("tokens", "tokens_computed", "seconds", "tokens_per_second")} | {"wall_s": wall})
+        reported.append(
+            {k: summary[k] for k in ("tokens", "tokens_computed", "seconds", "tokens_per_second")} | {"wall_s": wall}
+        )
         shutil.rmtree(store)
         # Seconds per computed token, as ppc reports it (load and process start are not in it).
         return {"ours": summary["seconds"] / summary["tokens_computed"]}

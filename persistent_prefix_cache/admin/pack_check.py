@@ -153,5 +153,7 @@ def _rebuild(blocks: PackBlocks, layout: Layout, path: list) -> list:
             views[lid].append(Layout.view(node, lid, part))
     cache = layout.rebuild({lid: BlockSource(v) for lid, v in views.items()}, path[-1].end)
     if cache is None:
-        raise InvalidArgumentError(f"{blocks.path}: the blocks ending in {path[-1].key.hex()} do not fit the model's layout")
+        raise InvalidArgumentError(
+            f"{blocks.path}: the blocks ending in {path[-1].key.hex()} do not fit the model's layout"
+        )
     return cache

@@ -205,7 +205,9 @@ def import_pack(files: SegmentFiles, index: Index, in_path: str, *, secret: byte
             )
         nodes = reader.nodes(manifest)
         if any(block_key(n.parent, n.tokens) != n.key for n in nodes):
-            raise InvalidArgumentError(f"{in_path}: damaged node records (a key that its parent and tokens do not give)")
+            raise InvalidArgumentError(
+                f"{in_path}: damaged node records (a key that its parent and tokens do not give)"
+            )
         with index.reader() as r:
             present = {n.key for n in nodes if r.get(n.key) is not None}
             known = set(r.segments())

@@ -121,7 +121,9 @@ def push_store(
                 held_here = [n for n, h in zip(batch, held) if h == 1]
                 bad = [n for n in held_here if not _holds_good(tiers[root_of[n.key]], n)]
                 for root in {root_of[n.key] for n in bad}:
-                    blocks = [(n, b) for n in bad if root_of[n.key] == root and (b := files.block_tensors(n)) is not None]
+                    blocks = [
+                        (n, b) for n in bad if root_of[n.key] == root and (b := files.block_tensors(n)) is not None
+                    ]
                     written, _ = tiers[root].put(blocks, replace=True) if blocks else (0, 0)
                     out["replaced"] += written
                     out["already"] -= written

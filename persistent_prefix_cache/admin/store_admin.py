@@ -67,9 +67,7 @@ class StoreAdmin:
             create_root(self.path, shared=shared)
         if not readonly:
             require_writable(self.path, hint=WRITE_HINT)
-        self.index = Index(
-            os.path.join(self.path, "index"), readonly=readonly, block_size=block_size, migrate=create
-        )
+        self.index = Index(os.path.join(self.path, "index"), readonly=readonly, block_size=block_size, migrate=create)
         try:
             check_schema(self.path, self.index.version(), shown=path)
         except BaseException:
@@ -297,9 +295,7 @@ class StoreAdmin:
                 stack.extend(children.get(k, ()))
         return out
 
-    def _repair(
-        self, alive: dict[bytes, Node], doomed: set[bytes], sizes: dict[bytes, int]
-    ) -> tuple[int, list[bytes]]:
+    def _repair(self, alive: dict[bytes, Node], doomed: set[bytes], sizes: dict[bytes, int]) -> tuple[int, list[bytes]]:
         """Rewrite the index from the surviving nodes (with the segment file sizes
         `sizes` corrects), then unlink segments none uses.
 

@@ -53,7 +53,11 @@ def check_store(path: str, *, fix: bool = False, grace: float = 60.0) -> CheckRe
     report.problems += found
     if fixed:
         report.fixed = True
-    stuck = [d for k, d in found if blocks_opening(k, d)] if not fix else [u for u in report.unfixed if blocks_opening("", u)]
+    stuck = (
+        [d for k, d in found if blocks_opening(k, d)]
+        if not fix
+        else [u for u in report.unfixed if blocks_opening("", u)]
+    )
     if stuck:
         report.notes.append(
             f"the index was not opened: {stuck[0].split(':')[0]} is not the store's (`ppc check --fix` removes it)"

@@ -29,7 +29,9 @@ def _render(r: dict) -> str:
             f"{b['models']} model(s); recency and hit counts were reset"
         )
         if b.get("converted"):
-            lines.append(f"rewrote {b['converted']} segment file(s) of format v4 as v5 (checksums bound to their blocks)")
+            lines.append(
+                f"rewrote {b['converted']} segment file(s) of format v4 as v5 (checksums bound to their blocks)"
+            )
         if b["dropped"]:
             lines.append(f"left out {b['dropped']} intact block(s) whose earlier blocks are missing")
         for u in b["unusable"]:

@@ -113,7 +113,10 @@ def _table(cold: dict, warm: dict) -> str:
         ("blocks / bytes on disk", f"{cold['blocks']} / {cold['bytes_on_disk']:,}", f"{warm['blocks']} / {warm['bytes_on_disk']:,}"),
     ]  # fmt: skip
     width = [max(len(str(r[i])) for r in rows) for i in range(3)]
-    lines = ["  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, width))) for r in rows]
+    lines = [
+        "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, width)))
+        for r in rows
+    ]
     lines.insert(1, "-" * len(lines[0]))
     same = cold["generated"] == warm["generated"]
     lines += [
@@ -127,9 +130,18 @@ def _table(cold: dict, warm: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``ppc demo``."""
     parser = make_parser("demo", __doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=path_arg, help="a local model folder or hub id (default: a tiny random model, no network)")
-    parser.add_argument("--workdir", type=path_arg, default=DEFAULT_WORKDIR, help="where the demo keeps its model and store; it replaces only what it made there itself (default: %(default)s)")
-    parser.add_argument("--prompt-tokens", type=int, default=1536, help="prompt length in tokens (default: %(default)s)")
+    parser.add_argument(
+        "--model", type=path_arg, help="a local model folder or hub id (default: a tiny random model, no network)"
+    )
+    parser.add_argument(
+        "--workdir",
+        type=path_arg,
+        default=DEFAULT_WORKDIR,
+        help="where the demo keeps its model and store; it replaces only what it made there itself (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=1536, help="prompt length in tokens (default: %(default)s)"
+    )
     parser.add_argument("--max-tokens", type=int, default=24, help="tokens to generate (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
     parser.add_argument("--phase", choices=["cold", "warm"], help=argparse.SUPPRESS)

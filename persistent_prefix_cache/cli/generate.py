@@ -154,10 +154,7 @@ def _check_model_options(args) -> None:
             "it wraps (mlx_lm.generate ignores --max-kv-size there)"
         )
     if args.max_kv_size is not None and args.kv_bits is not None:
-        raise UserError(
-            "--max-kv-size cannot be combined with --kv-bits: mlx-lm does not quantize "
-            "its rotating cache"
-        )
+        raise UserError("--max-kv-size cannot be combined with --kv-bits: mlx-lm does not quantize its rotating cache")
     if args.quantized_kv_start is not None and args.quantized_kv_start != 0:
         raise UserError(
             "--quantized-kv-start: only 0 is supported: the store keeps one layout per "
@@ -199,8 +196,7 @@ def _summary(result: dict) -> str:
     return "\n".join(
         [
             f"Prompt: {result['prompt_tokens']} tokens, {result['prompt_tps']:.3f} tokens-per-sec",
-            f"Generation: {result['generation_tokens']} tokens, "
-            f"{result['generation_tps']:.3f} tokens-per-sec",
+            f"Generation: {result['generation_tokens']} tokens, {result['generation_tps']:.3f} tokens-per-sec",
             f"Peak memory: {result['peak_memory_gb']:.3f} GB",
         ]
     )
@@ -228,9 +224,7 @@ def _render(result: dict) -> str:
 
 def _generate(args) -> int:
     if args.max_tokens == 0 or args.max_tokens < -1:
-        raise UserError(
-            f"--max-tokens must be at least 1 (or -1 for no limit), got {args.max_tokens}"
-        )
+        raise UserError(f"--max-tokens must be at least 1 (or -1 for no limit), got {args.max_tokens}")
     check_positive("--block-size", args.block_size)
     check_positive("--prefill-step-size", args.prefill_step_size)
     # Text options held to the rule prompt files are read by, before anything loads.
@@ -449,9 +443,7 @@ def build_parser():
         help="read the message from a UTF-8 file, as --prompt \"$(cat FILE)\" passes it (trailing newlines dropped)",
     )  # fmt: skip
     add_template_options(parser)
-    parser.add_argument(
-        "--prefill-response", default=None, help="prefill response to be used for the chat template"
-    )
+    parser.add_argument("--prefill-response", default=None, help="prefill response to be used for the chat template")
     parser.add_argument(
         "--max-tokens",
         "-m",
@@ -469,9 +461,7 @@ def build_parser():
         default=1,
         help="minimum tokens to keep for min-p sampling",
     )
-    parser.add_argument(
-        "--xtc-probability", type=float, default=0.0, help="probability of XTC sampling at each token"
-    )
+    parser.add_argument("--xtc-probability", type=float, default=0.0, help="probability of XTC sampling at each token")
     parser.add_argument(
         "--xtc-threshold", type=float, default=generate_default("xtc_threshold", 0.1),
         help="probability threshold of XTC sampling's candidates (default: %(default)s, as mlx_lm.generate's)",
@@ -503,9 +493,7 @@ def build_parser():
         help="add tokens to the list of end-of-sequence tokens that stop generation",
     )
     add_prefill_option(parser)
-    parser.add_argument(
-        "--quiet", "-q", action="store_true", help="print only the generated text (no stats)"
-    )
+    parser.add_argument("--quiet", "-q", action="store_true", help="print only the generated text (no stats)")
     parser.add_argument(
         "--verbose", type=_str2bool, default=True, metavar="BOOL",
         help="as mlx_lm.generate: 'False' prints only the generated text (same as --quiet)",

@@ -14,8 +14,16 @@ def _render(s: dict) -> str:
     out.append(
         table(
             [
-                (m["root"][:12], short_fingerprint(m["fingerprint"]), m.get("name") or "(unnamed)", m["namespace"] or "-",
-                 m["blocks"], m["bytes"], m["block_hits"], m["layout"])
+                (
+                    m["root"][:12],
+                    short_fingerprint(m["fingerprint"]),
+                    m.get("name") or "(unnamed)",
+                    m["namespace"] or "-",
+                    m["blocks"],
+                    m["bytes"],
+                    m["block_hits"],
+                    m["layout"],
+                )
                 for m in s["models"]
             ],  # fmt: skip
             header=("model", "fingerprint", "name", "namespace", "blocks", "bytes", "block hits", "layout"),
@@ -25,8 +33,13 @@ def _render(s: dict) -> str:
     out.append(
         table(
             [
-                (p["model"], p["tokens"], "yes" if p["resumable"] else "no", p["block_hits"],
-                 datetime.fromtimestamp(p["last_access"] / 1e9).strftime("%Y-%m-%d %H:%M:%S"))
+                (
+                    p["model"],
+                    p["tokens"],
+                    "yes" if p["resumable"] else "no",
+                    p["block_hits"],
+                    datetime.fromtimestamp(p["last_access"] / 1e9).strftime("%Y-%m-%d %H:%M:%S"),
+                )
                 for p in s["longest_prefixes"]
             ],  # fmt: skip
             header=("model", "tokens", "resumable", "block hits", "last used"),
@@ -36,9 +49,19 @@ def _render(s: dict) -> str:
     out += ["", "fingerprints remembered by model folder (`ppc forget` forgets them):"]
     out.append(
         table(
-            [(r.get("folder") or (f"(weights hashed {str(r['alias_of'])[:20]})" if r.get("alias_of") else
-              "(unknown: remembered before verification)"), short_fingerprint(r.get("fingerprint")),
-              "yes" if r.get("sample") or r.get("alias_of") else "no") for r in s.get("remembered", [])],  # fmt: skip
+            [
+                (
+                    r.get("folder")
+                    or (
+                        f"(weights hashed {str(r['alias_of'])[:20]})"
+                        if r.get("alias_of")
+                        else "(unknown: remembered before verification)"
+                    ),
+                    short_fingerprint(r.get("fingerprint")),
+                    "yes" if r.get("sample") or r.get("alias_of") else "no",
+                )
+                for r in s.get("remembered", [])
+            ],  # fmt: skip
             header=("folder", "fingerprint", "verified"),
         )
         or "(none)"

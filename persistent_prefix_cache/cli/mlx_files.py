@@ -36,10 +36,14 @@ MLX_PREFILL_STEP_SIZE = 2048
 
 def _add_prompt_options(parser) -> None:
     group = parser.add_mutually_exclusive_group(required=True)
-    group.add_argument("--prompt", help="the prompt given to mlx_lm.cache_prompt ('-' reads stdin, as --prompt-file does)")
+    group.add_argument(
+        "--prompt", help="the prompt given to mlx_lm.cache_prompt ('-' reads stdin, as --prompt-file does)"
+    )
     group.add_argument("--prompt-file", type=path_arg,
                        help='a UTF-8 file holding that prompt, read as --prompt "$(cat FILE)" passes it')  # fmt: skip
-    group.add_argument("--tokens-file", type=path_arg, help="the token ids instead: a JSON list or whitespace-separated")
+    group.add_argument(
+        "--tokens-file", type=path_arg, help="the token ids instead: a JSON list or whitespace-separated"
+    )
 
 
 def _token_file(path: str, vocab_size: int) -> list[int]:
@@ -52,7 +56,9 @@ def _token_file(path: str, vocab_size: int) -> list[int]:
         raise UserError(f"--tokens-file {path}: holds no token ids (a list of integers)")
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise UserError(f"--tokens-file {path}: token id {bad[0]} is outside the model's vocabulary (0..{vocab_size - 1})")
+        raise UserError(
+            f"--tokens-file {path}: token id {bad[0]} is outside the model's vocabulary (0..{vocab_size - 1})"
+        )
     return ids
 
 
@@ -396,7 +402,9 @@ def generate_from_file(args, prompt: str) -> int:
     from ..layers.mlx_files import read_prompt_cache
 
     if args.image:
-        raise UserError("--image is not supported with --prompt-cache-file: use mlx_lm generate for prompts with images")
+        raise UserError(
+            "--image is not supported with --prompt-cache-file: use mlx_lm generate for prompts with images"
+        )
     file = read_prompt_cache(args.prompt_cache_file)
     quant = kv_quantization(signature_of(file.cache[:1]))
     if quant is not None:  # mlx_lm generate's checks, on its first layer
@@ -407,7 +415,9 @@ def generate_from_file(args, prompt: str) -> int:
     _check_recorded_model(file, args.model, args.prompt_cache_file, False)
     if args.seed is not None:
         mx.random.seed(args.seed)
-    model, tokenizer, _ = load_model(args.model, adapter_path=args.adapter_path, trust_remote_code=args.trust_remote_code)
+    model, tokenizer, _ = load_model(
+        args.model, adapter_path=args.adapter_path, trust_remote_code=args.trust_remote_code
+    )
     for token in args.extra_eos_token:
         tokenizer.add_eos_token(token)
     ids = suffix_tokens(prompt, tokenizer, args)

@@ -136,10 +136,7 @@ def read_inputs(paths: list[str], fmt: str) -> list[PromptInput]:
     """
     if not paths:
         if sys.stdin is None or sys.stdin.isatty():
-            raise UserError(
-                "no inputs: give text or JSONL files, or pipe prompts on stdin "
-                "(see ppc precompute --help)"
-            )
+            raise UserError("no inputs: give text or JSONL files, or pipe prompts on stdin (see ppc precompute --help)")
         paths = [STDIN]
     if paths.count(STDIN) > 1:
         raise UserError("'-' (stdin) is given more than once; stdin can be read only once")
@@ -159,11 +156,7 @@ def read_inputs(paths: list[str], fmt: str) -> list[PromptInput]:
             prompts.append(PromptInput(name, text=prompt_of(text, name)))
             continue
         text = text.removeprefix("\ufeff")  # a byte-order mark is no part of JSONL's rows
-        rows = [
-            _parse_row(line, f"{name}:{n}")
-            for n, line in enumerate(text.splitlines(), 1)
-            if line.strip()
-        ]
+        rows = [_parse_row(line, f"{name}:{n}") for n, line in enumerate(text.splitlines(), 1) if line.strip()]
         if not rows:
             raise UserError(f"{name}: no JSONL rows; nothing to precompute")
         prompts.extend(rows)

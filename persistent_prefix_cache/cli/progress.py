@@ -85,7 +85,9 @@ class Progress:
         self._last = 0.0
         self._width = 0
 
-    def update(self, done_in_prompt: int, computed: int, *, restoring: float | None = None, force: bool = False) -> None:
+    def update(
+        self, done_in_prompt: int, computed: int, *, restoring: float | None = None, force: bool = False
+    ) -> None:
         """Redraw with `done_in_prompt` tokens of the current prompt covered, `computed`
         tokens prefilled so far in total, and `restoring` seconds spent restoring so far
         (the rate is of computing: tokens computed over the time not spent restoring)."""

@@ -22,7 +22,14 @@ import warnings
 from typing import Any, Iterator, Sequence
 
 from ..disk.store_dir import check_location, require_writable
-from .common import UserError, add_disk_budget_option, add_store_shared_option, open_store, short_fingerprint, store_path
+from .common import (
+    UserError,
+    add_disk_budget_option,
+    add_store_shared_option,
+    open_store,
+    short_fingerprint,
+    store_path,
+)
 
 # Tokens per forward pass for models whose every layer is sliceable (mlx-lm's default).
 DEFAULT_PREFILL_STEP_SIZE = 2048
@@ -47,9 +54,7 @@ def add_block_size_option(parser: argparse.ArgumentParser) -> None:
 
 def add_template_options(parser: argparse.ArgumentParser) -> None:
     """The chat-template options of ``mlx_lm.generate``."""
-    parser.add_argument(
-        "--system-prompt", default=None, help="system prompt to be used for the chat template"
-    )
+    parser.add_argument("--system-prompt", default=None, help="system prompt to be used for the chat template")
     parser.add_argument(
         "--ignore-chat-template",
         action="store_true",
@@ -106,9 +111,7 @@ def template_kwargs(args: argparse.Namespace) -> dict:
     except json.JSONDecodeError as exc:
         raise UserError(f"--chat-template-config is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
-        raise UserError(
-            "--chat-template-config must be a JSON object, e.g. '{\"enable_thinking\": false}'"
-        )
+        raise UserError("--chat-template-config must be a JSON object, e.g. '{\"enable_thinking\": false}'")
     return value
 
 
@@ -323,9 +326,7 @@ def check_store_path(args: argparse.Namespace, *, walk: bool = True) -> str:
     return path
 
 
-def open_checked_store(
-    args: argparse.Namespace, model: Any, local_path: str | None, *, need_write: bool, **kwargs
-):
+def open_checked_store(args: argparse.Namespace, model: Any, local_path: str | None, *, need_write: bool, **kwargs):
     """Open ``--store`` for `model`, refusing a store that cannot be meant for it.
 
     A store directory may hold several models. What is refused: a folder that is not
@@ -362,9 +363,7 @@ def open_checked_store(
         if need_write and store.readonly:
             # Say why (a read-only file system, another user's files), in one line.
             require_writable(store.path, hint="give a store directory you can write to, or fix its permissions")
-            raise UserError(
-                f"store {store.path} is not writable; give a store directory you can write to"
-            )
+            raise UserError(f"store {store.path} is not writable; give a store directory you can write to")
         wanted = getattr(args, "block_size", None)
         if wanted is not None and wanted != store.block_size:
             raise UserError(

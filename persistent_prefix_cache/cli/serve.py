@@ -59,13 +59,9 @@ def _parser() -> argparse.ArgumentParser:
         passthrough=True,  # mlx_lm.server's options: `_check_passthrough` checks them against both parsers
     )
     parser.add_argument("-h", "--help", action="store_true", help="show this help and exit")
-    parser.add_argument(
-        "--model", type=path_arg, metavar="M", help="model folder or hub id (passed to mlx_lm.server)"
-    )
+    parser.add_argument("--model", type=path_arg, metavar="M", help="model folder or hub id (passed to mlx_lm.server)")
     add_store_option(parser)
-    parser.add_argument(
-        "--namespace", default="", metavar="NAME", help="tenant or cache salt (default: none)"
-    )
+    parser.add_argument("--namespace", default="", metavar="NAME", help="tenant or cache salt (default: none)")
     parser.add_argument(
         "--store-memory-bytes",
         type=parse_size,
@@ -82,9 +78,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="tokens per block of a new store",
     )
-    parser.add_argument(
-        "--store-readonly", action="store_true", help="restore from the store, never write it"
-    )
+    parser.add_argument("--store-readonly", action="store_true", help="restore from the store, never write it")
     add_store_shared_option(parser)
     parser.add_argument(
         "--store-optional",
@@ -316,8 +310,7 @@ def _check_store(path: str, args: argparse.Namespace) -> None:
         )
     if not args.store_readonly and existing_but_not_writable(path):
         raise UserError(
-            f"--store {path}: the store is not writable by this user; "
-            "pass --store-readonly to serve its hits only"
+            f"--store {path}: the store is not writable by this user; pass --store-readonly to serve its hits only"
         )
 
 

@@ -179,9 +179,7 @@ class BlockAwarePrefixCache(Linked):
         held = covered(layers)
         if held is not None and held != n:
             if held > n:
-                log.warning(
-                    "cache holds %d positions but %d tokens were given: not stored", held, n
-                )
+                log.warning("cache holds %d positions but %d tokens were given: not stored", held, n)
                 return None
             n = held
         if n == 0:
@@ -240,9 +238,7 @@ class BlockAwarePrefixCache(Linked):
             if source is None:
                 return None
             table = self.paged_cache.fork_block_table(source.block_table, new_request_id)
-            self._request_tables[new_request_id] = BlockCacheEntry(
-                table, source.cache_data, time.time()
-            )
+            self._request_tables[new_request_id] = BlockCacheEntry(table, source.cache_data, time.time())
             return table
 
     def reconstruct_cache(self, block_table: BlockTable) -> list[Any] | None:
@@ -351,9 +347,7 @@ class BlockAwarePrefixCache(Linked):
         # block the query leaves part-way (the table then ends inside it).
         rest = toks[pos : min(limit, pos + bs)]
         children = paged.find_cached_children(parent) if len(rest) else ()
-        best = best_continuation(
-            rest, [(c.token_ids, c.block_hash, c) for c in children], partial_ok=lambda c: True
-        )
+        best = best_continuation(rest, [(c.token_ids, c.block_hash, c) for c in children], partial_ok=lambda c: True)
         if best is None:
             return blocks, pos
         return blocks + [best[0]], pos + best[1]
@@ -378,9 +372,7 @@ class BlockAwarePrefixCache(Linked):
             for leaf, t in leaves(datas[0].template)
         )
 
-    def _put_blocks(
-        self, toks: np.ndarray, layers: list | None, batchless: tuple[int, ...] = ()
-    ) -> list[CacheBlock]:
+    def _put_blocks(self, toks: np.ndarray, layers: list | None, batchless: tuple[int, ...] = ()) -> list[CacheBlock]:
         """Blocks holding `toks` (and the KV of `layers`), each with a reference taken."""
         paged, bs, n = self.paged_cache, self.block_size, len(toks)
         layout = template = None
@@ -419,11 +411,7 @@ class BlockAwarePrefixCache(Linked):
 def _lacks_snapshot(data: Any, last: bool) -> bool:
     # A block first stored mid-sequence has no snapshot; one that now ends a sequence
     # should gain it, or recurrent layers could not resume there.
-    return (
-        last
-        and isinstance(data, _BlockData)
-        and not all(v.has_snapshot or v.has_slice for v in data.views.values())
-    )
+    return last and isinstance(data, _BlockData) and not all(v.has_snapshot or v.has_slice for v in data.views.values())
 
 
 def _merge(old: Any, new: _BlockData) -> _BlockData:

@@ -334,9 +334,7 @@ class PersistentLRUPromptCache(LRUPromptCache):
             stores = list(self._stores.items())
         if self._shared_store is not None:
             stores = [(None, self._shared_store)]
-        out["stores"] = [
-            {"model": key, "path": s.path, "stats": s.stats()} for key, s in stores if not s.closed
-        ]
+        out["stores"] = [{"model": key, "path": s.path, "stats": s.stats()} for key, s in stores if not s.closed]
         out["memory_bytes"] = self.nbytes
         out["memory_budget"] = self.max_bytes if self.max_bytes < _NO_LIMIT else None  # None: unbounded
         return out

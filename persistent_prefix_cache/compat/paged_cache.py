@@ -184,9 +184,7 @@ class PagedCacheManager(PoolCalls):
         """
         return block_key(parent_hash or ROOT_HASH, _token_bytes(tokens))
 
-    def register_block_hash(
-        self, block: CacheBlock, tokens: Any, parent_hash: bytes | None = None
-    ) -> bytes:
+    def register_block_hash(self, block: CacheBlock, tokens: Any, parent_hash: bytes | None = None) -> bytes:
         """Index `block` as holding `tokens` right after the block keyed `parent_hash`.
 
         A block registered without a parent is a position-0 block: it is never found
@@ -325,9 +323,7 @@ class PagedCacheManager(PoolCalls):
             for block_id in table.block_ids if table else ():
                 self.free_block(block_id)
 
-    def add_block_to_table(
-        self, table: BlockTable, block: CacheBlock, tokens_in_block: int
-    ) -> None:
+    def add_block_to_table(self, table: BlockTable, block: CacheBlock, tokens_in_block: int) -> None:
         """Append a block the caller holds a reference to.
 
         Args:
@@ -442,9 +438,7 @@ class PagedCacheManager(PoolCalls):
             s.free_blocks = len(self._free)
             s.shared_blocks = sum(1 for b in self.allocated_blocks.values() if b.ref_count > 1)
             s.cached_blocks = len(self._by_hash)
-            s.total_tokens_cached = sum(
-                b.token_count for b in self.allocated_blocks.values() if not b.is_null
-            )
+            s.total_tokens_cached = sum(b.token_count for b in self.allocated_blocks.values() if not b.is_null)
             return s
 
     def get_memory_usage(self) -> dict[str, Any]:

@@ -230,9 +230,7 @@ class PrefixCacheManager(Linked):
         held = covered(prompt_cache)
         if held is not None:
             if held > n:
-                log.warning(
-                    "cache holds %d positions but %d tokens were given: not stored", held, n
-                )
+                log.warning("cache holds %d positions but %d tokens were given: not stored", held, n)
                 return
             n = held
         if n == 0:

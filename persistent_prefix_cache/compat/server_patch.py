@@ -107,9 +107,7 @@ def _mlx_lm_version() -> str:
 
 
 @contextmanager
-def patched_server(
-    server: Any, make_cache: Callable[[Any, int, int], Any]
-) -> Iterator[dict[str, Any]]:
+def patched_server(server: Any, make_cache: Callable[[Any, int, int], Any]) -> Iterator[dict[str, Any]]:
     """Make ``server.run`` build its prompt cache with `make_cache` while inside.
 
     Args:

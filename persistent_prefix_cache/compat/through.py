@@ -100,9 +100,7 @@ class StoreLink:
         if self.owns_store:
             store = PersistentPrefixCache(store, model)
         elif store is not None and not isinstance(store, PersistentPrefixCache):
-            raise InvalidArgumentError(
-                f"store must be a PersistentPrefixCache or a path, got {type(store).__name__}"
-            )
+            raise InvalidArgumentError(f"store must be a PersistentPrefixCache or a path, got {type(store).__name__}")
         self.store: PersistentPrefixCache | None = store
         self.model = model
         self._warn = warn

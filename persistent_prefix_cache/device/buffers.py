@@ -84,7 +84,9 @@ class Arena:
         if last > self.array.shape[0]:
             return None
         words = self.array[first : max(last, first + 1)].view(mx_uint(size))
-        return mx.as_strided(words, bits.shape, [st // size for st in bits.strides], (at - first * 64) // size).view(dtype)
+        return mx.as_strided(words, bits.shape, [st // size for st in bits.strides], (at - first * 64) // size).view(
+            dtype
+        )
 
 
 # -- allocation without a zero-fill ---------------------------------------------------

@@ -221,7 +221,10 @@ def to_host(array: np.ndarray) -> np.ndarray:
     except OSError:
         return array
     got, want = out.reshape(-1).view(np.uint8), array.reshape(-1).view(np.uint8)
-    if not (np.array_equal(got[:_CHECK_BYTES], want[:_CHECK_BYTES]) and np.array_equal(got[-_CHECK_BYTES:], want[-_CHECK_BYTES:])):
+    if not (
+        np.array_equal(got[:_CHECK_BYTES], want[:_CHECK_BYTES])
+        and np.array_equal(got[-_CHECK_BYTES:], want[-_CHECK_BYTES:])
+    ):
         _stop_staging()
         return array
     return out

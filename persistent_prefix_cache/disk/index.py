@@ -22,7 +22,17 @@ from .faults import pause_point
 from .index_env import acquire_env, release_env
 from .store_guard import corrupt_index, store_of
 from .index_tables import (  # noqa: F401 (the tables re-exported)
-    CHILDREN, DIGESTS, FINGERPRINTS, HITS, LRU, META, MODELS, NODES, SEGMENTS, Reader, Writer,
+    CHILDREN,
+    DIGESTS,
+    FINGERPRINTS,
+    HITS,
+    LRU,
+    META,
+    MODELS,
+    NODES,
+    SEGMENTS,
+    Reader,
+    Writer,
 )
 from ..blocks import Node
 from .schema import MIGRATIONS, check_schema

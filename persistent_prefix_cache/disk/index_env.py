@@ -32,6 +32,7 @@ INITIAL_MAP_SIZE = 64 * 1024 * 1024  # tests set it smaller (module setting) to 
 # Named databases opened per environment: the current schema's, and a few spare.
 MAX_DBS = 12
 
+
 class Gate:
     """Any number of transactions at once, or one map resize alone: LMDB requires that
     no transaction of this process be active while the map size changes."""

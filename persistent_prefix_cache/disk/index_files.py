@@ -315,7 +315,9 @@ def checked(index_path: str, *, readonly: bool, writable: bool) -> Iterator[Chec
         if rel == "index" and not readonly and not _check(idx, "data.mdb", store_st, rel, store):
             held = segment_file_count(store)
             if held:  # a new index here would take them for orphans and sweep them
-                raise store_guard.corrupt_index(store, f"index/data.mdb is missing, but {held} segment file(s) hold blocks")
+                raise store_guard.corrupt_index(
+                    store, f"index/data.mdb is missing, but {held} segment file(s) hold blocks"
+                )
         for name in LMDB_FILES if writable else ():
             if (name == "lock.mdb" or not readonly) and not _check(idx, name, store_st, rel, store):
                 try:
@@ -328,7 +330,9 @@ def checked(index_path: str, *, readonly: bool, writable: bool) -> Iterator[Chec
         try:
             pin = _pin(idx) if writable and len(present) == 2 else None
         except _KeptChanging:
-            raise store_guard.unsafe_entry(store, f"{rel}/data.mdb or {rel}/lock.mdb was replaced while it was opened, {PIN_TRIES} times") from None
+            raise store_guard.unsafe_entry(
+                store, f"{rel}/data.mdb or {rel}/lock.mdb was replaced while it was opened, {PIN_TRIES} times"
+            ) from None
         if pin is not None:  # the files LMDB will open, as they are now: nobody can swap them
             where, names = pin.fd, {"data.mdb": pin.name, "lock.mdb": pin.name + "-lock"}
         else:

@@ -439,7 +439,9 @@ class Writer(Reader):
             yield int.from_bytes(key[:8], "big"), key[8:]
             start = key + b"\x00"
 
-    def rebuild(self, alive: dict[bytes, Node], doomed: Iterable[bytes], *, sizes: dict[bytes, int] | None = None) -> None:
+    def rebuild(
+        self, alive: dict[bytes, Node], doomed: Iterable[bytes], *, sizes: dict[bytes, int] | None = None
+    ) -> None:
         """Rewrite nodes, edges, LRU order, segments and totals from the nodes in `alive`.
 
         Child counts and segment counts are recomputed from `alive`; hit counts of

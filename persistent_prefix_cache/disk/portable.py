@@ -37,6 +37,7 @@ def _iov_max() -> int:
     except (AttributeError, ValueError, OSError):
         return 16  # POSIX's minimum for IOV_MAX
 
+
 IOV_MAX = _iov_max()
 HAS_PREADV = hasattr(os, "preadv")
 HAS_WRITEV = hasattr(os, "writev")

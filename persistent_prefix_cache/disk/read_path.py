@@ -209,13 +209,17 @@ def read_path(
                 seg.close()
 
 
-def _intact_before(j, nodes, cached, files, lid_kind, position, expect, digests, origins, target, *, verify: bool = False) -> int:
+def _intact_before(
+    j, nodes, cached, files, lid_kind, position, expect, digests, origins, target, *, verify: bool = False
+) -> int:
     """How many of the blocks before index `j` are intact (j itself is not, unless
     `verify`: then j is the whole path, which failed to read)."""
     if verify:
         j -= 1
     while j > 0:
-        intact = read_path(nodes[:j], cached[:j], files, lid_kind, nodes[j - 1].end, expect, digests, origins, target=target)[0]
+        intact = read_path(
+            nodes[:j], cached[:j], files, lid_kind, nodes[j - 1].end, expect, digests, origins, target=target
+        )[0]
         if intact == j:
             return j
         j = intact
@@ -262,7 +266,11 @@ def _plan(nodes, cached, where) -> tuple[list[_Run], int | None]:
                     spec = known.get((lid, fld, x.shape, x.dtype))
                     if spec is None:
                         name = f"{lid}.{fld}"
-                        spec = (name, (x.shape[0], x.shape[1], x.shape[3]), dtype_info(x.dtype)[0]) if len(x.shape) == 4 else (name, None, None)
+                        spec = (
+                            (name, (x.shape[0], x.shape[1], x.shape[3]), dtype_info(x.dtype)[0])
+                            if len(x.shape) == 4
+                            else (name, None, None)
+                        )
                         known[(lid, fld, x.shape, x.dtype)] = spec
                     if spec[1] is not None and is_sliced(spec[0], x.shape, n):
                         if not extend(k, spec[0], node.position, node.end, spec[1], spec[2]):
@@ -418,8 +426,6 @@ def array_bits(view: memoryview, x: mx.array) -> np.ndarray:
     return np.frombuffer(view.cast("B"), dtype=np_uint(x.itemsize)).reshape(x.shape)
 
 
-
-
 def _copy_cached(nodes, cached, origins, runs) -> None:
     """Copy the slices of blocks that came from the RAM tier into their runs."""
     by_name: dict[str, list[_Run]] = {}
@@ -443,7 +449,9 @@ def _copy_cached(nodes, cached, origins, runs) -> None:
         r, *parts = job
         target = array_bits(r.view, r.array)
         for start, end, v in parts:
-            target[:, :, start - r.start : end - r.start, :] = v if isinstance(v, np.ndarray) else np.asarray(memoryview(v))
+            target[:, :, start - r.start : end - r.start, :] = (
+                v if isinstance(v, np.ndarray) else np.asarray(memoryview(v))
+            )
 
     # One job per buffer, on the reader threads (numpy's copies drop the GIL): a
     # restore from the RAM tier or the remote is a copy into fresh memory, and one

@@ -47,8 +47,7 @@ def schema_error(store: str, version: int, *, shown: str | None = None) -> Store
         return StoreVersionError(f"store {store} has schema v{version}, newer than this version's v{SCHEMA_VERSION}")
     return StoreVersionError(
         f"store {store} has schema v{version}, older than this version's v{SCHEMA_VERSION}",
-        hint=f"run `ppc migrate --store {shown or store}` while no other process uses the store; "
-        "it was left untouched",
+        hint=f"run `ppc migrate --store {shown or store}` while no other process uses the store; it was left untouched",
     )
 
 

@@ -85,7 +85,9 @@ class SegmentFiles:
                 try:
                     make_dirs(sub, root)  # the store's modes, not the umask's; no link followed
                 except NotRegularFileError:
-                    raise unsafe_entry(root, f"{os.path.basename(sub)} is a symbolic link or a file, not a folder") from None
+                    raise unsafe_entry(
+                        root, f"{os.path.basename(sub)} is a symbolic link or a file, not a folder"
+                    ) from None
 
     def path_of(self, segment: bytes) -> str:
         """Absolute path of a segment's file."""
@@ -196,7 +198,9 @@ class SegmentFiles:
                     return
                 finally:
                     os.close(sub)
-            raise FileNotFoundError(f"segments/{h[:2]} vanished {PUBLISH_ATTEMPTS} times while a segment was renamed in")
+            raise FileNotFoundError(
+                f"segments/{h[:2]} vanished {PUBLISH_ATTEMPTS} times while a segment was renamed in"
+            )
 
     def sync_folders(self, segments: Sequence[bytes]) -> None:
         """Fsync, once each, the folders these segments were renamed into (what
@@ -270,7 +274,9 @@ class SegmentFiles:
                 rows[f.name] = (buf, step)
             digest = seg.whole_digest(
                 {
-                    f.name: seg.field_digest(f, lambda f, r: rows[f.name][0][r * rows[f.name][1] : (r + 1) * rows[f.name][1]])
+                    f.name: seg.field_digest(
+                        f, lambda f, r: rows[f.name][0][r * rows[f.name][1] : (r + 1) * rows[f.name][1]]
+                    )
                     for f in seg.fields.values()
                 }
             )

@@ -32,7 +32,19 @@ SEGMENT_FORMAT = "ppc-segment/5"
 MAX_HEADER = 16 * 1024 * 1024  # ~1M tokens in one segment: a header no reader should take
 # The metadata keys of a segment (all values are strings, as safetensors requires).
 META_KEYS = frozenset(
-    {"format", "segment", "root", "model", "block_size", "blocks", "tokens", "fields", "snaps", "digest", "header_digest"}
+    {
+        "format",
+        "segment",
+        "root",
+        "model",
+        "block_size",
+        "blocks",
+        "tokens",
+        "fields",
+        "snaps",
+        "digest",
+        "header_digest",
+    }
 )
 # The header digest's value is found by this marker (unique: a quote inside a JSON
 # string is escaped) and hashed as zeros: xxh3-64 of every other byte of the header.
@@ -147,7 +159,13 @@ def parse_header(head: bytes, size: int, segment: bytes | None = None) -> Header
         blocks = []
         for i, (key, parent, pos, t, flags, nbytes, csum, extra) in enumerate(records):
             key, pos, t = bytes.fromhex(key), int(pos), int(t)
-            if len(key) != 16 or len(bytes.fromhex(parent)) != 16 or not 0 < t <= block_size or pos < 0 or len(csum) != 16:
+            if (
+                len(key) != 16
+                or len(bytes.fromhex(parent)) != 16
+                or not 0 < t <= block_size
+                or pos < 0
+                or len(csum) != 16
+            ):
                 raise ValueError("block record")
             if i and (pos != blocks[-1][1] + blocks[-1][2] or parent != records[i - 1][0]):
                 raise ValueError("blocks are not one chain")
@@ -183,7 +201,9 @@ def parse_header(head: bytes, size: int, segment: bytes | None = None) -> Header
                 if len(shape) != 4 or not 0 <= first < len(blocks) or shape[2] != total - ends[first]:
                     raise ValueError("field shape")
                 batch, heads, tokens, width = shape
-                fields.append(SegmentField(name, dtype, itemsize, batch, heads, width, first, a, blocks[first][1], tokens))
+                fields.append(
+                    SegmentField(name, dtype, itemsize, batch, heads, width, first, a, blocks[first][1], tokens)
+                )
             else:
                 tag, _, rest = name.partition(".")
                 i = int(tag[1:]) if tag[:1] == "b" and tag[1:].isdigit() else -1

@@ -267,7 +267,10 @@ class SegmentPlan:
                 [node.key.hex(), node.parent.hex(), node.position, node.n_tokens, node.flags, self.sizes[i],
                  f"{checksum:016x}", node.extra or {}]
             )  # fmt: skip
-        snaps = {f"b{i}.{name}": f"{digests[j] if digests is not None else 0:016x}" for j, (i, name, *_) in enumerate(self.snaps)}
+        snaps = {
+            f"b{i}.{name}": f"{digests[j] if digests is not None else 0:016x}"
+            for j, (i, name, *_) in enumerate(self.snaps)
+        }
         metadata = {
             "format": SEGMENT_FORMAT,
             "segment": self.segment.hex(),
@@ -290,7 +293,9 @@ class SegmentPlan:
         return head[:at] + f"{header_digest(head):016x}".encode() + head[at + 16 :]
 
 
-def plan_segment(segment: bytes, blocks: Sequence[tuple[Node, dict]], root: bytes, model: bytes, block_size: int) -> "SegmentPlan":
+def plan_segment(
+    segment: bytes, blocks: Sequence[tuple[Node, dict]], root: bytes, model: bytes, block_size: int
+) -> "SegmentPlan":
     """Check the blocks and lay out their segment (nothing is hashed yet)."""
     if not blocks:
         raise ValueError("a segment needs at least one block")
@@ -302,10 +307,7 @@ def plan_segment(segment: bytes, blocks: Sequence[tuple[Node, dict]], root: byte
         raise ValueError("a segment's first block is not under its model's root")
     if len(root) != 16:
         raise ValueError("a model root key has 16 bytes")
-    flat = [
-        {f"{lid}.{f}": x for lid, part in tensors.items() for f, x in part.items()}
-        for _, tensors in blocks
-    ]
+    flat = [{f"{lid}.{f}": x for lid, part in tensors.items() for f, x in part.items()} for _, tensors in blocks]
     sliced: dict[str, list] = {}  # name -> [dtype, batch, heads, width, first block]
     for i, ((node, _), tensors) in enumerate(zip(blocks, flat)):
         for name in sorted(tensors):
@@ -347,7 +349,14 @@ def plan_segment(segment: bytes, blocks: Sequence[tuple[Node, dict]], root: byte
                 continue
             view = _bytes(tensors[name])
             node = blocks[i][0]
-            snaps.append((i, name, view, snapshot_tag(node.key, node.position, name, _dtype(tensors[name]), _shape(tensors[name]))))
+            snaps.append(
+                (
+                    i,
+                    name,
+                    view,
+                    snapshot_tag(node.key, node.position, name, _dtype(tensors[name]), _shape(tensors[name])),
+                )
+            )
             sizes[i] += view.nbytes
             tensors_of[f"b{i}.{name}"] = {
                 "dtype": _dtype(tensors[name]),

@@ -477,10 +477,7 @@ def template_cache(model: Any, *, kv_bits: int | None = None, kv_group_size: int
     """
     cache = make_prompt_cache(model)
     if kv_bits is not None:
-        cache = [
-            QuantizedKVCache(group_size=kv_group_size, bits=kv_bits) if type(c) is KVCache else c
-            for c in cache
-        ]
+        cache = [QuantizedKVCache(group_size=kv_group_size, bits=kv_bits) if type(c) is KVCache else c for c in cache]
     return cache
 
 

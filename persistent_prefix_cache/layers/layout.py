@@ -179,10 +179,7 @@ class Layout:
             The cache, or None if the tensors do not fit the layout (a miss).
         """
         try:
-            rebuilt = {
-                lid: adapter.rebuild(template, sources[lid], position)
-                for lid, template, adapter in self.leaves
-            }
+            rebuilt = {lid: adapter.rebuild(template, sources[lid], position) for lid, template, adapter in self.leaves}
         except (KeyError, ValueError, IndexError) as exc:
             log.warning("stored blocks do not fit the layout: %s", exc)
             return None
@@ -289,7 +286,9 @@ class Layout:
             )
             new.append((node, tensors, BlockBits(whole, start - offset, end - offset, tensors), origin))
         # Snapshots (windows, recurrent states) are their own small copies, bits and all.
-        mx.eval([x for _, tensors, _, _ in new for lid, part in tensors.items() if lid not in whole for x in part.values()])
+        mx.eval(
+            [x for _, tensors, _, _ in new for lid, part in tensors.items() if lid not in whole for x in part.values()]
+        )
         return new
 
     @staticmethod

@@ -197,7 +197,9 @@ def _layer(name: str, state: Any, meta: Any, layout: str, path: str, where: str)
     if old:
         keep, max_size, offset, idx = (_int(x, path, f"layer {where} meta_state") for x in _items(meta, 4, path, where))
     else:
-        offset, keep, max_size, idx = (_int(x, path, f"layer {where} state") for x in _items(state, 6, path, where)[2:6])
+        offset, keep, max_size, idx = (
+            _int(x, path, f"layer {where} state") for x in _items(state, 6, path, where)[2:6]
+        )
     if keep > max_size or idx > keys.shape[2] or keys.shape[2] > max(max_size, offset):
         raise _bad(path, f"layer {where}: a RotatingKVCache whose window (keep {keep}, max_size {max_size}, "
                    f"index {idx}, {keys.shape[2]} rows) is inconsistent")  # fmt: skip

@@ -113,7 +113,9 @@ def _at(cache: Sequence[Any], position: int) -> list | None:
         lo = min((r[0] for r in ranges), default=position)
         if lo < first or position > layer.offset:
             return None
-        view = BlockView(lo, position, {f: mx.contiguous(x[..., lo - first : position - first, :]) for f, x in buf.items()})
+        view = BlockView(
+            lo, position, {f: mx.contiguous(x[..., lo - first : position - first, :]) for f, x in buf.items()}
+        )
         rebuilt[lid] = adapter.rebuild(layer, BlockSource([view]), position)
     return rebuild_cache(cache, rebuilt)
 
@@ -162,7 +164,11 @@ def _compare(mine: Sequence[Any], theirs: Sequence[Any], start: int, end: int, l
         else:
             (ma, fa), (mb, fb) = _held(a), _held(b)
             lo, hi = max(start, fa, fb), min(end, a.offset, b.offset)
-            diffs = [_difference(ma[f][..., lo - fa : hi - fa, :], mb[f][..., lo - fb : hi - fb, :]) for f in mb] if lo < hi else []
+            diffs = (
+                [_difference(ma[f][..., lo - fa : hi - fa, :], mb[f][..., lo - fb : hi - fb, :]) for f in mb]
+                if lo < hi
+                else []
+            )
             label = f"layer {lid}, positions {lo}..{hi}"
         if not diffs:
             missed.append(lid)

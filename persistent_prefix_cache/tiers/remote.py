@@ -191,9 +191,7 @@ class RemoteTier:
         if self.servers.errors > errors:
             self.counters.add(remote_errors=self.servers.errors - errors)
         if blocks:
-            self.counters.add(
-                remote_hits=1, remote_blocks=len(blocks), remote_bytes_read=sum(b.nbytes for b in blocks)
-            )
+            self.counters.add(remote_hits=1, remote_blocks=len(blocks), remote_bytes_read=sum(b.nbytes for b in blocks))
         else:
             self.counters.add(remote_misses=1)
         return blocks

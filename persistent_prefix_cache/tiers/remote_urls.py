@@ -46,9 +46,7 @@ def redact(url: str) -> str:
     if password is not None:
         parts = parts._replace(netloc=parts.netloc.replace(f":{password}@", ":***@", 1))
     if "password=" in parts.query:
-        query = "&".join(
-            "password=***" if item.startswith("password=") else item for item in parts.query.split("&")
-        )
+        query = "&".join("password=***" if item.startswith("password=") else item for item in parts.query.split("&"))
         parts = parts._replace(query=query)
     return parts.geturl()
 
@@ -100,7 +98,8 @@ def parse_url(url: str) -> Target:
         host, sep, port = item.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise InvalidArgumentError(
-                f"remote URL {redact(url)!r}: {item!r} is not host:port", hint="write the port, e.g. redis://127.0.0.1:6379"
+                f"remote URL {redact(url)!r}: {item!r} is not host:port",
+                hint="write the port, e.g. redis://127.0.0.1:6379",
             )
         nodes.append((host.strip("[]"), int(port)))
     if not nodes:

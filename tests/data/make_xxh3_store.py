@@ -44,7 +44,10 @@ def main(out: str) -> None:
     work = tempfile.mkdtemp()
     model = load_tiny_model(write_tiny_model(os.path.join(work, "model"), seed=5, **TEST_MODEL))
     other = load_tiny_model(write_tiny_model(os.path.join(work, "other"), seed=7, **TEST_MODEL))
-    prompts = [[(13 * i + 5) % 500 + 1 for i in range(3 * BLOCK + 4)], [(7 * i + 2) % 500 + 1 for i in range(2 * BLOCK)]]
+    prompts = [
+        [(13 * i + 5) % 500 + 1 for i in range(3 * BLOCK + 4)],
+        [(7 * i + 2) % 500 + 1 for i in range(2 * BLOCK)],
+    ]
     other_prompts = [[(11 * i + 3) % 500 + 1 for i in range(2 * BLOCK)]]
     store = os.path.join(work, "store")
     spec = {
