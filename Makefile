@@ -80,10 +80,14 @@ test: $(STAMP) servers
 test-fast: $(STAMP) servers
 	$(PY) -m pytest -q -n $(JOBS) -m "not slow"
 
-# The linter (ruff, pinned in the test extra; its rules in pyproject.toml): package,
-# tests, tools and migrations. CI runs it before the tests; a finding fails the build.
+# The linter and the formatter (ruff), then the type check (mypy): pinned in the test
+# extra, their settings in pyproject.toml. ruff reads the package, tests, tools and
+# migrations; mypy the package. CI runs them before the tests; a finding fails the build.
+# `$(PY) -m ruff format .` formats the tree as the check wants it.
 lint: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 test-mlx-lm-0.31: $(STAMP_031) servers
 	$(PY_031) -m pytest -q -n $(JOBS) $(TESTS_031)
