@@ -36,6 +36,8 @@ from persistent_prefix_cache import (
 
 # Exception classes that never reach a caller of the API or of ppc as themselves.
 INTERNAL = {
+    "persistent_prefix_cache.disk.index_files._KeptChanging":
+        "an LMDB file replaced at every link: `disk/index_files.py` raises StoreCorruptError naming ppc check --fix",
     "persistent_prefix_cache.disk.index_pages.DamagedPages":
         "the size guard's finding: `disk/index_files.py` raises StoreCorruptError naming ppc check --fix",
     "persistent_prefix_cache.files.NotRegularFileError":
