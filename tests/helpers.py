@@ -83,6 +83,18 @@ def assert_same_logits(got: mx.array, want: mx.array) -> None:
 # -- looking at a store from the outside ------------------------------------------
 
 
+def assert_restores_kv(store: Any, tokens: Sequence[int], cache: list) -> None:
+    """`store` restores `tokens` (all but at most a block) with exactly `cache`'s keys
+    and values."""
+    restored, rest = store.fetch(tokens)
+    assert restored is not None
+    n = len(tokens) - len(rest)
+    assert n >= len(tokens) - BLOCK
+    for got, want in zip(restored, cache):
+        assert mx.array_equal(got.keys[..., :n, :], want.keys[..., :n, :])
+        assert mx.array_equal(got.values[..., :n, :], want.values[..., :n, :])
+
+
 def segment_files(store_path: str | os.PathLike) -> dict[str, int]:
     """Every file under ``segments/``: path relative to ``segments/`` -> size in bytes."""
     root = os.path.join(os.fspath(store_path), "segments")

@@ -11,11 +11,11 @@ from __future__ import annotations
 import os
 import threading
 import time
+from contextlib import contextmanager
 
-import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import BLOCK, prefill, random_tokens
+from helpers import BLOCK, assert_restores_kv, prefill, random_tokens
 
 from persistent_prefix_cache import PersistentPrefixCache
 from persistent_prefix_cache import restore as restore_module
@@ -31,14 +31,24 @@ def _until(condition, what: str) -> None:
         time.sleep(0.005)
 
 
-def _assert_restores(store, tokens, cache) -> None:
-    restored, rest = store.fetch(tokens)
-    assert restored is not None
-    n = len(tokens) - len(rest)
-    assert n >= len(tokens) - BLOCK
-    for got, want in zip(restored, cache):
-        assert mx.array_equal(got.keys[..., :n, :], want.keys[..., :n, :])
-        assert mx.array_equal(got.values[..., :n, :], want.values[..., :n, :])
+@contextmanager
+def _a_reader(gate: ReadsFirst):
+    """Another thread reading (`gate.reading()`) until the block ends."""
+    inside, leave = threading.Event(), threading.Event()
+
+    def reader():
+        with gate.reading():
+            inside.set()
+            leave.wait(EVENT_TIMEOUT)
+
+    r = threading.Thread(target=reader)
+    r.start()
+    assert inside.wait(EVENT_TIMEOUT)
+    try:
+        yield
+    finally:
+        leave.set()
+        r.join()
 
 
 def test_the_writer_waits_while_a_fetch_reads_and_writes_after(store_dir, model, monkeypatch):
@@ -71,8 +81,8 @@ def test_the_writer_waits_while_a_fetch_reads_and_writes_after(store_dir, model,
         assert seen["held"] == 0, "the write went ahead while the fetch read"
         store.flush()
     with PersistentPrefixCache(store_dir, model, block_size=BLOCK, memory_bytes=0, cost_model=False) as store:
-        _assert_restores(store, first, first_cache)
-        _assert_restores(store, second, second_cache)
+        assert_restores_kv(store, first, first_cache)
+        assert_restores_kv(store, second, second_cache)
 
 
 def test_a_write_with_no_fetch_under_way_never_waits(store_dir, model, monkeypatch):
@@ -89,7 +99,7 @@ def test_a_write_with_no_fetch_under_way_never_waits(store_dir, model, monkeypat
         monkeypatch.setattr(restore_module, "read_path", spy)
         store.store(tokens, cache)
         store.flush()
-        _assert_restores(store, tokens, cache)
+        assert_restores_kv(store, tokens, cache)
         store.store(random_tokens(2 * BLOCK, seed=904, first=6), cache)
         store.flush()
         assert gate["it"].waits == 0
@@ -117,65 +127,43 @@ def test_a_wait_is_bounded_and_a_reader_never_waits_for_itself():
 
 def test_a_writer_goes_on_as_soon_as_the_last_reader_leaves():
     gate = ReadsFirst()
-    released = threading.Event()
-    inside = threading.Event()
-
-    def reader():
-        with gate.reading():
-            inside.set()
-            released.wait(EVENT_TIMEOUT)
-
-    r = threading.Thread(target=reader)
-    r.start()
-    assert inside.wait(EVENT_TIMEOUT)
     w = threading.Thread(target=gate.wait, kwargs={"limit": 3 * EVENT_TIMEOUT})
-    w.start()
-    _until(lambda: gate.waiting == 1, "the writer waits")
-    assert w.is_alive()
-    released.set()
+    with _a_reader(gate):
+        w.start()
+        _until(lambda: gate.waiting == 1, "the writer waits")
+        assert w.is_alive()
     w.join(EVENT_TIMEOUT)  # long before its own limit: the reader left
     assert not w.is_alive()
-    r.join()
 
 
 @pytest.mark.parametrize("threaded", [False, True])
 def test_the_writers_batches_wait_too(tmp_path, model, monkeypatch, threaded):
-    """A segment's batches (hashing and their writes) wait for a reader that came in
-    after the segment began."""
+    """A segment's batches (their hashing and their writes) wait while a reader reads."""
     from persistent_prefix_cache.disk import segment_writer
 
     monkeypatch.setattr(segment_writer, "BATCH_BYTES", 3000)
     monkeypatch.setattr(segment_writer, "THREADED_BYTES", 0 if threaded else 1 << 60)
     gate = ReadsFirst()
     calls = []
-    entered = threading.Event()
-    release = threading.Event()
 
     def pause():
         calls.append(threading.current_thread().name)
         gate.wait(limit=3 * EVENT_TIMEOUT)
 
-    def reader():
-        with gate.reading():
-            entered.set()
-            release.wait(EVENT_TIMEOUT)
-
-    r = threading.Thread(target=reader)
-    r.start()
-    assert entered.wait(EVENT_TIMEOUT)
     path = tmp_path / "data"
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    sink = segment_writer.Sink(fd, 0, nbytes=40_000, pause=pause)
     chunks = [np.full(1000, i, dtype=np.uint8) for i in range(40)]
-    feeding = threading.Thread(target=lambda: ([sink.put(c) for c in chunks], sink.close()))
-    feeding.start()
-    _until(lambda: gate.waiting == 1, "a batch waits for the reader")
-    assert path.stat().st_size == 0  # nothing written while the reader reads
-    release.set()
-    feeding.join(EVENT_TIMEOUT)
-    r.join()
-    assert not feeding.is_alive()
-    os.close(fd)
+    try:
+        sink = segment_writer.Sink(fd, 0, nbytes=40_000, pause=pause)
+        feeding = threading.Thread(target=lambda: ([sink.put(c) for c in chunks], sink.close()))
+        with _a_reader(gate):
+            feeding.start()
+            _until(lambda: gate.waiting == 1, "a batch waits for the reader")
+            assert path.stat().st_size == 0  # nothing written while the reader reads
+        feeding.join(EVENT_TIMEOUT)
+        assert not feeding.is_alive()
+    finally:
+        os.close(fd)
     assert path.read_bytes() == b"".join(c.tobytes() for c in chunks)
     # Each batch paused before its hand-over, and in the second thread before its write.
     assert len(calls) >= (2 if threaded else 1) * (40_000 // 3000)

@@ -21,7 +21,7 @@ import threading
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import BLOCK, prefill, random_tokens
+from helpers import BLOCK, assert_restores_kv, prefill, random_tokens
 from test_segment_format import _check_opens_everywhere, _fill, _index, _segments
 
 from persistent_prefix_cache import PersistentPrefixCache
@@ -44,13 +44,7 @@ def _check_store(path, model, prompts, caches) -> None:
     assert all(files.verify(n) is None for n in nodes.values())
     with PersistentPrefixCache(path, model, block_size=BLOCK, memory_bytes=0, cost_model=False) as store:
         for tokens, cache in zip(prompts, caches):
-            restored, rest = store.fetch(tokens)
-            assert restored is not None
-            n = len(tokens) - len(rest)
-            assert n >= len(tokens) - BLOCK
-            for got, want in zip(restored, cache):
-                assert mx.array_equal(got.keys[..., :n, :], want.keys[..., :n, :])
-                assert mx.array_equal(got.values[..., :n, :], want.values[..., :n, :])
+            assert_restores_kv(store, tokens, cache)
 
 
 @pytest.mark.parametrize("threaded", [False, True])
@@ -100,7 +94,7 @@ def test_segment_header_comes_first_and_data_follows(tmp_path, model):
 _FAILING_WRITER = r"""
 import resource, signal, sys
 sys.path.insert(0, sys.argv[2])
-from helpers import BLOCK, prefill, random_tokens
+from helpers import BLOCK, assert_restores_kv, prefill, random_tokens
 from persistent_prefix_cache import PersistentPrefixCache
 from persistent_prefix_cache.disk import segment_writer
 from persistent_prefix_cache.tiny_model import load_tiny_model
