@@ -208,8 +208,8 @@ def test_a_store_written_on_the_other_line_is_not_restored_here(tmp_path, tiny_m
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
     theirs = run(other, "store")
-    # 66: the 67 prompt tokens but the last, fed again to get the next logits.
-    assert theirs["restored"] == 66 and versions._parse(theirs["version"])[:2] != versions.MLX_LM[:2]
+    # 67: the whole prompt (prefill stores a sliced cache whole; the fetch is of a longer prompt).
+    assert theirs["restored"] == 67 and versions._parse(theirs["version"])[:2] != versions.MLX_LM[:2]
     assert run(sys.executable, "fetch")["restored"] == 0  # the other line's KV: never restored here
-    assert run(sys.executable, "store")["restored"] == 66  # our own, beside it
-    assert run(other, "fetch")["restored"] == 66  # and theirs is still theirs
+    assert run(sys.executable, "store")["restored"] == 67  # our own, beside it
+    assert run(other, "fetch")["restored"] == 67  # and theirs is still theirs
