@@ -88,3 +88,17 @@ def test_the_mlx_lm_pin_admits_both_lines_and_vllm_mlx_0_6():
         pass
     assert "0.31.3" in theirs and "0.31.3" in ours
     assert Version(MLX_LM_VERSION) in ours
+
+
+def test_the_wheel_lists_every_subpackage():
+    """pyproject names its packages one by one (migrations ship from another folder), so a
+    new wing must be added there: `admin/` and `device/` were left out, and an installed
+    (non-editable) package failed at import with "No module named ...device"."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    package = ROOT / "persistent_prefix_cache"
+    folders = {
+        ".".join(("persistent_prefix_cache", *p.parent.relative_to(package).parts))
+        for p in package.rglob("__init__.py")
+        if "__pycache__" not in p.parts
+    }
+    assert folders - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
