@@ -280,7 +280,7 @@ def open_parts(
         storer = Storer(
             layout=layout, trie=trie, memory=memory, counters=counters, root=root, block_size=block_size,
             target=target, writeback=writeback, remote=remote, sync_writes=o.sync_writes,
-            index_damaged=fetcher.index_damaged,
+            index_damaged=fetcher.index_damaged, pause=files.reads_first.wait,
         )  # fmt: skip
     except BaseException:
         for thread in (warmer, writeback):  # their threads end before the index is given back

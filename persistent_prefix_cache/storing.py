@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -43,6 +44,8 @@ class Storer:
         remote: The remote tier, published to after each commit (None: no remote).
         sync_writes: `store` returns once its blocks are committed.
         index_damaged: Counts a read that met a damaged index page (and says it once).
+        pause: Where the writer gives way to restores (`SegmentFiles.reads_first`'s
+            `wait`): also between the pieces of a GPU's copy of new KV to the host.
     """
 
     def __init__(
@@ -59,11 +62,14 @@ class Storer:
         remote: RemoteTier | None,
         sync_writes: bool,
         index_damaged: Callable[[StoreCorruptError], None],
+        pause: Callable[[], None] | None = None,
     ):
         self._layout, self._trie, self._memory, self._counters = layout, trie, memory, counters
         self._root, self._block_size, self._target = root, block_size, target
         self._writeback, self._remote, self._sync_writes = writeback, remote, sync_writes
         self._index_damaged = index_damaged
+        host = target.host_bits
+        self._host_bits = functools.partial(host, pause=pause) if host is not None and pause is not None else host
 
     def store(self, tokens: Any, cache: Sequence[Any]) -> int:
         """`PersistentPrefixCache.store` past the handle's check.
@@ -112,7 +118,7 @@ class Storer:
         direct = self._sync_writes and self._remote is None and not self._target.device
         new = layout.new_blocks(
             cache, keys, data, path, root=self._root, block_size=self._block_size, direct=direct,
-            host=self._target.host_bits,
+            host=self._host_bits,
         )  # fmt: skip
         for node, tensors, _, _ in new:
             layout.learn_fields(tensors)  # the dtypes and shapes a read must find

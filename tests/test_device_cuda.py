@@ -89,6 +89,9 @@ class _HostDriver:
     def record(self, event):
         pass
 
+    def record_here(self, event):
+        pass
+
     def wait_event(self, event):
         pass
 
@@ -295,12 +298,14 @@ def test_the_writer_copies_a_stores_kv_to_the_host_by_the_copy_engine(monkeypatc
     with monkeypatch.context() as m:
         m.setattr(cuda, "on_cuda", lambda: True)
         m.setattr(cuda, "_get_driver", lambda: Driver())
+        m.setattr(cuda, "STAGE_PIECE", 1000)  # several pinned pieces per field, the last one short
         with PersistentPrefixCache(store_dir, model, block_size=BLOCK, fingerprint="host") as store:
             store.store(tokens, cache)
             store.flush()
             kv = store.stats()["block_bytes"]
     layers = len(cache)
-    assert len(copied) == 2 * layers and sum(copied) == kv  # each field's copy, once
+    field = kv // (2 * layers)
+    assert sum(copied) == kv and len(copied) == 2 * layers * -(-field // 1000)  # each field once, piece by piece
     assert moved == []
     _assert_stored_bitwise(store_dir, model, tokens, cache, "host")  # what was written: the caller's KV
 
@@ -406,3 +411,102 @@ def test_a_cuda_handle_makes_the_readers_rings_at_open(monkeypatch, store_dir):
         pass
     readers.reader_pool().submit(lambda: None).result()
     assert len(made) == readers.READERS  # once per process
+
+
+def test_a_copy_to_the_host_goes_piece_by_piece_through_the_ring_and_pauses_before_each():
+    # One driver call per field held a restore up for all of it; pieces through the
+    # thread's pinned ring let the writer give way (`pause`) between them. Bitwise, with
+    # more pieces than ring slots, and a slot a restore left in flight waited for first.
+    events = []
+
+    class Driver(_HostDriver):
+        def to_host(self, dst, src, nbytes):
+            import ctypes
+
+            events.append(("copy", nbytes))
+            ctypes.memmove(dst, src, nbytes)
+
+        def record_here(self, event):
+            events.append(("record", event))
+
+        def wait_event(self, event):
+            events.append(("wait", event))
+
+    driver = Driver()
+    ring = driver.ring()
+    for i, slot in enumerate(ring):
+        slot[1] = f"slot{i}"
+    ring[1][2] = True  # a restore's copy out of this piece is still in flight
+    src = np.random.default_rng(3).integers(0, 256, size=5 * 1000 + 17, dtype=np.uint8)
+    out = np.zeros_like(src)
+    paused = []
+    import pytest
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(cuda, "STAGE_PIECE", 1000)
+        cuda._copy_to_host(driver, out, src.ctypes.data, lambda: paused.append(len(events)))
+    assert np.array_equal(out, src)
+    assert events[0] == ("wait", "slot1")  # the restore's piece first
+    assert [n for what, n in events if what == "copy"] == [1000] * 5 + [17]
+    assert len(paused) == 6  # before each piece
+    assert not any(slot[2] for slot in ring)
+
+
+def test_the_writers_copy_to_the_host_gives_way_to_a_restore_between_pieces(monkeypatch, store_dir):
+    # A restore that starts while the writer copies a store's new KV off the GPU goes
+    # first: the copy waits before its next piece until the restore is done.
+    import ctypes
+    import threading
+    import time
+
+    from families import build
+    from helpers import BLOCK, prefill, random_tokens
+
+    from persistent_prefix_cache import PersistentPrefixCache
+
+    from persistent_prefix_cache.disk.reads_first import ReadsFirst
+
+    entered, release = threading.Event(), threading.Event()
+    copies = []
+    gates = []  # every ReadsFirst of the store's segment files (the handle's, its admin's)
+    real_init = ReadsFirst.__init__
+
+    def init(self):
+        real_init(self)
+        gates.append(self)
+
+    def restore() -> None:  # a restore on another thread, marked as the read path marks it
+        import contextlib
+
+        with contextlib.ExitStack() as marks:
+            for gate in gates:
+                marks.enter_context(gate.reading())
+            entered.set()
+            release.wait(30)
+
+    class Driver(_HostDriver):
+        def to_host(self, dst, src, nbytes):
+            copies.append(release.is_set())
+            if len(copies) == 1:
+                threading.Thread(target=restore, daemon=True).start()
+                assert entered.wait(30)
+            ctypes.memmove(dst, src, nbytes)
+
+    model = build("llama")
+    tokens = [t % 256 for t in random_tokens(4 * BLOCK, seed=4246)]
+    cache = prefill(model, tokens)[1]
+    with monkeypatch.context() as m:
+        m.setattr(cuda, "on_cuda", lambda: True)
+        m.setattr(cuda, "_get_driver", lambda: Driver())
+        m.setattr(cuda, "STAGE_PIECE", 1000)
+        m.setattr(ReadsFirst, "__init__", init)
+        with PersistentPrefixCache(store_dir, model, block_size=BLOCK, fingerprint="host") as store:
+            store.store(tokens, cache)
+            deadline = time.monotonic() + 30
+            while not any(g.waiting for g in gates) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert sum(g.waiting for g in gates) == 1 and copies == [False]  # paused after its first piece
+            release.set()
+            store.flush()
+    assert len(copies) > 2 and all(copies[1:])  # every later piece after the restore
+    _assert_stored_bitwise(store_dir, model, tokens, cache, "host")
