@@ -97,12 +97,20 @@ class MemoryTier:
         entry = self._entries.get(key)
         return entry[4] if entry else None
 
-    def fits(self, tensors: dict[str, Tensors]) -> bool:
-        """Whether a block of these tensors fits in the tier's budget at all (else `put`
-        leaves it out)."""
-        return tensors_nbytes(tensors) <= self.max_bytes
+    def fits(self, tensors: dict[str, Tensors] | int) -> bool:
+        """Whether a block of these tensors (or of this many bytes) fits in the tier's
+        budget at all (else `put` leaves it out)."""
+        return (tensors if isinstance(tensors, int) else tensors_nbytes(tensors)) <= self.max_bytes
 
-    def put(self, node: Node, tensors: dict[str, Tensors], origin: dict | None = None, source: str = "store") -> None:
+    def put(
+        self,
+        node: Node,
+        tensors: dict[str, Tensors],
+        origin: dict | None = None,
+        source: str = "store",
+        *,
+        size: int | None = None,
+    ) -> None:
         """Insert or refresh a block, evicting least recently used ones over budget.
 
         Args:
@@ -112,8 +120,9 @@ class MemoryTier:
                 of those arrays starting at that position (blocks cut from one copy):
                 a restore joins consecutive such blocks as one slice of it.
             source: How it came: ``"store"``, ``"disk"`` or ``"remote"`` (counted).
+            size: Its tensors' bytes, if the caller knows them (else they are summed).
         """
-        size = tensors_nbytes(tensors)
+        size = tensors_nbytes(tensors) if size is None else size
         if size > self.max_bytes:
             return
         with self._lock:
