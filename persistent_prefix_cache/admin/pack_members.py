@@ -146,7 +146,9 @@ class PackReader:
         self._head = _Head(self._file)
         try:
             # Ignored: typeshed's fileobj also seeks, tells and writes; a stream ("r|*") only reads.
-            self._tar = _PackTar.open(fileobj=self._head, mode="r|*", tarinfo=_BoundedTarInfo)  # type: ignore[call-overload]
+            self._tar = _PackTar.open(  # type: ignore[call-overload]
+                fileobj=self._head, mode="r|*", tarinfo=_BoundedTarInfo
+            )
         except (tarfile.TarError, OSError, EOFError) as exc:
             self._close_file()
             raise self._not_opened(exc) from None
