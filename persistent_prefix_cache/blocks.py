@@ -236,7 +236,13 @@ def is_sliced(name: str, shape: Sequence[int], n_tokens: int) -> bool:
     snapshot too (what a window layer keeps under a KV name).
     """
     f = FIELDS.get(name.rpartition(".")[2])
-    return f is not None and f.kind is Kind.SLICED and len(shape) == f.ndim and shape[f.token_axis] == n_tokens
+    return (
+        f is not None
+        and f.kind is Kind.SLICED
+        and len(shape) == f.ndim
+        and f.token_axis is not None
+        and shape[f.token_axis] == n_tokens
+    )
 
 
 def sliced_spec(name: str, dtype: str, shape: Sequence[int]) -> list:

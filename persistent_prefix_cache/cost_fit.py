@@ -33,6 +33,10 @@ class Fit:
         keep_first: A negative coefficient of the most important feature drops the least
             important one instead (a restore's rate: see `_solve_sums`); False drops any
             negative coefficient (a prefill's).
+        features: The number of features, when `order` is a function (required then).
+
+    Raises:
+        TypeError: If `order` is a function and `features` is not given.
     """
 
     def __init__(
@@ -45,7 +49,13 @@ class Fit:
     ):
         self._order = order
         self.keep_first = keep_first
-        k = self.k = features if callable(order) else len(order)
+        if not callable(order):
+            k = len(order)
+        elif features is None:
+            raise TypeError("a Fit whose order is a function needs its number of features")
+        else:
+            k = features
+        self.k = k
         self.sums = [float(v) for v in sums] if sums and len(sums) == k * k + k else [0.0] * (k * k + k)
         self._solved: tuple[list[float] | None] | None = None  # `coefficients` until the sums change
 

@@ -201,7 +201,7 @@ def kind_of(mode: int) -> str:
 
 
 def replace_beside(
-    path: str, write: Callable[[BinaryIO], None], *, mode: int = 0o600, sync: Callable[[int], None] = os.fsync
+    path: str, write: Callable[[BinaryIO], object], *, mode: int = 0o600, sync: Callable[[int], None] = os.fsync
 ) -> None:
     """Write a file the user named (an export, a prompt-cache file) crash-safely and
     never through a link: a temporary file created exclusively beside it, written by

@@ -51,15 +51,14 @@ import dataclasses
 import json
 import os
 import warnings
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, cast
 
 import mlx.core as mx
 import xxhash
-from mlx.utils import tree_flatten
 
 from .errors import ModelMismatchError
 from .paths import expand_path
-from .weights_hash import LANES_SCHEME, XXH3, bytes_of, fingerprint_model, model_config, scheme_of
+from .weights_hash import LANES_SCHEME, XXH3, bytes_of, fingerprint_model, model_config, named_parameters, scheme_of
 
 __all__ = [
     "FolderComparison", "cached_fingerprint", "compare_with_folder", "current_fingerprint", "describe_model",
@@ -91,7 +90,7 @@ def _pages(nbytes: int) -> list[tuple[int, int]]:
 
 
 def _evaluated_params(model: Any) -> list[tuple[str, mx.array]]:
-    params = sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0])
+    params = sorted(named_parameters(model), key=lambda kv: kv[0])
     mx.eval([p for _, p in params])
     return params
 
@@ -250,13 +249,14 @@ def _sanitize_explains(model: Any, model_path: str, names: list[str]) -> bool:
     sanitize = getattr(model, "sanitize", None)
     if not callable(sanitize):
         return False
-    params = dict(tree_flatten(model.parameters()))
+    params = dict(named_parameters(model))
     root = os.path.realpath(model_path)
     try:
-        weights = {}
+        weights: dict[str, mx.array] = {}
         for name in sorted(os.listdir(root)):
             if name.endswith(".safetensors"):
-                weights.update(mx.load(os.path.join(root, name)))
+                # mx.load gives a .safetensors file's tensors by name (metadata only when asked)
+                weights.update(cast(dict[str, mx.array], mx.load(os.path.join(root, name))))
         weights = sanitize(weights)
         for name in sorted(names, key=lambda n: params[n].nbytes)[:_SANITIZE_CHECKS]:
             made, loaded = weights.get(name), params[name]
@@ -356,7 +356,7 @@ def cached_fingerprint(
             stacklevel=3,
         )
         return fp
-    if stale:
+    if stale and known is not None:
         warnings.warn(
             f"the fingerprint remembered for model_path {folder} was computed from another model "
             f"(remembered {str(known.get('fingerprint'))[:16]}, loaded {fp[:16]}): not used; the loaded model "

@@ -122,8 +122,8 @@ class Trie:
         if best is not None:
             path.append(best[0])
             matched = pos + best[1]
-        path, matched = back_off(path, min(matched, n - 1))
-        return ([path[i] for i in range(len(path))] if decode else path), matched
+        kept, matched = back_off(path, min(matched, n - 1))
+        return ([kept[i] for i in range(len(kept))] if decode else kept), matched
 
 
 def back_off(path: list[Node], matched: int) -> tuple[list[Node], int]:

@@ -90,7 +90,8 @@ def _this_machine() -> tuple[str, ...]:
         mlx_lm_version = str(getattr(mlx_lm, "__version__", ""))
     except ImportError:
         mlx_lm_version = ""
-    return machine_id, socket.gethostname(), str(mx.__version__), mlx_lm_version
+    mlx_version = str(mx.__version__)  # type: ignore[attr-defined]  # mlx's stubs omit __version__
+    return machine_id, socket.gethostname(), mlx_version, mlx_lm_version
 
 
 def _trusted(mode: int, uid: int) -> bool:
@@ -141,7 +142,7 @@ def _well_formed(record: Any) -> bool:
         return False
     saved, sums, fastest = record.get("saved"), record.get("prefill"), record.get("fastest_forward")
     numbers = [saved] + (sums if isinstance(sums, list) else []) + ([] if fastest is None else [fastest])
-    if not isinstance(sums, list) or len(sums) != PREFILL_SUMS:
+    if not isinstance(sums, list) or len(sums) != PREFILL_SUMS or not isinstance(saved, (int, float)):
         return False
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in numbers):
         return False

@@ -85,7 +85,7 @@ class Merges:
             if budget is not None and written >= budget:
                 break
             n, segment, moved, nbytes = merge_chain(self.index, self.files, key, burst=burst)
-            if n:
+            if n and segment is not None:  # (merged: a new segment)
                 merged += n - 1
                 written += nbytes
                 self.counters.add(segments_merged=n - 1, bytes_rewritten=nbytes)

@@ -121,7 +121,7 @@ def disk_budget(path: str, disk_bytes: int | str | None, held: int) -> int | Non
         disk_bytes: An int, None (unbounded) or ``"auto"``.
         held: The bytes of the blocks the store holds.
     """
-    if disk_bytes != "auto":
+    if not isinstance(disk_bytes, str):  # the one str `options.check_options` lets through: "auto"
         return disk_bytes
     st = os.statvfs(path)
     return held + st.f_bavail * st.f_frsize // 2
@@ -141,7 +141,7 @@ def memory_budget(model: Any, memory_bytes: int | str) -> int:
         model: The model (its parameters' bytes are counted).
         memory_bytes: An int, or ``"auto"``.
     """
-    if memory_bytes != "auto":
+    if not isinstance(memory_bytes, str):  # the one str `options.check_options` lets through: "auto"
         return memory_bytes
     return max(MIN_MEMORY_BYTES, (device_memory() - weight_bytes(model)) // 8)
 
@@ -165,10 +165,10 @@ def device_memory() -> int:
 
 def weight_bytes(model: Any) -> int:
     """Bytes of a model's parameters (0 for an object that has none)."""
-    from mlx.utils import tree_flatten
+    from .weights_hash import named_parameters
 
     try:
-        return sum(int(v.nbytes) for _, v in tree_flatten(model.parameters()))
+        return sum(int(v.nbytes) for _, v in named_parameters(model))
     except (AttributeError, TypeError):
         return 0
 

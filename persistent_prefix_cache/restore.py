@@ -109,11 +109,16 @@ def admit(
     on_device = target.join_on_device
     flags = memory.admit([nodes[k] for k in candidates], cheap_copy=on_device)
     chosen = [k for k, yes in zip(candidates, flags) if yes]
-    own_snaps = {end: snaps}
+    own_snaps: dict[int, dict] = {end: snaps}
+    unread = set()  # blocks whose snapshots are not intact: they stay out
     for k in chosen:
         if k != end and nodes[k].extra.get("snap"):
-            own_snaps[k] = read_snapshots(files, nodes[k], target)
-    chosen = [k for k in chosen if own_snaps.get(k, {}) is not None]
+            got = read_snapshots(files, nodes[k], target)
+            if got is None:
+                unread.add(k)
+            else:
+                own_snaps[k] = got
+    chosen = [k for k in chosen if k not in unread]
     return join_admitted(memory, nodes, chosen, runs, own_snaps, on_device)
 
 
@@ -141,7 +146,7 @@ def join_admitted(
     end, snaps = len(nodes) - 1, own_snaps.get(len(nodes) - 1, {})
     # One copy per joined buffer and stretch of consecutive admitted blocks, of the rows
     # they cover (not of blocks between them that the tier holds already: uncounted).
-    stretches = []
+    stretches: list[list[int]] = []  # [first row, one past the last, last block]
     for k in chosen:
         if stretches and stretches[-1][2] == k - 1:
             stretches[-1][1:] = [nodes[k].end, k]
@@ -162,9 +167,9 @@ def join_admitted(
     # The last block's snapshots went to the caller: copied. The others were read here.
     flat = [(lid, f, x) for lid, part in snaps.items() for f, x in part.items()] if end in chosen else []
     snap_copies = {end: [(lid, f, copy) for (lid, f, _), copy in zip(flat, _copies([x for *_, x in flat], on_device))]}
-    for k, part in own_snaps.items():
+    for k, held in own_snaps.items():
         if k != end:
-            snap_copies[k] = [(lid, f, x) for lid, fields in part.items() for f, x in fields.items()]
+            snap_copies[k] = [(lid, f, x) for lid, fields in held.items() for f, x in fields.items()]
     # Each copy cut into its blocks with one split (the blocks a copy covers are
     # consecutive): thousands of blocks sliced one by one cost ~10 us each, which a GPU
     # fetch admitting 8k tokens waited for. Per block and leaf: its tensors, the copies
@@ -172,7 +177,7 @@ def join_admitted(
     bounds = {k: (nodes[k].position, nodes[k].end) for k in chosen}
     covered: dict[tuple[int, int], list[int]] = {}
     per: dict[int, dict[str, tuple[dict, dict, set]]] = {k: {} for k in chosen}
-    views = []
+    views: list[mx.array] = []
     for lid, part in bases.items():
         for fld, pieces in part.items():
             for a, z, copy in pieces:
@@ -199,10 +204,10 @@ def join_admitted(
     for k in chosen:
         tensors: dict[str, dict] = {lid: {} for lid in (*runs, *own_snaps.get(k, {}))}
         origin: dict[str, tuple] = {}
-        for lid, (sliced, copies, starts) in per[k].items():
+        for lid, (sliced, whole, starts) in per[k].items():
             tensors[lid] = sliced
             if len(starts) == 1:  # every field's copy starts at one row: restores join the blocks as one slice
-                origin[lid] = (copies, next(iter(starts)))
+                origin[lid] = (whole, next(iter(starts)))
         for lid, f, copy in snap_copies.get(k, ()):
             tensors[lid][f] = copy
         entries.append((nodes[k], tensors, origin))
@@ -252,7 +257,7 @@ def _copies(arrays: list[mx.array], on_device: bool) -> list[mx.array]:
         for x in arrays:
             axis = max(range(x.ndim), key=lambda a: x.shape[a]) if x.ndim else None
             if axis is not None and x.shape[axis] > 1:
-                out.append(mx.concatenate(mx.split(x, [1], axis=axis), axis=axis))
+                out.append(mx.concatenate(x.split((1,), axis=axis), axis=axis))
             else:  # one element at most: through the host
                 out.append(mx.array(np.array(x.view(mx_uint(x.itemsize)))).view(x.dtype))
         mx.eval(out)
@@ -263,8 +268,9 @@ def _copies(arrays: list[mx.array], on_device: bool) -> list[mx.array]:
     mx.eval(sources)
 
     def copy(i: int) -> None:
-        target = array_bits(memoryview(out[i]), out[i])
-        np.copyto(target, np.asarray(memoryview(sources[i])), casting="no")
+        # (The ignores: mlx's stubs omit mx.array's buffer protocol.)
+        target = array_bits(memoryview(out[i]), out[i])  # type: ignore[arg-type]
+        np.copyto(target, np.asarray(memoryview(sources[i])), casting="no")  # type: ignore[arg-type]
 
     if len(arrays) > 1 and sum(x.nbytes for x in arrays) >= _PARALLEL_BYTES:
         list(reader_pool().map(copy, range(len(arrays))))

@@ -293,7 +293,7 @@ class PersistentPrefixCache:
             self._index.close()
         OPEN_HANDLES.discard(self)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         """Counters of this handle plus the store's totals.
 
         Returns:
@@ -313,7 +313,7 @@ class PersistentPrefixCache:
             StoreClosedError: If the store is closed (InvalidArgumentError: opened before a fork).
         """
         self._check_open()
-        out = self._counters.snapshot()
+        out: dict[str, Any] = self._counters.snapshot()
         out["pending_writes"] = self._writeback.pending if self._writeback is not None else 0
         out["disk_budget"] = self._writeback.disk_bytes if self._writeback is not None else None
         with self._index.reader() as reader:

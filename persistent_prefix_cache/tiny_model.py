@@ -15,10 +15,10 @@ from typing import Any, Mapping
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, load_model
 
 from .files import replace_beside
+from .weights_hash import named_parameters
 
 DEMO_TEXT = """\
 A cache is a promise that the second time will be cheaper than the first.
@@ -197,7 +197,7 @@ def write_tiny_model(
     target = getattr(mx, dtype, None)
     if not isinstance(target, mx.Dtype):
         raise ValueError(f"unknown MLX dtype {dtype!r}")
-    weights = {k: v.astype(target) for k, v in tree_flatten(model.parameters())}
+    weights = {k: v.astype(target) for k, v in named_parameters(model)}
     weights = dict(sorted(weights.items()))
     mx.eval(weights)
     replace_beside(

@@ -146,9 +146,10 @@ class Warmer:
             with self._changed:
                 while self._job is None and not self._stopped:
                     self._changed.wait()
-                if self._stopped:
+                job = self._job
+                if self._stopped or job is None:  # (woken with no job: stopped)
                     return
-                (nodes, delay, arena), self._job, self._busy = self._job, None, True
+                (nodes, delay, arena), self._job, self._busy = job, None, True
             try:
                 if not (delay and self._stopping.wait(delay)):
                     self._fill(nodes, arena)

@@ -43,7 +43,7 @@ import os
 import warnings
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -105,11 +105,17 @@ def default_scheme() -> str:
 def model_config(model: Any) -> Any:
     """The config a model was built from (its ``args`` dataclass or dict, or ``config``)."""
     args = getattr(model, "args", None)
-    if dataclasses.is_dataclass(args):
+    if dataclasses.is_dataclass(args) and not isinstance(args, type):
         return dataclasses.asdict(args)
     if isinstance(args, dict):
         return args
     return getattr(model, "config", None)
+
+
+def named_parameters(model: Any) -> list[tuple[str, mx.array]]:
+    """A model's parameters as ``(dotted name, array)`` pairs, in the model's order."""
+    # tree_flatten gives this list unless passed a dict to fill: its annotation names both.
+    return cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
 
 
 def _head(model: Any) -> Any:
@@ -143,7 +149,7 @@ def fingerprint_model(model: Any, *, scheme: str | None = None, prefetch: bool |
     if scheme not in SCHEMES:
         raise InvalidArgumentError(f"unknown fingerprint scheme {scheme!r} (one of {', '.join(SCHEMES)})")
     h = _head(model)
-    params = sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0])
+    params = sorted(named_parameters(model), key=lambda kv: kv[0])
     mx.eval([p for _, p in params])
     if scheme == LANES_SCHEME:
         for name, value, sums in _lane_sums_or_unfused(params):
@@ -313,7 +319,7 @@ _AHEAD_BYTES = 1 << 30  # device memory the copies in flight may take
 def bytes_of(value: mx.array) -> memoryview:
     """An evaluated array's buffer as bytes (no MLX op: this also works in a process
     forked after MLX ran, where MLX can no longer evaluate anything)."""
-    view = memoryview(value)
+    view = memoryview(value)  # type: ignore[arg-type]  # mlx's stubs omit mx.array's buffer protocol
     return view.cast("B") if view.c_contiguous else memoryview(view.tobytes())
 
 

@@ -15,15 +15,17 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 from helpers import BLOCK, prefill, random_tokens
 
 from persistent_prefix_cache import PersistentPrefixCache
 from persistent_prefix_cache.cli import COMMANDS
 from persistent_prefix_cache.cli import main as ppc_main
-from persistent_prefix_cache.cli.common import first_unknown_option
+from persistent_prefix_cache.cli.common import first_unknown_option, load_model
 from persistent_prefix_cache.compat.lru_prompt_cache import PersistentLRUPromptCache
 from persistent_prefix_cache.disk.schema import SCHEMA_VERSION
+from persistent_prefix_cache.weights_hash import named_parameters
 
 ROOT = Path(__file__).resolve().parent.parent
 UNSET = "KV_TEST_SURELY_UNSET"  # (no PPC_ name: tests/test_layout.py counts those)
@@ -285,6 +287,15 @@ def test_a_folder_that_is_no_model_is_refused_at_start(tmp_path, tiny_model_dir)
         generated = _ppc("generate", "--model", folder, "--store", tmp_path / "s", "--prompt", "hi")
         assert _one_error(generated) == want
     assert not (tmp_path / "s").exists()
+
+
+def test_load_model_without_the_tokenizer_loads_the_folders_weights(tiny_model_dir, model):
+    # mlx-lm's load_model takes a Path: given the folder as a str it failed on every
+    # call ("cannot load model": TypeError in mlx-lm), which mypy found.
+    loaded, tokenizer, local = load_model(str(tiny_model_dir), with_tokenizer=False)
+    assert tokenizer is None and local == str(tiny_model_dir)
+    got, want = dict(named_parameters(loaded)), dict(named_parameters(model))
+    assert got.keys() == want.keys() and all(mx.array_equal(got[k], want[k]).item() for k in want)
 
 
 def test_the_models_route_without_a_hub_cache_lists_no_downloads(tmp_path):

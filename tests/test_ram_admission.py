@@ -15,7 +15,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from families import build, family_params
-from helpers import assert_same_logits, cold_logits, feed, prefill as one_shot, random_tokens, warm_logits
+from helpers import (
+    assert_same_logits,
+    cold_logits,
+    feed,
+    flip_block_byte,
+    nodes_by_position,
+    prefill as one_shot,
+    random_tokens,
+    warm_logits,
+)
 from test_remote import BS, open_host, publish
 
 from persistent_prefix_cache import PersistentPrefixCache
@@ -241,6 +250,31 @@ def test_a_path_partly_in_the_tier_admits_the_rest(tmp_path, model):
             assert memory_counts(store)["memory_hits_disk"] == served
         counts = memory_counts(store)
         assert counts["memory_admitted"] == 7 and counts["bytes_in_memory"] == counts["memory_admitted_bytes"] == total
+
+
+def test_a_damaged_snapshot_mid_path_keeps_only_its_block_out_of_the_tier(tmp_path):
+    # mypy found it: admission reads a mid-path block's snapshots itself, and a damaged one
+    # (None) then reached the copy loop: fetch raised AttributeError instead of leaving it out.
+    model = build("qwen3_next")  # KV and recurrent layers: every block of the path is read
+    prompt = family_prompt()
+    with PersistentPrefixCache(tmp_path / "s", model, block_size=BLOCK) as writer:
+        prefill(model, prompt[:96], writer)  # its last block keeps snapshots: mid-path below
+        prefill(model, prompt, writer)
+    nodes = nodes_by_position(tmp_path / "s")
+    by_key = {n.key: n for n in nodes}
+    path = [max(nodes, key=lambda n: n.end)]
+    while path[-1].position > 0:
+        path.append(by_key[path[-1].parent])
+    mid = next(n for n in path[1:] if n.extra.get("snap"))  # the read path reads the last block's only
+    flip_block_byte(tmp_path / "s", mid, piece=-1)  # a byte of its snapshot (its last piece)
+    query = prompt + [3, 1, 4, 1, 5]
+    want = cold_logits(model, query)
+    with PersistentPrefixCache(tmp_path / "s", model, memory_bytes=64 * MiB, cost_model=False) as store:
+        for _ in range(2):  # the second hit admits what it read from disk
+            restored, rest = store.fetch(query)
+            assert len(query) - len(rest) == path[0].end
+            assert_same_logits(warm_logits(model, restored, rest), want)
+        assert memory_counts(store)["memory_admitted"] == len(path) - 1
 
 
 @pytest.mark.slow

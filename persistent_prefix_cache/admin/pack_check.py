@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from ..blocks import Node
 from ..device.buffers import HostBits
 from ..errors import InvalidArgumentError
 from ..keys import root_key
@@ -51,10 +52,12 @@ def model_check(model: Any, *, chains: int | None, spans: int = DEFAULT_SPANS) -
         if not blocks.nodes:  # every block is here already: nothing to commit, nothing to check
             return {"chains": 0, "of": 0, "blocks": 0, "difference": 0.0, "tolerance": 0.0}
         roots = _roots(blocks)
-        layouts: dict[bytes, Layout | None] = {}
+        layouts: dict[bytes, Layout] = {}  # (none for a model that is not `model`)
         for root in set(roots.values()):
             desc = blocks.models.get(root) or _stored_model(blocks, root)
-            layouts[root] = _layout_of(model, root, desc, fingerprint)
+            layout = _layout_of(model, root, desc, fingerprint)
+            if layout is not None:
+                layouts[root] = layout
         foreign = [k for k, r in roots.items() if layouts.get(r) is None]
         if foreign or len(roots) < len(blocks.nodes):
             n = len(foreign) + len(blocks.nodes) - len(roots)
@@ -107,7 +110,7 @@ def _layout_of(model: Any, root: bytes, desc: dict | None, fingerprint) -> Layou
     if not isinstance(desc, dict):
         return None
     fp, namespace, layout = desc.get("fingerprint"), desc.get("namespace"), desc.get("layout")
-    if not all(isinstance(x, str) for x in (fp, namespace, layout)):
+    if not (isinstance(fp, str) and isinstance(namespace, str) and isinstance(layout, str)):
         return None
     scheme = scheme_of(fp)
     if scheme is None or fingerprint(scheme) != fp or root_key(fp, namespace, layout + layout_variant()) != root:
@@ -122,7 +125,8 @@ def _roots(blocks: PackBlocks) -> dict[bytes, bytes]:
     """Block key -> its model's root key, for every new block whose chain reaches one."""
     out: dict[bytes, bytes] = {}
     for key in blocks.nodes:
-        trail, node = [], blocks.nodes[key]
+        trail: list[bytes] = []
+        node: Node | None = blocks.nodes[key]
         while node is not None and node.key not in out and node.position > 0:
             trail.append(node.key)
             parent = blocks.node(node.parent)

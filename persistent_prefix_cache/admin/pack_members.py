@@ -13,7 +13,7 @@ import json
 import struct
 import tarfile
 import time
-from typing import IO, Any, Iterator
+from typing import IO, Any, Iterator, Protocol
 
 from ..blocks import Node
 from ..errors import InvalidArgumentError
@@ -118,6 +118,12 @@ def _ends_early(exc: BaseException) -> bool:
     return isinstance(exc, EOFError) or any(w in text for w in ("unexpected end", "truncated", "ended before"))
 
 
+class Sink(Protocol):
+    """Where `PackReader.stream` writes a member's bytes (a binary file, or a sink that keeps nothing)."""
+
+    def write(self, data: bytes, /) -> object: ...
+
+
 class PackReader:
     """A pack opened for reading, member by member (compressed or not: ``r|*``), in one
     pass: a pipe (``ppc import -``) reads as well as a file.
@@ -139,7 +145,10 @@ class PackReader:
         self._own = stream is None
         self._head = _Head(self._file)
         try:
-            self._tar = _PackTar.open(fileobj=self._head, mode="r|*", tarinfo=_BoundedTarInfo)
+            # Ignored: typeshed's fileobj also seeks, tells and writes; a stream ("r|*") only reads.
+            self._tar = _PackTar.open(  # type: ignore[call-overload]
+                fileobj=self._head, mode="r|*", tarinfo=_BoundedTarInfo
+            )
         except (tarfile.TarError, OSError, EOFError) as exc:
             self._close_file()
             raise self._not_opened(exc) from None
@@ -182,8 +191,8 @@ class PackReader:
         """The next member (None at the end); folders are passed over, anything else but
         a plain file is refused."""
         if self._pending is not None:
-            member, self._pending = self._pending, None
-            return member
+            pending, self._pending = self._pending, None
+            return pending
         if self._ended:
             return None  # a stream cannot be asked again past its end
         member = self._next()
@@ -228,7 +237,7 @@ class PackReader:
             raise self._bad(f"{name} is missing (found {found} in its place)")
         return member
 
-    def stream(self, member: tarfile.TarInfo, limit: int, sink: IO[bytes] | None = None) -> bytes:
+    def stream(self, member: tarfile.TarInfo, limit: int, sink: Sink | None = None) -> bytes:
         """Read `member` in chunks, hashing it; its declared size is checked first.
 
         Args:
@@ -280,7 +289,7 @@ class PackReader:
         fields = {"format": str, "block_size": int, "models": dict, "blocks": int}
         for key, kind in fields.items():
             value = manifest.get(key) if isinstance(manifest, dict) else None
-            if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
+            if not isinstance(value, kind) or isinstance(value, bool) or (isinstance(value, int) and value < 0):
                 raise InvalidArgumentError(f"{self.path}: {MANIFEST} lacks a valid {key!r}")
         if manifest["block_size"] < 1:
             raise InvalidArgumentError(f"{self.path}: {MANIFEST} lacks a valid 'block_size'")

@@ -291,7 +291,7 @@ class _Import:
         name: `store_dir.TempFile`), fsynced; the caller publishes or discards it."""
         tmp = TempFile(self.files.root, "tmp", name, flags=flags)
         try:
-            with os.fdopen(tmp.fd, "wb", closefd=False) as f:
+            with os.fdopen(tmp.fileno(), "wb", closefd=False) as f:
                 self.reader.stream(member, bound, f)
                 f.flush()
                 durable_fsync(f.fileno())

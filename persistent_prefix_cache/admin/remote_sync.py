@@ -95,7 +95,7 @@ def push_store(
     index = Index(os.path.join(path, "index"), readonly=True)
     files = SegmentFiles(path, readonly=True)
     counters = Counters(*REMOTE_COUNTERS)
-    out = dict.fromkeys(("blocks", "pushed", "already", "replaced", "damaged", "failed"), 0)
+    out: dict[str, Any] = dict.fromkeys(("blocks", "pushed", "already", "replaced", "damaged", "failed"), 0)
     tiers: dict[bytes, RemoteTier] = {}
     try:
         with index.reader() as reader:

@@ -12,7 +12,7 @@ import json
 import os
 import stat
 import time
-from typing import BinaryIO, Iterator
+from typing import Any, BinaryIO, Iterator
 
 from ..blocks import Node
 from ..disk import store_guard
@@ -110,7 +110,7 @@ class StoreAdmin:
         with self.index.reader() as reader:
             size, count = reader.totals()
             models = []
-            prefixes = []
+            prefixes: list[dict[str, Any]] = []
             for root, desc in self.models(reader).items():
                 nodes = list(self.walk(reader, root))
                 models.append(

@@ -66,6 +66,7 @@ def check_store(path: str, *, fix: bool = False, grace: float = 60.0) -> CheckRe
     pending = store_guard.pending_repair(path)
     missing = pending is None and not os.path.isdir(index)
     block_size = None
+    damage: str | None
     if missing:  # segment files without an index: it can be rebuilt from them
         damage = "index/ is missing"
         report.problems.append((INDEX_DAMAGED, damage))

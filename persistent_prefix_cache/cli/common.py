@@ -15,6 +15,7 @@ import json
 import os
 import re
 import sys
+from pathlib import Path
 from typing import Any, Callable, Iterable, NoReturn, Sequence
 
 from ..disk.store_dir import check_readable
@@ -418,14 +419,15 @@ def load_model(
         from ..layers.mlx_lm_versions import load_options
 
         if with_tokenizer:
-            model, tokenizer = load(
+            loaded = load(
                 local if looks_local else spec,
                 adapter_path=adapter_path,
                 model_config=model_config or {},
                 **load_options(trust_remote_code),  # what the installed mlx-lm takes
             )
+            model, tokenizer = loaded[0], loaded[1]  # (a third item, the config, only when asked)
         else:
-            model, tokenizer = load_weights(local)[0], None
+            model, tokenizer = load_weights(Path(local))[0], None
     except Exception as exc:  # mlx-lm raises many kinds; all mean "cannot load this"
         first_line = (str(exc).strip().splitlines() or [""])[0]
         hint = "" if looks_local else " (not a local folder; a hub id needs the network or a local copy)"
@@ -486,16 +488,16 @@ def table(rows: Sequence[Sequence[Any]], *, header: Sequence[str] | None = None)
     number (``0.015 s``, ``50.0 %``) hanging past it, and text starts where the column
     starts, so that one long value (a path) does not push the numbers away.
     """
-    rows = [list(map(_cell, r)) for r in rows]
+    text = [list(map(_cell, r)) for r in rows]
     if not header:
-        rows = [[_hang(c, _number_width(rows, i)) for i, c in enumerate(r)] for r in rows]
+        text = [[_hang(c, _number_width(text, i)) for i, c in enumerate(r)] for r in text]
     if header:
-        rows.insert(0, list(header))
-    if not rows:
+        text.insert(0, list(header))
+    if not text:
         return ""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    widths = [max(len(r[i]) for r in text) for i in range(len(text[0]))]
     lines = []
-    for n, r in enumerate(rows):
+    for n, r in enumerate(text):
         # Without a header the numbers were aligned above: every cell is padded on the right.
         cells = [c.rjust(w) if header and n and _is_number(c) else c.ljust(w) for c, w in zip(r, widths)]
         lines.append("  ".join(cells).rstrip())

@@ -27,7 +27,6 @@ import time
 from .common import UserError, make_parser, path_arg, run
 
 DEFAULT_WORKDIR = ".demo"
-DEMO_MODEL = dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=512)
 # What the demo writes into each folder it makes, and looks for before it reuses or
 # replaces one: a folder without it is somebody else's.
 MARKER = "made-by-ppc-demo.txt"
@@ -54,7 +53,8 @@ def _run_phase(phase: str, model: str, store: str, n_prompt: int, max_tokens: in
     from ..layers import model_cache
     from ..store import PersistentPrefixCache
 
-    model_obj, tokenizer = load(model)
+    loaded = load(model)
+    model_obj, tokenizer = loaded[0], loaded[1]  # (a third item, the config, only when asked)
     prompt = _prompt_tokens(tokenizer, n_prompt)
     model_path = model if os.path.isdir(model) else None
     with PersistentPrefixCache(store, model_obj, model_path=model_path) as cache_store:
@@ -62,9 +62,8 @@ def _run_phase(phase: str, model: str, store: str, n_prompt: int, max_tokens: in
         if phase == "cold":
             cache, remaining = model_cache(model_obj), prompt
         else:
-            cache, remaining = cache_store.fetch(prompt)
-            if cache is None:
-                cache = model_cache(model_obj)
+            found, remaining = cache_store.fetch(prompt)
+            cache = found if found is not None else model_cache(model_obj)
         generated, ttft = [], None
         steps = generate_step(mx.array(remaining), model_obj, prompt_cache=cache, max_tokens=max_tokens)
         for token, _ in steps:
@@ -206,7 +205,7 @@ def _demo(args: argparse.Namespace) -> int:
             _mark(args.model)  # first: an interrupted write is still the demo's to finish
         if not os.path.exists(os.path.join(args.model, "model.safetensors")):
             print(f"writing a tiny random-weight model to {args.model}", file=sys.stderr)
-            write_tiny_model(args.model, **DEMO_MODEL)
+            write_tiny_model(args.model, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=512)
     store = os.path.join(args.workdir, "store")
     if os.path.lexists(store):
         shutil.rmtree(store)  # the demo's own (checked above): the cold run starts from nothing

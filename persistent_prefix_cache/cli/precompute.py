@@ -190,7 +190,7 @@ def tokenize(prompt: PromptInput, tokenizer, args, kwargs: dict) -> list[int]:
             kwargs=kwargs,
             where=prompt.where,
         )
-    elif prompt.messages is not None:
+    elif prompt.text is None:  # a chat: its messages need the template
         why = "--ignore-chat-template was given" if args.ignore_chat_template else "it has none"
         raise UserError(
             f"{prompt.where}: a messages row needs the tokenizer's chat template, but {why}; "

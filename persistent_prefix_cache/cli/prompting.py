@@ -358,7 +358,7 @@ def open_checked_store(args: argparse.Namespace, model: Any, local_path: str | N
         # The store warns (e.g. "not writable: serving hits only"); say it as one line.
         warnings.simplefilter("always")
         store = open_store(args, model, local_path, block_size=block_size, **kwargs)
-    notes = [str(w.message) for w in caught]
+    notes: list[str | None] = [str(w.message) for w in caught]
     try:
         if need_write and store.readonly:
             # Say why (a read-only file system, another user's files), in one line.
@@ -423,12 +423,12 @@ def _check_models(store: Any) -> str | None:
     same_model = [d for d in others if d.get("fingerprint") == store.fingerprint]
     for desc in same_model:
         if desc.get("namespace") == store.namespace and desc.get("layout") != layout:
-            theirs, mine = _kv_options(desc.get("layout", "")), _kv_options(layout)
-            if theirs == mine:
-                theirs, mine = desc.get("layout"), layout
+            their_kv, my_kv = _kv_options(desc.get("layout", "")), _kv_options(layout)
+            if their_kv == my_kv:
+                their_kv, my_kv = desc.get("layout"), layout
             raise UserError(
-                f"store {store.path} holds this model's KV made with {theirs}, but this run "
-                f"asks for {mine}: pass the same options it was filled with, "
+                f"store {store.path} holds this model's KV made with {their_kv}, but this run "
+                f"asks for {my_kv}: pass the same options it was filled with, "
                 "or use another store directory"
             )
     if same_model:

@@ -375,7 +375,7 @@ class BlockAwarePrefixCache(Linked):
     def _put_blocks(self, toks: np.ndarray, layers: list | None, batchless: tuple[int, ...] = ()) -> list[CacheBlock]:
         """Blocks holding `toks` (and the KV of `layers`), each with a reference taken."""
         paged, bs, n = self.paged_cache, self.block_size, len(toks)
-        layout = template = None
+        layout, template = "", []  # (what a block records of `layers`: unused without them)
         if layers is not None:
             layout, template = signature_of(layers), [empty_like(c) for c in layers]
             if batchless:
@@ -404,7 +404,7 @@ class BlockAwarePrefixCache(Linked):
             out.append(block)
             parent = paged.compute_block_hash(chunk, parent)
         # Evaluate now: lazy slices would pin the caller's whole buffers until first use.
-        mx.eval([x for views in fresh for v in views.values() for x in v.tensors.values()])
+        mx.eval([x for views in fresh for v in views.values() for x in (v.tensors or {}).values()])
         return out
 
 
@@ -420,7 +420,7 @@ def _merge(old: Any, new: _BlockData) -> _BlockData:
         return new if old is None else old
     for leaf, view in new.views.items():
         mine = old.views[leaf]
-        mine.tensors = {**view.tensors, **(mine.tensors or {})}
+        mine.tensors = {**(view.tensors or {}), **(mine.tensors or {})}
         mine.has_slice |= view.has_slice
         mine.has_snapshot |= view.has_snapshot
     return old

@@ -109,7 +109,7 @@ class PagedCacheManager(PoolCalls):
             needed = -(-num_tokens // self.block_size)
             if needed > len(self._free):
                 raise ValueError(f"need {needed} blocks, only {len(self._free)} free")
-            return [self.allocate_block() for _ in range(needed)]
+            return self._allocate_many(needed)
 
     def free_block(self, block_id: int) -> bool:
         """Drop one reference; at zero the block becomes free (its cached KV stays
@@ -260,7 +260,7 @@ class PagedCacheManager(PoolCalls):
             parent, ids = ROOT_HASH, []
             for start in range(0, len(data) - step + 1, step):
                 block = self._lookup(parent, data[start : start + step])
-                if block is None:
+                if block is None or block.block_hash is None:  # (an indexed block has its key)
                     self.stats.cache_misses += 1
                     break
                 self.stats.cache_hits += 1

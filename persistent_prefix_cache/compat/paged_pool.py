@@ -22,17 +22,37 @@ them, with vllm-mlx's documented semantics and these differences (its bugs):
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from ..errors import InvalidArgumentError
 from ..keys import as_token_array, block_key
-from .paged_blocks import CacheBlock
+from .paged_blocks import CacheBlock, CacheStats
 
 
 class PoolCalls:
     """The free list and positional index of `PagedCacheManager`'s pool, and the
     vLLM-style calls on them (the subclass holds the blocks, `stats` and `lock`)."""
+
+    # What the subclass holds (`PagedCacheManager` sets them) and the calls of it used here.
+    block_size: int
+    max_blocks: int
+    enable_caching: bool
+    lock: threading.RLock
+    stats: CacheStats
+    blocks: list[CacheBlock]
+    allocated_blocks: dict[int, CacheBlock]
+    root_hash: bytes
+
+    if TYPE_CHECKING:
+
+        @property
+        def free_blocks(self) -> int: ...
+        def allocate_block(self) -> CacheBlock | None: ...
+        def free_block(self, block_id: int) -> bool: ...
+        def register_block_hash(self, block: CacheBlock, tokens: Any, parent_hash: bytes | None = None) -> bytes: ...
+        def find_shared_prefix(self, tokens: Any) -> tuple[list[int], Any]: ...
 
     def _reset_pool(self) -> None:
         """Every block but the null block free, nothing indexed."""
@@ -66,11 +86,12 @@ class PoolCalls:
             return
         if self._by_hash.get(block.block_hash) is block:
             del self._by_hash[block.block_hash]
-        siblings = self._children.get(block.parent_hash)
-        if siblings is not None:
+        parent = block.parent_hash
+        siblings = self._children.get(parent) if parent is not None else None
+        if parent is not None and siblings is not None:
             siblings.pop(block.block_id, None)
             if not siblings:
-                del self._children[block.parent_hash]
+                del self._children[parent]
         block.block_hash = block.parent_hash = None
         block.token_ids = b""
 
@@ -81,6 +102,16 @@ class PoolCalls:
         self._unindex(block)
         block.token_count = 0
         block.cache_data = None
+
+    def _allocate_many(self, n: int) -> list[CacheBlock]:
+        """`n` blocks from `allocate_block`; under the lock, with `n` free (the caller checked)."""
+        out = []
+        for _ in range(n):
+            block = self.allocate_block()
+            if block is None:  # cannot be: the caller saw `n` free under the lock
+                raise RuntimeError("the pool's free list ran short under its lock")
+            out.append(block)
+        return out
 
     def _own(self, block: Any) -> CacheBlock:
         if (
@@ -109,7 +140,7 @@ class PoolCalls:
         with self.lock:
             if num_blocks > self.free_blocks:
                 raise ValueError(f"cannot allocate {num_blocks} blocks, only {self.free_blocks} free")
-            return [self.allocate_block() for _ in range(num_blocks)]
+            return self._allocate_many(num_blocks)
 
     def free_block_batch(self, blocks: Iterable[CacheBlock]) -> None:
         """Drop one reference of each block; those that reach zero become free, in the

@@ -61,11 +61,7 @@ def check_server(server: Any) -> None:
     if not problems:
         cls = server.LRUPromptCache
         # Our class extends mlx_lm.models.cache.LRUPromptCache: it must be the server's.
-        try:
-            from mlx_lm.models.cache import LRUPromptCache
-        except ImportError:
-            LRUPromptCache = None
-        if LRUPromptCache is not cls:
+        if _mlx_lm_lru_class() is not cls:
             problems.append("its LRUPromptCache is not mlx_lm.models.cache.LRUPromptCache")
         missing = [m for m in _CACHE_METHODS if not callable(getattr(cls, m, None))]
         if missing:
@@ -91,6 +87,15 @@ def check_server(server: Any) -> None:
             "mlx_lm.server without a persistent cache",
             hint="",
         )
+
+
+def _mlx_lm_lru_class() -> type | None:
+    """``mlx_lm.models.cache.LRUPromptCache`` (None in an mlx-lm without it)."""
+    try:
+        from mlx_lm.models.cache import LRUPromptCache
+    except ImportError:
+        return None
+    return LRUPromptCache
 
 
 def _global_names(fn: Callable) -> set[str]:
@@ -159,7 +164,7 @@ def scan_hub_cache(scan: Callable[..., Any]) -> Callable[..., Any]:
     Returns:
         A function taking the same arguments.
     """
-    warned = []
+    warned: list[Exception] = []
 
     def scan_or_nothing(*args: Any, **kwargs: Any) -> Any:
         try:

@@ -183,7 +183,7 @@ class StoreLink:
             self.store.close()
 
 
-def warn_once_per_object() -> WarnOnce:
+def warn_once_per_object() -> Callable[[Hashable, str], None]:
     """One `RuntimeWarning` per compat object, whatever the cause (a server would
     otherwise repeat it on every request)."""
     once = WarnOnce(lambda message: warnings.warn(message, RuntimeWarning, stacklevel=6))

@@ -58,7 +58,7 @@ class Target:
         out = {}
         for name, shape, dtype in specs:
             bits = np_uint(dtype_info(dtype)[1])
-            got = self._take(shape, bits) if self.arena is not None else None
+            got = self._take(self.arena, shape, bits) if self.arena is not None else None
             out[name] = got if got is not None else np.empty(shape, dtype=bits)
         return out
 
@@ -105,13 +105,13 @@ class Target:
         if self.device:
             cuda.give_back(buffers)
 
-    def _take(self, shape: tuple[int, ...], bits: str) -> np.ndarray | None:
+    def _take(self, arena: Arena, shape: tuple[int, ...], bits: str) -> np.ndarray | None:
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(bits).itemsize
         start = -(-self._used // 64) * 64
-        if start + nbytes > len(self.arena.bytes):
+        if start + nbytes > len(arena.bytes):
             return None
         self._used = start + nbytes
-        return self.arena.bytes[start : start + nbytes].view(bits).reshape(shape)
+        return arena.bytes[start : start + nbytes].view(bits).reshape(shape)
 
 
 def host_target(arena: Arena | None = None) -> Target:

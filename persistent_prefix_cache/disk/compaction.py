@@ -23,7 +23,7 @@ and a record that changed meanwhile (another writer, an eviction) is left where 
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from typing import AbstractSet, Iterable
 
 from ..blocks import Node
 from .commit import commit
@@ -68,8 +68,8 @@ def compact(index: Index, files: SegmentFiles, segment: bytes) -> bool:
         return False
     try:
         with index.reader() as reader:
-            live = [reader.get(key) for key, _, _ in seg.blocks]
-        live = [n for n in live if n is not None and n.segment == segment]
+            found = [reader.get(key) for key, _, _ in seg.blocks]
+        live = [n for n in found if n is not None and n.segment == segment]
         runs: list[list[tuple[Node, dict]]] = [[]]
         for node in live:
             tensors = seg.block_tensors(node)
@@ -92,7 +92,7 @@ def compact(index: Index, files: SegmentFiles, segment: bytes) -> bool:
 
 
 def merge_chain(
-    index: Index, files: SegmentFiles, last: bytes, *, burst: set[bytes] | frozenset = frozenset()
+    index: Index, files: SegmentFiles, last: bytes, *, burst: AbstractSet[bytes] = frozenset()
 ) -> tuple[int, bytes | None, list[bytes], int]:
     """Merge the segments at the end of the chain that ends with block `last` (see the
     module's docstring for which).
@@ -110,7 +110,7 @@ def merge_chain(
     if len(groups) < 2:
         return 0, None, [], 0
     run: list[tuple[Node, dict]] = []
-    root = model = block_size = None
+    root, model, block_size = b"", b"", 0  # what the new header records: set below (two or more segments)
     for segment, nodes in groups:
         seg = files.open(segment)
         if seg is None:
@@ -129,7 +129,7 @@ def merge_chain(
     return len(groups), done[0], done[1], done[2]
 
 
-def _tail_groups(reader, last: bytes, burst: set[bytes] | frozenset) -> list[tuple[bytes, list[Node]]]:
+def _tail_groups(reader, last: bytes, burst: AbstractSet[bytes]) -> list[tuple[bytes, list[Node]]]:
     """The segments to merge at the end of the chain ending with block `last`, root-most
     first, each with the chain's blocks it holds (all of its live ones)."""
     groups: list[tuple[bytes, list[Node]]] = []

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 from contextlib import contextmanager
+from types import ModuleType
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import lmdb
@@ -89,8 +90,14 @@ class Index:
         self._closed = False
         self.said_write_damage = False  # `write_damaged` says it once per handle
         self._commits = 0
+
+        def setup() -> None:
+            if migrate:
+                self._migrate(block_size)
+            self._read_block_size()
+
         try:
-            self._retrying(lambda: (self._migrate(block_size) if migrate else None, self._read_block_size()))
+            self._retrying(setup)
         except lmdb.Error as exc:
             self.close()
             raise corrupt_index(store_of(path), f"{type(exc).__name__}: {exc}") from None
@@ -144,7 +151,7 @@ class Index:
             The versions applied.
         """
         params = {**params, "store": os.path.dirname(os.path.abspath(self.path))}
-        pending = []
+        pending: list[ModuleType] = []
 
         def run(txn):
             version = _stamped_version(self.env, txn)
@@ -382,7 +389,7 @@ def walk_index(path: str, *, trial_write: bool, say: Callable[[dict], None]) -> 
             # walk each (every page read, keys in order), their records undecoded.
             version = _stamped_version(env, txn)
             named = 0 < version <= _LAST_NAMED_SCHEMA
-            databases = [None]
+            databases: list[lmdb._Database | None] = [None]  # None: the main database
             while databases:
                 db = databases.pop()
                 for key, value in txn.cursor(db=db) if db is not None else txn.cursor():

@@ -117,7 +117,7 @@ def _private_folder(idx: int) -> tuple[int, str, bool] | None:
     name = f"{PIN_STEM}-{os.geteuid()}"
     for attempt in (name, None):
         fresh = attempt is None
-        folder = temp_name(f"{PIN_STEM}-{os.geteuid()}") if fresh else attempt
+        folder = attempt if attempt is not None else temp_name(f"{PIN_STEM}-{os.geteuid()}")
         try:
             os.mkdir(folder, 0o700, dir_fd=idx)
         except FileExistsError:

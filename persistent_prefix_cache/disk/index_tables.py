@@ -415,11 +415,11 @@ class Writer(Reader):
         lru = self._lru_from(b"")
         pending = next(lru, None)
         while pending is not None or orphaned:
-            if orphaned and (pending is None or orphaned[0] < pending):
-                _, key = heapq.heappop(orphaned)
-            else:
+            if pending is not None and not (orphaned and orphaned[0] < pending):
                 _, key = pending
                 pending = next(lru, None)
+            else:
+                _, key = heapq.heappop(orphaned)
             node = self.get(key)
             if node is None or node.child_count != 0:
                 continue  # gone already, or an inner node: its leaves go first

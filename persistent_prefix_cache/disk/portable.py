@@ -27,8 +27,11 @@ import sys
 
 try:
     import fcntl
+
+    # F_FULLFSYNC: macOS (and iOS) only.
+    _FULLFSYNC: int | None = getattr(fcntl, "F_FULLFSYNC", None)
 except ImportError:  # not on POSIX: durable_fsync falls back to os.fsync
-    fcntl = None
+    _FULLFSYNC = None
 
 
 def _iov_max() -> int:
@@ -42,8 +45,6 @@ IOV_MAX = _iov_max()
 HAS_PREADV = hasattr(os, "preadv")
 HAS_WRITEV = hasattr(os, "writev")
 HAS_PWRITEV = hasattr(os, "pwritev")
-# F_FULLFSYNC: macOS (and iOS) only.
-_FULLFSYNC = getattr(fcntl, "F_FULLFSYNC", None) if fcntl is not None else None
 
 
 def preadv(fd: int, buffers: list, offset: int) -> int:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import importlib.util
 from importlib import resources
+from types import ModuleType
 
 from ..errors import StoreVersionError
 
 
-def load_migrations() -> list:
+def load_migrations() -> list[ModuleType]:
     """Every migration module shipped in ``persistent_prefix_cache.migrations``, by version."""
     found = []
     for entry in resources.files("persistent_prefix_cache.migrations").iterdir():
@@ -22,6 +23,8 @@ def load_migrations() -> list:
         if not (name[:4].isdigit() and name.endswith(".py")):
             continue
         spec = importlib.util.spec_from_file_location(f"_ppc_migration_{name[:-3]}", str(entry))
+        if spec is None or spec.loader is None:  # a .py file always has a spec and a loader
+            raise ImportError(f"cannot load the migration {name}")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         found.append(module)

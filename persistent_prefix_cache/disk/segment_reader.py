@@ -15,6 +15,7 @@ import base64
 import json
 import math
 import os
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -86,6 +87,7 @@ class Snap:
         self.at, self.digest, self.nbytes, self.tag = at, digest, nbytes, tag
 
 
+@dataclass(eq=False)
 class Header:
     """A segment header, parsed and checked (see `parse_header`).
 
@@ -104,8 +106,17 @@ class Header:
         body: File offset of the data.
     """
 
-    def __init__(self, **kw: Any):
-        self.__dict__.update(kw)
+    segment: bytes
+    root: bytes
+    model: bytes
+    block_size: int
+    blocks: list[tuple[bytes, int, int]]
+    records: list[list[Any]]
+    tokens: str
+    fields: list[SegmentField]
+    snaps: list[Snap]
+    digest: int
+    body: int
 
 
 def _unique(pairs: list) -> dict:
@@ -156,7 +167,7 @@ def parse_header(head: bytes, size: int, segment: bytes | None = None) -> Header
             raise ValueError("another segment")
         block_size = int(meta["block_size"])
         records = json.loads(meta["blocks"])
-        blocks = []
+        blocks: list[tuple[bytes, int, int]] = []
         for i, (key, parent, pos, t, flags, nbytes, csum, extra) in enumerate(records):
             key, pos, t = bytes.fromhex(key), int(pos), int(t)
             if (
@@ -475,8 +486,9 @@ class OpenSegment:
         """The tensors of consecutive blocks of this segment, as `block_tensors` gives them
         (views of one buffer per field: its rows for the whole run, read at once), each
         block verified against its node's checksum; None if one is missing or damaged."""
-        at = [self.block_index(n) for n in nodes]
-        if not at or None in at or at != list(range(at[0], at[0] + len(at))):
+        found = [self.block_index(n) for n in nodes]
+        at = [i for i in found if i is not None]
+        if not at or len(at) != len(found) or at != list(range(at[0], at[0] + len(at))):
             return None
         lo, hi = at[0], at[-1] + 1
         end = self.blocks[hi - 1][1] + self.blocks[hi - 1][2]
@@ -487,7 +499,7 @@ class OpenSegment:
                 continue
             start = self.blocks[first][1]
             buf = np.empty((f.rows, (end - start) * f.row_bytes), dtype=np.uint8)
-            if not self.read_rows(f, first, hi, [memoryview(buf).cast("B")], [0], buf.shape[1]):
+            if not self.read_rows(f, first, hi, [buf.data.cast("B")], [0], buf.shape[1]):
                 return None
             runs[f.name] = (start, buf)
         out = []
@@ -502,11 +514,11 @@ class OpenSegment:
                 lid, _, fld = f.name.rpartition(".")
                 bits = rows[f.name].view(np.dtype(f"<u{f.itemsize}")).reshape(f.batch, f.heads, n, f.width)
                 tensors.setdefault(lid, {})[fld] = (bits, f.dtype)
-            if self.block_digest(i, lambda f, r: memoryview(rows[f.name][r]), node) != node.checksum:
+            if self.block_digest(i, lambda f, r: rows[f.name][r].data, node) != node.checksum:
                 return None
             for s in self.snaps_of(i):
                 buf = np.empty(s.nbytes, dtype=np.uint8)
-                if self.read_snap(s, memoryview(buf)) is None:
+                if self.read_snap(s, buf.data) is None:
                     return None
                 lid, _, fld = s.name.rpartition(".")
                 bits = buf.view(np.dtype(f"<u{dtype_info(s.dtype)[1]}")).reshape(s.shape)

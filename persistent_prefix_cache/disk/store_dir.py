@@ -198,6 +198,16 @@ class TempFile:
         self.name: str | None = name
         self.path = os.path.join(root, folder, name)
 
+    def fileno(self) -> int:
+        """The open file's descriptor.
+
+        Raises:
+            ValueError: If the file was closed.
+        """
+        if self.fd is None:
+            raise ValueError(f"{self.path} is closed")
+        return self.fd
+
     def close_file(self) -> None:
         """Close the file (it stays where it is)."""
         if self.fd is not None:
@@ -211,7 +221,10 @@ class TempFile:
 
         Raises:
             OSError: If the rename fails (then the caller's `discard` removes the file).
+            ValueError: If the file was moved or removed already.
         """
+        if self.name is None:
+            raise ValueError(f"{self.path} was moved or removed already")
         self.close_file()
         os.replace(self.name, name, src_dir_fd=self.dir_fd, dst_dir_fd=dst_fd)
         self.name = None

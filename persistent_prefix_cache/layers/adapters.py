@@ -55,6 +55,14 @@ class BlockView:
     has_slice: bool = True
     has_snapshot: bool = False
 
+    def tensor(self, name: str) -> mx.array:
+        """Tensor `name` of the block.
+
+        Raises:
+            KeyError: If the block holds no tensor `name` (or none at all: a record's flags only).
+        """
+        return (self.tensors or {})[name]
+
 
 def _copy(x: mx.array, start: int, end: int) -> mx.array:
     # KV tensors are [batch, heads, seq, dim]; copy so the block owns its memory and
@@ -82,12 +90,12 @@ class BlockSource:
         for b in self.views:
             a, z = max(lo, b.start), min(hi, b.end)
             if a < z:
-                parts.append(b.tensors[name][..., a - b.start : z - b.start, :])
+                parts.append(b.tensor(name)[..., a - b.start : z - b.start, :])
         return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
 
     def snapshot(self, name: str) -> mx.array:
         """Tensor `name` of the last block's snapshot."""
-        return self.last.tensors[name][...]
+        return self.last.tensor(name)[...]
 
     def buffer(self, name: str, position: int) -> mx.array:
         """Positions [0, position) of `name` (here: exactly that long)."""
@@ -128,7 +136,7 @@ class JoinedSource:
 
     def snapshot(self, name: str) -> mx.array:
         """Tensor `name` of the last block's snapshot."""
-        return self.last.tensors[name][...]
+        return self.last.tensor(name)[...]
 
     def has(self, name: str) -> bool:
         """Whether tensor `name` was read."""
@@ -304,12 +312,13 @@ class _WindowAdapter(_SeqAdapter):
         if last.end == position and last.has_snapshot:
             return source.snapshot(window_snapshot(KEYS)), source.snapshot(window_snapshot(VALUES))
         ranges = [(lo, hi) for lo, hi in self.needed(template, position) if lo < hi]
-        return tuple(
-            mx.concatenate([source.range(f, lo, hi) for lo, hi in ranges], axis=2)
-            if len(ranges) > 1
-            else source.range(f, *ranges[0])
-            for f in KV_FIELDS
-        )
+
+        def joined(f: str) -> mx.array:
+            if len(ranges) > 1:
+                return mx.concatenate([source.range(f, lo, hi) for lo, hi in ranges], axis=2)
+            return source.range(f, *ranges[0])
+
+        return joined(KEYS), joined(VALUES)
 
 
 class RotatingAdapter(_WindowAdapter):
@@ -406,7 +415,8 @@ class ArraysAdapter:
             raise UnsupportedCacheError("a batched ArraysCache (left padding or lengths) cannot be stored")
         if not last:
             return {}, False, False
-        snap = {state_snapshot(i): mx.contiguous(x) for i, x in enumerate(layer.cache) if x is not None}
+        state: Sequence[mx.array | None] = layer.cache  # (mlx-lm's __init__ fills it with None: read as list[None])
+        snap = {state_snapshot(i): mx.contiguous(x) for i, x in enumerate(state) if x is not None}
         return snap, False, True
 
     def can_rebuild(self, template, blocks, position):
@@ -445,7 +455,7 @@ def adapter_for(layer: Any, where: str = "0"):
 
 def leaves(cache: Sequence[Any]) -> list[tuple[str, Any]]:
     """Flatten a cache list into (leaf id, leaf layer), descending into ``CacheList``."""
-    out = []
+    out: list[tuple[str, Any]] = []
     for i, layer in enumerate(cache):
         if isinstance(layer, CacheList):
             out.extend((f"{i}.{j}", child) for j, child in enumerate(layer.caches))

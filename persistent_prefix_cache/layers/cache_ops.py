@@ -98,7 +98,7 @@ def empty_like(layer: Any) -> Any:
 def layer_from_seed(entry: dict) -> Any:
     """An mlx-lm layer from vllm-mlx's per-layer dict (``state``, ``class_name``, ...),
     or None if it does not describe one."""
-    state = entry.get("state")
+    state: Any = entry.get("state")  # vllm-mlx's record, anything: probed under the try below
     ref = entry.get("class_ref")
     name = entry.get("class_name") or getattr(ref, "__name__", "")
     try:
@@ -127,7 +127,7 @@ def seed_without_batch_axis(entry: Any) -> bool:
     if not isinstance(entry, dict):
         return False
     ref, name = entry.get("class_ref"), entry.get("class_name")
-    state = entry.get("state")
+    state: Any = entry.get("state")  # vllm-mlx's record, anything: probed under the try below
     if not (ref is KVCache or (ref is None and name == "KVCache")):
         return False
     try:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, BinaryIO, Sequence, cast
 
 import mlx.core as mx
 from mlx.utils import tree_unflatten
@@ -173,9 +173,10 @@ def _layer(name: str, state: Any, meta: Any, layout: str, path: str, where: str)
         obj.offset, obj.group_size, obj.bits = offset, group_size, bits
         return obj
     parts = _items(state, 2, path, f"layer {where}")
-    offset = _int(parts[2], path, f"layer {where} offset") if not old and name != "RotatingKVCache" else None
+    # 0.32 keeps the offset third in the state (0.31 and the rotating layer: see below).
+    offset = _int(parts[2], path, f"layer {where} offset") if not old and name != "RotatingKVCache" else 0
     if name == "KVCache":
-        keys, values = _kv(parts[0], parts[1], offset or 0, path, where)
+        keys, values = _kv(parts[0], parts[1], offset, path, where)
         obj = _new(KVCache)
         obj.keys, obj.values, obj.offset = keys, values, (keys.shape[2] if old else offset)
         return obj
@@ -256,7 +257,9 @@ def read_prompt_cache(path: str) -> PromptCacheFile:
         raise _bad(path, "no such file")
     _check_header(path)
     try:
-        arrays, meta = mx.load(path, format="safetensors", return_metadata=True)
+        # (The tensors by name, then the metadata. Scalars and strings replace some tensors below.)
+        loaded = mx.load(path, format="safetensors", return_metadata=True)
+        arrays, meta = cast(tuple[dict[str, Any], dict[str, str]], loaded)
         mx.eval(list(arrays.values()))  # a short read surfaces here, not later in a restore
     except Exception as exc:  # mlx raises RuntimeError/ValueError for every malformed file
         first = (str(exc).strip().splitlines() or [""])[0]
@@ -287,9 +290,14 @@ def read_prompt_cache(path: str) -> PromptCacheFile:
     return PromptCacheFile(layout, cache, {k: v for k, v in user.items() if isinstance(v, str)}, list(classes))
 
 
+def _state(layer: ArraysCache) -> list[mx.array]:
+    held: Sequence[mx.array | None] = layer.cache  # (mlx-lm's __init__ fills it with None: read as list[None])
+    return [x for x in held if x is not None]
+
+
 def _arrays(layer: Any) -> list[mx.array]:
     if isinstance(layer, ArraysCache):
-        return [x for x in layer.cache if x is not None]
+        return _state(layer)
     keys, values = layer.keys, layer.values
     return [*keys, *values] if isinstance(keys, (tuple, list)) else [keys, values]
 
@@ -298,10 +306,10 @@ def leaf_tensors(cache: list) -> dict[str, list[mx.array]]:
     """Every leaf's meaningful tensors by leaf id: KV rows ``[:offset]`` (a rotating window's in
     temporal order, a chunked layer's last chunk), recurrent state whole. What two caches of
     the same tokens must agree on bitwise."""
-    out = {}
+    out: dict[str, list[mx.array]] = {}
     for where, layer in leaves(cache):
         if isinstance(layer, ArraysCache):
-            out[where] = [x for x in layer.cache if x is not None]
+            out[where] = _state(layer)
             continue
         if isinstance(layer, RotatingKVCache):  # a wrapped window compares in temporal order
             rows = min(layer.offset, layer.keys.shape[2])
@@ -315,15 +323,16 @@ def leaf_tensors(cache: list) -> dict[str, list[mx.array]]:
     return out
 
 
-def shapes_and_dtypes(cache: list) -> dict[str, list[tuple]]:
+def shapes_and_dtypes(cache: list) -> dict[str, list[str | tuple[tuple[int, ...], str]]]:
     """Per leaf: the class and, per tensor, (shape without the sequence axis, dtype): what
     a model fixes of its cache whatever the prompt's length."""
-    out = {}
+    out: dict[str, list[str | tuple[tuple[int, ...], str]]] = {}
     for where, layer in leaves(cache):
         arrays = _arrays(layer)
         seq = not isinstance(layer, ArraysCache)
-        out[where] = [type(layer).__name__] + [
-            ((*x.shape[:2], *x.shape[3:]) if seq else tuple(x.shape), str(x.dtype)) for x in arrays
+        out[where] = [
+            type(layer).__name__,
+            *(((*x.shape[:2], *x.shape[3:]) if seq else tuple(x.shape), str(x.dtype)) for x in arrays),
         ]
     return out
 
@@ -373,7 +382,11 @@ def write_prompt_cache(path: str, cache: list, metadata: dict[str, str]) -> int:
     from mlx_lm.models.cache import save_prompt_cache
 
     layers = [_compact(layer) for layer in cache]
+
     # Beside `path`, created exclusively under a random name (its folder may be shared),
     # written through that descriptor (mlx writes to a file object as to a path).
-    replace_beside(path, lambda f: save_prompt_cache(f, layers, metadata), mode=0o600)  # it holds the prompt
+    def write(f: BinaryIO) -> None:
+        save_prompt_cache(f, layers, metadata)  # type: ignore[arg-type]  # mlx-lm names a path; a file works too
+
+    replace_beside(path, write, mode=0o600)  # it holds the prompt
     return os.path.getsize(path)

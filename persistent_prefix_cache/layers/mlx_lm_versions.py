@@ -38,12 +38,15 @@ The differences we meet (docs/versions.md lists them all, with where each is han
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from mlx_lm import __version__ as MLX_LM_VERSION
 from mlx_lm import load as mlx_lm_load
 from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache
+
+if TYPE_CHECKING:
+    from mlx_lm.models.cache import _BaseCache  # every cache layer class's base (the same in both lines)
 
 
 def _parse(version: str) -> tuple[int, ...]:
@@ -125,27 +128,31 @@ def make_layer(cls: type, arrays: tuple, **scalars: Any) -> Any:
     """
     keys, values = arrays
     offset = int(scalars["offset"])
+    # mypy reads the installed mlx-lm: on 0.32 the 0.31 branches' two-argument calls are ignored.
     if cls is KVCache:
         if not SPLIT_META_STATE:
             return KVCache.from_state((keys, values, offset))
-        layer = KVCache.from_state((keys, values), "")
+        layer = KVCache.from_state((keys, values), "")  # type: ignore[call-arg]  # 0.31's two-argument form
         layer.offset = offset  # 0.31's setter took keys.shape[2]
         return layer
     if cls is QuantizedKVCache:
         group_size, bits = int(scalars["group_size"]), int(scalars["bits"])
         if not SPLIT_META_STATE:
             return QuantizedKVCache.from_state((keys, values, offset, group_size, bits))
-        return QuantizedKVCache.from_state((keys, values), tuple(map(str, (offset, group_size, bits))))
+        meta = tuple(map(str, (offset, group_size, bits)))
+        return QuantizedKVCache.from_state((keys, values), meta)  # type: ignore[call-arg]  # 0.31's two-argument form
     if cls is RotatingKVCache:
         keep, max_size, idx = int(scalars["keep"]), int(scalars["max_size"]), int(scalars["idx"])
         if not SPLIT_META_STATE:
             return RotatingKVCache.from_state((keys, values, offset, keep, max_size, idx))
-        return RotatingKVCache.from_state((keys, values), tuple(map(str, (keep, max_size, offset, idx))))
+        meta = tuple(map(str, (keep, max_size, offset, idx)))
+        return RotatingKVCache.from_state((keys, values), meta)  # type: ignore[call-arg]  # 0.31's two-argument form
     if cls is ChunkedKVCache:
         chunk_size, start = int(scalars["chunk_size"]), int(scalars["start"])
         if not SPLIT_META_STATE:
             return ChunkedKVCache.from_state((keys, values, offset, chunk_size, start))
-        layer = ChunkedKVCache.from_state((keys, values), tuple(map(str, (chunk_size, start))))
+        meta = tuple(map(str, (chunk_size, start)))
+        layer = ChunkedKVCache.from_state((keys, values), meta)  # type: ignore[call-arg]  # 0.31's two-argument form
         layer.offset = offset  # 0.31's setter took keys.shape[2]
         return layer
     raise TypeError(f"make_layer builds no {getattr(cls, '__name__', cls)!r}")
@@ -163,7 +170,7 @@ def arrays_state(state: Any) -> list | None:
     return None
 
 
-def layer_from_state(cls: type, state: Any, meta_state: Any = None) -> Any:
+def layer_from_state(cls: type[_BaseCache], state: Any, meta_state: Any = None) -> Any:
     """``cls.from_state`` with what a caller recorded (vllm-mlx keeps ``state`` and
     ``meta_state`` side by side): 0.31 takes both, 0.32 the state alone.
 
@@ -171,7 +178,8 @@ def layer_from_state(cls: type, state: Any, meta_state: Any = None) -> Any:
         TypeError, ValueError: Where the class rejects the state (as mlx-lm raises them).
     """
     if SPLIT_META_STATE:
-        return cls.from_state(state, "" if meta_state is None else meta_state)
+        meta = "" if meta_state is None else meta_state
+        return cls.from_state(state, meta)  # type: ignore[call-arg]  # 0.31's two-argument form
     return cls.from_state(state)
 
 

@@ -20,7 +20,7 @@ state (recurrent state and windows included) is compared whole.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, QuantizedKVCache
@@ -141,8 +141,9 @@ def _difference(got: mx.array, want: mx.array) -> float:
     if a.size == 0:
         return 0.0
     gap = mx.sqrt(mx.sum((a - b) ** 2, axis=-1))
-    scale = mx.mean(mx.sqrt(mx.sum(b**2, axis=-1)))
-    worst, scale = mx.max(gap).item(), scale.item()
+    norm = mx.mean(mx.sqrt(mx.sum(b**2, axis=-1)))
+    # float32 scalars: mlx's stubs type `item()` as any Python number.
+    worst, scale = cast(float, mx.max(gap).item()), cast(float, norm.item())
     if worst != worst or scale != scale:  # NaN in either: nothing agrees
         return float("inf")
     if worst == 0.0:
@@ -153,10 +154,12 @@ def _difference(got: mx.array, want: mx.array) -> float:
 def _compare(mine: Sequence[Any], theirs: Sequence[Any], start: int, end: int, last: bool) -> tuple[float, str, list]:
     """(largest difference, where, leaves not compared) between the recomputed cache and
     the given one over positions [start, end); recurrent state only when `last`."""
-    worst, where, missed = 0.0, "", []
+    worst, where = 0.0, ""
+    missed: list[str] = []
     for (lid, a), (_, b) in zip(leaves(mine), leaves(theirs)):
         if isinstance(b, ArraysCache):
-            pairs = list(zip(a.cache, b.cache)) if last else []
+            state: Sequence[mx.array | None] = b.cache  # (mlx-lm's __init__ fills it with None: read as list[None])
+            pairs = list(zip(a.cache, state)) if last else []
             if any((x is None) != (y is None) for x, y in pairs):
                 return float("inf"), f"layer {lid}, its state", missed
             diffs = [_difference(x, y) for x, y in pairs if y is not None]

@@ -77,7 +77,7 @@ class MemoryTier:
         entry = self._entries.get(key)
         return entry[0] if entry else None
 
-    def moved(self, keys: list[bytes], segment: bytes | None) -> None:
+    def moved(self, keys: list[bytes], segment: bytes) -> None:
         """Records of these blocks now point at `segment` (a merge moved their bytes):
         the nodes held here say so too, so that a restore that finds a block evicted
         between its lookup and its read reads the new file."""

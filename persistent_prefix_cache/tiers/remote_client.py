@@ -171,7 +171,7 @@ class Servers:
             Voice.failed(self.shown, self._no_node_error().message, self.tail)
         return None
 
-    def _no_node_error(self) -> Exception:
+    def _no_node_error(self) -> RemoteConfigError | RemoteUnreachableError:
         """The typed error when no node of a cluster answers (after a failure)."""
         exc, address = self._last_failure or (OSError("no node answers"), None)
         error = self._error(exc, address)
@@ -327,7 +327,7 @@ class Servers:
             raise self._no_node_error()
         return sorted({a for a in slots if a is not None})
 
-    def _error(self, exc: BaseException, address: Any) -> Exception:
+    def _error(self, exc: BaseException, address: Any) -> RemoteConfigError | RemoteUnreachableError:
         """The typed error for a failure of `address` (see `describe`)."""
         refused, message = describe(self.target, exc, timeout=self.timeout, node=address)
         if refused and "has no db" in message:
@@ -397,7 +397,7 @@ class Servers:
             RemoteUnreachableError: If no node answers.
         """
         addresses = self._addresses()
-        out = []
+        out: list[dict[str, Any]] = []
         for address in addresses:
             try:
                 client = self._node(address).client()

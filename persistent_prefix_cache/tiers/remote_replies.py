@@ -100,7 +100,7 @@ class _Replies:
             if n < 0:
                 return None
             value = np.empty(n + 2, dtype=np.uint8)  # the value and its CRLF, one read
-            self._exactly(memoryview(value))
+            self._exactly(value.data)
             if bytes(value[n:]) != b"\r\n":
                 raise ProtocolError("bulk reply not terminated")
             return value[:n]

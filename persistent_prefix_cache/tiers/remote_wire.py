@@ -107,9 +107,9 @@ def _contiguous(x: Any) -> tuple[memoryview, str, tuple[int, ...]]:
     view = memoryview(arr)
     if dtype is None:
         dtype = dtype_info(arr.dtype)[0]
-    shape = tuple(view.shape)
+    shape = tuple(view.shape or ())  # (a tuple in CPython; the stubs allow None)
     if not view.c_contiguous:  # a strided view of one copy per field: numpy copies it
-        view = memoryview(np.ascontiguousarray(np.asarray(view)))
+        view = np.ascontiguousarray(np.asarray(view)).data
     return view.cast("B"), dtype, shape
 
 
@@ -122,7 +122,9 @@ def encode(skey: bytes, node: Node, tensors: dict[str, dict[str, Any]], mac: byt
         tensors: By leaf, then field: evaluated arrays, or ``(bits, dtype name)``.
         mac: The MAC key (`mac_key`), or None to send no MAC.
     """
-    specs, chunks, at = [], [], 0
+    specs: list[list[Any]] = []
+    chunks: list[memoryview | bytes] = []
+    at = 0
     for lid in sorted(tensors):
         for fld in sorted(tensors[lid]):
             data, dtype, shape = _contiguous(tensors[lid][fld])
@@ -145,7 +147,7 @@ def encode(skey: bytes, node: Node, tensors: dict[str, dict[str, Any]], mac: byt
     text += b" " * (-len(text) % 8)
     toks = node.tokens + bytes(-len(node.tokens) % 8)
     head = _HEAD.pack(MAGIC, WIRE_VERSION, HAS_MAC if mac is not None else 0, 0, len(text))
-    parts = [head, text, toks, *chunks]
+    parts: list[memoryview | bytes] = [head, text, toks, *chunks]
     body = b"".join(parts)
     digest = xxhash.xxh3_128_digest(body)
     if mac is None:
