@@ -81,15 +81,21 @@ class _HostDriver:
         self.copies += 1
         ctypes.memmove(dst, src, nbytes)
 
-    def to_host(self, dst, src, nbytes):
+    def to_host(self, dst, src, nbytes, stream):
         import ctypes
 
         ctypes.memmove(dst, src, nbytes)
 
+    def lane(self):
+        import contextlib
+
+        self.lanes = getattr(self, "lanes", 0) + 1
+        return contextlib.nullcontext((self.ring(), "stream"))
+
     def record(self, event):
         pass
 
-    def record_here(self, event):
+    def record_on(self, event, stream):
         pass
 
     def wait_event(self, event):
@@ -285,7 +291,7 @@ def test_the_writer_copies_a_stores_kv_to_the_host_by_the_copy_engine(monkeypatc
     copied, moved = [], []
 
     class Driver(_HostDriver):
-        def to_host(self, dst, src, nbytes):
+        def to_host(self, dst, src, nbytes, stream):
             copied.append(nbytes)
             ctypes.memmove(dst, src, nbytes)
 
@@ -319,7 +325,7 @@ def test_a_host_copy_that_disagrees_is_never_written(monkeypatch, store_dir):
     from persistent_prefix_cache import PersistentPrefixCache
 
     class Wrong(_HostDriver):
-        def to_host(self, dst, src, nbytes):
+        def to_host(self, dst, src, nbytes, stream):
             import ctypes
 
             ctypes.memset(dst, 0, nbytes)
@@ -413,43 +419,65 @@ def test_a_cuda_handle_makes_the_readers_rings_at_open(monkeypatch, store_dir):
     assert len(made) == readers.READERS  # once per process
 
 
-def test_a_copy_to_the_host_goes_piece_by_piece_through_the_ring_and_pauses_before_each():
-    # One driver call per field held a restore up for all of it; pieces through the
-    # thread's pinned ring let the writer give way (`pause`) between them. Bitwise, with
-    # more pieces than ring slots, and a slot a restore left in flight waited for first.
-    events = []
+def test_a_copy_to_the_host_goes_piece_by_piece_through_a_lane_reused_by_the_next_thread(monkeypatch):
+    # One driver call per field held a restore up for all of it; pieces through pinned
+    # memory let the writer give way (`pause`) between them. The pinned pieces and the
+    # stream are a lane the process keeps: a new handle's writer thread takes the lane an
+    # earlier one gave back (rings made per thread were pinned again by every handle and
+    # never freed). The real `_Driver` runs here against a stand-in of the driver's C API.
+    import ctypes
+    import threading
 
-    class Driver(_HostDriver):
-        def to_host(self, dst, src, nbytes):
-            import ctypes
+    class Lib:
+        def __init__(self):
+            self.pinned, self.streams, self.copies = [], 0, []
 
-            events.append(("copy", nbytes))
+        def cuCtxSetCurrent(self, context):
+            return 0
+
+        def cuMemHostAlloc(self, address, size, flags):
+            buffer = ctypes.create_string_buffer(size)
+            self.pinned.append(buffer)
+            address._obj.value = ctypes.addressof(buffer)
+            return 0
+
+        def cuEventCreate(self, event, flags):
+            event._obj.value = 1
+            return 0
+
+        def cuStreamCreate(self, stream, flags):
+            self.streams += 1
+            stream._obj.value = self.streams
+            return 0
+
+        def cuMemcpyDtoHAsync_v2(self, dst, src, nbytes, stream):
+            self.copies.append(nbytes)
             ctypes.memmove(dst, src, nbytes)
+            return 0
 
-        def record_here(self, event):
-            events.append(("record", event))
+        def cuEventRecord(self, event, stream):
+            return 0
 
-        def wait_event(self, event):
-            events.append(("wait", event))
+        def cuEventSynchronize(self, event):
+            return 0
 
-    driver = Driver()
-    ring = driver.ring()
-    for i, slot in enumerate(ring):
-        slot[1] = f"slot{i}"
-    ring[1][2] = True  # a restore's copy out of this piece is still in flight
-    src = np.random.default_rng(3).integers(0, 256, size=5 * 1000 + 17, dtype=np.uint8)
-    out = np.zeros_like(src)
+    driver = object.__new__(cuda._Driver)
+    driver.lib, driver.context, driver._threads, driver._lanes = Lib(), None, threading.local(), []
+    monkeypatch.setattr(cuda, "STAGE_PIECE", 1000)
+    rng = np.random.default_rng(3)
     paused = []
-    import pytest
-
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(cuda, "STAGE_PIECE", 1000)
-        cuda._copy_to_host(driver, out, src.ctypes.data, lambda: paused.append(len(events)))
-    assert np.array_equal(out, src)
-    assert events[0] == ("wait", "slot1")  # the restore's piece first
-    assert [n for what, n in events if what == "copy"] == [1000] * 5 + [17]
-    assert len(paused) == 6  # before each piece
-    assert not any(slot[2] for slot in ring)
+    for seed in range(2):  # two writer threads, one after the other
+        src = rng.integers(0, 256, size=(5 + seed) * 1000 + 17, dtype=np.uint8)
+        out = np.zeros_like(src)
+        thread = threading.Thread(
+            target=cuda._copy_to_host, args=(driver, out, src.ctypes.data, lambda: paused.append(1))
+        )
+        thread.start()
+        thread.join()
+        assert np.array_equal(out, src)
+    assert driver.lib.copies == [1000] * 5 + [17] + [1000] * 6 + [17]
+    assert len(paused) == 13  # before each piece
+    assert driver.lib.streams == 1 and len(driver.lib.pinned) == cuda.STAGE_RING  # one lane, made once
 
 
 def test_the_writers_copy_to_the_host_gives_way_to_a_restore_between_pieces(monkeypatch, store_dir):
@@ -485,7 +513,7 @@ def test_the_writers_copy_to_the_host_gives_way_to_a_restore_between_pieces(monk
             release.wait(30)
 
     class Driver(_HostDriver):
-        def to_host(self, dst, src, nbytes):
+        def to_host(self, dst, src, nbytes, stream):
             copies.append(release.is_set())
             if len(copies) == 1:
                 threading.Thread(target=restore, daemon=True).start()

@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Callable, Sequence
+from contextlib import contextmanager
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -83,6 +84,7 @@ class _Driver:
             self._prefetch_v1 = lib.cuMemPrefetchAsync
             self._prefetch_v1.argtypes = [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
         self._threads = threading.local()
+        self._lanes: list[tuple[list[list], ctypes.c_void_p]] = []  # free (ring, stream) pairs for copies to the host
         lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         lib.cuMemHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint]
         lib.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
@@ -110,37 +112,51 @@ class _Driver:
         ring = getattr(self._threads, "ring", None)
         if ring is None:
             self._on_this_thread()
-            ring = []
-            for _ in range(STAGE_RING):
-                address, event = ctypes.c_void_p(), ctypes.c_void_p()
-                self._check(self.lib.cuMemHostAlloc(ctypes.byref(address), STAGE_PIECE, 0), "cuMemHostAlloc")
-                self._check(self.lib.cuEventCreate(ctypes.byref(event), 2), "cuEventCreate")  # no timing
-                buffer = (ctypes.c_uint8 * STAGE_PIECE).from_address(address.value)
-                ring.append([np.frombuffer(buffer, dtype=np.uint8), event, False])
+            ring = self._new_ring()
             self._threads.ring, self._threads.next = ring, 0
         return ring
+
+    def _new_ring(self) -> "list[list]":
+        ring = []
+        for _ in range(STAGE_RING):
+            address, event = ctypes.c_void_p(), ctypes.c_void_p()
+            self._check(self.lib.cuMemHostAlloc(ctypes.byref(address), STAGE_PIECE, 0), "cuMemHostAlloc")
+            self._check(self.lib.cuEventCreate(ctypes.byref(event), 2), "cuEventCreate")  # no timing
+            buffer = (ctypes.c_uint8 * STAGE_PIECE).from_address(address.value)
+            ring.append([np.frombuffer(buffer, dtype=np.uint8), event, False])
+        return ring
+
+    @contextmanager
+    def lane(self) -> "Iterator[tuple[list[list], ctypes.c_void_p]]":
+        """A ring of pinned pieces and a stream of its own for one copy to the host, taken
+        from the process's free lanes (made when none is free) and given back after. A
+        writer thread lives as long as its handle: rings made per thread were pinned
+        again by every handle's first store (pinning waits for the device) and never freed."""
+        self._on_this_thread()
+        with _lock:
+            lane = self._lanes.pop() if self._lanes else None
+        if lane is None:
+            stream = ctypes.c_void_p()
+            self._check(self.lib.cuStreamCreate(ctypes.byref(stream), _STREAM_NON_BLOCKING), "cuStreamCreate")
+            lane = (self._new_ring(), stream)
+        try:
+            yield lane
+        finally:
+            with _lock:
+                self._lanes.append(lane)
 
     def copy(self, dst: int, src: int, nbytes: int) -> None:
         """Copy host bytes to device memory, on the stream."""
         self._check(self.lib.cuMemcpyHtoDAsync_v2(dst, src, nbytes, self.stream), "cuMemcpyHtoDAsync")
 
-    def to_host(self, dst: int, src: int, nbytes: int) -> None:
-        """Start copying device (or managed) bytes to host memory on this thread's own
-        stream (a writer's copy never waits behind a reader's); `record_here` marks it."""
-        self._check(self.lib.cuMemcpyDtoHAsync_v2(dst, src, nbytes, self._own_stream()), "cuMemcpyDtoHAsync")
+    def to_host(self, dst: int, src: int, nbytes: int, stream: ctypes.c_void_p) -> None:
+        """Start copying device (or managed) bytes to host memory on a lane's `stream` (a
+        writer's copy never waits behind a reader's); `record_on` marks it."""
+        self._check(self.lib.cuMemcpyDtoHAsync_v2(dst, src, nbytes, stream), "cuMemcpyDtoHAsync")
 
-    def record_here(self, event) -> None:
-        """Mark `event` once what this thread's own stream holds now is done."""
-        self._check(self.lib.cuEventRecord(event, self._own_stream()), "cuEventRecord")
-
-    def _own_stream(self) -> ctypes.c_void_p:
-        self._on_this_thread()
-        stream = getattr(self._threads, "stream", None)
-        if stream is None:
-            stream = ctypes.c_void_p()
-            self._check(self.lib.cuStreamCreate(ctypes.byref(stream), _STREAM_NON_BLOCKING), "cuStreamCreate")
-            self._threads.stream = stream
-        return stream
+    def record_on(self, event, stream: ctypes.c_void_p) -> None:
+        """Mark `event` once what `stream` holds now is done."""
+        self._check(self.lib.cuEventRecord(event, stream), "cuEventRecord")
 
     def record(self, event) -> None:
         """Mark `event` once what the stream holds now is done."""
@@ -243,37 +259,38 @@ def to_host(array: np.ndarray, *, pause: Callable[[], None] | None = None) -> np
 
 
 def _copy_to_host(driver: _Driver, out: np.ndarray, src: int, pause: Callable[[], None] | None) -> None:
-    """Copy ``out.nbytes`` device bytes at `src` into `out` through this thread's ring of
-    pinned pieces, calling `pause` before each piece. One copy of a whole field into
+    """Copy ``out.nbytes`` device bytes at `src` into `out` through a lane's ring of pinned
+    pieces (`_Driver.lane`), calling `pause` before each piece. One copy of a whole field into
     pageable memory was one long driver call: a restore started meanwhile waited for all
     of it (H200: a fetch of 2k tokens took 226 ms beside a store of 8k, 29 ms alone), and
     the writer could not give way between its safe points."""
-    ring = driver.ring()
-    for slot in ring:  # a piece a restore on this thread left in flight is free first
-        if slot[2]:
+    with driver.lane() as (ring, stream):
+        inflight: list[tuple[list, int, int]] = []  # (slot, offset, length), oldest first
+
+        def land() -> None:
+            slot, at, length = inflight.pop(0)
             driver.wait_event(slot[1])
-            slot[2] = False
-    inflight: list[tuple[list, int, int]] = []  # (slot, offset, length), oldest first
+            out[at : at + length] = slot[0][:length]
 
-    def land() -> None:
-        slot, at, length = inflight.pop(0)
-        driver.wait_event(slot[1])
-        slot[2] = False
-        out[at : at + length] = slot[0][:length]
-
-    for k, at in enumerate(range(0, out.nbytes, STAGE_PIECE)):
-        if pause is not None:
-            pause()
-        if len(inflight) == len(ring):
-            land()
-        slot = ring[k % len(ring)]
-        length = min(STAGE_PIECE, out.nbytes - at)
-        driver.to_host(slot[0].ctypes.data, src + at, length)
-        driver.record_here(slot[1])
-        slot[2] = True
-        inflight.append((slot, at, length))
-    while inflight:
-        land()
+        try:
+            for k, at in enumerate(range(0, out.nbytes, STAGE_PIECE)):
+                if pause is not None:
+                    pause()
+                if len(inflight) == len(ring):
+                    land()
+                slot = ring[k % len(ring)]
+                length = min(STAGE_PIECE, out.nbytes - at)
+                driver.to_host(slot[0].ctypes.data, src + at, length, stream)
+                driver.record_on(slot[1], stream)
+                inflight.append((slot, at, length))
+            while inflight:
+                land()
+        finally:
+            for slot, _, _ in inflight:  # a failed copy: the lane goes back with nothing in flight
+                try:
+                    driver.wait_event(slot[1])
+                except OSError:
+                    pass
 
 
 def give_back(buffers: Sequence) -> bool:
