@@ -11,11 +11,34 @@ from __future__ import annotations
 
 import threading
 
+# Why a fetch stopped short of the whole prompt (all but its last token): each reason,
+# how it is told apart and what it costs to tell, is in `miss_reasons`.
+MISS_REASONS = (
+    "never_stored",  # the next block was never stored here (as far as this process knows)
+    "evicted",  # the next block was evicted under the disk budget (by this process, lately)
+    "damaged",  # a block failed its checks (this fetch, or dropped for it lately)
+    "other_model",  # nothing matched, but the first block is stored for another model or namespace
+    "not_resumable",  # stored further, but a recurrent or windowed layer has no snapshot there
+    "write_pending",  # the next block is this handle's, still queued for the writer
+    "slower",  # the cost model: restoring (more) is slower than computing
+    "remote_unreachable",  # the local store fell short and the remote tier did not answer
+    "unsupported",  # the model has a layer the store cannot hold: every fetch misses
+)
+
 # What a handle counts of its own work (`PersistentPrefixCache.stats` shows them).
 HANDLE_COUNTERS = (
     "queries", "hits", "misses",  # fetches: queries = hits + misses
     "not_longer",  # fetches stopped by ``longer_than``, loading nothing
     "tokens_saved",  # tokens the hits restored
+    # Hits and their tokens by the deepest tier each read: the remote (blocks it brought in
+    # this fetch), else disk (any block read from a segment file), else RAM.
+    "hits_ram", "hits_disk", "hits_remote", "tokens_saved_ram", "tokens_saved_disk", "tokens_saved_remote",
+    "tokens_recomputed",  # tokens of the queries' prompts left to compute (a miss: all of them)
+    "bytes_restored_ram", "bytes_restored_disk",  # block bytes restores took from the RAM tier, from segment files
+    # Queries that missed (miss_*) or restored part of what they asked (short_*), by why
+    # they stopped (`MISS_REASONS`).
+    *(f"miss_{reason}" for reason in MISS_REASONS),
+    *(f"short_{reason}" for reason in MISS_REASONS),
     # The cost model's decision of each fetch that found blocks: all of them, only the
     # leading part held in RAM, another shorter prefix, nothing (computing was faster);
     # and the tokens the cuts left to compute.

@@ -13,11 +13,15 @@
 6. Timing: the restore teaches the cost model its tier's rate
    (`cost_model.CostModel.timed`); hits, misses and recency go to the index with the
    next write (`writeback.WriteBack.note`).
+7. The report: a fetch that stopped short of the whole prompt says why
+   (`miss_reasons.MissReasons`), counted by reason; every fetch leaves a
+   `miss_reasons.FetchReport` for its thread (`PersistentPrefixCache.last_fetch`).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +36,8 @@ from .disk.segment import SegmentFiles
 from .errors import StoreCorruptError
 from .keys import as_token_array
 from .layers import Layout
-from .lookup import Trie, back_off
+from .lookup import Trie, Walk, back_off
+from .miss_reasons import FetchReport, MissReasons
 from .restore import restore
 from .tiers.memory import MemoryTier
 from .writeback import WriteBack
@@ -52,6 +57,7 @@ class Fetcher:
         costs: The handle's cost model.
         writeback: The writer thread (None: a read-only handle notes and drops nothing).
         remote_fill: The remote tier's part of a fetch (None: no remote).
+        reasons: Tells why a fetch stopped short.
     """
 
     def __init__(
@@ -67,11 +73,13 @@ class Fetcher:
         costs: CostModel,
         writeback: WriteBack | None,
         remote_fill: RemoteFill | None,
+        reasons: MissReasons,
     ):
         self._layout, self._trie, self._memory, self._files, self._index = layout, trie, memory, files, index
         self._target, self._counters, self._costs = target, counters, costs
-        self._writeback, self._remote_fill = writeback, remote_fill
+        self._writeback, self._remote_fill, self._reasons = writeback, remote_fill, reasons
         self._warned_index = False
+        self._last = threading.local()  # each thread's last report
 
     def fetch(self, tokens: Any, *, longer_than: int | None = None) -> tuple[list | None, Any]:
         """`PersistentPrefixCache.fetch` past the handle's check: a damaged index page
@@ -81,8 +89,13 @@ class Fetcher:
             return self._fetch(tokens, toks, longer_than)
         except StoreCorruptError as exc:
             self.index_damaged(exc)
-            self._counters.add(queries=1, misses=1)
+            self._counters.add(queries=1, misses=1, miss_damaged=1, tokens_recomputed=len(toks))
+            self._last.report = FetchReport(len(toks), 0, 0, "damaged", None)
             return None, tokens
+
+    def last(self) -> FetchReport | None:
+        """The report of this thread's last fetch (None before the first)."""
+        return getattr(self._last, "report", None)
 
     def peek(self, tokens: Any) -> int:
         """How many tokens `fetch` would restore, from the index alone (nothing is loaded)."""
@@ -100,35 +113,57 @@ class Fetcher:
 
     def _fetch(self, tokens: Any, toks: np.ndarray, longer_than: int | None) -> tuple[list | None, Any]:
         """The lookup and the remote's part, then the restore."""
-        path, matched = self._trie.longest(toks) if self._layout.unsupported is None else ([], 0)
-        pending = None
-        if self._remote_fill is not None and matched < len(toks) - 1 and self._layout.unsupported is None:
-            pending = self._remote_fill.fill(toks, matched)
+        if self._layout.unsupported is not None:
+            return self._restore(tokens, toks, Walk([], 0, 0, None), longer_than, local=0, remote="unsupported")
+        walk = self._trie.walk(toks)
+        local, pending, remote = walk.matched, None, None
+        if self._remote_fill is not None and walk.matched < len(toks) - 1:
+            pending = self._remote_fill.fill(toks, walk.matched)
+            remote = self._remote_fill.remote.take_last_read()
             if pending is not None:  # the fleet held more: its blocks are in the RAM tier now
-                path, matched = self._trie.longest(toks)
-        result = self._restore(tokens, path, matched, longer_than)
+                walk = self._trie.walk(toks)
+        result = self._restore(tokens, toks, walk, longer_than, local=None if pending is None else local, remote=remote)
         if pending:
             self._remote_fill.write(pending)  # into the local store, once the caller's restore is done
         self._costs.save_soon()
         return result
 
-    def _restore(self, tokens: Any, path: list[Node], matched: int, longer_than: int | None) -> tuple[list | None, Any]:
-        """Restore `path` up to `matched` tokens (the cost cut, damage, timing)."""
+    def _restore(
+        self, tokens: Any, toks: np.ndarray, walk: Walk, longer_than: int | None, *, local: int | None, remote: str | None
+    ) -> tuple[list | None, Any]:
+        """Restore the lookup's path (the cost cut, damage, timing), and report it.
+
+        Args:
+            local: Tokens the local store held before the remote's fill brought blocks
+                (None: it brought none).
+            remote: How the remote's read went (`RemoteTier.take_last_read`), or
+                ``"unsupported"`` for a layout the store cannot hold.
+        """
+        path, matched, n = walk.path, walk.matched, len(toks)
         if longer_than is not None and matched <= longer_than:
+            reason = self._why(toks, walk, remote, matched)
             if longer_than == 0:
                 # The caller holds nothing and the store has nothing: a plain miss
                 # (a server's request that found nothing must show in `ppc stats`).
-                self._counters.add(queries=1, misses=1)
+                self._counters.add(queries=1, misses=1, tokens_recomputed=n, **{f"miss_{reason}": 1})
                 self._note(misses=1)
             else:
                 self._counters.add(not_longer=1)
+            self._last.report = FetchReport(n, 0, matched, reason, None)
             return None, tokens
+        found = matched
         if path:
             path, matched = self._costs.cut(path, matched, len(tokens))
+        slower, damaged = matched < found, False
         layers = None
         while path and layers is None:
             first = self._layout.first_needed(path, matched)
-            from_disk = sum(self._memory.node(n.key) is None for n in path[first:])  # before admission
+            from_disk = disk_bytes = ram_bytes = 0
+            for node in path[first:]:  # where each block is, before admission
+                if self._memory.node(node.key) is None:
+                    from_disk, disk_bytes = from_disk + 1, disk_bytes + node.size
+                else:
+                    ram_bytes += node.size
             started = time.perf_counter()
             layers, intact = restore(
                 self._layout, self._memory, self._files, path[first:], matched,
@@ -136,6 +171,7 @@ class Fetcher:
             )  # fmt: skip
             if layers is not None:
                 self._costs.timed(path[first:], time.perf_counter() - started, in_ram=not from_disk)
+            damaged = damaged or layers is None
             if intact < len(path) - first:
                 self._damaged(path[first + intact])
             elif layers is None:
@@ -144,13 +180,35 @@ class Fetcher:
             if layers is None:
                 path, matched = back_off(path[: first + intact], matched)
         if layers is None:
-            self._counters.add(queries=1, misses=1)
+            reason = self._why(toks, walk, remote, 0, damaged=damaged, slower=slower)
+            self._counters.add(queries=1, misses=1, tokens_recomputed=n, **{f"miss_{reason}": 1})
             self._note(misses=1)
+            self._last.report = FetchReport(n, 0, found, reason, None)
             return None, tokens
-        self._counters.add(queries=1, hits=1, tokens_saved=matched, restored_blocks_disk=from_disk)
+        tier = "remote" if local is not None and matched > local else "disk" if from_disk else "ram"
+        reason = None if matched >= n - 1 else self._why(toks, walk, remote, matched, damaged=damaged, slower=slower)
+        self._counters.add(
+            queries=1, hits=1, tokens_saved=matched, restored_blocks_disk=from_disk, tokens_recomputed=n - matched,
+            bytes_restored_ram=ram_bytes, bytes_restored_disk=disk_bytes,
+            **{f"hits_{tier}": 1, f"tokens_saved_{tier}": matched}, **({f"short_{reason}": 1} if reason else {}),
+        )  # fmt: skip
         keys = [node.key for node in path]
         self._note(touch=keys, hit=keys, hits=1, tokens_saved=matched)
+        self._last.report = FetchReport(n, matched, found, reason, tier)
         return layers, tokens[matched:]
+
+    def _why(
+        self, toks: np.ndarray, walk: Walk, remote: str | None, matched: int, *, damaged=False, slower=False
+    ) -> str:
+        """Why a fetch stopped at `matched` tokens: from its last step back to the lookup
+        (`miss_reasons`)."""
+        if remote == "unsupported":
+            return "unsupported"
+        if damaged and matched < walk.matched:
+            return "damaged"
+        if slower:
+            return "slower"
+        return self._reasons.why(toks, walk, remote)
 
     def _damaged(self, node: Node) -> None:
         """Count a damaged block and drop it, with everything stored after it."""
@@ -160,6 +218,7 @@ class Fetcher:
         if current is None or (current.checksum, current.segment) != (node.checksum, node.segment):
             return  # removed, replaced or moved (compacted) by this or another process meanwhile
         log.warning("block %s is missing or damaged; dropping it", node.key.hex())
+        self._reasons.dropped(node.key)
         self._counters.add(corrupt=1)
         self._note(corrupt=1)
         if self._writeback is not None:

@@ -7,6 +7,8 @@ parent, position and tokens are compared with the query, so a key collision is a
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from .disk.index import Index, Reader
@@ -76,13 +78,19 @@ class Trie:
             decode: False (for counting only) leaves records undecoded where the
                 cut-back does not look at them; the path is then not for use.
         """
+        walk = self.walk(toks, decode=decode)
+        return walk.path, walk.matched
+
+    def walk(self, toks: np.ndarray, *, decode: bool = True) -> Walk:
+        """`longest` with where the walk stopped, for a fetch that says why (`Walk`)."""
         n = len(toks)
         if n == 0:
-            return [], 0
+            return Walk([], 0, 0, None)
         data = toks.tobytes()
         step = 4 * self.block_size
         path = _LazyPath()
         parent, pos = self.root, 0
+        missing = None
         with self.index.reader() as reader:
             # Full blocks: their keys follow from the tokens, no scan needed; records
             # are checked as stored bytes and decoded only when used.
@@ -100,11 +108,10 @@ class Trie:
                     path.append(node)
                 else:
                     raw = get(key)
-                    if (
-                        raw is None
-                        or raw[HEAD_AT] != raw_head(parent, pos, bs)
-                        or raw[TOKENS_AT : TOKENS_AT + step] != block
-                    ):
+                    if raw is None:
+                        missing = key  # in neither tier: why is for `miss_reasons` to tell
+                        break
+                    if raw[HEAD_AT] != raw_head(parent, pos, bs) or raw[TOKENS_AT : TOKENS_AT + step] != block:
                         break
                     path.append((key, raw))
                 parent, pos = key, pos + bs
@@ -122,8 +129,26 @@ class Trie:
         if best is not None:
             path.append(best[0])
             matched = pos + best[1]
-        kept, matched = back_off(path, min(matched, n - 1))
-        return ([kept[i] for i in range(len(kept))] if decode else kept), matched
+        reached = min(matched, n - 1)
+        kept, matched = back_off(path, reached)
+        return Walk([kept[i] for i in range(len(kept))] if decode else kept, matched, reached, missing)
+
+
+class Walk(NamedTuple):
+    """A lookup (`Trie.walk`): what to restore, and where the walk stopped.
+
+    Attributes:
+        path: The nodes to restore; `matched` the tokens of them to use.
+        reached: The tokens the stored blocks matched before the back-off to a point
+            where every layer can be rebuilt (at most ``len - 1``).
+        missing: The key of the first full block of the query that neither the RAM tier
+            nor the index holds, where the walk stopped there (else None).
+    """
+
+    path: list[Node]
+    matched: int
+    reached: int
+    missing: bytes | None
 
 
 def back_off(path: list[Node], matched: int) -> tuple[list[Node], int]:

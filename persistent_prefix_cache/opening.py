@@ -25,6 +25,7 @@ from .fetching import Fetcher
 from .layers import Layout, template_cache
 from .layers.mlx_lm_versions import layout_variant
 from .lookup import Trie
+from .miss_reasons import MissReasons, WritesInFlight
 from .model_record import ModelRecord
 from .options import Options, existing_but_not_writable
 from .paths import expand_path
@@ -249,7 +250,7 @@ def open_parts(
         counters = Counters(*HANDLE_COUNTERS, *REMOTE_COUNTERS)
         learned = Costs(enabled=o.cost_model)
         if not readonly:
-            writeback = WriteBack(
+            writeback = WritesInFlight(
                 index, files, memory, counters, root=root, describe=record.describe,
                 disk_bytes=disk_budget(path, o.disk_bytes, index.totals()[0]), target=target,
             )  # fmt: skip
@@ -276,6 +277,7 @@ def open_parts(
         fetcher = Fetcher(
             layout=layout, trie=trie, memory=memory, files=files, index=index, target=target, counters=counters,
             costs=costs, writeback=writeback, remote_fill=remote_fill,
+            reasons=MissReasons(index, root, block_size, writeback),
         )  # fmt: skip
         storer = Storer(
             layout=layout, trie=trie, memory=memory, counters=counters, root=root, block_size=block_size,

@@ -22,6 +22,7 @@ from .tiers import REMOTE_TIMEOUT
 from .writeback import sweep_orphans
 
 if TYPE_CHECKING:  # the remote's client is imported only where a remote is configured
+    from .miss_reasons import FetchReport
     from .remote_fill import RemoteFill
 
 
@@ -156,6 +157,22 @@ class PersistentPrefixCache:
         """
         self._check_open()
         return self._fetcher.fetch(tokens, longer_than=longer_than)
+
+    @property
+    def last_fetch(self) -> FetchReport | None:
+        """What this thread's last `fetch` on this handle did, and why it stopped there.
+
+        A `FetchReport` (``tokens``, ``restored``, ``found``, ``reason``, ``tier``):
+        ``reason`` is None when the fetch restored all but the last token, else one of
+        ``counters.MISS_REASONS`` (docs/library.md says what each means; `stats()`
+        counts them as ``miss_<reason>`` and ``short_<reason>``). Per thread, so that a
+        server's threads each read their own; None before this thread's first fetch.
+
+        Raises:
+            StoreClosedError: If the store is closed.
+        """
+        self._check_open()
+        return self._fetcher.last()
 
     def peek(self, tokens: Any) -> int:
         """How many tokens `fetch` would restore, from the index alone (nothing is loaded).

@@ -55,6 +55,8 @@ WINGS = [
             "model_record",
             "fetching",
             "storing",
+            "miss_reasons",
+            "metrics",
         ],
     ),
     ("admin", ["admin"]),  # check, repair, gc, export/import, push/pull: on the wings below, nothing below on it

@@ -94,6 +94,7 @@ def check_fetch(store, model, query, expected_matched: int):
 # (a public object, read-only) and what callers do.
 PUBLIC_SURFACE = {
     "path", "readonly", "block_size", "fingerprint", "model_name", "namespace", "closed", "costs", "remote_fill",
+    "last_fetch",
     "fetch", "peek", "make_cache", "store", "flush", "close", "stats", "stored_models", "this_model",
     "forget_fingerprints", "sweep_orphans", "limit_memory", "observe_prefill", "calibrate", "resumable_step",
 }  # fmt: skip

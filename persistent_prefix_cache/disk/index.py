@@ -21,6 +21,7 @@ import lmdb
 from ..errors import ReadOnlyStoreError, StoreCorruptError
 from .faults import pause_point
 from .index_env import acquire_env, release_env
+from .removed import removed_for
 from .store_guard import corrupt_index, store_of
 from .index_tables import (  # noqa: F401 (the tables re-exported)
     CHILDREN,
@@ -87,6 +88,8 @@ class Index:
         self.path = path
         self.readonly = readonly
         self.env, self._gate = acquire_env(path, readonly)
+        # Blocks removed from this store by this process lately: why a fetch missed.
+        self.removed = removed_for(os.path.realpath(path))
         self._closed = False
         self.said_write_damage = False  # `write_damaged` says it once per handle
         self._commits = 0
@@ -215,8 +218,18 @@ class Index:
             log.debug("could not free the reader slots of dead processes in %s: %s", self.path, exc)
 
     def write(self, fn: Callable[[Writer], T]) -> T:
-        """Run `fn` with a `Writer` inside one write transaction (committed on return)."""
-        return self._write_txn(lambda txn: fn(Writer(txn)))
+        """Run `fn` with a `Writer` inside one write transaction (committed on return);
+        the blocks it evicted are remembered in `removed` once it committed."""
+        last: list[Writer] = []  # the transaction that committed (a retry makes another)
+
+        def run(txn: Any) -> T:
+            last[:] = [Writer(txn)]
+            return fn(last[0])
+
+        result = self._write_txn(run)
+        if last and last[0].evicted:
+            self.removed.evicted(last[0].evicted)
+        return result
 
     @contextmanager
     def reader(self) -> Iterator[Reader]:

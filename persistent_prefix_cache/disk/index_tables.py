@@ -193,12 +193,14 @@ class Writer(Reader):
     """Write operations inside one write transaction.
 
     Segments whose last block was removed are collected in `freed`: the caller
-    unlinks their files after the transaction committed.
+    unlinks their files after the transaction committed; the keys of blocks evicted
+    in `evicted` (`Index.write` remembers them once committed, for `disk.removed`).
     """
 
     def __init__(self, txn: Any):
         super().__init__(txn)
         self.freed: list[bytes] = []
+        self.evicted: list[bytes] = []
 
     def _add_meta(self, name: bytes, delta: int) -> None:
         if delta:
@@ -387,6 +389,7 @@ class Writer(Reader):
         for node in self._leaves_oldest_first() if excess > 0 else ():
             self.remove_leaf(node)
             removed.append(node)
+            self.evicted.append(node.key)
             excess -= node.size
             if excess <= 0:
                 break
@@ -405,6 +408,7 @@ class Writer(Reader):
                 break  # oldest first: every leaf after this one is newer too
             self.remove_leaf(node)
             removed.append(node)
+            self.evicted.append(node.key)
         return removed
 
     def _leaves_oldest_first(self) -> Iterator[Node]:

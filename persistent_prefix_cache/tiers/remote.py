@@ -113,6 +113,7 @@ class RemoteTier:
         self.ttl_ms = None if ttl is None else max(1, int(ttl * 1000))
         self.queue_bytes = queue_bytes
         self.counters = counters
+        self._outcome = threading.local()  # how this thread's last `read_chain` went
         self._queue: deque = deque()
         self._queued_bytes = 0
         self._in_flight = 0
@@ -182,19 +183,32 @@ class RemoteTier:
         """
         if not self.servers.available():
             self.counters.add(remote_skipped=1)
+            self._outcome.last = "unreachable"
             return []
         errors = self.servers.errors
         chain = self.probe(parent, position, data, block_size, beyond=beyond)
         if chain and worth is not None and not worth(chain):
+            self._outcome.last = "slower"
             return []
         blocks = self._read(chain)
-        if self.servers.errors > errors:
-            self.counters.add(remote_errors=self.servers.errors - errors)
+        failed = self.servers.errors - errors
+        if failed > 0:
+            self.counters.add(remote_errors=failed)
         if blocks:
             self.counters.add(remote_hits=1, remote_blocks=len(blocks), remote_bytes_read=sum(b.nbytes for b in blocks))
         else:
             self.counters.add(remote_misses=1)
+        self._outcome.last = "read" if blocks else "unreachable" if failed > 0 else "none"
         return blocks
+
+    def take_last_read(self) -> str | None:
+        """How this thread's last `read_chain` went, forgotten once taken (a fetch takes
+        its own): ``"read"`` (blocks came), ``"none"`` (the server holds no
+        continuation), ``"slower"`` (left there: the cost model), ``"unreachable"``
+        (skipped while the server backs off, or a round trip failed); None if none
+        since the last take."""
+        last, self._outcome.last = getattr(self._outcome, "last", None), None
+        return last
 
     def probe(self, parent: bytes, position: int, data: bytes, block_size: int, *, beyond: int = 0) -> list[tuple]:
         """Which blocks of the query's continuation the server holds.
