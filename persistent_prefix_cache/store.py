@@ -317,7 +317,9 @@ class PersistentPrefixCache:
             This handle's counters (`counters.HANDLE_COUNTERS` says what each counts:
             queries, hits, misses, the cost model's decisions, corrupt, blocks written,
             ...), pending_writes and disk_budget (the blocks' byte budget it evicts to:
-            `disk_bytes` resolved, None if unbounded); the costs measured for this model
+            `disk_bytes` resolved, None if unbounded), budget_evictions (the blocks its
+            writer evicted under that budget: `evictions` also counts partial leaves a
+            longer block superseded); the costs measured for this model
             on this device kind, None until measured (`Costs.figures`); the RAM tier's
             (`MemoryTier.stats`); the remote's (`tiers.REMOTE_COUNTERS`; remote: its URL,
             password hidden, or None; remote_pending; remote_key_id: the secret's key id,
@@ -333,6 +335,7 @@ class PersistentPrefixCache:
         out: dict[str, Any] = self._counters.snapshot()
         out["pending_writes"] = self._writeback.pending if self._writeback is not None else 0
         out["disk_budget"] = self._writeback.disk_bytes if self._writeback is not None else None
+        out["budget_evictions"] = self._index.evicted_blocks  # `evictions` less superseded partial leaves
         with self._index.reader() as reader:
             out["block_bytes"], out["blocks"] = reader.totals()
             out["bytes_on_disk"] = reader.file_bytes()

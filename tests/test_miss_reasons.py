@@ -80,7 +80,7 @@ def test_evicted(store_dir, model):
     # A budget of one prompt's blocks: storing the second evicts the first (its LRU leaves).
     with open_store(store_dir, model, memory_bytes=0, disk_bytes=budget) as store:
         put(store, model, second)
-        assert store.stats()["evictions"] == 4
+        assert store.stats()["evictions"] == store.stats()["budget_evictions"] == 4
         assert store.fetch(first)[0] is None
         assert store.last_fetch.reason == "evicted"
         assert store.fetch(random_tokens(4 * BLOCK, seed=3))[0] is None

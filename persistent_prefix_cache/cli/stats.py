@@ -1,4 +1,5 @@
-"""``ppc stats``: totals and hit counters of a store."""
+"""``ppc stats``: totals and hit counters of a store (``--prometheus``: as metrics for a
+textfile collector, `metrics.summary_metrics`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from .common import (
     table,
 )
 from ..admin import StoreAdmin
+from ..metrics import exposition, summary_metrics
 
 
 def _render(s: dict) -> str:
@@ -108,14 +110,24 @@ def main(argv: list[str]) -> int:
         "the checks of a read (MAC, checksum); reads every byte of them",
     )  # fmt: skip
     add_json_option(parser)
+    parser.add_argument(
+        "--prometheus", action="store_true",
+        help="print the store's metrics in Prometheus' text format (for node_exporter's textfile collector; "
+        "the same names as ppc serve's /metrics)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
 
     def work() -> int:
         options = remote_options(args)
         if args.verify and not options:
             raise UserError("--verify checks the values on the remote: give --remote URL (or set $PPC_REMOTE)")
+        if args.prometheus and (args.json or options):
+            raise UserError("--prometheus prints the store's own metrics: leave out --json and --remote")
         with StoreAdmin(store_path(args, must_exist=True), readonly=True) as admin:
             summary = admin.summary()
+        if args.prometheus:
+            print(exposition(summary_metrics(summary)), end="")
+            return 0
         if options:
             from ..admin import remote_summary
             from ..tiers.remote_client import redact

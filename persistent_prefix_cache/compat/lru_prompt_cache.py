@@ -119,6 +119,7 @@ class PersistentLRUPromptCache(LRUPromptCache):
             ("store_hits", "restored_tokens", "stored_sequences", "store_skipped", "memory_peak_bytes"), 0
         )
         self._counters["memory_only_sequences"] = 0  # stored, yet kept in the LRU (see _kept)
+        self._counters.update(memory_tokens=0, computed_tokens=0)  # prompt tokens from the LRU, left to compute
         self._caps: dict[int, int] = {}  # id(store) -> its own RAM-tier budget, taken at first use
         self._active: PersistentPrefixCache | None = None  # the store whose tier gets the room
 
@@ -165,39 +166,56 @@ class PersistentLRUPromptCache(LRUPromptCache):
             # An exact hit in memory: nothing can cover more.
             if self.keep_last_token and can_trim(cache):
                 trim(cache, 1)
-                return cache, tokens[-1:]
-            return cache, rest
+                return self._served(tokens, cache, tokens[-1:])
+            return self._served(tokens, cache, rest)
         if not _storable(tokens):
-            return cache, rest  # tokens a store cannot key (image placeholders)
+            return self._served(tokens, cache, rest)  # tokens a store cannot key (image placeholders)
         store = self.store_for(model)
         if store is None:
-            return cache, rest
+            return self._served(tokens, cache, rest)
         self._use(store)
         in_memory = len(tokens) - len(rest)
         # What the LRU keeps the store rarely covers further (then it loads nothing); what
         # the store took, the LRU does not hold: the store restores it from its RAM tier.
-        before = store.stats()
+        before, last = store.stats(), store.last_fetch
         started = time.perf_counter()
         restored, remaining = self._link(model, store).read(tokens, in_memory)
         took = time.perf_counter() - started
         self._note_memory()  # a restore may admit disk blocks into the tier (within its budget)
+        report = store.last_fetch if not store.closed else None
+        why = report.reason if report is not None and report is not last else None  # None: no fetch ran
         from_store = len(tokens) - len(remaining)
         if restored is None or from_store <= in_memory:
-            return cache, rest
+            # One line per request the store did not help, saying why (the store's reason).
+            log.info(
+                "Restored none of %d prompt tokens from the persistent store %s (memory had %d; %.1f ms): %s",
+                len(tokens), store.path, in_memory, 1000 * took, why or "-",
+            )  # fmt: skip
+            return self._served(tokens, cache, rest)
         with self._lock:
             self._counters["store_hits"] += 1
             self._counters["restored_tokens"] += from_store
-        # Tests and operators read this line: keep its wording stable.
+            self._counters["computed_tokens"] += len(tokens) - from_store
+        # Tests and operators read this line: keep its wording stable (a short hit adds
+        # "; stopped: <reason>" after it).
         log.info(
-            "Restored %d of %d prompt tokens from the persistent store %s (memory had %d; served by %s; %.1f ms)",
+            "Restored %d of %d prompt tokens from the persistent store %s (memory had %d; served by %s; %.1f ms)%s",
             from_store,
             len(tokens),
             store.path,
             in_memory,
             describe_tiers(blocks_by_tier(before, store.stats())),
             1000 * took,
+            f"; stopped: {why}" if why else "",
         )
         return restored, tokens[from_store:]
+
+    def _served(self, tokens: list[int], cache: list | None, rest: list[int]) -> tuple[list | None, list]:
+        """Count a request's tokens the in-memory cache gave and those left to compute."""
+        with self._lock:
+            self._counters["memory_tokens"] += len(tokens) - len(rest) if cache is not None else 0
+            self._counters["computed_tokens"] += len(rest)
+        return cache, rest
 
     def insert_cache(
         self,
@@ -322,19 +340,27 @@ class PersistentLRUPromptCache(LRUPromptCache):
 
         Returns:
             store_hits (fetches answered by the store), restored_tokens,
-            stored_sequences (inserts written through), store_skipped (inserts kept in
+            memory_tokens (prompt tokens the in-memory LRU gave), computed_tokens (prompt
+            tokens left to compute), stored_sequences (inserts written through), store_skipped (inserts kept in
             memory only: the store refused them, or there was no store for the model),
             memory_only_sequences (inserts the store took that the LRU
             kept too), memory_peak_bytes (the most `nbytes` seen after any call),
             memory_bytes (`nbytes` now), memory_budget (``max_bytes``; None when
-            unbounded), and ``stores``: a list of ``{"model", "path", "stats"}``.
+            unbounded), and ``stores``: a list of ``{"model", "path", "stats", "name",
+            "namespace", "fingerprint"}`` (the model key, the store, its `stats()`, and
+            what the handle was opened with).
         """
         with self._lock:
             out: dict[str, Any] = dict(self._counters)
             stores = list(self._stores.items())
         if self._shared_store is not None:
             stores = [(None, self._shared_store)]
-        out["stores"] = [{"model": key, "path": s.path, "stats": s.stats()} for key, s in stores if not s.closed]
+        out["stores"] = [
+            {"model": key, "path": s.path, "stats": s.stats(), "name": s.model_name, "namespace": s.namespace,
+             "fingerprint": s.fingerprint}
+            for key, s in stores
+            if not s.closed
+        ]  # fmt: skip
         out["memory_bytes"] = self.nbytes
         out["memory_budget"] = self.max_bytes if self.max_bytes < _NO_LIMIT else None  # None: unbounded
         return out

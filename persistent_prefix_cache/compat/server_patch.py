@@ -7,7 +7,10 @@ module while the server runs: ``run`` by a wrapper that notes the ``ModelProvide
 calls the original, and ``LRUPromptCache`` by a factory of our class (and a third where
 the server has it: ``scan_cache_dir``, which ``GET /v1/models`` calls, answers "no
 downloaded models" where there is no Hugging Face cache yet, instead of an exception
-whose traceback fills the log: `scan_hub_cache`). The server keys
+whose traceback fills the log: `scan_hub_cache`); and one method of the server's handler
+class, ``APIHandler.do_GET``, by one that answers ``GET /metrics`` (`serve_metrics`:
+Prometheus' text format, docs/serve.md#metrics) and hands every other path to the
+original. The server keys
 caches by ``model_provider.model_key`` and loads one model at a time; `ProviderStores`
 opens one store handle per model key (all in one directory, told apart by each model's
 fingerprint) from the model the provider has loaded. Nothing else in mlx-lm is touched,
@@ -19,8 +22,8 @@ start (an adapter changes the KV without changing the model folder the hash is
 remembered by).
 
 Checked against the source of mlx-lm 0.31.3, 0.32.0, 0.32.1 and 0.32.2 (tested on
-0.31.3 and 0.32.2: the two names, ``run``'s parameters and ``LRUPromptCache``'s methods
-are the same in both; docs/versions.md). Versions up to 0.31.1 defined a different
+0.31.3 and 0.32.2: the two names, ``run``'s parameters, ``LRUPromptCache``'s methods and
+``APIHandler.do_GET`` are the same in both; docs/versions.md). Versions up to 0.31.1 defined a different
 ``LRUPromptCache`` (no ``cache_type``); `check_server` refuses any server whose structure
 differs from what the patch relies on, with a message, instead of running uncached.
 """
@@ -36,6 +39,7 @@ from typing import Any, Callable, Hashable, Iterator
 from ..errors import UnsupportedServerError
 from ..fingerprint import fingerprint_model
 from ..layers import model_cache
+from ..metrics import CONTENT_TYPE, exposition, server_metrics
 from ..store import PersistentPrefixCache
 
 log = logging.getLogger("persistent_prefix_cache.serve")
@@ -55,9 +59,11 @@ def check_server(server: Any) -> None:
             the checked ones.
     """
     problems = []
-    for name in ("main", "run", "LRUPromptCache", "ModelProvider", "ResponseGenerator"):
+    for name in ("main", "run", "LRUPromptCache", "ModelProvider", "ResponseGenerator", "APIHandler"):
         if not hasattr(server, name):
             problems.append(f"mlx_lm.server has no {name}")
+    if not problems and not callable(getattr(server.APIHandler, "do_GET", None)):
+        problems.append("its APIHandler has no do_GET")
     if not problems:
         cls = server.LRUPromptCache
         # Our class extends mlx_lm.models.cache.LRUPromptCache: it must be the server's.
@@ -125,7 +131,15 @@ def patched_server(server: Any, make_cache: Callable[[Any, int, int], Any]) -> I
     """
     original_run, original_cache_class = server.run, server.LRUPromptCache
     original_scan = getattr(server, "scan_cache_dir", None)
+    handler_class = server.APIHandler
+    original_get = handler_class.do_GET
     built: dict[str, Any] = {}
+
+    def do_get(handler):
+        if handler.path.split("?", 1)[0] == "/metrics":
+            serve_metrics(handler, built.get("cache"))
+        else:
+            original_get(handler)
 
     def run_noting_provider(host, port, model_provider, *args, **kwargs):
         built["provider"] = model_provider
@@ -136,14 +150,37 @@ def patched_server(server: Any, make_cache: Callable[[Any, int, int], Any]) -> I
         return built["cache"]
 
     server.run, server.LRUPromptCache = run_noting_provider, build_prompt_cache
+    handler_class.do_GET = do_get
     if original_scan is not None:
         server.scan_cache_dir = scan_hub_cache(original_scan)
     try:
         yield built
     finally:
         server.run, server.LRUPromptCache = original_run, original_cache_class
+        handler_class.do_GET = original_get
         if original_scan is not None:
             server.scan_cache_dir = original_scan
+
+
+def serve_metrics(handler: Any, cache: Any) -> None:
+    """Answer ``GET /metrics`` on mlx_lm.server's handler: the families of
+    `metrics.server_metrics` from the prompt cache's `persistent_stats()` (none before the
+    server built it), read at the scrape; a failure to read them is a 500 with its reason.
+
+    Args:
+        handler: The server's ``APIHandler`` serving the request.
+        cache: The server's `PersistentLRUPromptCache` (None: not built yet).
+    """
+    try:
+        body = exposition(server_metrics(cache.persistent_stats()) if cache is not None else []).encode()
+        status, kind = 200, CONTENT_TYPE
+    except Exception as exc:  # a store closing under the scrape, say: the server goes on
+        body, status, kind = f"metrics unavailable: {type(exc).__name__}: {exc}\n".encode(), 500, "text/plain"
+    handler.send_response(status)
+    handler.send_header("Content-Type", kind)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
 
 
 class _NoHubCache:

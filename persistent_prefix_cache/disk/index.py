@@ -90,6 +90,7 @@ class Index:
         self.env, self._gate = acquire_env(path, readonly)
         # Blocks removed from this store by this process lately: why a fetch missed.
         self.removed = removed_for(os.path.realpath(path))
+        self.evicted_blocks = 0  # blocks this object's writes evicted under a budget
         self._closed = False
         self.said_write_damage = False  # `write_damaged` says it once per handle
         self._commits = 0
@@ -229,6 +230,7 @@ class Index:
         result = self._write_txn(run)
         if last and last[0].evicted:
             self.removed.evicted(last[0].evicted)
+            self.evicted_blocks += len(last[0].evicted)
         return result
 
     @contextmanager

@@ -198,7 +198,8 @@ class MemoryTier:
         """The tier's part of the store's `stats()`.
 
         Returns:
-            bytes_in_memory, blocks_in_memory, memory_evictions; memory_admitted and
+            bytes_in_memory, blocks_in_memory, memory_budget (its budget now),
+            memory_evictions; memory_admitted and
             memory_admitted_bytes (blocks read from disk or the remote that joined the
             tier); memory_hits_store, memory_hits_disk, memory_hits_remote (blocks
             restores took from the tier, by how they entered it: stored by this handle,
@@ -208,7 +209,7 @@ class MemoryTier:
             running), memory_warm_damaged (blocks such a fill found missing or damaged).
         """
         with self._lock:
-            out = {"bytes_in_memory": self.nbytes, "blocks_in_memory": len(self._entries)}
+            out = {"bytes_in_memory": self.nbytes, "blocks_in_memory": len(self._entries), "memory_budget": self.max_bytes}
             out.update(memory_evictions=self.evictions, memory_admitted=self.admitted)
             out["memory_admitted_bytes"] = self.admitted_bytes
             out.update({f"memory_hits_{source}": n for source, n in self.served.items()})
