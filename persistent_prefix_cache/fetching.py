@@ -129,7 +129,14 @@ class Fetcher:
         return result
 
     def _restore(
-        self, tokens: Any, toks: np.ndarray, walk: Walk, longer_than: int | None, *, local: int | None, remote: str | None
+        self,
+        tokens: Any,
+        toks: np.ndarray,
+        walk: Walk,
+        longer_than: int | None,
+        *,
+        local: int | None,
+        remote: str | None,
     ) -> tuple[list | None, Any]:
         """Restore the lookup's path (the cost cut, damage, timing), and report it.
 

@@ -131,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
                     store.fetch(queries[i // 2 % len(queries)])
                     times[checked].append(time.perf_counter() - started)
                 MissReasons.why = real
-                out[f"fetch_{kind}_checks_us"] = 1e6 * (statistics.median(times[True]) - statistics.median(times[False]))
+                out[f"fetch_{kind}_checks_us"] = 1e6 * (
+                    statistics.median(times[True]) - statistics.median(times[False])
+                )
         out["misses_counted"] = store.stats()["misses"]
 
         try:

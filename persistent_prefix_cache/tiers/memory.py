@@ -209,7 +209,11 @@ class MemoryTier:
             running), memory_warm_damaged (blocks such a fill found missing or damaged).
         """
         with self._lock:
-            out = {"bytes_in_memory": self.nbytes, "blocks_in_memory": len(self._entries), "memory_budget": self.max_bytes}
+            out = {
+                "bytes_in_memory": self.nbytes,
+                "blocks_in_memory": len(self._entries),
+                "memory_budget": self.max_bytes,
+            }
             out.update(memory_evictions=self.evictions, memory_admitted=self.admitted)
             out["memory_admitted_bytes"] = self.admitted_bytes
             out.update({f"memory_hits_{source}": n for source, n in self.served.items()})
