@@ -114,7 +114,7 @@ class Fetcher:
     def _fetch(self, tokens: Any, toks: np.ndarray, longer_than: int | None) -> tuple[list | None, Any]:
         """The lookup and the remote's part, then the restore."""
         if self._layout.unsupported is not None:
-            return self._restore(tokens, toks, Walk([], 0, 0, None), longer_than, local=0, remote="unsupported")
+            return self._restore(tokens, toks, Walk([], 0, 0, None), longer_than, local=None, remote=None)
         walk = self._trie.walk(toks)
         local, pending, remote = walk.matched, None, None
         if self._remote_fill is not None and walk.matched < len(toks) - 1:
@@ -143,8 +143,7 @@ class Fetcher:
         Args:
             local: Tokens the local store held before the remote's fill brought blocks
                 (None: it brought none).
-            remote: How the remote's read went (`RemoteTier.take_last_read`), or
-                ``"unsupported"`` for a layout the store cannot hold.
+            remote: How the remote's read went (`RemoteTier.take_last_read`; None: not asked).
         """
         path, matched, n = walk.path, walk.matched, len(toks)
         if longer_than is not None and matched <= longer_than:
@@ -209,7 +208,7 @@ class Fetcher:
     ) -> str:
         """Why a fetch stopped at `matched` tokens: from its last step back to the lookup
         (`miss_reasons`)."""
-        if remote == "unsupported":
+        if self._layout.unsupported is not None:
             return "unsupported"
         if damaged and matched < walk.matched:
             return "damaged"
