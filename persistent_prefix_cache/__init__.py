@@ -47,6 +47,7 @@ _LAZY = {
     "PersistentPrefixCache": ".store",
     "fingerprint_model": ".fingerprint",
     "prefill": ".prefill",
+    "FetchReport": ".miss_reasons",
     "PersistentLRUPromptCache": ".compat.lru_prompt_cache",
     # the seed's API (vllm_mlx.prefix_cache / vllm_mlx.paged_cache)
     "PrefixCacheStats": ".compat.prefix_cache",
@@ -63,6 +64,7 @@ __all__ = [
     "PersistentPrefixCache",
     "fingerprint_model",
     "prefill",
+    "FetchReport",
     "PersistentLRUPromptCache",
     "PrefixCacheStats",
     "CacheEntry",

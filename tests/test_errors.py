@@ -145,6 +145,7 @@ def test_a_closed_store_raises_its_own_error_from_every_call_that_needs_the_stor
     store.close()
     calls = {
         "fetch": lambda: store.fetch(tokens),
+        "last_fetch": lambda: store.last_fetch,
         "peek": lambda: store.peek(tokens),
         "make_cache": lambda: store.make_cache(),
         "store": lambda: store.store(tokens, cache),
