@@ -1,6 +1,6 @@
-"""Why a fetch stopped where it did: the report it leaves (`FetchReport`), the checks
-that tell the reasons apart (`MissReasons`) and the writer that knows which block keys
-are still queued (`WritesInFlight`).
+"""Why a fetch stopped where it did: the report it leaves (`FetchReport`) and the checks
+that tell the reasons apart (`MissReasons`; the writer knows which block keys are still
+queued: `WriteBack.in_flight`).
 
 A fetch that restores all but the last token of its prompt is complete (reason None).
 Any other, a miss or a hit on part of the prompt, stopped for one reason of
@@ -46,14 +46,10 @@ another handle or process is never stored until it commits.
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable
 
 import numpy as np
 
-from .blocks import Node
 from .disk.index import Index
 from .keys import block_key
 from .lookup import Walk
@@ -88,38 +84,6 @@ class FetchReport:
     tier: str | None
 
 
-class WritesInFlight(WriteBack):
-    """The writer thread (`writeback.WriteBack`), knowing which block keys it holds queued
-    and not yet committed (`in_flight`), so that a fetch that misses one says so."""
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        self._flying: dict[bytes, int] = {}  # key -> writes queued that hold it
-        self._flying_lock = threading.Lock()
-        super().__init__(*args, **kwargs)
-
-    def write(self, blocks: list[tuple[Node, dict]], *, then: Callable[[list], None] | None = None) -> Future:
-        """`WriteBack.write`, its keys in flight until its future is done."""
-        keys = [node.key for node, _ in blocks]
-        with self._flying_lock:
-            for key in keys:
-                self._flying[key] = self._flying.get(key, 0) + 1
-        future = super().write(blocks, then=then)
-        future.add_done_callback(lambda _: self._landed(keys))
-        return future
-
-    def _landed(self, keys: list[bytes]) -> None:
-        with self._flying_lock:
-            for key in keys:
-                left = self._flying.pop(key, 1) - 1
-                if left > 0:
-                    self._flying[key] = left
-
-    def in_flight(self, key: bytes) -> bool:
-        """Whether a write queued by this handle holds `key` and has not committed yet."""
-        with self._flying_lock:
-            return key in self._flying
-
-
 class MissReasons:
     """Tells why a lookup stopped where it did (see the module).
 
@@ -131,7 +95,7 @@ class MissReasons:
 
     def __init__(self, index: Index, root: bytes, block_size: int, writeback: WriteBack | None):
         self._index, self._root, self._block_size = index, root, block_size
-        self._in_flight = writeback.in_flight if isinstance(writeback, WritesInFlight) else None
+        self._in_flight = writeback.in_flight if writeback is not None else None
 
     def dropped(self, key: bytes) -> None:
         """Remember that the block `key` was dropped as damaged."""

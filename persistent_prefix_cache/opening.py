@@ -25,7 +25,7 @@ from .fetching import Fetcher
 from .layers import Layout, template_cache
 from .layers.mlx_lm_versions import layout_variant
 from .lookup import Trie
-from .miss_reasons import MissReasons, WritesInFlight
+from .miss_reasons import MissReasons
 from .model_record import ModelRecord
 from .options import Options, existing_but_not_writable
 from .paths import expand_path
@@ -250,7 +250,7 @@ def open_parts(
         counters = Counters(*HANDLE_COUNTERS, *REMOTE_COUNTERS)
         learned = Costs(enabled=o.cost_model)
         if not readonly:
-            writeback = WritesInFlight(
+            writeback = WriteBack(
                 index, files, memory, counters, root=root, describe=record.describe,
                 disk_bytes=disk_budget(path, o.disk_bytes, index.totals()[0]), target=target,
             )  # fmt: skip

@@ -167,6 +167,7 @@ class WriteBack:
         self.target = target
         self._book = Bookkeeping()
         self._futures: set[Future] = set()
+        self._flying: dict[bytes, int] = {}  # block key -> queued writes holding it, not yet committed
         self._data: set[Future] = set()  # jobs that write blocks (never abandoned)
         self._lock = threading.Lock()
         # Block writes waiting for the writer: (generation, blocks, then); a generation ends at
@@ -218,11 +219,28 @@ class WriteBack:
         Returns:
             A future, done once that commit is (and `then` has run).
         """
+        keys = [node.key for node, _ in blocks]
         with self._lock:  # staged and queued under one lock: the queue keeps their order
             self._staged.append((self._generation, blocks, then))
+            for key in keys:
+                self._flying[key] = self._flying.get(key, 0) + 1
             future = self._worker.submit(self._guarded, self._write_staged, self._generation)
         self._track(future, True)
+        future.add_done_callback(lambda _: self._landed(keys))
         return future
+
+    def _landed(self, keys: list[bytes]) -> None:
+        with self._lock:
+            for key in keys:
+                left = self._flying.pop(key, 1) - 1
+                if left > 0:
+                    self._flying[key] = left
+
+    def in_flight(self, key: bytes) -> bool:
+        """Whether a write this handle queued holds block `key` and has not committed yet
+        (a fetch that misses it then says so: `miss_reasons`)."""
+        with self._lock:
+            return key in self._flying
 
     def _track(self, future: Future, data: bool) -> None:
         with self._lock:
