@@ -19,6 +19,7 @@ from .fingerprint import forget_fingerprints
 from .opening import OPEN_HANDLES, open_parts
 from .options import Options
 from .tiers import REMOTE_TIMEOUT
+from .tiers.memory import MemoryView
 from .writeback import sweep_orphans
 
 if TYPE_CHECKING:  # the remote's client is imported only where a remote is configured
@@ -411,6 +412,17 @@ class PersistentPrefixCache:
         """
         self._check_open()
         return self._remote_fill
+
+    @property
+    def ram_tier(self) -> MemoryView:
+        """The RAM tier seen from outside (`tiers.memory.MemoryView`): the blocks it holds
+        with their tensors, read-only, and `MemoryView.evict` to drop some (they stay on disk).
+
+        Raises:
+            StoreClosedError: If the store is closed.
+        """
+        self._check_open()
+        return MemoryView(self._memory)
 
     def observe_prefill(
         self, tokens: int, seconds: float, *, start: int = 0, restored: bool = False, forwards: int = 1

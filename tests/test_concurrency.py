@@ -39,6 +39,7 @@ from helpers import (
 
 import persistent_prefix_cache.disk.index_env as index_module
 from persistent_prefix_cache import PersistentPrefixCache, ReadOnlyStoreError
+from persistent_prefix_cache.disk.faults import acting_at
 from persistent_prefix_cache.fingerprint import fingerprint_model
 
 SOAK = os.path.join(os.path.dirname(__file__), os.pardir, "tools", "soak.py")
@@ -314,7 +315,8 @@ def test_map_growth_under_concurrent_fetches(tmp_path, model, monkeypatch):
         try:
             i = 0
             while not errors:
-                if store._index.env.info()["map_size"] >= 8 * 32 * 1024:
+                # The index's file past four maps of 32 KiB: the map has doubled three times.
+                if os.path.getsize(tmp_path / f"store{round_}" / "index" / "data.mdb") > 4 * 32 * 1024:
                     break
                 tokens = random_tokens(8, seed=1000 + i, first=i % 512)
                 i += 1
@@ -332,6 +334,30 @@ def test_map_growth_under_concurrent_fetches(tmp_path, model, monkeypatch):
     assert errors == []
 
 
+def test_an_action_runs_where_a_thread_passes_its_point_while_it_is_set():
+    from persistent_prefix_cache.disk.faults import pause_point
+
+    seen = []
+    with acting_at("before_commit", lambda: seen.append(threading.current_thread().name)):
+        pause_point("after_commit")  # another point: nothing
+        pause_point("before_commit")
+        worker = threading.Thread(target=pause_point, args=("before_commit",), name="writer")
+        worker.start()
+        worker.join()
+        with pytest.raises(ValueError, match="already set"):
+            with acting_at("before_commit", lambda: None):
+                pass
+    pause_point("before_commit")  # the block ended: nothing runs
+    assert seen == [threading.current_thread().name, "writer"]
+
+    def refuse():
+        raise lmdb.Error("refused")
+
+    with acting_at("in_write_txn", refuse):
+        with pytest.raises(lmdb.Error, match="refused"):
+            pause_point("in_write_txn")  # what the action raises is raised at the point
+
+
 def test_failed_commit_keeps_another_writers_committed_file(store_dir, model):
     # Regression: a writer whose index commit failed used to unlink its files by name,
     # and the name is shared by every writer of the block (key and checksum).
@@ -339,23 +365,29 @@ def test_failed_commit_keeps_another_writers_committed_file(store_dir, model):
     cache = prefill(model, prompt)[1]
     winner = PersistentPrefixCache(store_dir, model, block_size=BLOCK)
     loser = PersistentPrefixCache(store_dir, model, memory_bytes=0)
-    real_write = loser._index.write
+    losing = []  # the loser's writer thread, once it reached its commit
 
-    def commit_refused(fn):
+    def winner_commits_first():
         # While the loser's files (same names as the winner's) wait for their commit,
-        # the winner stores and commits the same blocks; then the loser's index
-        # commit fails, as on a full disk.
+        # the winner stores and commits the same blocks (its own commit passes here too).
+        if losing:
+            return
+        losing.append(threading.current_thread())
         if winner.store(prompt, cache):
             winner.flush()
-        raise lmdb.Error("mdb_txn_commit: No space left on device (simulated)")
 
-    loser._index.write = commit_refused
+    def commit_refused():
+        # Then the loser's index commit fails, as on a full disk.
+        if threading.current_thread() in losing:
+            raise lmdb.Error("mdb_txn_commit: No space left on device (simulated)")
+
     try:
-        assert loser.store(prompt, cache) == 3
-        loser.flush()
-        assert loser.stats()["write_errors"] >= 1
+        with acting_at("before_commit", winner_commits_first), acting_at("in_write_txn", commit_refused):
+            assert loser.store(prompt, cache) == 3
+            loser.flush()
+        assert losing and loser.stats()["write_errors"] >= 1
+        assert winner.stats()["write_errors"] == 0 and winner.stats()["blocks_written"] == 3
     finally:
-        loser._index.write = real_write
         loser.close()
         winner.close()
     # The winner's committed blocks must still be whole.
@@ -372,28 +404,26 @@ def test_unlink_after_a_removal_keeps_a_block_stored_again_meanwhile(store_dir, 
     # Y has no RAM tier: it must look in the index, where L will be gone.
     y = PersistentPrefixCache(store_dir, model, block_size=BLOCK, memory_bytes=0)
     x = PersistentPrefixCache(store_dir, model)
-    real_unlink = x._files.unlink
-
     calls = []
 
-    def unlink_late(segments):
+    def y_stores_l_again():
         # X committed the full second block, which supersedes L (its record is gone);
         # before X unlinks what that commit freed, Y stores L again (same key, bytes).
-        segments = list(segments)
-        if not calls:
-            calls.append(segments)
-            assert y.store(short, short_cache) == 1
-            y.flush()
-        real_unlink(segments)
+        # Y's own commit passes here too.
+        if calls:
+            return
+        calls.append(threading.current_thread())
+        assert y.store(short, short_cache) == 1
+        y.flush()
 
     try:
         y.store(short, short_cache)
         y.flush()
-        x._files.unlink = unlink_late
-        x.store(tokens, prefill(model, tokens)[1])
-        x.flush()
+        with acting_at("after_commit", y_stores_l_again):
+            x.store(tokens, prefill(model, tokens)[1])
+            x.flush()
+        assert calls and y.stats()["blocks_written"] == 3 and y.stats()["write_errors"] == 0
     finally:
-        x._files.unlink = real_unlink
         x.close()
         y.close()
     # Y's committed record of L must still have its file.

@@ -80,8 +80,8 @@ def test_a_store_skips_what_is_slower_and_counts_it(store_dir, model):
 def test_only_the_fast_tier_is_restored_and_continues_exactly(store_dir, model):
     tokens = random_tokens(3 * BLOCK + 5, seed=901)
     with _store(store_dir, model, tokens) as store:
-        for key in chain_keys(bytes.fromhex(store.this_model()["root"]), as_token_array(tokens), BLOCK)[1:]:
-            store._memory.discard(key)  # only the first block stays in RAM
+        keys = chain_keys(bytes.fromhex(store.this_model()["root"]), as_token_array(tokens), BLOCK)
+        assert store.ram_tier.evict(keys[1:]) == 3  # only the first block stays in RAM
         store.costs.learned.prefill_tokens_per_s = 100.0
         store.costs.learned.restore_bytes_per_s = {"ram": 1e12, "disk": 1.0}
         query = tokens + [1, 2]
@@ -269,8 +269,8 @@ def test_a_store_counts_each_decision(store_dir, model):
         store.costs.learned.set_prefill(100.0)
         store.costs.learned.set_restore({"ram": 1e12, "disk": 1e12})
         assert store.fetch(query)[0] is not None
-        for key in chain_keys(bytes.fromhex(store.this_model()["root"]), as_token_array(tokens), BLOCK)[1:]:
-            store._memory.discard(key)  # only the first block stays in RAM
+        keys = chain_keys(bytes.fromhex(store.this_model()["root"]), as_token_array(tokens), BLOCK)
+        assert store.ram_tier.evict(keys[1:]) == 3  # only the first block stays in RAM
         store.costs.learned.set_restore({"ram": 1e12, "disk": 1.0})
         cache, remaining = store.fetch(query)
         assert len(query) - len(remaining) == BLOCK

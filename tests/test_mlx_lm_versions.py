@@ -126,7 +126,9 @@ def test_the_two_lines_never_share_stored_kv(tmp_path):
     with PersistentPrefixCache(tmp_path, model) as store:
         plain = root_key(store.fingerprint, "", store.this_model()["layout"])
         assert (store.this_model()["root"] == plain.hex()) is (versions.MLX_LM >= (0, 32, 0))
-        assert store._layout.variant == ("" if versions.MLX_LM >= (0, 32, 0) else "+mlx-lm-0.31")
+        assert versions.layout_variant() == ("" if versions.MLX_LM >= (0, 32, 0) else "+mlx-lm-0.31")
+        with_line = root_key(store.fingerprint, "", store.this_model()["layout"] + versions.layout_variant())
+        assert store.this_model()["root"] == with_line.hex()  # the handle's root holds the line
 
 
 def test_load_options_are_what_the_installed_load_takes():

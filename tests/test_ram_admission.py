@@ -42,7 +42,7 @@ def family_prompt() -> list[int]:
 def tier_bits(store: PersistentPrefixCache) -> dict:
     """A bitwise copy of everything the RAM tier holds, by block key, leaf and field."""
     out = {}
-    for key, (_, tensors, *_) in list(store._memory._entries.items()):
+    for key, tensors in store.ram_tier.items():
         for lid, part in tensors.items():
             for fld, x in part.items():
                 bits = x.view({1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}[x.itemsize])
@@ -166,8 +166,8 @@ def test_admission_respects_the_budget(tmp_path, model):
                 counts = memory_counts(store)
                 assert counts["bytes_in_memory"] <= budget
         assert counts["memory_admitted"] > 0 and counts["memory_evictions"] > 0
-        entries = store._memory._entries.values()
-        held = sum(x.nbytes for _, tensors, *_ in entries for part in tensors.values() for x in part.values())
+        entries = store.ram_tier.items()
+        held = sum(x.nbytes for _, tensors in entries for part in tensors.values() for x in part.values())
         assert held == counts["bytes_in_memory"]
     # A prompt larger than the whole tier is never admitted (it would flush it).
     with PersistentPrefixCache(tmp_path / "s", model, memory_bytes=per_prompt // 2, cost_model=False) as store:

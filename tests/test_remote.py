@@ -182,7 +182,7 @@ def test_the_cost_model_leaves_a_remote_slower_than_prefill_on_the_server(tmp_pa
     # prefills a million tokens a second: reading the continuation loses.
     b = open_host(tmp_path / "b", model, redis_server.url)
     b.costs.learned.observe_restore("remote", 1 << 20, 1.0)
-    b.remote_fill.remote._value_bytes = 20_000  # as if a block of this model had been read before
+    b.remote_fill.remote.value_bytes = 20_000  # as if a block of this model had been read before
     b.observe_prefill(1_000_000, 1.0)
     cache, rest = b.fetch(toks + [1])
     assert cache is None and len(rest) == len(toks) + 1
@@ -195,7 +195,7 @@ def test_the_cost_model_leaves_a_remote_slower_than_prefill_on_the_server(tmp_pa
     assert fetch_exact(c, model, toks + [1]) == 96 and c.stats()["remote_slower"] == 0
     d = open_host(tmp_path / "d", model, redis_server.url)
     d.costs.learned.observe_restore("remote", 1 << 20, 1.0)
-    d.remote_fill.remote._value_bytes = 20_000
+    d.remote_fill.remote.value_bytes = 20_000
     d.observe_prefill(10, 1.0)  # 10 tokens/s: any read wins
     assert fetch_exact(d, model, toks + [1]) == 96 and d.stats()["remote_slower"] == 0
     for h in (a, b, c, d):

@@ -90,11 +90,12 @@ def check_fetch(store, model, query, expected_matched: int):
 # -- sharing ------------------------------------------------------------------------
 
 
-# The handle's whole public surface: what it was opened with (read-only), its cost model
-# (a public object, read-only) and what callers do.
+# The handle's whole public surface: what it was opened with (read-only), its public parts
+# (the cost model, the remote's part, the RAM tier's view: read-only properties) and what
+# callers do.
 PUBLIC_SURFACE = {
     "path", "readonly", "block_size", "fingerprint", "model_name", "namespace", "closed", "costs", "remote_fill",
-    "last_fetch",
+    "last_fetch", "ram_tier",
     "fetch", "peek", "make_cache", "store", "flush", "close", "stats", "stored_models", "this_model",
     "forget_fingerprints", "sweep_orphans", "limit_memory", "observe_prefill", "calibrate", "resumable_step",
 }  # fmt: skip
@@ -113,6 +114,7 @@ def test_the_handle_shows_its_api_and_hides_its_collaborators(store_dir, model):
             "namespace",
             "costs",
             "remote_fill",
+            "ram_tier",
         ):
             with pytest.raises(AttributeError):
                 setattr(store, name, None)

@@ -31,7 +31,7 @@ UINT = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 def tier_bits(store: PersistentPrefixCache) -> dict:
     """A bitwise copy of what the tier holds: MLX arrays, or host bits on the CPU."""
     out = {}
-    for key, (_, tensors, *_) in list(store._memory._entries.items()):
+    for key, tensors in store.ram_tier.items():
         for lid, part in tensors.items():
             for fld, x in part.items():
                 bits = x.bits if isinstance(x, HostBits) else np.array(x.view(UINT[x.itemsize]))
@@ -74,9 +74,7 @@ def test_a_skipped_prefix_is_served_from_the_tier_next_time(tmp_path, model, mon
         # In the tier already (on a GPU's route as views of the arena the fill read into)
         assert counts["memory_warmed"] == blocks and counts["memory_warmed_bytes"] == total
         assert counts["bytes_in_memory"] == total
-        held = [
-            x for _, tensors, *_ in store._memory._entries.values() for part in tensors.values() for x in part.values()
-        ]
+        held = [x for _, tensors in store.ram_tier.items() for part in tensors.values() for x in part.values()]
         assert all(isinstance(x, HostBits) and (x.arena is not None) == (join == "mlx") for x in held)
         restored, rest = store.fetch(query)
         stats = store.stats()

@@ -23,6 +23,10 @@ has committed its new index under ``index.rebuild/``), ``rebuild_swap`` (the dam
 index is set aside, the new one not yet in place), ``before_move`` (a merge or compaction
 has written and renamed its new segment, the records not yet moved there).
 
+In-process actions (`acting_at`): a test of one process runs a function of its own when
+a thread passes a pause point (another handle's write in between, or a raise: a failure
+at exactly that step), instead of replacing a private method of the store's parts.
+
 The suite's own (read by ``tests/``): ``require=redis:valkey`` (CI: a remote-tier test
 whose server is not installed fails instead of skipping) and ``linux_calls_hidden=...``
 (set in a run whose Linux-only calls are hidden, ``tests/no_linux_calls``).
@@ -31,10 +35,15 @@ whose server is not installed fails instead of skipping) and ``linux_calls_hidde
 from __future__ import annotations
 
 import os
+import threading
 import time
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 VARIABLE = "PPC_TEST_HOOKS"
 _parsed: tuple[str, dict[str, str]] = ("", {})  # the last value read, and its hooks
+_actions: dict[str, Callable[[], None]] = {}  # in-process actions by pause point (`acting_at`)
+_actions_lock = threading.Lock()
 
 
 def hook(name: str) -> str | None:
@@ -66,8 +75,41 @@ def hooks_value(**hooks: object) -> str:
     return ",".join(f"{name}={value}" for name, value in hooks.items())
 
 
+@contextmanager
+def acting_at(point: str, action: Callable[[], None]) -> Iterator[None]:
+    """Run `action` whenever a thread of this process passes pause point `point`, while
+    the block runs (tests only: the one seam for a fault or a race at a chosen step).
+
+    The action runs on the thread that passes the point (often a store's writer thread),
+    every time one does: it tells threads apart itself. What it raises is raised at the
+    point, as a failure of that step (``in_write_txn``: the write transaction fails and
+    nothing of it is committed).
+
+    Args:
+        point: A pause point (see the module), e.g. ``before_commit``.
+        action: Called with no arguments.
+
+    Raises:
+        ValueError: If another action is already set at `point`.
+    """
+    with _actions_lock:
+        if point in _actions:
+            raise ValueError(f"an action is already set at pause point {point!r}")
+        _actions[point] = action
+    try:
+        yield
+    finally:
+        with _actions_lock:
+            del _actions[point]
+
+
 def pause_point(name: str) -> None:
-    """Sleep forever here if the ``pause_at`` test hook names this point."""
+    """Run the action `acting_at` set here, then sleep forever if the ``pause_at`` test
+    hook names this point."""
+    if _actions:  # a dict's truth: the write path pays no more than that
+        action = _actions.get(name)
+        if action is not None:
+            action()
     if hook("pause_at") != name:
         return
     marker = hook("pause_file")

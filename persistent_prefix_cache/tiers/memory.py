@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from typing import Iterable
 
 from ..blocks import Node, Tensors
 
@@ -220,10 +221,22 @@ class MemoryTier:
             out.update(self.warm)
             return out
 
-    def discard(self, key: bytes) -> None:
-        """Forget a block (it was evicted from disk or found damaged)."""
+    def held(self) -> list[tuple[bytes, dict[str, Tensors]]]:
+        """Every block held, least recently used first, as ``(key, tensors by leaf, then
+        field)``: the tier's own arrays in fresh dicts; the order and counters unchanged."""
         with self._lock:
+            return [(key, {lid: dict(part) for lid, part in entry[1].items()}) for key, entry in self._entries.items()]
+
+    def discard(self, key: bytes) -> bool:
+        """Forget a block (it was evicted from disk or found damaged).
+
+        Returns:
+            Whether it was held.
+        """
+        with self._lock:
+            held = key in self._entries
             self._drop(key)
+            return held
 
     def clear(self) -> None:
         """Forget everything."""
@@ -245,3 +258,38 @@ class MemoryTier:
             siblings.discard(key)
             if not siblings:
                 del self._children[node.parent]
+
+
+class MemoryView:
+    """A handle's RAM tier seen from outside (`PersistentPrefixCache.ram_tier`): the blocks
+    it holds with their tensors, read without changing it, and blocks dropped by key.
+
+    Args:
+        tier: The tier it shows.
+    """
+
+    def __init__(self, tier: MemoryTier):
+        self._tier = tier
+
+    def items(self) -> list[tuple[bytes, dict[str, Tensors]]]:
+        """Every block the tier holds, least recently used first.
+
+        Returns:
+            ``(block key, tensors)`` per block, the tensors by leaf, then field: the
+            tier's own arrays (MLX arrays, or `device.buffers.HostBits` where the tier
+            keeps host bits), to read, never to write. Neither the tier's order nor its
+            counters change.
+        """
+        return self._tier.held()
+
+    def evict(self, keys: Iterable[bytes]) -> int:
+        """Drop these blocks from the tier; they stay on disk, where a later fetch reads
+        them (not counted in ``memory_evictions``, which counts the budget's).
+
+        Args:
+            keys: Block keys (as `items` gives them).
+
+        Returns:
+            How many of them the tier held.
+        """
+        return sum(self._tier.discard(key) for key in keys)

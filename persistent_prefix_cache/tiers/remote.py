@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 from ..disk.faults import hook, pause_point
 from ..blocks import Node
-from ..errors import RemoteUnreachableError
+from ..errors import InvalidArgumentError, RemoteUnreachableError
 from ..keys import block_key
 from . import remote_wire as wire
 from .remote_client import UNAVAILABLE, Servers, Voice, redact
@@ -292,8 +292,16 @@ class RemoteTier:
 
     @property
     def value_bytes(self) -> int:
-        """Length of the last value read (0 before any): what a block costs to read."""
+        """Length of the last value read (0 before any): what a block costs to read, which
+        sizes the read batches and what the cost model weighs a read by. A caller that
+        knows it before any read (a figure measured elsewhere) may set it."""
         return self._value_bytes
+
+    @value_bytes.setter
+    def value_bytes(self, size: int) -> None:
+        if not isinstance(size, int) or size < 0:
+            raise InvalidArgumentError(f"value_bytes must be an int >= 0, got {size!r}")
+        self._value_bytes = size
 
     def batch_blocks(self) -> int:
         """Blocks per pipelined read: `BATCH_BYTES` worth, by the last value read (one
