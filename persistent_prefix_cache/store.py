@@ -11,10 +11,11 @@ what restoring and computing cost to its public cost model (`costs`:
 from __future__ import annotations
 
 import os
+import threading
 from typing import TYPE_CHECKING, Any, Sequence
 
 from .cost_model import CostModel
-from .errors import InvalidArgumentError, StoreClosedError
+from .errors import InvalidArgumentError, ReadOnlyStoreError, StoreClosedError
 from .fingerprint import forget_fingerprints
 from .opening import OPEN_HANDLES, open_parts
 from .options import Options
@@ -271,6 +272,22 @@ class PersistentPrefixCache:
         if not isinstance(grace, (int, float)) or grace < 0:
             raise InvalidArgumentError(f"grace must be a number of seconds >= 0, got {grace!r}")
         return sweep_orphans(self._index, self._files, grace=grace)
+
+    def hold_writer(self, release: threading.Event) -> threading.Event:
+        """Hold the writer thread at the start of its next job until `release` is set: the
+        stores queued meanwhile wait behind it (`WriteBack.hold`). For tests and tools that
+        need a busy writer; set `release` before `flush` or `close`, which wait for it.
+
+        Returns:
+            An event set once the writer stands at the hold.
+
+        Raises:
+            ReadOnlyStoreError: If the handle is read-only (it has no writer).
+        """
+        self._check_open()
+        if self._writeback is None:
+            raise ReadOnlyStoreError(f"store {self._path} is open read-only: it has no writer to hold")
+        return self._writeback.hold(release)
 
     # -- the handle -----------------------------------------------------------------
 

@@ -204,6 +204,24 @@ class WriteBack:
         self._track(future, data)
         return future
 
+    def hold(self, release: threading.Event) -> threading.Event:
+        """Hold the writer at the start of its next job until `release` is set: what is
+        queued meanwhile waits behind it (a data job: block writes queued before and after
+        it never share a group commit). For tests and tools that need a busy writer;
+        `stop` waits for `release` as for any data job.
+
+        Returns:
+            An event set once the writer stands at the hold (every job queued before it done).
+        """
+        reached = threading.Event()
+
+        def held() -> None:
+            reached.set()
+            release.wait()
+
+        self.submit(held)
+        return reached
+
     def write(self, blocks: list[tuple[Node, dict]], *, then: Callable[[list], None] | None = None) -> Future:
         """Write blocks into a segment and commit their records, joining the group commit:
         the block writes queued behind a busy writer share one index transaction (see the

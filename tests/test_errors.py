@@ -16,6 +16,7 @@ import os
 import pkgutil
 import re
 import shutil
+import threading
 import warnings
 
 import pytest
@@ -158,6 +159,7 @@ def test_a_closed_store_raises_its_own_error_from_every_call_that_needs_the_stor
         "observe_prefill": lambda: store.observe_prefill(64, 0.01),
         "calibrate": lambda: store.calibrate(model),
         "resumable_step": lambda: store.resumable_step(),
+        "hold_writer": lambda: store.hold_writer(threading.Event()),
         "remote_fill": lambda: store.remote_fill,  # the remote's part: a closed handle hands out nothing
         "ram_tier": lambda: store.ram_tier,  # nor its RAM tier (emptied at close)
         # The cost model, a public object of the handle, closes with it.

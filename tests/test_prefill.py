@@ -208,7 +208,7 @@ def test_stores_queued_behind_a_busy_writer_share_one_segment(store_dir, model):
     tokens = random_tokens(6 * BLOCK, seed=62)
     with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
         gate = __import__("threading").Event()
-        store._writeback.submit(gate.wait)  # the writer busy: every store below queues
+        store.hold_writer(gate)  # the writer busy: every store below queues
         cache = make_prompt_cache(model)
         for end in range(BLOCK, len(tokens) + 1, BLOCK):
             model(mx.array(tokens[end - BLOCK : end])[None], cache=cache)

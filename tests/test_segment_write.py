@@ -137,7 +137,7 @@ def test_block_writes_queued_behind_a_busy_writer_share_one_commit(tmp_path, mod
     with PersistentPrefixCache(tmp_path / "s", model, block_size=BLOCK, memory_bytes=0) as store:
         store.flush()
         gate = threading.Event()
-        store._writeback.submit(gate.wait, data=False)  # the writer is busy until the gate opens
+        store.hold_writer(gate)  # the writer is busy until the gate opens
         before = store.stats()
         for tokens, cache in zip(prompts, caches):
             store.store(tokens, cache)
@@ -158,20 +158,25 @@ def test_a_data_job_between_queued_stores_splits_the_group_commit(tmp_path, mode
     base = random_tokens(2 * BLOCK, seed=841, first=3)
     prompts = [base, base + random_tokens(2 * BLOCK, seed=842), base + random_tokens(3 * BLOCK, seed=843)]
     caches = [prefill(model, p)[1] for p in prompts]
-    ran = []
     with PersistentPrefixCache(tmp_path / "s", model, block_size=BLOCK, memory_bytes=0) as store:
         store.flush()
-        gate = threading.Event()
-        store._writeback.submit(gate.wait, data=False)
-        before = store.stats()["group_commits"]
-        store.store(prompts[0], caches[0])
-        store._writeback.submit(lambda: ran.append(store.stats()["group_commits"] - before))
-        store.store(prompts[1], caches[1])
-        store.store(prompts[2], caches[2])
-        gate.set()
+        gate, job = threading.Event(), threading.Event()
+        try:
+            store.hold_writer(gate)
+            before = store.stats()["group_commits"]
+            store.store(prompts[0], caches[0])
+            at_job = store.hold_writer(job)  # the data job between
+            store.store(prompts[1], caches[1])
+            store.store(prompts[2], caches[2])
+            gate.set()
+            assert at_job.wait(timeout=120)
+            ran = store.stats()["group_commits"] - before
+        finally:
+            gate.set()
+            job.set()
         store.flush()
         commits = store.stats()["group_commits"] - before
-    assert ran == [1]  # the first store was committed before the job, the others after
+    assert ran == 1  # the first store was committed before the job, the others after
     assert commits == 2
     _check_store(tmp_path / "s", model, prompts, caches)
 

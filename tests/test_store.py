@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import threading
 import warnings
 from pathlib import Path
 
@@ -50,6 +51,7 @@ from persistent_prefix_cache import (
     LayoutMismatchError,
     PersistentPrefixCache,
     PrefixCacheError,
+    ReadOnlyStoreError,
     StoreVersionError,
     UnsupportedCacheError,
 )
@@ -98,6 +100,7 @@ PUBLIC_SURFACE = {
     "last_fetch", "ram_tier",
     "fetch", "peek", "make_cache", "store", "flush", "close", "stats", "stored_models", "this_model",
     "forget_fingerprints", "sweep_orphans", "limit_memory", "observe_prefill", "calibrate", "resumable_step",
+    "hold_writer",
 }  # fmt: skip
 
 
@@ -756,6 +759,8 @@ def test_readonly_serves_hits_and_writes_nothing(store_dir, model):
         cache, remaining = store.fetch(other)
         assert cache is None and remaining == other
         assert store.stats()["blocks"] == 3
+        with pytest.raises(ReadOnlyStoreError, match="no writer"):
+            store.hold_writer(threading.Event())
     assert _snapshot(store_dir) == before
 
 
