@@ -104,7 +104,7 @@ class SavedCosts:
             entry[self.device] = self.costs.record()
             # Exclusively, under a random name, in the store folder; renamed by descriptor.
             tmp = TempFile(self.root, "", FILE_NAME.replace(".", "_"))
-            with os.fdopen(tmp.fd, "w", encoding="utf-8", closefd=False) as f:
+            with os.fdopen(tmp.fileno(), "w", encoding="utf-8", closefd=False) as f:
                 json.dump({"version": 1, "models": models}, f)
             with folder(self.root) as root:
                 tmp.move_to(root, FILE_NAME)

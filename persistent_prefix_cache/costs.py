@@ -85,6 +85,12 @@ def _prefill_features(start: int, end: int, forwards: int) -> tuple[float, float
     return (end - start, (end * end - start * start) / 2, forwards)
 
 
+def _prefill_time(coef: list[float], start: int, end: int) -> float:
+    """Predicted seconds to prefill positions ``[start, end)`` by known coefficients."""
+    x = _prefill_features(start, end, -(-(end - start) // PREFILL_STEP))
+    return sum(c * f for c, f in zip(coef, x))
+
+
 def _new_prefill(sums: list[float] | None = None) -> Fit:
     return Fit(_prefill_order, sums, keep_first=False, features=3)
 
@@ -204,10 +210,7 @@ class Costs:
     def prefill_seconds(self, start: int, end: int) -> float | None:
         """Predicted seconds to prefill positions ``[start, end)`` (None: unknown)."""
         coef = self._prefill_coefficients()
-        if coef is None:
-            return None
-        x = _prefill_features(start, end, -(-(end - start) // PREFILL_STEP))
-        return sum(c * f for c, f in zip(coef, x))
+        return None if coef is None else _prefill_time(coef, start, end)
 
     def resumable_step(self, block_size: int) -> int | None:
         """The shortest forward, in whole blocks, whose per-call cost is at most
@@ -342,32 +345,33 @@ class Costs:
         if not self.enabled or not ends:
             return whole
         with self._lock:
-            if self.prefill.coefficients() is None:
+            prefill = self._prefill_coefficients()
+            if prefill is None:
                 return whole  # the prefill is not known: restore (and time the restore)
             slopes, fixed = {}, {}
             for tier in ("ram", "disk"):
                 fit = self.restore.get(tier)
                 coef = fit.coefficients() if fit is not None else None
-                if coef is not None and coef[1] > 0 and fit.weight() >= TRUSTED_WEIGHT:
+                if fit is not None and coef is not None and coef[1] > 0 and fit.weight() >= TRUSTED_WEIGHT:
                     fixed[tier], slopes[tier] = coef
             first = self.first_forward_per_token or 0.0
             # A tier this process has not restored from yet costs its first time's extra.
             once = {t: self.first_restore.get(t, 0.0) if t not in _restored_here else 0.0 for t in ("ram", "disk")}
             if not all(("ram" if r else "disk") in slopes for r in in_ram):
                 return whole  # a tier not timed (twice) yet: restore, and learn its rate
-            best, cost, disk = Choice(0, 0, 0.0, "skipped_slower"), 0.0, False
+            best, most, cost, disk = Choice(0, 0, 0.0, "skipped_slower"), 0.0, 0.0, False
             cuts = set(resumable)
             total = max(ends[-1], total or 0)
-            whole = self.prefill_seconds(0, total)
+            computed = _prefill_time(prefill, 0, total)
             for i, (size, ram) in enumerate(zip(sizes, in_ram)):
                 cost += size * slopes["ram" if ram else "disk"]
                 disk = disk or not ram
                 if i in cuts:
                     tier = "disk" if disk else "ram"
                     spent = cost + fixed[tier] + once[tier] + first * ends[i]
-                    saved = whole - self.prefill_seconds(ends[i], total) - spent
-                    if saved > best.saved_seconds:
-                        best = Choice(i + 1, ends[i], saved)
+                    saved = computed - _prefill_time(prefill, ends[i], total) - spent
+                    if saved > most:
+                        best, most = Choice(i + 1, ends[i], saved), saved
         if best.blocks == len(ends):
             best.decision = "restored_all"
         elif best.blocks:

@@ -123,7 +123,7 @@ class Fetcher:
             if pending is not None:  # the fleet held more: its blocks are in the RAM tier now
                 walk = self._trie.walk(toks)
         result = self._restore(tokens, toks, walk, longer_than, local=None if pending is None else local, remote=remote)
-        if pending:
+        if pending and self._remote_fill is not None:
             self._remote_fill.write(pending)  # into the local store, once the caller's restore is done
         self._costs.save_soon()
         return result
@@ -147,7 +147,7 @@ class Fetcher:
         """
         path, matched, n = walk.path, walk.matched, len(toks)
         if longer_than is not None and matched <= longer_than:
-            reason = self._why(toks, walk, remote, matched)
+            reason: str | None = self._why(toks, walk, remote, matched)
             if longer_than == 0:
                 # The caller holds nothing and the store has nothing: a plain miss
                 # (a server's request that found nothing must show in `ppc stats`).

@@ -95,7 +95,7 @@ class RemoteFill:
         as_mx = self._target.join_on_device
         for block in blocks:
             block.node.last_access = now
-            tensors = {lid: {} for lid in self._layout.kinds}
+            tensors: dict[str, dict[str, Any]] = {lid: {} for lid in self._layout.kinds}  # MLX arrays or HostBits
             for lid, part in block.bits.items():
                 for fld, (bits, dtype) in part.items():
                     tensors[lid][fld] = HostBits(bits, dtype).to_mx() if as_mx else HostBits(bits, dtype)

@@ -36,7 +36,7 @@ import threading
 from typing import Any, Callable
 
 from .disk.read_path import read_path
-from .device.buffers import Arena, HostBits
+from .device.buffers import Arena
 from .device.target import Target, host_target
 from .blocks import Node, is_sliced
 from .disk.segment import SegmentFiles
@@ -203,7 +203,7 @@ class Warmer:
         return nodes, runs, snaps
 
 
-def _block_bits(node: Node, leaves: dict, runs: dict, snaps: dict) -> tuple[dict[str, dict[str, HostBits]], dict]:
+def _block_bits(node: Node, leaves: dict, runs: dict, snaps: dict) -> tuple[dict[str, dict[str, Any]], dict]:
     """One block's tensors by leaf (every leaf of `leaves`): views of the fill's runs
     (sliced fields) and its snapshots, as host bits; and their origin (see
     `MemoryTier.put`: a restore copies the blocks of one run as one slice of it)."""

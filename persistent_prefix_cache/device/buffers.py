@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable
+from typing import Iterable, cast
 
 import mlx.core as mx
 import numpy as np
@@ -53,7 +53,7 @@ class Arena:
     def bytes(self) -> np.ndarray:
         """Its memory as host bytes (the first call waits for the zeros to land)."""
         if self._bytes is None:
-            self._bytes = np.frombuffer(memoryview(self.array).cast("B"), dtype=np.uint8)
+            self._bytes = np.frombuffer(memoryview(self.array).cast("B"), dtype=np.uint8)  # type: ignore[arg-type]  # MLX stubs: no buffer protocol
             self._base = self._bytes.ctypes.data
         return self._bytes
 
@@ -164,7 +164,8 @@ def allocate(specs: list[tuple[str, tuple[int, ...], str]]) -> dict[str, mx.arra
         }
     else:
         try:
-            out = mx.load(_Unwritten(specs), format="safetensors")
+            loaded = mx.load(_Unwritten(specs), format="safetensors")  # type: ignore[arg-type]  # a file object works too
+            out = cast(dict[str, mx.array], loaded)
         except (TypeError, ValueError, RuntimeError):  # an MLX without file-object loads
             _UNWRITTEN_WORKS = False
             return allocate(specs)
@@ -300,7 +301,7 @@ def to_device(items: list[HostBits]) -> list[mx.array]:
     for x, a in zip(items, arrays):
         if x.nbytes == 0:
             continue
-        dst = np.frombuffer(memoryview(a).cast("B"), dtype=x.bits.dtype).reshape(x.shape)
+        dst = np.frombuffer(memoryview(a).cast("B"), dtype=x.bits.dtype).reshape(x.shape)  # type: ignore[arg-type]  # MLX stubs
         pieces = max(1, min(x.shape[int(np.argmax(x.shape))], x.nbytes // _COPY_PIECE))
         if pieces == 1:
             jobs.append((dst, x.bits))

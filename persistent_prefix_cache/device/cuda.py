@@ -36,7 +36,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from contextlib import contextmanager
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Literal, Sequence, cast
 
 import numpy as np
 
@@ -46,7 +46,7 @@ STAGE_RING = 4  # pinned pieces per reader thread: reads go on while earlier cop
 _TOUCH_BYTES = 4096  # one element read per this many bytes faults every page over
 _CHECK_BYTES = 256  # bytes at each end of a `to_host` copy compared with its source
 _lock = threading.Lock()
-_driver: "_Driver | None | bool" = None  # None: not tried; False: unavailable
+_driver: "_Driver | Literal[False] | None" = None  # None: not tried; False: unavailable
 
 
 class _Location(ctypes.Structure):
@@ -76,9 +76,9 @@ class _Driver:
         self._check(lib.cuStreamCreate(ctypes.byref(stream), _STREAM_NON_BLOCKING), "cuStreamCreate")
         self.stream = stream
         try:  # CUDA 12.2 and later: the destination as a location
-            self._prefetch_v2 = lib.cuMemPrefetchAsync_v2
+            self._prefetch_v2: Any = lib.cuMemPrefetchAsync_v2  # None: before CUDA 12.2
             self._prefetch_v2.argtypes = [ctypes.c_uint64, ctypes.c_size_t, _Location, ctypes.c_uint, ctypes.c_void_p]
-            self._prefetch_v1 = None
+            self._prefetch_v1: Any = None  # its older form, where v2 is missing
         except AttributeError:
             self._prefetch_v2 = None
             self._prefetch_v1 = lib.cuMemPrefetchAsync
@@ -122,8 +122,8 @@ class _Driver:
             address, event = ctypes.c_void_p(), ctypes.c_void_p()
             self._check(self.lib.cuMemHostAlloc(ctypes.byref(address), STAGE_PIECE, 0), "cuMemHostAlloc")
             self._check(self.lib.cuEventCreate(ctypes.byref(event), 2), "cuEventCreate")  # no timing
-            buffer = (ctypes.c_uint8 * STAGE_PIECE).from_address(address.value)
-            ring.append([np.frombuffer(buffer, dtype=np.uint8), event, False])
+            buffer = (ctypes.c_uint8 * STAGE_PIECE).from_address(cast(int, address.value))  # set by the call
+            ring.append([np.frombuffer(buffer, dtype=np.uint8), event, False])  # type: ignore[call-overload]  # a ctypes array is a buffer
         return ring
 
     @contextmanager
@@ -360,7 +360,7 @@ class Stager:
         self.driver, self.dest, self.base = driver, dest, _address(dest)[0]
         self.ring = driver.ring()
         self.size = STAGE_PIECE
-        self._piece: memoryview | None = None
+        self._piece = memoryview(b"")  # what `take` gave last
         self._slot: list | None = None
 
     def take(self, nbytes: int) -> memoryview:
@@ -374,7 +374,7 @@ class Stager:
             self._slot, self._piece = slot, memoryview(slot[0])[:nbytes]
         except OSError:
             _stop_staging()
-            self._slot, self._piece = None, memoryview(np.empty(nbytes, dtype=np.uint8))
+            self._slot, self._piece = None, memoryview(np.empty(nbytes, dtype=np.uint8))  # type: ignore[arg-type]  # numpy stubs (3.10)
         return self._piece
 
     def send(self, offsets: list[int], length: int) -> None:
@@ -425,13 +425,14 @@ def prepare_readers(pool, threads: int) -> None:
         if _prepared:
             return
         _prepared = True
-    if not stager_possible():
+    driver = _get_driver() if stager_possible() else None
+    if driver is None:
         return
     together = threading.Barrier(threads, timeout=30)  # each task on a thread of its own
 
     def ready() -> None:
         try:
-            _get_driver().ring()
+            driver.ring()
             together.wait()
         except OSError:
             _stop_staging()
@@ -452,10 +453,11 @@ def stager_possible() -> bool:
 def stager(dest: memoryview) -> Stager | None:
     """A `Stager` for `dest`, where staging runs here (`MODE` ``"stage"``, a CUDA GPU,
     its driver reachable, pinned memory granted); else None (read into `dest`)."""
-    if not stager_possible():
+    driver = _get_driver() if stager_possible() else None
+    if driver is None:
         return None
     try:
-        return Stager(_get_driver(), dest)
+        return Stager(driver, dest)
     except OSError:  # no pinned memory, no events: read the plain way
         _stop_staging()
         return None

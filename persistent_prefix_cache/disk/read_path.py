@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence, cast
 
 import mlx.core as mx
 import numpy as np
@@ -83,8 +83,8 @@ class _Run:
     end: int
     dims: tuple[int, int, int]  # batch, heads, width
     dtype: str
-    array: mx.array | None = None
-    view: memoryview | None = None
+    array: Any = None  # the joined buffer: an MLX array, or a host target's numpy bits
+    view: memoryview = memoryview(b"")  # its bytes, while the read writes them
     row_stride: int = 0  # bytes from one (batch, head) row of the buffer to the next
     moving: bool = False  # its pages are on their way to the device (`Target.start_moves`)
     checked_on_host: bool = False  # some of its blocks are checked by the host after their copies land
@@ -126,7 +126,8 @@ def read_path(
     """
     if all(have is not None for have in cached) and target.join_on_device and not target.host:
         pieces = _pieces(nodes, cached, origins)
-        return len(nodes), *join_on_device(pieces, cached[-1], nodes[-1].n_tokens, lid_kind, _capacity(position))
+        last_cached = cast(dict[str, Tensors], cached[-1])  # every block is in the RAM tier
+        return len(nodes), *join_on_device(pieces, last_cached, nodes[-1].n_tokens, lid_kind, _capacity(position))
     segments: dict[bytes, OpenSegment | None] = {}
     runs: list[_Run] = []
     unfit: dict[bytes, int] = {}  # segment -> first block whose fields do not fit
@@ -142,15 +143,16 @@ def read_path(
                 unfit[node.segment] = _first_unfit(seg, expect) if seg is not None else 0
             seg = segments[node.segment]
             i = seg.block_index(node) if seg is not None else None
-            if i is None or i >= unfit[node.segment]:
+            if seg is None or i is None or i >= unfit[node.segment]:
                 return _intact_before(len(where), *again), {}, {}
             where.append((seg, i))
         runs, disagree = _plan(nodes, cached, where)
         if disagree is not None:  # a block's tensors do not continue the one before
             return _intact_before(disagree, *again), {}, {}
         last = len(nodes) - 1
-        snaps_wanted = [] if where[last] is None else where[last][0].snaps_of(where[last][1])
-        specs = []
+        at_last = where[last]
+        snaps_wanted = [] if at_last is None else at_last[0].snaps_of(at_last[1])
+        specs: list[tuple[str, tuple[int, ...], str]] = []
         for k, r in enumerate(runs):
             b, h, w = r.dims
             rows = r.end - r.start
@@ -174,13 +176,13 @@ def read_path(
         if bad is not None:
             return _intact_before(bad, *again), {}, {}
         snaps: dict[str, Tensors] = {}
-        if where[last] is None:
-            for lid, part in cached[last].items():
+        if at_last is None:
+            for lid, part in cast(dict[str, Tensors], cached[last]).items():  # a RAM-tier block
                 snaps[lid] = {
                     f: as_mx(x) for f, x in part.items() if not is_sliced(f"{lid}.{f}", x.shape, nodes[last].n_tokens)
                 }
         else:
-            seg = where[last][0]
+            seg = at_last[0]
             for k, s in enumerate(snaps_wanted):
                 if seg.read_snap(s, memoryview(arrays[f"s{k}"]).cast("B")) is None:
                     return last, {}, {}
@@ -196,7 +198,7 @@ def read_path(
             target.place(rest)
         by_leaf: dict[str, dict[str, list]] = {}
         for r in runs:
-            r.view = None  # release every view of the buffers before MLX owns them again
+            r.view = memoryview(b"")  # release every view of the buffers before MLX owns them again
             lid, _, fld = r.name.rpartition(".")
             array = target.wrap(r.array, r.dtype)
             by_leaf.setdefault(lid, {}).setdefault(fld, []).append((r.start, r.end, array))
@@ -257,8 +259,8 @@ def _plan(nodes, cached, where) -> tuple[list[_Run], int | None]:
         return True
 
     known: dict[tuple, tuple] = {}  # (leaf, field, shape, dtype) -> (name, dims, dtype name)
-    for k, lo, hi in _groups(where):
-        if lo is None:  # a RAM-tier block
+    for k, span in _groups(where):
+        if span is None:  # a RAM-tier block
             node = nodes[k]
             n = node.n_tokens
             for lid, part in cached[k].items():
@@ -276,7 +278,7 @@ def _plan(nodes, cached, where) -> tuple[list[_Run], int | None]:
                         if not extend(k, spec[0], node.position, node.end, spec[1], spec[2]):
                             return [], k
             continue
-        seg = where[k][0]
+        seg, (lo, hi) = where[k][0], span
         for f in seg.fields.values():
             first = max(lo, f.first)
             if first < hi:
@@ -286,20 +288,21 @@ def _plan(nodes, cached, where) -> tuple[list[_Run], int | None]:
     return [r for chain in chains.values() for r in chain], None
 
 
-def _groups(where) -> list[tuple[int, int | None, int | None]]:
-    """The path as (index of its first node, first block, one past the last block) per
-    run of nodes from one segment, and (index, None, None) per RAM-tier node."""
-    out, k = [], 0
+def _groups(where) -> list[tuple[int, tuple[int, int] | None]]:
+    """The path as (index of its first node, (first block, one past the last block)) per
+    run of nodes from one segment, and (index, None) per RAM-tier node."""
+    out: list[tuple[int, tuple[int, int] | None]] = []
+    k = 0
     while k < len(where):
         if where[k] is None:
-            out.append((k, None, None))
+            out.append((k, None))
             k += 1
             continue
         seg, lo = where[k]
         j = k
         while j + 1 < len(where) and where[j + 1] is not None and where[j + 1][0] is seg:
             j += 1
-        out.append((k, lo, where[j][1] + 1))
+        out.append((k, (lo, where[j][1] + 1)))
         k = j + 1
     return out
 
@@ -318,11 +321,11 @@ def _read_segments(nodes, where, runs, target: Target) -> dict[bytes, dict[str, 
         For each segment read whole, the digests of its fields (computed by the thread
         that read the field, while its bytes are fresh); None on a short read.
     """
-    jobs = []
-    for k, lo, hi in _groups(where):
-        if lo is None:
+    jobs: list[list[Any]] = []
+    for k, span in _groups(where):
+        if span is None:
             continue
-        seg = where[k][0]
+        seg, (lo, hi) = where[k][0], span
         whole = lo == 0 and hi == len(seg.blocks)
         for f in seg.fields.values():
             first = max(lo, f.first)
@@ -352,7 +355,7 @@ def _read_segments(nodes, where, runs, target: Target) -> dict[bytes, dict[str, 
         if staging:
             for r in {id(job[4]): job[4] for job in jobs}.values():
                 r.moving = target.start_moves([r.view])
-    done = target.share(lambda job: _read_job(*job, target), jobs)
+    done = target.share(lambda job: _read_job(job, target), jobs)
     if not all(ok for ok, _ in done):
         return None
     digests: dict[bytes, dict[str, int]] = {}
@@ -362,9 +365,10 @@ def _read_segments(nodes, where, runs, target: Target) -> dict[bytes, dict[str, 
     return digests
 
 
-def _read_job(
-    seg: OpenSegment, f, lo: int, hi: int, r: _Run, offset: int, whole: bool, move: bool, target: Target
-) -> tuple[bool, int | None]:
+def _read_job(job: list, target: Target) -> tuple[bool, int | None]:
+    seg: OpenSegment
+    r: _Run
+    seg, f, lo, hi, r, offset, whole, move = job  # see `_read_segments`
     stage = target.stager(r.view) if move and r.moving else None
     if whole:  # the whole field: hashed as it is read, while each piece is in cache
         digest = seg.read_field_hashed(f, r.view, offset, r.row_stride, stage)
@@ -377,14 +381,14 @@ def _read_job(
 def _read_whole(where, field_digests: dict[bytes, dict[str, int]], digests: dict[bytes, int]) -> set[int]:
     """Indexes of the nodes whose whole segment was read and matches the index's digest
     (one check per segment instead of one per block)."""
-    verified = set()
-    for k, lo, hi in _groups(where):
-        seg = where[k][0] if lo is not None else None
-        if seg is None or seg.segment not in field_digests or seg.segment not in digests:
+    verified: set[int] = set()
+    for k, span in _groups(where):
+        seg = where[k][0] if span is not None else None
+        if span is None or seg is None or seg.segment not in field_digests or seg.segment not in digests:
             continue
         got = field_digests[seg.segment]
         if len(got) == len(seg.fields) and seg.whole_digest(got) == digests[seg.segment]:
-            verified.update(range(k, k + hi - lo))
+            verified.update(range(k, k + span[1] - span[0]))
     return verified
 
 
@@ -396,12 +400,12 @@ def _first_bad(nodes, where, runs, verified: set[int], target: Target) -> int | 
     def check(k: int) -> bool:
         seg, i = where[k]
         node = nodes[k]
-        views = {}
+        views: dict[str, _Run] = {}
 
         def piece(f, row: int) -> memoryview:
             r = views.get(f.name)
-            if r is None:
-                r = views[f.name] = _run_of(runs, f.name, node.position, node.end)
+            if r is None:  # the plan put every block read in a run
+                r = views[f.name] = cast(_Run, _run_of(runs, f.name, node.position, node.end))
             n = node.n_tokens * f.row_bytes
             at = row * r.row_stride + (node.position - r.start) * f.row_bytes
             return r.view[at : at + n]
@@ -422,7 +426,7 @@ def array_bits(view: memoryview, x: mx.array) -> np.ndarray:
     if not view.c_contiguous:
         u = x.view(mx_uint(x.itemsize))
         mx.eval(u)
-        return np.asarray(memoryview(u))
+        return np.asarray(memoryview(u))  # type: ignore[arg-type]  # MLX stubs: no buffer protocol
     return np.frombuffer(view.cast("B"), dtype=np_uint(x.itemsize)).reshape(x.shape)
 
 

@@ -141,7 +141,7 @@ class SegmentFiles:
         # Created exclusively in tmp/ under a random name, with the store's file mode.
         tmp = TempFile(self.root, "tmp", segment.hex())
         try:
-            fd = tmp.fd
+            fd = tmp.fileno()
             # The data first (hashed as it goes, written from a second thread), then the
             # header that records its digests, at offset 0: until the fsync and the
             # rename below, the file is a temporary one no reader ever opens.

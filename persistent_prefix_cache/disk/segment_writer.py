@@ -139,14 +139,14 @@ class Sink:
         self.jobs: queue.SimpleQueue | None = None
         self.thread: threading.Thread | None = None
         if nbytes >= THREADED_BYTES:
-            self.jobs = queue.SimpleQueue()
-            thread = threading.Thread(target=self._run, name="ppc-segment-io", daemon=True)
+            jobs: queue.SimpleQueue = queue.SimpleQueue()
+            thread = threading.Thread(target=self._run, args=(jobs,), name="ppc-segment-io", daemon=True)
             try:
                 thread.start()
             except RuntimeError:  # no new thread at interpreter exit: write inline
-                self.jobs = None
+                pass
             else:
-                self.thread = thread
+                self.jobs, self.thread = jobs, thread
 
     def put(self, chunk: Any) -> None:
         """Queue one chunk of data (in file order)."""
@@ -171,9 +171,9 @@ class Sink:
         pwritev_all(self.fd, chunks, offset)
         start_writeback(self.fd, offset, nbytes)  # Linux only, for speed: the fsync is what counts
 
-    def _run(self) -> None:
+    def _run(self, jobs: queue.SimpleQueue) -> None:
         while True:
-            job = self.jobs.get()
+            job = jobs.get()
             if job is None:
                 return
             if self.error is None:
@@ -195,7 +195,7 @@ class Sink:
         try:
             self._hand_over()
         finally:
-            if self.thread is not None:
+            if self.thread is not None and self.jobs is not None:
                 self.jobs.put(None)
                 self.thread.join()
         if self.error is not None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import (
@@ -156,7 +156,7 @@ class ViewPath(list):
     slice, so that `covered` costs O(log n) however long the prompt (a 32k-token store
     checks every block boundary)."""
 
-    def __init__(self, views: Sequence[BlockView] = ()):
+    def __init__(self, views: Iterable[BlockView] = ()):
         super().__init__()
         self._missing = [0]  # _missing[i]: blocks without a slice among the first i
         for v in views:

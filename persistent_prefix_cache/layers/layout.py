@@ -6,8 +6,8 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import Mapping
-from typing import Any, Callable, Sequence
+from collections.abc import Mapping, Set
+from typing import Any, Callable, Sequence, cast
 
 import mlx.core as mx
 import numpy as np
@@ -29,7 +29,7 @@ log = logging.getLogger("persistent_prefix_cache")
 
 
 def cut_block(
-    cache: Sequence[Any], start: int, end: int, last: bool, *, skip: set[str] = frozenset()
+    cache: Sequence[Any], start: int, end: int, last: bool, *, skip: Set[str] = frozenset()
 ) -> dict[str, BlockView]:
     """What a block keeps of every leaf of `cache` for positions ``[start, end)``.
 
@@ -134,7 +134,7 @@ class Layout:
         noslice = [lid for lid, v in views.items() if not v.has_slice and self.kinds[lid] != STATE]
         snap = [lid for lid, v in views.items() if v.has_snapshot]
         extra = {k: v for k, v in (("noslice", noslice), ("snap", snap)) if v}
-        return {lid: v.tensors for lid, v in views.items()}, extra, views
+        return {lid: cast(Tensors, v.tensors) for lid, v in views.items()}, extra, views  # a cut holds tensors
 
     @staticmethod
     def view(node: Any, lid: str, tensors: Tensors | None = None) -> BlockView:
@@ -147,7 +147,7 @@ class Layout:
             lid in node.extra.get("snap", ()),
         )
 
-    def flags(self, views: dict[str, Sequence[BlockView]], start: int, end: int) -> int:
+    def flags(self, views: Mapping[str, Sequence[BlockView]], start: int, end: int) -> int:
         """RESUMABLE if every leaf can be rebuilt at `end` from the path's views;
         TRIMMABLE if also at every position inside the block."""
         flags = 0
@@ -196,7 +196,7 @@ class Layout:
         block_size: int,
         direct: bool = False,
         host: Callable[[np.ndarray], np.ndarray] | None = None,
-    ) -> list[tuple[Node, dict[str, Tensors], dict, dict]]:
+    ) -> list[tuple[Node, dict[str, Tensors], Mapping, dict]]:
         """The blocks of `cache` after the stored `path`, with their index records.
 
         Args:
@@ -245,7 +245,10 @@ class Layout:
         mx.eval(uints)
         whole = WholeBits(
             {
-                lid: {f: (np.asarray(memoryview(u)), dtype_info(written[lid][f].dtype)[0]) for f, u in fields.items()}
+                lid: {
+                    f: (np.asarray(memoryview(u)), dtype_info(written[lid][f].dtype)[0])  # type: ignore[arg-type]  # MLX stubs: no buffer protocol
+                    for f, u in fields.items()
+                }
                 for lid, fields in uints.items()
             },
             host,
@@ -261,7 +264,9 @@ class Layout:
             a.kind == SEQ and views[lid].complete for lid, _, a in self.leaves
         )  # fmt: skip
         origin = {lid: (fields, offset) for lid, fields in ranges.items()}
-        new, flags = [], None
+        new: list[tuple[Node, dict[str, Tensors], Mapping, dict]] = []
+        flags = None
+        extra: dict[str, list[str]]  # the node's record (leaves without a slice, with a snapshot)
         # Each block's pieces by leaf, then field (one dict per leaf and block, built in C:
         # a comprehension per block was a tenth of a 16k-token store's time on a CPU).
         per_block: list[dict] = [{} for _ in range(len(keys) - len(path))]
@@ -306,7 +311,7 @@ class Layout:
         return new
 
     @staticmethod
-    def evaluate(new: list[tuple[Node, dict[str, Tensors], dict, dict]]) -> None:
+    def evaluate(new: list[tuple[Node, dict[str, Tensors], Mapping, dict]]) -> None:
         """Evaluate what the RAM tier keeps of blocks from `new_blocks` (with ``direct``,
         this makes their copy): the copy each field's blocks are views of, once (not
         thousands of views), and the tensors of blocks without one."""
