@@ -1,6 +1,6 @@
 """Opening a store for a handle: its options checked, where a store may be, its files
 and index, its budgets, the handle's parts built once (`open_parts`: each given what it
-needs), taking back a store that a failed open made for nothing, and closing the handles
+needs, held in a `parts.Parts`), taking back a store that a failed open made for nothing, and closing the handles
 still open at exit."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from .blocks import DEFAULT_BLOCK_SIZE
 from .cost_model import CostModel
@@ -28,16 +28,13 @@ from .lookup import Trie
 from .miss_reasons import MissReasons
 from .model_record import ModelRecord
 from .options import Options, existing_but_not_writable
+from .parts import Parts
 from .paths import expand_path
 from .storing import Storer
 from .tiers import REMOTE_COUNTERS, REMOTE_QUEUE_BYTES
 from .tiers.memory import MemoryTier
 from .warm import Warmer
 from .writeback import WriteBack
-
-if TYPE_CHECKING:  # the remote's client is imported only where a remote is configured
-    from .remote_fill import RemoteFill
-    from .tiers.remote import RemoteTier
 
 
 # The handles open in this process (`store.PersistentPrefixCache` adds and discards itself).
@@ -181,40 +178,6 @@ def give_back(path: str, opened: OpenedDirectory) -> None:
     opened.index.close()
     if opened.made_folder is not None:
         undo_creation(path, made_folder=opened.made_folder, parents=opened.parents)
-
-
-@dataclass
-class Parts:
-    """What a handle is made of, built once at its open (`open_parts`).
-
-    Attributes:
-        path: The store directory (absolute); `readonly`, `block_size`: as opened.
-        layout: The model's cache layout; `model` its record (fingerprint, root key).
-        index, files: The store's index and segment files.
-        memory: The RAM tier.
-        counters: The handle's counters.
-        writeback: The writer thread (None: read-only).
-        remote: The remote tier, `remote_fill` its part in a fetch (None: none configured).
-        warmer: Background fills of the RAM tier.
-        costs: The cost model; `fetcher` and `storer` the handle's fetches and stores.
-    """
-
-    path: str
-    readonly: bool
-    block_size: int
-    layout: Layout
-    model: ModelRecord
-    index: Index
-    files: SegmentFiles
-    memory: MemoryTier
-    counters: Counters
-    writeback: WriteBack | None
-    remote: RemoteTier | None
-    remote_fill: RemoteFill | None
-    warmer: Warmer
-    costs: CostModel
-    fetcher: Fetcher
-    storer: Storer
 
 
 def open_parts(

@@ -12,8 +12,56 @@ from .paths import expand_path
 
 @dataclass(frozen=True, kw_only=True)
 class Options:
-    """The keyword options of a `PersistentPrefixCache`, every one as given (its
-    docstring says what each is); `checked` expands and checks them."""
+    """The keyword options of a `PersistentPrefixCache`, every one as given, each
+    documented here once (``help(PersistentPrefixCache)`` shows this text for its
+    ``__init__``; docs/library.md has a table of them); `checked` expands and checks them.
+
+    Attributes:
+        fingerprint: Use this string as the model fingerprint instead of hashing the
+            weights. Two models given the same string share blocks: only pass one you
+            derive from the weights yourself.
+        model_path: The folder `model` was loaded from; the fingerprint is then
+            remembered in the store under the files' (path, size, mtime, inode),
+            with a sample of the weights that every later open checks against the
+            model loaded (`fingerprint.cached_fingerprint`). ``~`` and ``$VARS`` are
+            expanded (`paths.expand_path`).
+        model_name: The model's name in the store's record (``ppc inspect`` and
+            ``ppc stats`` show it): a folder or hub id. Default: `model_path`.
+        namespace: Keeps tenants apart: different namespaces never share a block.
+        block_size: Tokens per block for a new store (64 if None); an existing store
+            keeps its own, and a different explicit value is an error.
+        memory_bytes: Budget of the RAM tier (0 disables it). ``"auto"`` (the
+            default): 1/8 of the device's memory beside the model's weights, at least
+            512 MiB (`opening.memory_budget`).
+        disk_bytes: Budget of the blocks' bytes; least recently used leaves are
+            evicted past it. ``"auto"`` (the default): what the store holds plus half
+            the space free on its file system at open (`opening.disk_budget`). None
+            means unbounded.
+        readonly: Serve hits only; `store()` writes nothing (silently: it was asked
+            for). A store this process cannot write opens read-only with one warning.
+        kv_bits: Quantize KV like mlx-lm's ``kv_bits`` (the store then holds and
+            returns ``QuantizedKVCache`` layers).
+        kv_group_size: Group size for `kv_bits`.
+        sync_writes: Make `store()` return only once its blocks are on disk.
+        cost_model: Restore only the prefix that is faster to restore than to compute,
+            by the costs measured for this model on this device kind, kept in the
+            store (see `costs`); False restores whatever is stored.
+        remote: A Redis / Valkey URL (``redis://``, ``rediss://``, ``unix://``,
+            ``redis+cluster://h:p,h:p``): the fleet's shared block tier, read after
+            the local store and published to in the background (see `tiers.remote`).
+        remote_secret: MAC every published value with this secret and accept only
+            values carrying a valid MAC (each secret's blocks have keys of their own).
+        remote_ttl: Seconds a published block lives on the server (None: until the
+            server evicts it).
+        remote_timeout: Seconds one round trip to the server may take; a server that
+            does not answer costs a fetch at most about this, then is skipped for a
+            back-off.
+        remote_insecure: Share blocks without a secret (then required: it trusts
+            whoever can write to the server).
+        shared: Make a new store for a group: its folder 2770 (setgid) and its files
+            0660, instead of private (0700 / 0600). An existing store keeps the mode
+            of its folder (see `disk.store_dir`); others never get a bit.
+    """
 
     fingerprint: str | None
     model_path: str | os.PathLike | None

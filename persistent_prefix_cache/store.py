@@ -1,11 +1,9 @@
 """`PersistentPrefixCache`: the store facade (`fetch`, `store`, `flush`, `close`, `stats`).
 
-Its open checks the options and builds the handle's parts once, each given what it
-needs (`opening.open_parts`); then it delegates: a `fetch()` to `fetching.Fetcher` (the
-lookup, the remote's part, the cost cut, the restore, damage, timing), a `store()` to
-`storing.Storer` (the new blocks cut out of the cache, handed to the writer thread),
-what restoring and computing cost to its public cost model (`costs`:
-`cost_model.CostModel`), what its model is to `model_record.ModelRecord`.
+Its open checks the options and builds the handle's parts once (`opening.open_parts`,
+held in a `parts.Parts`); then it delegates: a `fetch()` to `fetching.Fetcher`, a
+`store()` to `storing.Storer`, what restoring and computing cost to its public cost
+model (`costs`: `cost_model.CostModel`), flush, stats and close to its `Parts`.
 """
 
 from __future__ import annotations
@@ -35,48 +33,11 @@ class PersistentPrefixCache:
         path: The store directory (created if missing, unless `readonly`); ``~`` and
             ``$VARS`` are expanded (`paths.expand_path`), as in `model_path`.
         model: The loaded mlx-lm model (used for its cache layout and fingerprint).
-        fingerprint: Use this string as the model fingerprint instead of hashing the
-            weights. Two models given the same string share blocks: only pass one you
-            derive from the weights yourself.
-        model_path: The folder `model` was loaded from; the fingerprint is then
-            remembered in the store under the files' (path, size, mtime, inode),
-            with a sample of the weights that every later open checks against the
-            model loaded (`fingerprint.cached_fingerprint`).
-        model_name: The model's name in the store's record (``ppc inspect`` and
-            ``ppc stats`` show it): a folder or hub id. Default: `model_path`.
-        namespace: Keeps tenants apart: different namespaces never share a block.
-        block_size: Tokens per block for a new store (64 if None); an existing store
-            keeps its own, and a different explicit value is an error.
-        memory_bytes: Budget of the RAM tier (0 disables it). ``"auto"`` (the
-            default): 1/8 of the device's memory beside the model's weights, at least
-            512 MiB (`opening.memory_budget`).
-        disk_bytes: Budget of the blocks' bytes; least recently used leaves are
-            evicted past it. ``"auto"`` (the default): what the store holds plus half
-            the space free on its file system at open (`opening.disk_budget`). None
-            means unbounded.
-        readonly: Serve hits only; `store()` writes nothing (silently: it was asked
-            for). A store this process cannot write opens read-only with one warning.
-        kv_bits: Quantize KV like mlx-lm's ``kv_bits`` (the store then holds and
-            returns ``QuantizedKVCache`` layers).
-        kv_group_size: Group size for `kv_bits`.
-        sync_writes: Make `store()` return only once its blocks are on disk.
-        cost_model: Restore only the prefix that is faster to restore than to compute,
-            by the costs measured for this model on this device kind, kept in the
-            store (see `costs`); False restores whatever is stored.
-        remote: A Redis / Valkey URL (``redis://``, ``rediss://``, ``unix://``,
-            ``redis+cluster://h:p,h:p``): the fleet's shared block tier, read after
-            the local store and published to in the background (see `tiers.remote`).
-        remote_secret: MAC every published value with this secret and accept only
-            values carrying a valid MAC (each secret's blocks have keys of their own).
-        remote_insecure: Share blocks without a secret (then required: it trusts whoever can write to the server).
-        remote_ttl: Seconds a published block lives on the server (None: until the
-            server evicts it).
-        remote_timeout: Seconds one round trip to the server may take; a server that
-            does not answer costs a fetch at most about this, then is skipped for a
-            back-off.
-        shared: Make a new store for a group: its folder 2770 (setgid) and its files
-            0660, instead of private (0700 / 0600). An existing store keeps the mode
-            of its folder (see `disk.store_dir`); others never get a bit.
+
+    The keyword options (fingerprint, model_path, model_name, namespace, block_size,
+    memory_bytes, disk_bytes, readonly, kv_bits, kv_group_size, sync_writes, cost_model,
+    remote, remote_secret, remote_insecure, remote_ttl, remote_timeout, shared) are each
+    documented once, in `options.Options`: ``help()`` shows it for ``__init__``.
 
     After `close()` every method but `close` raises `StoreClosedError`; what the handle
     was opened with (`path`, ..., `this_model()`) and `closed` still answer.
@@ -97,29 +58,14 @@ class PersistentPrefixCache:
     """
 
     def __init__(
-        self,
-        path: str | os.PathLike,
-        model: Any,
-        *,
-        fingerprint: str | None = None,
-        model_path: str | os.PathLike | None = None,
-        model_name: str | None = None,
-        namespace: str = "",
-        block_size: int | None = None,
-        memory_bytes: int | str = "auto",
-        disk_bytes: int | str | None = "auto",
-        readonly: bool = False,
-        kv_bits: int | None = None,
-        kv_group_size: int = 64,
-        sync_writes: bool = False,
-        cost_model: bool = True,
-        remote: str | None = None,
-        remote_secret: str | bytes | None = None,
-        remote_ttl: float | None = None,
-        remote_timeout: float = REMOTE_TIMEOUT,
-        remote_insecure: bool = False,
+        self, path: str | os.PathLike, model: Any, *, fingerprint: str | None = None,
+        model_path: str | os.PathLike | None = None, model_name: str | None = None, namespace: str = "",
+        block_size: int | None = None, memory_bytes: int | str = "auto", disk_bytes: int | str | None = "auto",
+        readonly: bool = False, kv_bits: int | None = None, kv_group_size: int = 64, sync_writes: bool = False,
+        cost_model: bool = True, remote: str | None = None, remote_secret: str | bytes | None = None,
+        remote_ttl: float | None = None, remote_timeout: float = REMOTE_TIMEOUT, remote_insecure: bool = False,
         shared: bool = False,
-    ):
+    ):  # fmt: skip
         self._pid, self._closed = os.getpid(), False
         options = Options(
             fingerprint=fingerprint, model_path=model_path, model_name=model_name, namespace=namespace,
@@ -128,13 +74,10 @@ class PersistentPrefixCache:
             remote=remote, remote_secret=remote_secret, remote_ttl=remote_ttl, remote_timeout=remote_timeout,
             remote_insecure=remote_insecure, shared=shared,
         )  # fmt: skip
-        parts = open_parts(path, model, options, check_open=self._check_open, peek=self.peek)
-        self._path, self._readonly, self._block_size = parts.path, parts.readonly, parts.block_size
-        self._layout, self._model, self._index, self._files = parts.layout, parts.model, parts.index, parts.files
-        self._memory, self._counters, self._writeback = parts.memory, parts.counters, parts.writeback
-        self._remote, self._remote_fill = parts.remote, parts.remote_fill
-        self._warmer, self._costs, self._fetcher, self._storer = parts.warmer, parts.costs, parts.fetcher, parts.storer
+        self._parts = open_parts(path, model, options, check_open=self._check_open, peek=self.peek)
         OPEN_HANDLES.add(self)
+
+    __init__.__doc__ = Options.__doc__  # every keyword option, documented once
 
     # -- reading ------------------------------------------------------------------------
 
@@ -158,53 +101,37 @@ class PersistentPrefixCache:
             InvalidArgumentError: If `tokens` is not a 1-D sequence of ints.
         """
         self._check_open()
-        return self._fetcher.fetch(tokens, longer_than=longer_than)
+        return self._parts.fetcher.fetch(tokens, longer_than=longer_than)
 
     @property
     def last_fetch(self) -> FetchReport | None:
-        """What this thread's last `fetch` on this handle did, and why it stopped there.
-
-        A `FetchReport` (``tokens``, ``restored``, ``found``, ``reason``, ``tier``):
-        ``reason`` is None when the fetch restored all but the last token, else one of
-        ``counters.MISS_REASONS`` (docs/library.md says what each means; `stats()`
-        counts them as ``miss_<reason>`` and ``short_<reason>``). Per thread, so that a
-        server's threads each read their own; None before this thread's first fetch.
+        """What this thread's last `fetch` on this handle did, and why it stopped there
+        (a `FetchReport`; docs/library.md says what each reason means). Per thread, so
+        that a server's threads each read their own; None before this thread's first fetch.
 
         Raises:
             StoreClosedError: If the store is closed.
         """
         self._check_open()
-        return self._fetcher.last()
+        return self._parts.fetcher.last()
 
     def peek(self, tokens: Any) -> int:
-        """How many tokens `fetch` would restore, from the index alone (nothing is loaded).
-
-        A segment file found damaged by the fetch itself can make the fetch restore fewer.
-
-        Args:
-            tokens: The prompt.
-
-        Returns:
-            The number of leading tokens of `tokens` a fetch would restore now.
-        """
+        """How many leading tokens of `tokens` a `fetch` would restore now, from the index
+        alone (nothing is loaded; a segment the fetch finds damaged can make it fewer)."""
         self._check_open()
-        return self._fetcher.peek(tokens)
+        return self._parts.fetcher.peek(tokens)
 
     def make_cache(self) -> list:
         """A fresh, empty cache of this store's layout (what `fetch` returns on a hit)."""
         self._check_open()
-        return self._layout.make_cache()
+        return self._parts.layout.make_cache()
 
     def stored_models(self) -> list[dict]:
-        """Every model (with namespace and layout) that has blocks in this store.
-
-        Returns:
-            ``{"root", "fingerprint", "namespace", "layout", "name"}`` per model
-            (``root`` in hex; ``name`` the folder or hub id, None if unknown); unreadable
-            records are left out.
-        """
+        """Every model that has blocks in this store, as ``{"root", "fingerprint",
+        "namespace", "layout", "name"}`` (``root`` in hex; ``name`` the folder or hub id,
+        None if unknown); unreadable records are left out."""
         self._check_open()
-        with self._index.reader() as reader:
+        with self._parts.index.reader() as reader:
             return reader.filled_models()
 
     def forget_fingerprints(self, model_path: str | os.PathLike | None = None) -> int:
@@ -221,7 +148,7 @@ class PersistentPrefixCache:
             ReadOnlyStoreError: If the store was opened read-only.
         """
         self._check_open()
-        return forget_fingerprints(self._index, model_path)
+        return forget_fingerprints(self._parts.index, model_path)
 
     # -- writing ------------------------------------------------------------------------
 
@@ -248,60 +175,45 @@ class PersistentPrefixCache:
             UnsupportedCacheError: If a layer's class cannot be stored.
         """
         self._check_open()
-        return self._storer.store(tokens, cache)
+        return self._parts.storer.store(tokens, cache)
 
     def flush(self) -> None:
         """Wait until every pending write and access update is committed, every
         block stored so far is published to the remote (or has failed, counted), and a
         background fill of the RAM tier is done."""
         self._check_open()
-        self._costs.save()
-        self._warmer.wait()
-        if self._writeback is not None:
-            self._writeback.flush()
-        if self._remote is not None:
-            self._remote.flush()
+        self._parts.flush()
 
     def sweep_orphans(self, *, grace: float) -> int:
-        """Remove segment files no index record names, older than `grace` seconds.
-
-        Returns:
-            How many files were removed.
-        """
+        """Remove segment files no index record names, older than `grace` seconds; returns how many."""
         self._check_open()
         if not isinstance(grace, (int, float)) or grace < 0:
             raise InvalidArgumentError(f"grace must be a number of seconds >= 0, got {grace!r}")
-        return sweep_orphans(self._index, self._files, grace=grace)
+        return sweep_orphans(self._parts.index, self._parts.files, grace=grace)
 
     def hold_writer(self, release: threading.Event) -> threading.Event:
-        """Hold the writer thread at the start of its next job until `release` is set: the
-        stores queued meanwhile wait behind it (`WriteBack.hold`). For tests and tools that
-        need a busy writer; set `release` before `flush` or `close`, which wait for it.
-
-        Returns:
-            An event set once the writer stands at the hold.
+        """For tests and tools: hold the writer thread at its next job until `release` is
+        set, the stores queued meanwhile behind it (`WriteBack.hold`); returns an event set
+        once the writer stands there. Set `release` before `flush` or `close` (they wait).
 
         Raises:
             ReadOnlyStoreError: If the handle is read-only (it has no writer).
         """
         self._check_open()
-        if self._writeback is None:
-            raise ReadOnlyStoreError(f"store {self._path} is open read-only: it has no writer to hold")
-        return self._writeback.hold(release)
+        if self._parts.writeback is None:
+            raise ReadOnlyStoreError(f"store {self._parts.path} is open read-only: it has no writer to hold")
+        return self._parts.writeback.hold(release)
 
     # -- the handle -----------------------------------------------------------------
 
     def limit_memory(self, max_bytes: int | None = None) -> tuple[int, int]:
         """Set the RAM tier's budget (None: keep it), evicting least recently used blocks down
-        to it now (they stay on disk); `compat.lru_prompt_cache` keeps itself and the tier in one.
-
-        Returns:
-            ``(bytes held, budget)`` of the RAM tier.
-        """
+        to it now (they stay on disk); returns the tier's ``(bytes held, budget)``.
+        `compat.lru_prompt_cache` keeps itself and the tier in one."""
         self._check_open()
         if max_bytes is not None:
-            self._memory.resize(max_bytes)
-        return self._memory.nbytes, self._memory.max_bytes
+            self._parts.memory.resize(max_bytes)
+        return self._parts.memory.nbytes, self._parts.memory.max_bytes
 
     @property
     def closed(self) -> bool:
@@ -317,53 +229,28 @@ class PersistentPrefixCache:
             # belong to the parent, and the child has already dropped the latter.
             self._closed = True
             return
-        self._costs.save()
-        self._warmer.stop()
-        finished = self._writeback.stop() if self._writeback is not None else True
-        if self._remote is not None:
-            self._remote.close()
-        self._closed = True
-        self._memory.clear()
-        if finished:  # else the writer thread may still wait on the index's lock
-            self._index.close()
+        finished = self._parts.stop()
+        self._closed = True  # refused from here on, while the RAM tier and the index go
+        self._parts.release(close_index=finished)  # else the writer may still wait on the index's lock
         OPEN_HANDLES.discard(self)
 
     def stats(self) -> dict[str, Any]:
-        """Counters of this handle plus the store's totals.
+        """Counters of this handle plus the store's totals (docs/library.md lists them).
 
         Returns:
-            This handle's counters (`counters.HANDLE_COUNTERS` says what each counts:
-            queries, hits, misses, the cost model's decisions, corrupt, blocks written,
-            ...), pending_writes and disk_budget (the blocks' byte budget it evicts to:
-            `disk_bytes` resolved, None if unbounded), budget_evictions (the blocks its
-            writer evicted under that budget: `evictions` also counts partial leaves a
-            longer block superseded); the costs measured for this model
-            on this device kind, None until measured (`Costs.figures`); the RAM tier's
-            (`MemoryTier.stats`); the remote's (`tiers.REMOTE_COUNTERS`; remote: its URL,
-            password hidden, or None; remote_pending; remote_key_id: the secret's key id,
-            None without one); the store's, over every process: blocks, block_bytes
-            (what ``disk_bytes`` bounds), bytes_on_disk (the segment files: headers and
-            space not yet reclaimed included), and since it was made, as far as
-            committed: store_hits, store_misses, store_tokens_saved, store_corrupt.
+            This handle's counters (`counters.HANDLE_COUNTERS`), pending_writes,
+            disk_budget (`disk_bytes` resolved, None if unbounded) and budget_evictions;
+            the costs measured for this model on this device kind (`Costs.figures`); the
+            RAM tier's (`MemoryTier.stats`); the remote's (`tiers.REMOTE_COUNTERS`,
+            remote: its URL, password hidden, remote_pending, remote_key_id); the store's
+            over every process (blocks, block_bytes, bytes_on_disk, store_hits,
+            store_misses, store_tokens_saved, store_corrupt). See `parts.Parts.stats`.
 
         Raises:
             StoreClosedError: If the store is closed (InvalidArgumentError: opened before a fork).
         """
         self._check_open()
-        out: dict[str, Any] = self._counters.snapshot()
-        out["pending_writes"] = self._writeback.pending if self._writeback is not None else 0
-        out["disk_budget"] = self._writeback.disk_bytes if self._writeback is not None else None
-        out["budget_evictions"] = self._index.evicted_blocks  # `evictions` less superseded partial leaves
-        with self._index.reader() as reader:
-            out["block_bytes"], out["blocks"] = reader.totals()
-            out["bytes_on_disk"] = reader.file_bytes()
-            out.update({f"store_{k}": v for k, v in reader.counters().items()})
-        out.update(self._memory.stats())
-        out.update(self._costs.learned.figures())
-        out["remote"] = self._remote.url if self._remote is not None else None  # its password hidden
-        out["remote_pending"] = self._remote.pending if self._remote is not None else 0
-        out["remote_key_id"] = self._remote.kid if self._remote is not None else None  # whose key space
-        return out
+        return self._parts.stats()
 
     def __enter__(self) -> "PersistentPrefixCache":
         self._check_open()
@@ -377,58 +264,53 @@ class PersistentPrefixCache:
     @property
     def path(self) -> str:
         """The store directory (an absolute path)."""
-        return self._path
+        return self._parts.path
 
     @property
     def readonly(self) -> bool:
         """Whether `store()` writes nothing (asked for, or a store this process cannot write)."""
-        return self._readonly
+        return self._parts.readonly
 
     @property
     def block_size(self) -> int:
         """Tokens per block: the store's own."""
-        return self._block_size
+        return self._parts.block_size
 
     @property
     def fingerprint(self) -> str:
         """The model fingerprint this handle's blocks are keyed under."""
-        return self._model.fingerprint
+        return self._parts.model.fingerprint
 
     @property
     def model_name(self) -> str | None:
         """The model's name in the store's record (a folder or hub id; None: unknown)."""
-        return self._model.name
+        return self._parts.model.name
 
     @property
     def namespace(self) -> str:
         """The namespace that keeps this handle's blocks apart from other tenants'."""
-        return self._model.namespace
+        return self._parts.model.namespace
 
     def this_model(self) -> dict:
-        """This handle's model as `stored_models` lists one (stored here or not yet).
-
-        Returns:
-            ``{"root", "fingerprint", "namespace", "layout", "name"}``.
-        """
-        return self._model.this_model()
+        """This handle's model as `stored_models` lists one (stored here or not yet)."""
+        return self._parts.model.this_model()
 
     @property
     def costs(self) -> CostModel:
         """The cost model (`cost_model.CostModel`): what restoring and computing cost
         here (its `learned` costs), what teaches it, and what a fetch restores."""
-        return self._costs
+        return self._parts.costs
 
     @property
     def remote_fill(self) -> RemoteFill | None:
         """The remote tier's part in this handle (`remote_fill.RemoteFill`; None without
-        ``remote=``): its tier, and the checks and writes a remote block goes through
-        (``ppc pull`` fills a store through it).
+        ``remote=``): its tier, the checks and writes a remote block goes through.
 
         Raises:
             StoreClosedError: If the store is closed.
         """
         self._check_open()
-        return self._remote_fill
+        return self._parts.remote_fill
 
     @property
     def ram_tier(self) -> MemoryView:
@@ -439,29 +321,29 @@ class PersistentPrefixCache:
             StoreClosedError: If the store is closed.
         """
         self._check_open()
-        return MemoryView(self._memory)
+        return MemoryView(self._parts.memory)
 
     def observe_prefill(
         self, tokens: int, seconds: float, *, start: int = 0, restored: bool = False, forwards: int = 1
     ) -> None:
         """Tell the cost model how long a prefill took: see `CostModel.observe_prefill`."""
-        self._costs.observe_prefill(tokens, seconds, start=start, restored=restored, forwards=forwards)
+        self._parts.costs.observe_prefill(tokens, seconds, start=start, restored=restored, forwards=forwards)
 
     def calibrate(
         self, model: Any, *, tokens: int = 512, only_if_unknown: bool = False, prompt: Any = None
     ) -> float | None:
         """Measure how fast `model` prefills on this machine: see `CostModel.calibrate`."""
-        return self._costs.calibrate(model, tokens=tokens, only_if_unknown=only_if_unknown, prompt=prompt)
+        return self._parts.costs.calibrate(model, tokens=tokens, only_if_unknown=only_if_unknown, prompt=prompt)
 
     def resumable_step(self) -> int | None:
         """Tokens per forward for a prefill that stores after each: see `CostModel.resumable_step`."""
-        return self._costs.resumable_step()
+        return self._parts.costs.resumable_step()
 
     def _check_open(self) -> None:
         if self._closed:
-            raise StoreClosedError(f"store {self._path} is closed")
+            raise StoreClosedError(f"store {self._parts.path} is closed")
         if os.getpid() != self._pid:
             raise InvalidArgumentError(
-                f"store {self._path} was opened in process {self._pid}, before a fork",
+                f"store {self._parts.path} was opened in process {self._pid}, before a fork",
                 hint="open the store again in this process",
             )

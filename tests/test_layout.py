@@ -39,6 +39,7 @@ WINGS = [
             "counters",
             "tier_report",
             "opening",
+            "parts",
             "lookup",
             "restore",
             "writeback",
@@ -318,11 +319,11 @@ def _store_private_attributes() -> set[str]:
 
 
 def test_compat_and_cli_reach_no_collaborator_of_the_store():
-    # The facade's collaborators (`_index`, `_memory`, `_costs`, ...) are private: the
+    # The facade's collaborators (its `_parts`: index, RAM tier, writer, ...) are private: the
     # compat layers and ppc go through its public methods (the rule above checks compat
     # for every private name; ppc legitimately touches argparse's).
     private = _store_private_attributes()
-    assert {"_index", "_files", "_memory", "_writeback", "_costs", "_remote"} <= private
+    assert "_parts" in private
     found = []
     for name, (_, tree) in MODULES.items():
         if name.split(".")[0] not in ("compat", "cli", "prefix_cache", "paged_cache", "lru_prompt_cache", "__main__"):
@@ -343,7 +344,7 @@ STORE_PARTS = ("costs", "remote_fill", "ram_tier")  # the facade's public parts
 
 def _reach_ins(trees: dict[str, ast.Module]) -> list[str]:
     """Where code outside the package reaches a collaborator of the facade: a private
-    attribute it sets on itself (``store._memory``), or a private attribute of one of its
+    attribute it sets on itself (``store._parts``), or a private attribute of one of its
     public parts (``store.remote_fill.remote._value_bytes``)."""
     private = _store_private_attributes()
     found = []
@@ -381,13 +382,13 @@ def test_tests_reach_no_more_collaborators_of_the_store_than_they_do():
 def test_the_reach_in_rule_finds_a_collaborator():
     code = (
         "def test(store, b):\n"
-        "    store._memory._entries.clear()\n"
+        "    store._parts.memory._entries.clear()\n"
         "    b.remote_fill.remote._value_bytes = 1\n"
         "    store.costs._learned\n"
         "    self._index, store.ram_tier.items(), store.__class__\n"
     )
     assert _reach_ins({"fake.py": ast.parse(code)}) == [
-        "fake.py:2 reaches store._memory",
+        "fake.py:2 reaches store._parts",
         "fake.py:3 reaches b.remote_fill.remote._value_bytes",
         "fake.py:4 reaches store.costs._learned",
     ]
