@@ -56,6 +56,9 @@ class RebuildReport:
         converted: Intact segment files of format v4 rewritten as v5.
         blocks: Blocks in the new index.
         dropped: Intact blocks left out because a block before them is missing.
+        emptied: Intact segment files removed because the new index keeps none of their
+            blocks (every one of them was dropped or superseded): orphans otherwise, which
+            a later ``ppc check`` would report once they are older than its grace.
         models: Models in the new index.
         block_size: The block size stamped in the new index.
         aside: Where the damaged index (and unusable segments) went.
@@ -67,6 +70,7 @@ class RebuildReport:
     converted: int = 0
     blocks: int = 0
     dropped: int = 0
+    emptied: int = 0
     models: int = 0
     block_size: int = 0
     aside: str | None = None
@@ -80,6 +84,7 @@ class RebuildReport:
             "converted": self.converted,
             "blocks": self.blocks,
             "dropped": self.dropped,
+            "emptied": self.emptied,
             "models": self.models,
             "block_size": self.block_size,
             "aside": self.aside,
@@ -255,6 +260,7 @@ def rebuild_index(store: str, *, block_size: int | None = None) -> RebuildReport
             _remove_tree(store, name)  # what an earlier run (or somebody) left there
         files = SegmentFiles(store)
         manifests, unusable, converted = [], [], []
+        listed: dict[bytes, str] = {}  # segment id -> its file
         for rel in files.listed():  # regular files only, in folders that are not links
             path = os.path.join(store, rel)
             report.segments += 1
@@ -268,6 +274,7 @@ def rebuild_index(store: str, *, block_size: int | None = None) -> RebuildReport
                 report.unusable.append((rel, why))
             else:
                 manifests.append((m, os.lstat(path).st_mtime_ns))
+                listed[m.segment] = rel
         for rel in unusable:  # kept for a closer look, out of the sweeps' way (before the swap)
             aside.move(rel)
         kept, report.dropped = _chained(manifests)
@@ -309,4 +316,12 @@ def rebuild_index(store: str, *, block_size: int | None = None) -> RebuildReport
         for rel in converted:  # their blocks live in the v5 copies the new index names
             remove_entry(store, rel, regular_only=True)
         report.converted = len(converted)
+        # Files the new index names no block of: their blocks are unreachable (a block
+        # before them is lost) or superseded. The lock is still held, so none of them can
+        # be a write in flight: removed now, not left to a later sweep's grace.
+        used = {n.segment for n in kept.values()}
+        emptied = [rel for seg, rel in listed.items() if seg not in used and rel not in converted]
+        for rel in emptied:
+            remove_entry(store, rel, regular_only=True)
+        report.emptied = len(emptied)
     return report
