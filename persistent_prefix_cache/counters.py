@@ -52,7 +52,23 @@ HANDLE_COUNTERS = (
     # `merging`), and the bytes it wrote doing so.
     "segments_merged", "bytes_rewritten",
     "group_commits", "group_commit_writes",  # index transactions of its block writes, and the writes they held
+    # New blocks (and their tokens) the admission rule left unwritten (``store(..., admit=)``:
+    # a block deferred twice counts twice).
+    "blocks_not_admitted", "tokens_not_admitted",
 )  # fmt: skip
+
+
+def write_amplification(stats: dict) -> float | None:
+    """Disk bytes a handle wrote (new blocks' segments and merges) per block byte its
+    restores took (from the RAM tier and segment files), from its `stats()`; None
+    until a restore.
+
+    Args:
+        stats: A handle's counters (``bytes_written``, ``bytes_rewritten``,
+            ``bytes_restored_ram``, ``bytes_restored_disk``).
+    """
+    restored = stats["bytes_restored_ram"] + stats["bytes_restored_disk"]
+    return (stats["bytes_written"] + stats["bytes_rewritten"]) / restored if restored else None
 
 
 class Counters:

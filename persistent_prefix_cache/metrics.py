@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from .counters import MISS_REASONS
+from .counters import MISS_REASONS, write_amplification
 
 # The HTTP Content-Type of `exposition`'s text.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -102,9 +102,13 @@ def handle_metrics(families: Families, stats: dict[str, Any], *, model: str, nam
     for tier, value in written.items():
         c("ppc_written_bytes", "Bytes written: segment files of new blocks and of merges (disk), values published "
           "(remote)", {**at, "tier": tier}, value)  # fmt: skip
-    restored = stats["bytes_restored_ram"] + stats["bytes_restored_disk"]
+    amplification = write_amplification(stats)
     g("ppc_write_amplification", "Disk bytes written per block byte restored (NaN until a restore)", at,
-      written_disk / restored if restored else math.nan)  # fmt: skip
+      math.nan if amplification is None else amplification)  # fmt: skip
+    c("ppc_not_admitted_blocks", "New blocks the admission rule left unwritten (a block deferred twice counts "
+      "twice)", at, stats["blocks_not_admitted"])  # fmt: skip
+    c("ppc_not_admitted_tokens", "Tokens of the blocks the admission rule left unwritten", at,
+      stats["tokens_not_admitted"])  # fmt: skip
     for tier, key in (("disk", "budget_evictions"), ("ram", "memory_evictions")):
         c("ppc_evictions", "Blocks evicted: from the store under its disk budget by this handle's writer (disk), "
           "from the RAM tier under its budget (ram: the blocks stay on disk)", {**at, "tier": tier},

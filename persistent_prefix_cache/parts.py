@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .cost_model import CostModel
-from .counters import Counters
+from .counters import Counters, write_amplification
 from .disk.index import Index
 from .disk.segment import SegmentFiles
 from .fetching import Fetcher
@@ -108,4 +108,5 @@ class Parts:
         out["remote"] = self.remote.url if self.remote is not None else None  # its password hidden
         out["remote_pending"] = self.remote.pending if self.remote is not None else 0
         out["remote_key_id"] = self.remote.kid if self.remote is not None else None  # whose key space
+        out["write_amplification"] = write_amplification(out)  # docs/wear.md
         return out

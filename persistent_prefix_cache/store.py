@@ -152,7 +152,7 @@ class PersistentPrefixCache:
 
     # -- writing ------------------------------------------------------------------------
 
-    def store(self, tokens: Any, cache: Sequence[Any]) -> int:
+    def store(self, tokens: Any, cache: Sequence[Any], *, admit: str = "always") -> int:
         """Store the KV of `tokens`; blocks already stored are not written again.
 
         The caller's cache is not modified. Unless the store was opened with
@@ -164,18 +164,24 @@ class PersistentPrefixCache:
             cache: mlx-lm cache objects covering ``len(tokens)`` positions (or more,
                 where every layer is sliced along the sequence: ``KVCache``,
                 ``QuantizedKVCache``), with the layout the store was opened with.
+            admit: Which new blocks are written (`admission`; docs/wear.md):
+                ``"always"`` every one; ``"seen"`` only those a store of this handle saw
+                before (a repeated prompt, a shared prefix); ``"reuse"`` those, and the
+                whole of a prompt that continues where an earlier ``"reuse"`` store ended
+                (a chat's next turn). `stats()` counts the blocks left out
+                (``blocks_not_admitted``).
 
         Returns:
-            The number of new blocks.
+            The number of new blocks written.
 
         Raises:
             InvalidArgumentError: If the cache covers fewer than ``len(tokens)`` positions
-                (or more, with a layer that is not sliced).
+                (or more, with a layer that is not sliced), or `admit` names no rule.
             LayoutMismatchError: If the cache's classes differ from the store's layout.
             UnsupportedCacheError: If a layer's class cannot be stored.
         """
         self._check_open()
-        return self._parts.storer.store(tokens, cache)
+        return self._parts.storer.store(tokens, cache, admit=admit)
 
     def flush(self) -> None:
         """Wait until every pending write and access update is committed, every
@@ -244,7 +250,9 @@ class PersistentPrefixCache:
             RAM tier's (`MemoryTier.stats`); the remote's (`tiers.REMOTE_COUNTERS`,
             remote: its URL, password hidden, remote_pending, remote_key_id); the store's
             over every process (blocks, block_bytes, bytes_on_disk, store_hits,
-            store_misses, store_tokens_saved, store_corrupt). See `parts.Parts.stats`.
+            store_misses, store_tokens_saved, store_corrupt); write_amplification (this
+            handle's disk bytes written per block byte restored, None until a restore).
+            See `parts.Parts.stats`.
 
         Raises:
             StoreClosedError: If the store is closed (InvalidArgumentError: opened before a fork).

@@ -2,7 +2,9 @@
 
 1. The checks: the tokens, the cache's layout against the store's, the positions it covers.
 2. The chain of block keys (`keys.chain_keys`) and the first block not yet stored
-   (`lookup.Trie.stored_prefix`); the blocks already stored are touched (recency).
+   (`lookup.Trie.stored_prefix`); the blocks already stored are touched (recency). The
+   admission rule (`admission.Admission`, ``store(..., admit=)``) says how many of the
+   new blocks are written; those it leaves out are only counted.
 3. The new blocks cut out of the cache (`layers.Layout.new_blocks`, evaluated on the
    caller's thread, as MLX wants), put in the RAM tier where they fit.
 4. The write: handed to the writer thread (`writeback.WriteBack.write`: every block
@@ -18,6 +20,7 @@ import functools
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from .admission import Admission, check_rule
 from .counters import Counters
 from .device.target import Target
 from .errors import InvalidArgumentError, LayoutMismatchError, StoreCorruptError
@@ -68,15 +71,17 @@ class Storer:
         self._root, self._block_size, self._target = root, block_size, target
         self._writeback, self._remote, self._sync_writes = writeback, remote, sync_writes
         self._index_damaged = index_damaged
+        self._admission = Admission(root, block_size)
         host = target.host_bits
         self._host_bits = functools.partial(host, pause=pause) if host is not None and pause is not None else host
 
-    def store(self, tokens: Any, cache: Sequence[Any]) -> int:
+    def store(self, tokens: Any, cache: Sequence[Any], *, admit: str = "always") -> int:
         """`PersistentPrefixCache.store` past the handle's check.
 
         Returns:
             The number of new blocks.
         """
+        check_rule(admit)
         toks = as_token_array(tokens)
         layout = self._layout
         if layout.unsupported is not None:
@@ -106,6 +111,12 @@ class Storer:
             log.warning("block key collision; not storing the rest of this prompt")
             return 0
         self._writeback.note(touch=keys[: len(path)])
+        upto = self._admission.admitted(keys, len(toks), len(path), admit, whole_only=not all_sliced(cache))
+        if upto < len(keys):  # a sliced cache cuts its blocks from the first `upto` alone
+            self._counters.add(blocks_not_admitted=len(keys) - upto, tokens_not_admitted=len(toks) - upto * self._block_size)
+            if upto == len(path):
+                return 0
+            keys, data = keys[:upto], data[: 4 * upto * self._block_size]
         return self._write(cache, keys, data, path)
 
     def _write(self, cache: Sequence[Any], keys: list[bytes], data: bytes, path: list) -> int:

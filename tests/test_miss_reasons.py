@@ -112,7 +112,7 @@ def test_the_eviction_memory_is_bounded_and_forgets_the_oldest_generation(monkey
     memory.evicted(keys[8:12])  # a third: the first is gone
     assert not any(memory.was_evicted(k) for k in keys[:4])
     assert all(memory.was_evicted(k) for k in keys[4:12])
-    assert len(memory._current) == removed.EVICTED_BITS // 8 == 128 * 1024
+    assert memory.evicted_keys.nbytes == 2 * removed.EVICTED_BITS // 8 == 256 * 1024
 
 
 def test_damaged_in_this_fetch_and_then_dropped(store_dir, model, separate_segments):

@@ -50,6 +50,7 @@ from typing import Any, Callable, Hashable, Sequence, Union
 
 from mlx_lm.models.cache import LRUPromptCache
 
+from ..admission import check_rule
 from ..errors import InvalidArgumentError
 from ..keys import TOKEN_MAX, TOKEN_MIN
 from ..layers import cache_length, can_trim, offset_trimmable, trim
@@ -86,9 +87,17 @@ class PersistentLRUPromptCache(LRUPromptCache):
             but the last token when the cache can be trimmed. mlx-lm 0.32's server
             cannot continue from an empty ``rest`` on its batched path (its generation
             thread dies with "Sequence has an empty prompt"); ``ppc serve`` sets this.
+        admit: The admission rule of the writes through (`PersistentPrefixCache.store`,
+            docs/wear.md): ``"always"`` (the default) writes every insert's new blocks;
+            ``"reuse"`` writes a request's blocks once they are seen again or continued
+            (a chat's next turn) and leaves a one-off prompt's in memory only, the
+            server's checkpoints inside a request (a ``"system"`` or ``"user"``
+            segment) then written under ``"seen"``; ``"seen"`` writes only what was
+            seen before.
 
     Raises:
-        InvalidArgumentError: If `store` is neither a store nor callable.
+        InvalidArgumentError: If `store` is neither a store nor callable, or `admit`
+            names no rule.
     """
 
     def __init__(
@@ -98,9 +107,11 @@ class PersistentLRUPromptCache(LRUPromptCache):
         max_bytes: int = _NO_LIMIT,
         *,
         keep_last_token: bool = False,
+        admit: str = "always",
     ):
         super().__init__(max_size=max_size, max_bytes=max_bytes)
         self.keep_last_token = keep_last_token
+        self.admit = check_rule(admit)
         if isinstance(store, PersistentPrefixCache):
             self._shared_store, self._open_store = store, None
         elif callable(store):
@@ -242,13 +253,17 @@ class PersistentLRUPromptCache(LRUPromptCache):
         if store is not None:
             self._use(store)
         self._fit()  # the tier's room back after a trim_to, before it takes this cache
-        if not self._written(model, store, tokens, prompt_cache) or self._kept(store, tokens, prompt_cache):
+        # A segment's insert is a checkpoint inside a request: continuing it is no next turn.
+        admit = "seen" if self.admit == "reuse" and cache_type in ("system", "user") else self.admit
+        if not self._written(model, store, tokens, prompt_cache, admit) or self._kept(store, tokens, prompt_cache):
             super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
         self._fit()
         self._note_memory()
 
-    def _written(self, model: Hashable, store: PersistentPrefixCache | None, tokens: list[int], cache: list) -> bool:
-        """Write `cache` through to `store`; whether it was taken."""
+    def _written(
+        self, model: Hashable, store: PersistentPrefixCache | None, tokens: list[int], cache: list, admit: str
+    ) -> bool:
+        """Write `cache` through to `store` under the rule `admit`; whether it was taken."""
         if store is None:
             if len(tokens):  # no store for this model (store_for gave None, or its open failed)
                 with self._lock:
@@ -276,7 +291,7 @@ class PersistentLRUPromptCache(LRUPromptCache):
         except Exception as exc:  # a cache the adapters cannot measure: memory only
             self._skip(model, type(exc), f"not persisted ({exc}); kept in memory only")
             return False
-        if not self._link(model, store).write(tokens, cache):
+        if not self._link(model, store).write(tokens, cache, admit=admit):
             with self._lock:
                 self._counters["store_skipped"] += 1
             return False

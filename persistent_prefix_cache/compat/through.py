@@ -145,13 +145,14 @@ class StoreLink:
         self._last_read = (time.perf_counter(), tokens, held, cache is not None)
         return cache, rest
 
-    def write(self, tokens: Any, cache: Sequence[Any]) -> bool:
-        """Store `cache` for `tokens`; False (after one warning per cause) if it failed."""
+    def write(self, tokens: Any, cache: Sequence[Any], *, admit: str = "always") -> bool:
+        """Store `cache` for `tokens` under the admission rule `admit` (see
+        `PersistentPrefixCache.store`); False (after one warning per cause) if it failed."""
         if self.store is None or self.store.readonly:  # read-only: nothing written, nothing to warn
             return False
         try:  # a closed store raises in either: a warning like any failure
             self._observe(tokens)
-            self.store.store(tokens, cache)
+            self.store.store(tokens, cache, admit=admit)
         except self._errors as exc:
             self._warn(("write", type(exc)), f"cache kept in memory only, not written to the store: {exc}")
             return False

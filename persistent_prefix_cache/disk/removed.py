@@ -5,12 +5,11 @@ there can say why (`miss_reasons`): evicted under the disk budget, or dropped as
 store in this process shares it, so an eviction made by one handle's writer is seen by
 another handle's fetches), and it lives as long as an `Index` holds it.
 
-- **Evicted keys** go into two generations of a Bloom filter, `EVICTED_BITS` bits each
-  (128 KiB), with `HASHES` bit positions per key taken straight from the key's bytes (a
-  block key is an xxh3-128 digest: its bits are uniform already). A generation takes
-  `GENERATION` keys, then the older one is dropped: the last 65,536 to 131,072 evicted
-  keys are remembered, 256 KiB in all, and a key never evicted is taken for an evicted
-  one with a chance of at most ~0.24 % per generation (~0.5 % for both, once full).
+- **Evicted keys** go into a `key_filter.KeyFilter` (two generations of a Bloom filter),
+  `EVICTED_BITS` bits each (128 KiB). A generation takes `GENERATION` keys, then the
+  older one is dropped: the last 65,536 to 131,072 evicted keys are remembered, 256 KiB
+  in all, and a key never evicted is taken for an evicted one with a chance of at most
+  ~0.24 % per generation (~0.5 % for both, once full).
 - **Dropped keys** (a block found damaged, dropped with what follows it) are rare: the
   last `DROPPED` of them are kept exactly.
 
@@ -26,12 +25,11 @@ import weakref
 from collections import OrderedDict
 from typing import Iterable
 
+from ..key_filter import KeyFilter
+
 EVICTED_BITS = 1 << 20  # bits per generation of the filter: 128 KiB
-HASHES = 4  # bit positions per key
 GENERATION = 1 << 16  # keys per generation
 DROPPED = 4096  # damaged keys remembered exactly
-
-_MASK = EVICTED_BITS - 1
 
 
 class Removed:
@@ -39,21 +37,12 @@ class Removed:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._current = bytearray(EVICTED_BITS // 8)
-        self._previous: bytearray | None = None
-        self._count = 0
+        self.evicted_keys = KeyFilter(bits=EVICTED_BITS, generation=GENERATION)
         self._dropped: OrderedDict[bytes, None] = OrderedDict()
 
     def evicted(self, keys: Iterable[bytes]) -> None:
         """Remember keys removed by an eviction (a committed one)."""
-        with self._lock:
-            for key in keys:
-                if self._count == GENERATION:
-                    self._previous, self._current, self._count = self._current, bytearray(EVICTED_BITS // 8), 0
-                bits = self._current
-                for i in _positions(key):
-                    bits[i >> 3] |= 1 << (i & 7)
-                self._count += 1
+        self.evicted_keys.add(keys)
 
     def dropped(self, key: bytes) -> None:
         """Remember a key dropped because its block was found damaged."""
@@ -65,23 +54,12 @@ class Removed:
 
     def was_evicted(self, key: bytes) -> bool:
         """Whether `key` was evicted lately (a Bloom filter: rarely a false yes)."""
-        positions = _positions(key)
-        with self._lock:
-            return any(
-                bits is not None and all(bits[i >> 3] >> (i & 7) & 1 for i in positions)
-                for bits in (self._current, self._previous)
-            )
+        return self.evicted_keys.holds(key)
 
     def was_dropped(self, key: bytes) -> bool:
         """Whether `key` was dropped as damaged lately."""
         with self._lock:
             return key in self._dropped
-
-
-def _positions(key: bytes) -> list[int]:
-    """The key's bit positions: `HASHES` slices of its digest's bits."""
-    value = int.from_bytes(key[:16], "little")
-    return [(value >> (32 * j)) & _MASK for j in range(HASHES)]
 
 
 _BY_STORE: weakref.WeakValueDictionary[str, Removed] = weakref.WeakValueDictionary()
