@@ -9,9 +9,10 @@ trace). The rules, by the `store()` argument ``admit``:
   stores a prompt asked for it; ``ppc precompute`` and `prefill` store what they compute).
 - ``"seen"``: a block is written at its second sighting only: the blocks of a prompt
   (a prefix of it) seen before by a store of this handle, in a window of `SEEN_KEYS`
-  to twice as many block keys. What a repeated prompt and a prefix shared by
-  several prompts (a system prompt) need; a one-off prompt's blocks are only
-  remembered (their keys), never written.
+  to twice as many block keys, and the block that prefix ends in (where a repeated
+  prompt's tail lies, before another reply). What a repeated prompt and a prefix
+  shared by several prompts (a system prompt) need; a one-off prompt's blocks are
+  only remembered (their keys), never written.
 - ``"reuse"``: ``"seen"``, and a prompt that continues where an earlier ``"reuse"`` store
   ended (a chat's next turn, an agent's next step: that store's tokens and more) is
   written whole at first sight: such a prompt's blocks are read back by its next turn,
@@ -93,7 +94,10 @@ class Admission:
         known = stored
         while known < len(keys) and self.seen.holds(keys[known]):
             known += 1
-        upto = known
+        # A prefix seen before is written with the block it ends in: a prompt seen again with
+        # another reply (or a system prompt with another question) ends inside that block,
+        # which a fetch of it then restores (a stored block whose tokens start with its tail).
+        upto = known + 1 if stored < known < len(keys) else known
         if rule == "reuse":
             if known < len(keys) and self._continues(keys, stored, known):
                 upto = len(keys)

@@ -70,9 +70,10 @@ def test_a_shared_prefix_is_written_when_a_second_prompt_shares_it(store_dir, mo
     first, second, third = (system + random_tokens(2 * BLOCK + 4, seed=s) for s in (1, 2, 3))
     with open_store(store_dir, model) as store:
         assert put(store, model, first, "reuse") == 0
-        assert put(store, model, second, "reuse") == 3  # the system prompt's blocks: its second sighting
-        assert store.peek(third) == 3 * BLOCK and store.peek(second) == 3 * BLOCK  # the rest of each: not
-        assert store.stats()["blocks_not_admitted"] == 6 + 3  # all of the first, the tail of the second
+        # The system prompt's blocks (its second sighting) and the block it ends in.
+        assert put(store, model, second, "reuse") == 3 + 1
+        assert store.peek(third) == 3 * BLOCK and store.peek(second) == 4 * BLOCK  # the rest of each: not
+        assert store.stats()["blocks_not_admitted"] == 6 + 2  # all of the first, the tail of the second
         # "seen" writes the same here: it differs only for a continuation.
         assert put(store, model, third, "seen") == 0
 
@@ -83,14 +84,15 @@ def test_seen_writes_no_continuation_and_a_checkpoint_makes_none(store_dir, mode
     chat = random_tokens(2 * BLOCK + 3, seed=2)
     with open_store(store_dir, model) as store:
         put(store, model, chat, "seen")
-        assert put(store, model, chat + random_tokens(BLOCK, seed=3), "seen") == 2  # the seen part only
+        # The seen part and the block it ends in, no more.
+        assert put(store, model, chat + random_tokens(BLOCK, seed=3), "seen") == 2 + 1
         # A server's checkpoint at the end of the system prompt ("seen"), then the
         # request's end ("reuse"): the system prompt's full blocks are seen twice (written),
         # but the request is no continuation of its own checkpoint: the rest waits.
         assert put(store, model, system, "seen") == 0
-        assert put(store, model, request, "reuse") == 2
-        # Its next turn is one: all of it (its 5 full blocks and a partial one, less the 2 stored).
-        assert put(store, model, request + random_tokens(BLOCK, seed=4), "reuse") == 4
+        assert put(store, model, request, "reuse") == 2 + 1
+        # Its next turn is one: all of it (its 5 full blocks and a partial one, less the 3 stored).
+        assert put(store, model, request + random_tokens(BLOCK, seed=4), "reuse") == 3
 
 
 def test_a_layout_that_is_not_sliced_is_written_whole_or_not_at_all(store_dir):
