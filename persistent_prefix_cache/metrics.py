@@ -163,6 +163,11 @@ def summary_metrics(summary: dict[str, Any]) -> Families:
               "namespace": m.get("namespace") or ""}  # fmt: skip
         families.gauge("ppc_store_model_blocks", "Blocks the store holds for a model and namespace", at, m["blocks"])
         families.gauge("ppc_store_model_bytes", "Bytes of those blocks", at, m["bytes"])
+        families.gauge("ppc_store_model_restored_bytes", "Bytes fetches restored from those blocks, over every "
+                       "process, as far as committed (blocks evicted since: not counted)", at,
+                       m["bytes_restored"])  # fmt: skip
+        families.gauge("ppc_store_model_never_restored_bytes", "Bytes of those blocks that no fetch restored yet "
+                       "(written, never read back)", at, m["never_restored_bytes"])  # fmt: skip
     return families
 
 

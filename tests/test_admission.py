@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 from helpers import BLOCK, prefill, random_tokens, run_python_json, segment_files
@@ -194,3 +197,30 @@ def test_a_prompt_seen_twice_before_a_restart_hits_after_it(tiny_model_dir, mode
         assert cache is not None and len(rest) == 1 and store.last_fetch.tier == "disk"
         cache, rest = store.fetch(once)
         assert cache is None and store.last_fetch.reason == "never_stored"
+
+
+def test_ppc_stats_says_what_the_blocks_held_were_read_back_for(store_dir, model):
+    read, unread = random_tokens(4 * BLOCK, seed=1), random_tokens(3 * BLOCK, seed=2)
+    with open_store(store_dir, model, model_name="tiny") as store:
+        put(store, model, read, "always")
+        put(store, model, unread, "always")
+        store.fetch(read)  # all but the last token: its 4 blocks restored, twice
+        store.fetch(read)
+        block = store.stats()["block_bytes"] // 7  # 7 full blocks of one size
+    run = subprocess.run([sys.executable, "-m", "persistent_prefix_cache", "stats", "--store", str(store_dir),
+                          "--json"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    summary = json.loads(run.stdout)
+    assert summary["bytes_restored"] == 2 * 4 * block and summary["block_bytes"] == 7 * block
+    assert (summary["never_restored_blocks"], summary["never_restored_bytes"]) == (3, 3 * block)
+    run = subprocess.run([sys.executable, "-m", "persistent_prefix_cache", "stats", "--store", str(store_dir)],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert re.search(rf"bytes restored \(blocks held\) +{8 * block:,}\n", run.stdout), run.stdout
+    assert re.search(r"restored per byte held +1.14\n", run.stdout), run.stdout  # 8 blocks read of 7 held
+    assert re.search(rf"blocks never restored +3 \({3 * block:,} bytes\)\n", run.stdout), run.stdout
+    run = subprocess.run([sys.executable, "-m", "persistent_prefix_cache", "stats", "--store", str(store_dir),
+                          "--prometheus"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    at = f'store="{store_dir}",model="tiny",namespace=""'
+    assert f"ppc_store_model_restored_bytes{{{at}}} {8 * block}\n" in run.stdout, run.stdout
+    assert f"ppc_store_model_never_restored_bytes{{{at}}} {3 * block}\n" in run.stdout, run.stdout

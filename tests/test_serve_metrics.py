@@ -33,7 +33,7 @@ HANDLE_FAMILIES = {
     "ppc_hits", "ppc_tokens_restored", "ppc_tokens_recomputed", "ppc_misses", "ppc_short_hits",
     "ppc_restore_decisions", "ppc_read_bytes", "ppc_written_bytes", "ppc_write_amplification", "ppc_evictions",
     "ppc_damaged_blocks", "ppc_write_errors", "ppc_ram_tier_bytes", "ppc_ram_tier_budget_bytes",
-    "ppc_pending_writes",
+    "ppc_pending_writes", "ppc_not_admitted_blocks", "ppc_not_admitted_tokens",
 }  # fmt: skip
 STORE_FAMILIES = {
     "ppc_store_blocks", "ppc_store_block_bytes", "ppc_store_file_bytes", "ppc_store_budget_bytes",
@@ -140,6 +140,8 @@ def test_metrics_count_what_the_requests_did(serve_model_dir, tmp_path):
     # Every byte of the segment files the store names was written by this server (and merges more).
     assert set(written) == {"disk"} and written["disk"] >= scrape.value("ppc_store_file_bytes") > 0
     assert scrape.value("ppc_write_amplification") == written["disk"] / read["ram"]
+    # ppc serve writes every insert (admit="always"): the admission rule left nothing out.
+    assert scrape.value("ppc_not_admitted_blocks_total") == scrape.value("ppc_not_admitted_tokens_total") == 0
     assert scrape.by("ppc_evictions", "tier") == {"disk": 0, "ram": 0}
     assert scrape.value("ppc_damaged_blocks") == scrape.value("ppc_write_errors") == 0
     # Memory: the RAM tier is all the server holds, within the budget it was given.

@@ -113,6 +113,7 @@ class StoreAdmin:
             prefixes: list[dict[str, Any]] = []
             for root, desc in self.models(reader).items():
                 nodes = list(self.walk(reader, root))
+                hits = [reader.hits(n.key) for n in nodes]
                 models.append(
                     {
                         "root": root.hex(),
@@ -123,7 +124,12 @@ class StoreAdmin:
                         "blocks": len(nodes),
                         "bytes": sum(n.size for n in nodes),
                         # Fetches that restored each block, summed (not queries: see counters).
-                        "block_hits": sum(reader.hits(n.key) for n in nodes),
+                        "block_hits": sum(hits),
+                        # SSD wear (docs/wear.md): the bytes those fetches restored, and the
+                        # blocks held that no fetch ever restored (written for nothing so far).
+                        "bytes_restored": sum(h * n.size for h, n in zip(hits, nodes)),
+                        "never_restored_blocks": hits.count(0),
+                        "never_restored_bytes": sum(n.size for h, n in zip(hits, nodes) if not h),
                         # When any of its blocks was last stored or restored (ns since the epoch).
                         "last_used": max((n.last_access for n in nodes), default=0),
                     }
@@ -153,6 +159,8 @@ class StoreAdmin:
             "block_bytes": size,
             **counters,
             "hit_rate": _rate(counters.get("hits", 0), counters.get("misses", 0)),  # all processes
+            **{key: sum(m[key] for m in models) for key in ("bytes_restored", "never_restored_blocks",
+                                                            "never_restored_bytes")},  # fmt: skip
             "models": models,
         }
         if longest:

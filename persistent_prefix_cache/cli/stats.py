@@ -37,6 +37,10 @@ def _render(s: dict) -> str:
         ("hit rate", "-" if s["hit_rate"] is None else f"{100 * s['hit_rate']:.1f} %"),
         ("tokens saved", s["tokens_saved"]),
         ("corrupt blocks met", s["corrupt"]),
+        # SSD wear: what the blocks held were read back for, and those never read back.
+        ("bytes restored (blocks held)", s["bytes_restored"]),
+        ("restored per byte held", "-" if not s["block_bytes"] else f"{s['bytes_restored'] / s['block_bytes']:.2f}"),
+        ("blocks never restored", f"{s['never_restored_blocks']:,} ({s['never_restored_bytes']:,} bytes)"),
     ]
     out = table(rows)
     if s.get("remote") is not None:
