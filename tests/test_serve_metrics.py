@@ -141,7 +141,7 @@ def test_metrics_count_what_the_requests_did(serve_model_dir, tmp_path):
     assert set(written) == {"disk"} and written["disk"] >= scrape.value("ppc_store_file_bytes") > 0
     assert scrape.value("ppc_write_amplification") == written["disk"] / read["ram"]
     # ppc serve writes every insert (admit="always"): the admission rule left nothing out.
-    assert scrape.value("ppc_not_admitted_blocks_total") == scrape.value("ppc_not_admitted_tokens_total") == 0
+    assert scrape.value("ppc_not_admitted_blocks") == scrape.value("ppc_not_admitted_tokens") == 0
     assert scrape.by("ppc_evictions", "tier") == {"disk": 0, "ram": 0}
     assert scrape.value("ppc_damaged_blocks") == scrape.value("ppc_write_errors") == 0
     # Memory: the RAM tier is all the server holds, within the budget it was given.

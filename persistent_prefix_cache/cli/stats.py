@@ -40,7 +40,8 @@ def _render(s: dict) -> str:
         # SSD wear: what the blocks held were read back for, and those never read back.
         ("bytes restored (blocks held)", s["bytes_restored"]),
         ("restored per byte held", "-" if not s["block_bytes"] else f"{s['bytes_restored'] / s['block_bytes']:.2f}"),
-        ("blocks never restored", f"{s['never_restored_blocks']:,} ({s['never_restored_bytes']:,} bytes)"),
+        ("blocks never restored", s["never_restored_blocks"]),
+        ("bytes never restored", s["never_restored_bytes"]),
     ]
     out = table(rows)
     if s.get("remote") is not None:
