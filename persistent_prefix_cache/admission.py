@@ -109,6 +109,11 @@ class Admission:
             self.seen.add(keys[upto:])
         return upto
 
+    def left_out(self, key: bytes) -> bool:
+        """Whether a store of this handle left the block `key` out (rarely a false yes; a
+        block stored since is found before this is asked)."""
+        return self.seen.holds(key)
+
     def _continues(self, keys: list[bytes], stored: int, known: int) -> bool:
         """Whether an earlier ``"reuse"`` store ended on the stored or seen part of the
         prompt, at or after its stored part: this prompt is that one's next turn."""

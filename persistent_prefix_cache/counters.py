@@ -16,6 +16,7 @@ import threading
 MISS_REASONS = (
     "never_stored",  # the next block was never stored here (as far as this process knows)
     "evicted",  # the next block was evicted under the disk budget (by this process, lately)
+    "not_admitted",  # the next block was seen by a store of this handle, which the admission rule left out
     "damaged",  # a block failed its checks (this fetch, or dropped for it lately)
     "other_model",  # nothing matched, but the first block is stored for another model or namespace
     "not_resumable",  # stored further, but a recurrent or windowed layer has no snapshot there

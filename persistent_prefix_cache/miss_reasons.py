@@ -28,6 +28,9 @@ remote_unreachable   the local store fell short and the remote tier was asked in
 evicted              the block where the lookup stopped was evicted under the disk
                      budget by this process lately (`disk.removed`: a Bloom filter of
                      the last 64-128 Ki evicted keys, 256 KiB a store)
+not_admitted         the block where the lookup stopped was left out by this handle's
+                     admission rule (``store(..., admit=)``: `admission.Admission`
+                     remembers the keys it left out, 1 MiB a handle)
 other_model          nothing matched, and the prompt's first full block is stored under
                      another model, namespace or cache layout of this store
 never_stored         none of the above: the prompt goes on where nothing was stored
@@ -47,6 +50,7 @@ another handle or process is never stored until it commits.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -91,11 +95,21 @@ class MissReasons:
         index: The store's index (its `removed` keys, and the other models' roots).
         root: The handle's model root key; `block_size` the store's.
         writeback: The handle's writer (None: read-only).
+        left_out: Whether the handle's admission rule left a block key out
+            (`admission.Admission.left_out`; None: never asked).
     """
 
-    def __init__(self, index: Index, root: bytes, block_size: int, writeback: WriteBack | None):
+    def __init__(
+        self,
+        index: Index,
+        root: bytes,
+        block_size: int,
+        writeback: WriteBack | None,
+        left_out: Callable[[bytes], bool] | None = None,
+    ):
         self._index, self._root, self._block_size = index, root, block_size
         self._in_flight = writeback.in_flight if writeback is not None else None
+        self._left_out = left_out
 
     def dropped(self, key: bytes) -> None:
         """Remember that the block `key` was dropped as damaged."""
@@ -122,6 +136,8 @@ class MissReasons:
             return _REMOTE_REASONS[remote]
         if key is not None and self._index.removed.was_evicted(key):
             return "evicted"
+        if key is not None and self._left_out is not None and self._left_out(key):
+            return "not_admitted"
         if walk.reached == 0 and self._elsewhere(toks):
             return "other_model"
         return "never_stored"

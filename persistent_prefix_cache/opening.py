@@ -12,6 +12,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .admission import Admission
 from .blocks import DEFAULT_BLOCK_SIZE
 from .cost_model import CostModel
 from .costs import Costs
@@ -237,15 +238,16 @@ def open_parts(
             warmer=warmer, counters=counters, writeback=writeback, check_open=check_open, peek=peek,
             make_cache=layout.make_cache, remote=remote is not None,
         )  # fmt: skip
+        admission = Admission(root, block_size)  # its rule in stores, its memory in the miss reasons
         fetcher = Fetcher(
             layout=layout, trie=trie, memory=memory, files=files, index=index, target=target, counters=counters,
             costs=costs, writeback=writeback, remote_fill=remote_fill,
-            reasons=MissReasons(index, root, block_size, writeback),
+            reasons=MissReasons(index, root, block_size, writeback, admission.left_out),
         )  # fmt: skip
         storer = Storer(
             layout=layout, trie=trie, memory=memory, counters=counters, root=root, block_size=block_size,
             target=target, writeback=writeback, remote=remote, sync_writes=o.sync_writes,
-            index_damaged=fetcher.index_damaged, pause=files.reads_first.wait,
+            index_damaged=fetcher.index_damaged, admission=admission, pause=files.reads_first.wait,
         )  # fmt: skip
     except BaseException:
         for thread in (warmer, writeback):  # their threads end before the index is given back

@@ -47,6 +47,8 @@ class Storer:
         remote: The remote tier, published to after each commit (None: no remote).
         sync_writes: `store` returns once its blocks are committed.
         index_damaged: Counts a read that met a damaged index page (and says it once).
+        admission: The handle's admission rule (`store(..., admit=)`; the fetches' miss
+            reasons ask it too).
         pause: Where the writer gives way to restores (`SegmentFiles.reads_first`'s
             `wait`): also between the pieces of a GPU's copy of new KV to the host.
     """
@@ -65,13 +67,14 @@ class Storer:
         remote: RemoteTier | None,
         sync_writes: bool,
         index_damaged: Callable[[StoreCorruptError], None],
+        admission: Admission,
         pause: Callable[[], None] | None = None,
     ):
         self._layout, self._trie, self._memory, self._counters = layout, trie, memory, counters
         self._root, self._block_size, self._target = root, block_size, target
         self._writeback, self._remote, self._sync_writes = writeback, remote, sync_writes
         self._index_damaged = index_damaged
-        self._admission = Admission(root, block_size)
+        self._admission = admission
         host = target.host_bits
         self._host_bits = functools.partial(host, pause=pause) if host is not None and pause is not None else host
 
@@ -113,7 +116,9 @@ class Storer:
         self._writeback.note(touch=keys[: len(path)])
         upto = self._admission.admitted(keys, len(toks), len(path), admit, whole_only=not all_sliced(cache))
         if upto < len(keys):  # a sliced cache cuts its blocks from the first `upto` alone
-            self._counters.add(blocks_not_admitted=len(keys) - upto, tokens_not_admitted=len(toks) - upto * self._block_size)
+            self._counters.add(
+                blocks_not_admitted=len(keys) - upto, tokens_not_admitted=len(toks) - upto * self._block_size
+            )
             if upto == len(path):
                 return 0
             keys, data = keys[:upto], data[: 4 * upto * self._block_size]

@@ -39,6 +39,12 @@ def test_a_one_off_prompt_is_written_at_its_second_sighting(store_dir, model):
         assert (stats["blocks"], stats["blocks_written"], segment_files(store_dir)) == (0, 0, {})
         assert (stats["blocks_not_admitted"], stats["tokens_not_admitted"]) == (5, 4 * BLOCK + 5)
         assert store.peek(prompt) == 0
+        store.fetch(prompt)  # a miss that says why
+        assert store.last_fetch.reason == "not_admitted" and store.stats()["miss_not_admitted"] == 1
+        store.fetch(prompt[: 2 * BLOCK] + random_tokens(2 * BLOCK, seed=9))  # never seen past its first 2 blocks
+        assert store.last_fetch.reason == "not_admitted"  # (where the lookup stopped: its first block)
+        store.fetch(random_tokens(2 * BLOCK, seed=8))
+        assert store.last_fetch.reason == "never_stored"
         assert put(store, model, prompt, "reuse") == 5  # seen before: all of it
         stats = store.stats()
         assert (stats["blocks"], stats["blocks_written"], stats["blocks_not_admitted"]) == (5, 5, 5)

@@ -27,7 +27,21 @@ NAME = "persistent_prefix_cache"
 
 # Wings from the bottom up: a module imports only from its own wing or those below.
 WINGS = [
-    ("base", ["errors", "keys", "fingerprint", "weights_hash", "paths", "files", "tiny_model", "blocks", "untrusted", "key_filter"]),
+    (
+        "base",
+        [
+            "errors",
+            "keys",
+            "fingerprint",
+            "weights_hash",
+            "paths",
+            "files",
+            "tiny_model",
+            "blocks",
+            "untrusted",
+            "key_filter",
+        ],
+    ),
     ("device", ["device"]),  # where restored bytes live: imports nothing of the package but `blocks`
     ("disk", ["disk", "migrations"]),  # the frozen formats use disk/portable's OS calls
     ("layers", ["layers"]),

@@ -233,7 +233,8 @@ def replay(trace: list[Request], mix: Mix, *, rule: str, model, folder: Path, me
         "bytes_restored_ram": c["bytes_restored_ram"],
         "write_amplification": round(written / restored, 3) if restored else None,
         "written_per_disk_byte_restored": round(written / c["bytes_restored_disk"], 3)
-        if c["bytes_restored_disk"] else None,  # fmt: skip
+        if c["bytes_restored_disk"]
+        else None,  # fmt: skip
         "tokens_from_store": totals.server["restored_tokens"],
         "tokens_from_memory": totals.server["memory_tokens"],
         "tokens_computed": totals.server["computed_tokens"],

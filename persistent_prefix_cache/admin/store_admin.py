@@ -36,6 +36,11 @@ WRITE_HINT = (
 )
 
 
+# What `summary` adds up over the models about SSD wear: the bytes fetches restored from
+# the blocks held, and the blocks (and bytes) held that no fetch restored.
+WEAR_KEYS = ("bytes_restored", "never_restored_blocks", "never_restored_bytes")
+
+
 class StoreAdmin:
     """A store directory opened for maintenance (no model needed).
 
@@ -109,7 +114,7 @@ class StoreAdmin:
         """Totals, counters, per-model figures and (optionally) the longest prefixes."""
         with self.index.reader() as reader:
             size, count = reader.totals()
-            models = []
+            models: list[dict[str, Any]] = []
             prefixes: list[dict[str, Any]] = []
             for root, desc in self.models(reader).items():
                 nodes = list(self.walk(reader, root))
@@ -159,8 +164,8 @@ class StoreAdmin:
             "block_bytes": size,
             **counters,
             "hit_rate": _rate(counters.get("hits", 0), counters.get("misses", 0)),  # all processes
-            **{key: sum(m[key] for m in models) for key in ("bytes_restored", "never_restored_blocks",
-                                                            "never_restored_bytes")},  # fmt: skip
+            # SSD wear over every model (docs/wear.md).
+            **{key: sum(int(m[key]) for m in models) for key in WEAR_KEYS},
             "models": models,
         }
         if longest:
