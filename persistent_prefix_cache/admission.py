@@ -89,7 +89,11 @@ class Admission:
             The number of leading blocks to store (between `stored` and ``len(keys)``);
             the keys of those left out are remembered as seen.
         """
-        if rule == "always" or stored >= len(keys):
+        if rule == "always":
+            return len(keys)
+        if stored >= len(keys):  # all stored: where this store ended is still worth knowing
+            if rule == "reuse":
+                self.seen.add([self._end(keys, n_tokens)])
             return len(keys)
         known = stored
         while known < len(keys) and self.seen.holds(keys[known]):
@@ -101,8 +105,7 @@ class Admission:
         if rule == "reuse":
             if known < len(keys) and self._continues(keys, stored, known):
                 upto = len(keys)
-            full = n_tokens // self.block_size  # where this store ends: after its last full block
-            self.seen.add([end_key(keys[full - 1] if full else self.root)])
+            self.seen.add([self._end(keys, n_tokens)])
         if whole_only and upto < len(keys):
             upto = stored
         if upto < len(keys):
@@ -113,6 +116,11 @@ class Admission:
         """Whether a store of this handle left the block `key` out (rarely a false yes; a
         block stored since is found before this is asked)."""
         return self.seen.holds(key)
+
+    def _end(self, keys: list[bytes], n_tokens: int) -> bytes:
+        """The tag of where a store of `n_tokens` ends: after its last full block."""
+        full = n_tokens // self.block_size
+        return end_key(keys[full - 1] if full else self.root)
 
     def _continues(self, keys: list[bytes], stored: int, known: int) -> bool:
         """Whether an earlier ``"reuse"`` store ended on the stored or seen part of the
