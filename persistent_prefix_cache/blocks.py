@@ -96,6 +96,18 @@ class Node:
         return self.position + self.n_tokens
 
     @property
+    def link(self) -> bytes | None:
+        """The tenant root a block that continues a shared prefix names (``extra["link"]``,
+        see `keys.TenantRoot`); None for every other block."""
+        link = self.extra.get("link") if self.extra else None
+        if not isinstance(link, str) or len(link) != 32:
+            return None
+        try:
+            return bytes.fromhex(link)
+        except ValueError:
+            return None
+
+    @property
     def resumable(self) -> bool:
         return bool(self.flags & RESUMABLE)
 

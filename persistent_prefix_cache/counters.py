@@ -45,6 +45,7 @@ HANDLE_COUNTERS = (
     # and the tokens the cuts left to compute.
     "restored_all", "restored_ram_only", "restored_shorter", "skipped_slower", "tokens_skipped",
     "corrupt", "evictions", "write_errors",  # damage met, blocks evicted, writes failed
+    "quota_evictions",  # blocks of its namespace evicted under the namespace's quota (namespace_bytes)
     "restored_blocks_disk",  # blocks restores read from segment files (the RAM tier's: its memory_hits_*)
     # Blocks this handle committed and the bytes of the segment files it wrote for them
     # (another process's are not counted).

@@ -3,6 +3,13 @@
 `root_key` binds the chain to one model fingerprint, namespace and cache layout;
 `block_key` extends it by one block. Because every key covers the whole history
 before it, a block is only ever reused at the same position after the same tokens.
+
+A tenant's root may declare shared prefixes (`TenantRoot`): a prompt's leading full
+blocks that equal a shared prefix's are keyed from the shared namespace's root (stored
+once, hit by every tenant), and the block after them continues from `link_key` of the
+last shared block and the tenant's root, so everything after a shared prefix stays the
+tenant's. Such a block's record names its tenant's root (``extra["link"]``), so its key
+can still be checked from the record alone (`key_follows`).
 """
 
 from __future__ import annotations
@@ -12,10 +19,12 @@ from typing import Any, Callable, Iterable, Sequence, TypeVar
 import numpy as np
 import xxhash
 
+from .blocks import Node
 from .errors import InvalidArgumentError
 
 T = TypeVar("T")
 FORMAT_TAG = b"persistent_prefix_cache/block-key/v1"
+LINK_TAG = b"persistent_prefix_cache/tenant-link/v1"
 KEY_BYTES = 16
 #: The range of token ids a store can key: ids are stored as int32. Negative ids are
 #: fine (mlx-lm's server marks image patches with negative ids), wider ones are not.
@@ -53,6 +62,74 @@ def block_key(parent: bytes, token_bytes: bytes) -> bytes:
         16 bytes.
     """
     return xxhash.xxh3_128_digest(parent + token_bytes)
+
+
+def link_key(shared: bytes, tenant_root: bytes) -> bytes:
+    """What a tenant's chain continues from after the last block of a shared prefix.
+
+    Args:
+        shared: The key of the shared prefix's last full block.
+        tenant_root: The tenant's root key (`root_key` of its namespace).
+
+    Returns:
+        16 bytes: the parent the next block's key is hashed from (`block_key`); its
+        record's parent stays `shared`.
+    """
+    return xxhash.xxh3_128_digest(_framed(LINK_TAG, bytes(shared), bytes(tenant_root)))
+
+
+def key_follows(node: Node) -> bool:
+    """Whether a record's key follows from its parent and tokens (through its tenant's
+    link, for a block that continues a shared prefix): what a check of a record from
+    outside the lookup (a repair, an import) asks."""
+    link = node.link
+    parent = link_key(node.parent, link) if link is not None else node.parent
+    return block_key(parent, node.tokens) == node.key
+
+
+class TenantRoot(bytes):
+    """A tenant's root key with the shared prefixes its prompts may start with.
+
+    It is the root key itself (compared, hashed and stored as those 16 bytes); what it
+    adds is where a prompt's chain starts (`start`): at the shared root when the prompt
+    begins with full blocks of a shared prefix, else here.
+
+    Args:
+        root: The tenant's root key.
+        shared_root: The root key of the shared prefixes' namespace.
+        prefixes: The shared prefixes, each as int32 little-endian bytes.
+    """
+
+    shared_root: bytes
+    prefixes: tuple[bytes, ...]
+
+    def __new__(cls, root: bytes, shared_root: bytes, prefixes: Sequence[bytes]) -> "TenantRoot":
+        self = super().__new__(cls, root)
+        self.shared_root, self.prefixes = bytes(shared_root), tuple(bytes(p) for p in prefixes)
+        return self
+
+    def shared_blocks(self, data: bytes, block_size: int) -> int:
+        """How many leading full blocks of a prompt (int32 bytes) equal a shared prefix's."""
+        step, best = 4 * block_size, 0
+        for prefix in self.prefixes:
+            n = min(len(prefix), len(data)) // step * step
+            if n > best * step:
+                shared = common_prefix(np.frombuffer(prefix[:n], "<i4"), np.frombuffer(data[:n], "<i4"))
+                best = max(best, shared // block_size)
+        return best
+
+    def start(self, data: bytes, block_size: int) -> tuple[bytes, int]:
+        """``(the key the prompt's chain starts from, its shared full blocks)``."""
+        shared = self.shared_blocks(data, block_size)
+        return (self.shared_root, shared) if shared else (bytes(self), 0)
+
+
+def chain_start(root: bytes, data: bytes, block_size: int) -> tuple[bytes, int]:
+    """Where a prompt's chain starts and how many of its full blocks are shared: a
+    `TenantRoot`'s `start`, else ``(root, 0)``."""
+    if isinstance(root, TenantRoot):
+        return root.start(data, block_size)
+    return root, 0
 
 
 def as_token_array(tokens: Any) -> np.ndarray:
@@ -102,7 +179,8 @@ def chain_keys(root: bytes, tokens: np.ndarray, block_size: int) -> list[bytes]:
     """Keys of every block of `tokens`, the last one possibly partial.
 
     Args:
-        root: The chain's root key.
+        root: The chain's root key (a `TenantRoot`: from the shared root where the
+            prompt starts with a shared prefix, then through `link_key`).
         tokens: int32 tokens from `as_token_array`.
         block_size: Tokens per full block.
 
@@ -110,12 +188,14 @@ def chain_keys(root: bytes, tokens: np.ndarray, block_size: int) -> list[bytes]:
         One key per block, in order.
     """
     keys = []
-    parent = root
     data = tokens.tobytes()
+    parent, shared = chain_start(root, data, block_size)
     step = 4 * block_size
     for start in range(0, len(data), step):
         parent = block_key(parent, data[start : start + step])
         keys.append(parent)
+        if len(keys) == shared:  # the last shared block: the tenant's own chain goes on from here
+            parent = link_key(parent, root)
     return keys
 
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from .disk.index import Index, Reader
 from .blocks import HEAD_AT, TOKENS_AT, Node, raw_head
-from .keys import best_continuation, block_key
+from .keys import best_continuation, block_key, chain_start, link_key
 from .tiers.memory import MemoryTier
 
 
@@ -23,7 +23,9 @@ class Trie:
     Args:
         index: The store's index.
         memory: The RAM tier.
-        root: The root key of the model, namespace and layout.
+        root: The root key of the model, namespace and layout (a `keys.TenantRoot`: a
+            prompt that starts with a shared prefix is walked from the shared root, and
+            on through the tenant's `keys.link_key` after it).
         block_size: Tokens per full block.
     """
 
@@ -56,7 +58,7 @@ class Trie:
         step = 4 * self.block_size
         path: list[Node] = []
         with self.index.reader() as reader:
-            parent = self.root
+            parent, _ = chain_start(self.root, data, self.block_size)
             for i, key in enumerate(keys):
                 node = self._node(reader, key)
                 if node is None:
@@ -89,7 +91,11 @@ class Trie:
         data = toks.tobytes()
         step = 4 * self.block_size
         path = _LazyPath()
-        parent, pos = self.root, 0
+        root = self.root
+        # `parent` is what a record names, `hashed` what its key is hashed from: the two
+        # differ only after a shared prefix's last block (`keys.TenantRoot`).
+        parent, shared = chain_start(root, data, self.block_size)
+        hashed, pos, junction = parent, 0, shared * self.block_size if shared else -1
         missing = None
         with self.index.reader() as reader:
             # Full blocks: their keys follow from the tokens, no scan needed; records
@@ -100,7 +106,7 @@ class Trie:
             in_memory = self.memory.node if len(self.memory) else None
             while n - pos >= bs:
                 block = data[4 * pos : 4 * pos + step]
-                key = block_key(parent, block)
+                key = block_key(hashed, block)
                 node = in_memory(key) if in_memory is not None else None
                 if node is not None:
                     if node.parent != parent or node.tokens != block or node.position != pos:
@@ -115,6 +121,7 @@ class Trie:
                         break
                     path.append((key, raw))
                 parent, pos = key, pos + bs
+                hashed = key if pos != junction else link_key(key, root)
             # Then the stored child sharing the longest prefix with what is left
             # (a partial block, or a longer block that will be trimmed).
             children = [
@@ -122,7 +129,7 @@ class Trie:
                 for child in self._children(reader, parent)
                 if child.parent == parent
                 and child.position == pos
-                and block_key(parent, child.tokens) == child.key  # key follows from tokens
+                and block_key(hashed, child.tokens) == child.key  # key follows from tokens (another tenant's: no)
             ]
         best = best_continuation(toks[pos : pos + self.block_size], children, partial_ok=lambda c: c.trimmable)
         matched = pos

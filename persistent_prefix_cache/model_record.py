@@ -14,9 +14,11 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from .disk.index import Index
 from .fingerprint import cached_fingerprint
-from .keys import root_key
+from .keys import TenantRoot, root_key
 from .layers import Layout
 
 
@@ -31,6 +33,7 @@ class ModelRecord:
         layout: Its cache layout (`layout.fields`: the KV's dtypes and shapes, learned
             from the first block stored or read from the store's record).
         root: The root key.
+        shared_namespace: Where the shared prefixes of a `keys.TenantRoot` are stored.
     """
 
     fingerprint: str
@@ -38,6 +41,7 @@ class ModelRecord:
     name: str | None
     layout: Layout
     root: bytes
+    shared_namespace: str = ""
 
     @classmethod
     def open(
@@ -50,10 +54,14 @@ class ModelRecord:
         model_path: str | os.PathLike | None,
         name: str | None,
         namespace: str,
+        shared_prefixes: tuple[tuple[int, ...], ...] = (),
+        shared_namespace: str = "",
     ) -> "ModelRecord":
         """The record of `model` in the store `index` belongs to: its fingerprint hashed
         (or remembered by `model_path`, verified) unless given, and `layout.fields` set to
-        what the store recorded for it.
+        what the store recorded for it. With `shared_prefixes` its root is a
+        `keys.TenantRoot` whose prompts start from `shared_namespace`'s root where they
+        begin with one of them.
 
         Raises:
             ModelMismatchError: If `model` is proven not to be the model in `model_path`.
@@ -65,8 +73,12 @@ class ModelRecord:
             index.remember_fingerprint,
             index.stored_fingerprints,
         )
-        root = root_key(fingerprint, namespace, layout.signature + layout.variant)
-        record = cls(fingerprint, namespace, name, layout, root)
+        signature = layout.signature + layout.variant
+        root = root_key(fingerprint, namespace, signature)
+        if shared_prefixes:
+            prefixes = [np.asarray(p, dtype="<i4").tobytes() for p in shared_prefixes]
+            root = TenantRoot(root, root_key(fingerprint, shared_namespace, signature), prefixes)
+        record = cls(fingerprint, namespace, name, layout, root, shared_namespace)
         with index.reader() as reader:
             raw = reader.model(root)
         try:
@@ -77,15 +89,23 @@ class ModelRecord:
 
     def describe(self) -> bytes:
         """The model's record: what its root key stands for, and its KV's dtypes and shapes."""
-        return json.dumps(
-            {
-                "fingerprint": self.fingerprint,
-                "namespace": self.namespace,
-                "layout": self.layout.signature,
-                "fields": self.layout.fields or {},
-                "name": self.name,
-            }
-        ).encode()
+        record = {
+            "fingerprint": self.fingerprint,
+            "namespace": self.namespace,
+            "layout": self.layout.signature,
+            "fields": self.layout.fields or {},
+            "name": self.name,
+        }
+        if isinstance(self.root, TenantRoot):  # its segments may hold shared blocks: an index rebuild keeps them
+            record["shared_root"] = self.root.shared_root.hex()
+        return json.dumps(record).encode()
+
+    def describe_shared(self) -> bytes:
+        """The record of the shared prefixes' root (`keys.TenantRoot`): this model in the
+        shared namespace, as a handle of that namespace records it."""
+        record = json.loads(self.describe())
+        record.pop("shared_root", None)
+        return json.dumps({**record, "namespace": self.shared_namespace}).encode()
 
     def this_model(self) -> dict:
         """This model as `PersistentPrefixCache.stored_models` lists one.

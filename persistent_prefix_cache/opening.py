@@ -203,7 +203,7 @@ def open_parts(
     try:
         record = ModelRecord.open(
             index, model, layout, fingerprint=o.fingerprint, model_path=o.model_path, name=o.model_name,
-            namespace=o.namespace,
+            namespace=o.namespace, shared_prefixes=o.shared_prefixes, shared_namespace=o.shared_namespace,
         )  # fmt: skip
         root, block_size = record.root, index.block_size
         memory = MemoryTier(memory_budget(model, o.memory_bytes))
@@ -215,9 +215,11 @@ def open_parts(
         learned = Costs(enabled=o.cost_model)
         if not readonly:
             writeback = WriteBack(
-                index, files, memory, counters, root=root, describe=record.describe,
-                disk_bytes=disk_budget(path, o.disk_bytes, index.totals()[0]), target=target,
+                index, files, memory, counters, root=root, describe=record.describe, describe_shared=record.describe_shared,
+                disk_bytes=disk_budget(path, o.disk_bytes, index.totals()[0]), target=target, quota=o.namespace_bytes,
             )  # fmt: skip
+            if o.namespace_bytes is not None:  # count what the namespace holds now (an older writer kept no count)
+                index.write(lambda w: w.adopt_root(root))
         remote = remote_fill = None
         if o.remote is not None:
             from .remote_fill import RemoteFill  # the remote's client: imported only where used

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 from .disk.store_dir import store_exists, unwritable_part
 from .errors import InvalidArgumentError
+from .keys import TOKEN_MAX, TOKEN_MIN
 from .paths import expand_path
 
 
@@ -37,6 +38,18 @@ class Options:
             evicted past it. ``"auto"`` (the default): what the store holds plus half
             the space free on its file system at open (`opening.disk_budget`). None
             means unbounded.
+        namespace_bytes: A quota of this handle's namespace (its blocks of this model,
+            counted in the index: `disk.index_owners`): past it, the writer evicts this
+            namespace's least recently used leaves, never another's. None: no quota
+            (the store-wide `disk_bytes` still holds). Needs a `namespace` other than
+            `shared_namespace`.
+        shared_prefixes: Token id lists the operator declares shared by every namespace
+            (a system prompt): a prompt's leading full blocks that equal one of them are
+            keyed and stored once, under `shared_namespace`, and hit for every tenant;
+            the blocks after them stay this namespace's (`keys.TenantRoot`). Their blocks
+            are charged to no namespace's quota. Not with `remote`.
+        shared_namespace: The namespace the shared prefixes' blocks are stored under
+            (default ``""``: where a handle without a namespace stores them).
         readonly: Serve hits only; `store()` writes nothing (silently: it was asked
             for). A store this process cannot write opens read-only with one warning.
         kv_bits: Quantize KV like mlx-lm's ``kv_bits`` (the store then holds and
@@ -70,6 +83,9 @@ class Options:
     block_size: int | None
     memory_bytes: int | str
     disk_bytes: int | str | None
+    namespace_bytes: int | None
+    shared_prefixes: tuple[tuple[int, ...], ...]
+    shared_namespace: str
     readonly: bool
     kv_bits: int | None
     kv_group_size: int
@@ -100,8 +116,12 @@ class Options:
             memory_bytes=self.memory_bytes, disk_bytes=self.disk_bytes, kv_bits=self.kv_bits,
             kv_group_size=self.kv_group_size, shared=self.shared,
         )  # fmt: skip
+        shared_prefixes = check_tenancy(
+            namespace=self.namespace, namespace_bytes=self.namespace_bytes, shared_prefixes=self.shared_prefixes,
+            shared_namespace=self.shared_namespace, remote=self.remote,
+        )  # fmt: skip
         name = self.model_name or (None if model_path is None else os.path.abspath(model_path))
-        return replace(self, model_path=model_path, model_name=name)
+        return replace(self, model_path=model_path, model_name=name, shared_prefixes=shared_prefixes)
 
 
 def existing_but_not_writable(path: str) -> bool:
@@ -135,6 +155,41 @@ def check_options(
         raise InvalidArgumentError(f"kv_group_size must be 32, 64 or 128, got {kv_group_size!r}")
     if model_path is not None and not os.path.isdir(model_path):
         raise InvalidArgumentError(f"model_path {model_path!r} is not a folder")
+
+
+def check_tenancy(
+    *, namespace: str, namespace_bytes: object, shared_prefixes: object, shared_namespace: object, remote: object
+) -> tuple[tuple[int, ...], ...]:
+    """Check the tenant options of `PersistentPrefixCache` (a namespace's quota, the shared
+    prefixes its chains may start with) and return the prefixes as tuples of ints.
+
+    Raises:
+        InvalidArgumentError: For a malformed one, a quota or shared prefixes without a
+            namespace of their own, or shared prefixes with a remote tier (its keys follow
+            one root: not supported).
+    """
+    if namespace_bytes is not None:
+        if not isinstance(namespace_bytes, int) or isinstance(namespace_bytes, bool) or namespace_bytes < 0:
+            raise InvalidArgumentError(f"namespace_bytes must be an int >= 0 (or None), got {namespace_bytes!r}")
+    if not isinstance(shared_namespace, str):
+        raise InvalidArgumentError(f"shared_namespace must be a str, got {type(shared_namespace).__name__}")
+    if isinstance(shared_prefixes, (str, bytes)) or not isinstance(shared_prefixes, (list, tuple)):
+        raise InvalidArgumentError("shared_prefixes must be a list of token id lists")
+    prefixes = []
+    for prefix in shared_prefixes:
+        if isinstance(prefix, (str, bytes)) or not isinstance(prefix, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and TOKEN_MIN <= t <= TOKEN_MAX for t in prefix
+        ):
+            raise InvalidArgumentError("each shared prefix must be a list of int32 token ids")
+        prefixes.append(tuple(prefix))
+    if (prefixes or namespace_bytes is not None) and namespace == shared_namespace:
+        raise InvalidArgumentError(
+            f"namespace_bytes and shared_prefixes need a namespace of the handle's own, not the shared one "
+            f"({namespace!r})"
+        )
+    if prefixes and remote is not None:
+        raise InvalidArgumentError("shared_prefixes cannot be used with remote= (not supported yet)")
+    return tuple(prefixes)
 
 
 INSECURE_HINT = (

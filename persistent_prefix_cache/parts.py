@@ -98,8 +98,12 @@ class Parts:
         out: dict[str, Any] = self.counters.snapshot()
         out["pending_writes"] = self.writeback.pending if self.writeback is not None else 0
         out["disk_budget"] = self.writeback.disk_bytes if self.writeback is not None else None
-        out["budget_evictions"] = self.index.evicted_blocks  # `evictions` less superseded partial leaves
+        # `evictions` less superseded partial leaves, and less those under the namespace's quota
+        out["budget_evictions"] = max(0, self.index.evicted_blocks - out["quota_evictions"])
+        out["namespace_quota"] = self.writeback.quota if self.writeback is not None else None
         with self.index.reader() as reader:
+            owned = reader.owned(self.model.root)
+            out["namespace_blocks"], out["namespace_bytes"] = owned if owned is not None else (None, None)
             out["block_bytes"], out["blocks"] = reader.totals()
             out["bytes_on_disk"] = reader.file_bytes()
             out.update({f"store_{k}": v for k, v in reader.counters().items()})

@@ -35,8 +35,9 @@ class PersistentPrefixCache:
         model: The loaded mlx-lm model (used for its cache layout and fingerprint).
 
     The keyword options (fingerprint, model_path, model_name, namespace, block_size,
-    memory_bytes, disk_bytes, readonly, kv_bits, kv_group_size, sync_writes, cost_model,
-    remote, remote_secret, remote_insecure, remote_ttl, remote_timeout, shared) are each
+    memory_bytes, disk_bytes, namespace_bytes, shared_prefixes, shared_namespace, readonly,
+    kv_bits, kv_group_size, sync_writes, cost_model, remote, remote_secret,
+    remote_insecure, remote_ttl, remote_timeout, shared) are each
     documented once, in `options.Options`: ``help()`` shows it for ``__init__``.
 
     After `close()` every method but `close` raises `StoreClosedError`; what the handle
@@ -61,6 +62,7 @@ class PersistentPrefixCache:
         self, path: str | os.PathLike, model: Any, *, fingerprint: str | None = None,
         model_path: str | os.PathLike | None = None, model_name: str | None = None, namespace: str = "",
         block_size: int | None = None, memory_bytes: int | str = "auto", disk_bytes: int | str | None = "auto",
+        namespace_bytes: int | None = None, shared_prefixes: Sequence[Sequence[int]] = (), shared_namespace: str = "",
         readonly: bool = False, kv_bits: int | None = None, kv_group_size: int = 64, sync_writes: bool = False,
         cost_model: bool = True, remote: str | None = None, remote_secret: str | bytes | None = None,
         remote_ttl: float | None = None, remote_timeout: float = REMOTE_TIMEOUT, remote_insecure: bool = False,
@@ -69,7 +71,8 @@ class PersistentPrefixCache:
         self._pid, self._closed = os.getpid(), False
         options = Options(
             fingerprint=fingerprint, model_path=model_path, model_name=model_name, namespace=namespace,
-            block_size=block_size, memory_bytes=memory_bytes, disk_bytes=disk_bytes, readonly=readonly,
+            block_size=block_size, memory_bytes=memory_bytes, disk_bytes=disk_bytes, namespace_bytes=namespace_bytes,
+            shared_prefixes=shared_prefixes, shared_namespace=shared_namespace, readonly=readonly,
             kv_bits=kv_bits, kv_group_size=kv_group_size, sync_writes=sync_writes, cost_model=cost_model,
             remote=remote, remote_secret=remote_secret, remote_ttl=remote_ttl, remote_timeout=remote_timeout,
             remote_insecure=remote_insecure, shared=shared,

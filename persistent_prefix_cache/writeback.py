@@ -39,6 +39,7 @@ from .disk.index import WRITE_ERRORS, Index, Writer
 from .blocks import Node
 from .counters import Counters
 from .errors import StoreCorruptError
+from .keys import TenantRoot
 from .merging import Merges
 from .tiers.memory import MemoryTier
 
@@ -143,8 +144,11 @@ class WriteBack:
         memory: The RAM tier (blocks that fail to be written or are removed leave it).
         counters: The handle's counters (``write_errors``, ``evictions``).
         root: The model's root key, and `describe` what gives its JSON record
-            (registered with the first block, and when the record learns more).
+            (registered with the first block, and when the record learns more);
+            `describe_shared` the record of a `keys.TenantRoot`'s shared root.
         disk_bytes: Budget of the blocks' bytes (None: unbounded).
+        quota: Budget of the bytes `root` owns (its namespace's quota: `disk.index_owners`;
+            None: none); only its own least recently used leaves are evicted past it.
         target: The handle's restore target (`device.target.Target`): where its restores
             live on a device the host's reads take pages from (`Target.device`), the RAM
             tier's copy of what is written goes back there once written.
@@ -160,11 +164,14 @@ class WriteBack:
         root: bytes,
         describe: Callable[[], bytes],
         disk_bytes: int | None,
+        describe_shared: Callable[[], bytes] | None = None,
         target: Target | None = None,
+        quota: int | None = None,
     ):
         self.index, self.files, self.memory, self.counters = index, files, memory, counters
         self.root, self.describe, self.disk_bytes = root, describe, disk_bytes
-        self.target = target
+        self.describe_shared = describe_shared or describe
+        self.target, self.quota = target, quota
         self._book = Bookkeeping()
         self._futures: set[Future] = set()
         self._flying: dict[bytes, int] = {}  # block key -> queued writes holding it, not yet committed
@@ -405,8 +412,9 @@ class WriteBack:
         into one), fsync their folders once, then commit every record in one index
         transaction; then the small segments at the end of each chain written merge
         (`merging.Merges`, in jobs of their own)."""
-        joined = _joined(groups)
+        joined = _shared_apart(_joined(groups), self.root)
         description = self.describe()  # kept in the segment too: the index can be rebuilt
+        models = [(self.root, description)]
         segments, blocks = [], []  # each new segment (id, size, digest), and its blocks
         writes = 0  # the block writes (`write` calls) the commit holds
         now = time.time_ns()
@@ -414,9 +422,14 @@ class WriteBack:
             written = [node for node, _ in new]
             for node in written:  # a block that comes without a time of use (the remote's) is used now
                 node.last_access = node.last_access or now
+            root, model = self.root, description
+            if isinstance(root, TenantRoot) and new[0][0].position == 0 and new[0][0].parent != root:
+                # A shared prefix's first blocks: under the shared root, in a segment of its own.
+                root, model = root.shared_root, self.describe_shared()
+                models.append((root, model))
             try:
                 segment = self.files.write(
-                    new, root=self.root, model=description, block_size=self.index.block_size, sync_folder=False
+                    new, root=root, model=model, block_size=self.index.block_size, sync_folder=False
                 )
             except (OSError, ValueError) as exc:
                 self._failed("write", written, exc)  # nothing was renamed into place
@@ -438,8 +451,11 @@ class WriteBack:
             return
         book = self._book.take(self._lock)
 
+        quota_evicted: list[Node] = []
+
         def records(w: Writer):
             removed, taken, nbytes = [], 0, 0
+            quota_evicted.clear()  # a retried transaction counts once
             for (_, size, _), written in zip(segments, blocks):
                 took = 0
                 for node in written:
@@ -449,6 +465,9 @@ class WriteBack:
                 taken += took
                 nbytes += size if took else 0
             book.apply(w)
+            if self.quota is not None:  # the namespace's own leaves first: never another's
+                quota_evicted.extend(w.evict_owned(self.root, self.quota))
+                removed.extend(quota_evicted)
             if self.disk_bytes is not None:
                 removed.extend(w.evict(self.disk_bytes))
             return removed, taken, nbytes
@@ -461,7 +480,7 @@ class WriteBack:
                 self.files,
                 records,
                 new=segments,
-                models=[(self.root, description)],
+                models=models,
                 before="before_commit",
                 after="after_commit",
             )
@@ -472,7 +491,8 @@ class WriteBack:
                 self._failed("commit", written, exc)
             return
         # What this handle added to the store (another writer's blocks are theirs).
-        self.counters.add(blocks_written=taken, bytes_written=nbytes, group_commits=1, group_commit_writes=writes)
+        self.counters.add(blocks_written=taken, bytes_written=nbytes, group_commits=1, group_commit_writes=writes,
+                          quota_evictions=len(quota_evicted))  # fmt: skip
         self._forget(removed)
         compact_sparse(self.index, self.files, (n.segment for n in removed))
         # Jobs behind any write queued meanwhile: a caller waiting for its own never waits for them.
@@ -558,6 +578,22 @@ def _joined(groups: list[list[tuple[Node, Any]]]) -> list[tuple[list[tuple[Node,
             out[-1] = (out[-1][0] + group, out[-1][1] + 1)
         else:
             out.append((list(group), 1))
+    return out
+
+
+def _shared_apart(joined: list[tuple[list[tuple[Node, Any]], int]], root: bytes) -> list[tuple[list, int]]:
+    """`joined` with a group that starts at a shared prefix (a `TenantRoot`'s prompt that
+    begins with one) cut before the tenant's first block: a segment's chain starts under
+    its own model's root, and the shared blocks are the shared namespace's."""
+    if not isinstance(root, TenantRoot):
+        return joined
+    out: list[tuple[list, int]] = []
+    for new, n_writes in joined:
+        cut = next((i for i, (node, _) in enumerate(new) if node.link is not None), None)
+        if new[0][0].position == 0 and new[0][0].parent != root and cut:
+            out.append((new[:cut], 0))
+            new = new[cut:]
+        out.append((new, n_writes))
     return out
 
 

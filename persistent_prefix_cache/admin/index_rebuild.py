@@ -26,6 +26,8 @@ store open while its index moves.
 
 from __future__ import annotations
 
+import json
+
 import os
 import secrets
 import shutil
@@ -42,7 +44,7 @@ from ..disk.portable import fsync_dir
 from ..disk.segment import SegmentFiles
 from ..disk.store_dir import folder, make_dirs, remove_entry
 from ..errors import ReadOnlyStoreError
-from ..keys import block_key
+from ..keys import key_follows
 from ..migrations.formats import segment_v4
 
 
@@ -134,7 +136,7 @@ def _convert_v4(files: SegmentFiles, path: str) -> Manifest | None:
 def _chained(manifests: list[tuple[Manifest, int]]) -> tuple[dict[bytes, Node], int]:
     """The blocks whose parent chain is complete back to a root, by key; and how many
     intact blocks were left out (their chain is broken by a missing block)."""
-    roots = {m.root for m, _ in manifests}
+    roots = {m.root for m, _ in manifests} | {r for m, _ in manifests if (r := _shared_root(m.model)) is not None}
     candidates: dict[bytes, Node] = {}
     for m, mtime in manifests:
         for node in m.nodes:
@@ -144,7 +146,7 @@ def _chained(manifests: list[tuple[Manifest, int]]) -> tuple[dict[bytes, Node], 
             candidates[node.key] = node
     kept: dict[bytes, Node] = {}
     for node in sorted(candidates.values(), key=lambda n: n.position):
-        if block_key(node.parent, node.tokens) != node.key:
+        if not key_follows(node):
             continue
         parent = kept.get(node.parent)
         if parent is None:
@@ -154,6 +156,16 @@ def _chained(manifests: list[tuple[Manifest, int]]) -> tuple[dict[bytes, Node], 
             continue
         kept[node.key] = node
     return kept, len(candidates) - len(kept)
+
+
+def _shared_root(model: bytes) -> bytes | None:
+    """The shared prefixes' root a tenant's model record names (`keys.TenantRoot`): a
+    tenant's segment may hold shared blocks, which hang under that root."""
+    try:
+        shared = json.loads(model).get("shared_root")
+        return bytes.fromhex(shared) if isinstance(shared, str) and len(shared) == 32 else None
+    except (ValueError, AttributeError):
+        return None
 
 
 def _superseded(kept: dict[bytes, Node], block_size: int) -> set[bytes]:

@@ -34,7 +34,7 @@ from ..disk.segment_reader import MAX_HEADER
 from ..disk.store_dir import TempFile, file_mode
 from ..errors import InvalidArgumentError, UnverifiedPackError
 from ..files import open_regular, replace_beside
-from ..keys import block_key
+from ..keys import key_follows
 from ..migrations.formats import block_files_v2, segment_v3, segment_v4
 from ..paths import expand_path
 from . import pack_sign
@@ -204,7 +204,7 @@ def import_pack(files: SegmentFiles, index: Index, in_path: str, *, secret: byte
                 hint="import into a new store directory",
             )
         nodes = reader.nodes(manifest)
-        if any(block_key(n.parent, n.tokens) != n.key for n in nodes):
+        if not all(key_follows(n) for n in nodes):
             raise InvalidArgumentError(
                 f"{in_path}: damaged node records (a key that its parent and tokens do not give)"
             )

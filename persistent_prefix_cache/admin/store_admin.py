@@ -23,7 +23,7 @@ from ..disk.schema import check_schema
 from ..disk.segment import SegmentFiles
 from ..disk.store_dir import check_location, check_readable, create_root, require_writable
 from ..errors import EmptiesStoreError, InvalidArgumentError
-from ..keys import block_key
+from ..keys import key_follows
 from ..paths import expand_path
 from . import packs
 from .check_report import CheckReport
@@ -291,7 +291,7 @@ class StoreAdmin:
             return "missing parent"
         elif nodes[node.parent].end != node.position:
             return "position does not follow parent"
-        if block_key(node.parent, node.tokens) != node.key:
+        if not key_follows(node):
             return "key does not match tokens"
         return None
 

@@ -151,6 +151,8 @@ def _tail_groups(reader, last: bytes, burst: AbstractSet[bytes]) -> list[tuple[b
             break
         groups.append((segment, nodes[::-1]))
         tail_bytes += size
+        if any(n.link is not None for n in nodes):
+            break  # a tenant's blocks after a shared prefix never merge with the shared ones
     return groups[::-1]
 
 

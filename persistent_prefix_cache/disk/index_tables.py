@@ -18,6 +18,8 @@ Tables (prefix byte, key -> value):
 - segments ``\\x08``: segment id -> live blocks, live bytes, file bytes (3 x u64 LE)
 - digests ``\\x09``: segment id -> u64 LE xxh3 of its sliced fields' bytes and its
   snapshots' digests (verifies a read of the whole segment at once)
+- owners, owned, owned lru ``\\x0a``-``\\x0c``: what each accounted root (a namespace
+  with a quota) owns, kept by `index_owners.Owners` in the same transactions
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import struct
 from typing import Any, Iterable, Iterator
 
 from ..blocks import Node
+from .index_owners import Owners
 
 META, MODELS, NODES, CHILDREN, LRU, FINGERPRINTS, HITS, SEGMENTS, DIGESTS = (bytes([i]) for i in range(1, 10))
 # The tables' layout (prefixes, keys, value encodings): schema v3's. Raise it with the
@@ -174,6 +177,14 @@ class Reader:
         """Every remembered fingerprint entry, by weight files' signature."""
         return {sig: _fingerprint_entry(raw) for sig, raw in self._scan(FINGERPRINTS)}
 
+    def owned(self, root: bytes) -> tuple[int, int] | None:
+        """``(blocks, bytes)`` an accounted root owns (`index_owners`), None if not accounted."""
+        return Owners(self.txn).use(root)
+
+    def accounted(self) -> dict[bytes, tuple[int, int]]:
+        """Every accounted root (a namespace with a quota) with ``(blocks, bytes)``."""
+        return Owners(self.txn).accounted()
+
     def segment(self, segment: bytes) -> tuple[int, int, int] | None:
         """(live blocks, live bytes, file bytes) of a segment, or None if not referenced."""
         raw = self.txn.get(SEGMENTS + segment)
@@ -201,6 +212,7 @@ class Writer(Reader):
         super().__init__(txn)
         self.freed: list[bytes] = []
         self.evicted: list[bytes] = []
+        self.owners = Owners(txn)
 
     def _add_meta(self, name: bytes, delta: int) -> None:
         if delta:
@@ -287,10 +299,13 @@ class Writer(Reader):
         parent = self.get(node.parent)
         if parent is None and node.position != 0:
             return False
+        owner = self.owners.owner_of_new(node, parent)
         if parent is not None:
             parent.child_count += 1
             self._put(parent)
         self._put(node)
+        if owner is not None:
+            self.owners.added(node, owner)
         self.txn.put(CHILDREN + node.parent + node.key, b"")
         self.txn.put(_lru_key(node.last_access, node.key), b"")
         self._add_meta(b"bytes", node.size)
@@ -314,6 +329,7 @@ class Writer(Reader):
         node = self.get(key)
         if node is None or node.last_access >= now:
             return
+        self.owners.touched(node, now)
         self.txn.delete(_lru_key(node.last_access, key))
         node.last_access = now
         self._put(node)
@@ -343,6 +359,7 @@ class Writer(Reader):
     def remove_leaf(self, node: Node) -> None:
         """Remove a node that has no children."""
         assert node.child_count == 0, "only leaves are removed"
+        self.owners.removed(node)
         self.txn.delete(NODES + node.key)
         self.txn.delete(_lru_key(node.last_access, node.key))
         self.txn.delete(CHILDREN + node.parent + node.key)
@@ -395,6 +412,46 @@ class Writer(Reader):
                 break
         return removed
 
+    def evict_owned(self, root: bytes, max_bytes: int) -> list[Node]:
+        """Remove the least-recently-used leaves `root` owns until it owns at most
+        `max_bytes` (a namespace's quota): no other root's block is ever taken, and a
+        block that continues a shared prefix leaves the shared blocks in place.
+
+        Returns:
+            The removed nodes (none if `root` is not accounted: `adopt_root`).
+        """
+        removed: list[Node] = []
+        use = self.owners.use(root)
+        excess = use[1] - max_bytes if use is not None else 0
+        for node in self._leaves_oldest_first(owner=root) if excess > 0 else ():
+            self.remove_leaf(node)
+            removed.append(node)
+            self.evicted.append(node.key)
+            excess -= node.size
+            if excess <= 0:
+                break
+        return removed
+
+    def adopt_root(self, root: bytes) -> tuple[int, int]:
+        """Account `root` (a namespace with a quota) from the blocks it has now: its
+        subtree, and the blocks charged to it before with theirs (those that continue a
+        shared prefix are not under its root). Idempotent; a handle with a quota runs it
+        at open, which also repairs the count after an older library wrote the store.
+
+        Returns:
+            ``(blocks, bytes)`` it owns.
+        """
+        linked = [n for n in map(self.get, self.owners.owned_keys(root)) if n is not None and n.parent != root]
+        seen: dict[bytes, Node] = {}
+        stack = [root, *(n.key for n in linked)]
+        seen.update((n.key, n) for n in linked)
+        while stack:
+            for child in self.children(stack.pop()):
+                if child.key not in seen:
+                    seen[child.key] = child
+                    stack.append(child.key)
+        return self.owners.adopt(root, iter(seen.values()), iter(()))
+
     def evict_unused(self, before: int) -> list[Node]:
         """Remove every block not used since `before` (ns since the epoch), leaves first:
         a block used later keeps the blocks before it in its chain.
@@ -411,12 +468,13 @@ class Writer(Reader):
             self.evicted.append(node.key)
         return removed
 
-    def _leaves_oldest_first(self) -> Iterator[Node]:
-        """Leaves in least-recently-used order, for a caller that removes each one it is
-        given (or stops). Removing a leaf can turn its parent into a leaf older than
-        leaves not yet given, so such parents join a heap merged with the LRU order."""
+    def _leaves_oldest_first(self, *, owner: bytes | None = None) -> Iterator[Node]:
+        """Leaves in least-recently-used order (of the blocks `owner` owns, if given), for
+        a caller that removes each one it is given (or stops). Removing a leaf can turn
+        its parent into a leaf older than leaves not yet given, so such parents join a
+        heap merged with the LRU order."""
         orphaned: list[tuple[int, bytes]] = []  # (last access, key): parents turned leaves
-        lru = self._lru_from(b"")
+        lru = self._lru_from(b"") if owner is None else self.owners.lru(owner)
         pending = next(lru, None)
         while pending is not None or orphaned:
             if pending is not None and not (orphaned and orphaned[0] < pending):
@@ -430,7 +488,8 @@ class Writer(Reader):
             yield node  # removed by the caller before the walk goes on
             parent = self.get(node.parent)
             if parent is not None and parent.child_count == 0:
-                heapq.heappush(orphaned, (parent.last_access, parent.key))
+                if owner is None or self.owners.owner(parent.key) == owner:  # never another's block
+                    heapq.heappush(orphaned, (parent.last_access, parent.key))
 
     def _lru_from(self, start: bytes) -> Iterator[tuple[int, bytes]]:
         """(last access, key) in LRU order from `start`, re-seeking after every step so
@@ -454,6 +513,7 @@ class Writer(Reader):
         (``ppc check --fix``).
         """
         sizes = sizes or {}
+        self.owners.forget()  # counted again by the next handle with a quota (`adopt_root`)
         child_counts: dict[bytes, int] = {}
         for n in alive.values():
             child_counts[n.parent] = child_counts.get(n.parent, 0) + 1

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..blocks import FIELDS, RESUMABLE, TRIMMABLE, Kind, Node, Tensors, dtype_info, mx_uint, sliced_spec
 from ..errors import UnsupportedCacheError
+from ..keys import chain_start
 from .adapters import (
     SEQ,
     STATE,
@@ -227,6 +228,10 @@ class Layout:
             blocks. Size and checksum of the nodes are set once they are written.
         """
         now, n, bs = time.time_ns(), len(data) // 4, block_size
+        # A tenant's prompt may start with a shared prefix: its first block hangs under the
+        # shared root, and the block after the prefix names the tenant (`keys.TenantRoot`).
+        start_key, shared = chain_start(root, data, bs)
+        link = {"link": bytes(root).hex()} if shared else None
         views = {lid: ViewPath(self.view(node, lid) for node in path) for lid, _, _ in self.leaves}
         # Sequence leaves: one copy per field of every new position (not one per block:
         # thousands of small copies were most of the caller's cost), blocks as views.
@@ -285,9 +290,11 @@ class Layout:
                 for lid, view in cut.items():
                     views[lid].append(view)
                 flags = self.flags(views, start, end)
+            if link is not None and i == shared:
+                extra = {**extra, **link}
             node = Node(
                 key=keys[i],
-                parent=keys[i - 1] if i else root,
+                parent=keys[i - 1] if i else start_key,
                 position=start,
                 tokens=data[4 * start : 4 * end],
                 flags=flags,
