@@ -451,11 +451,11 @@ class WriteBack:
             return
         book = self._book.take(self._lock)
 
-        quota_evicted: list[Node] = []
+        quota_evicted: list[Node] = []  # reset by each try of the transaction
 
         def records(w: Writer):
             removed, taken, nbytes = [], 0, 0
-            quota_evicted.clear()  # a retried transaction counts once
+            quota_evicted.clear()
             for (_, size, _), written in zip(segments, blocks):
                 took = 0
                 for node in written:
@@ -491,8 +491,7 @@ class WriteBack:
                 self._failed("commit", written, exc)
             return
         # What this handle added to the store (another writer's blocks are theirs).
-        self.counters.add(blocks_written=taken, bytes_written=nbytes, group_commits=1, group_commit_writes=writes,
-                          quota_evictions=len(quota_evicted))  # fmt: skip
+        self.counters.add(blocks_written=taken, bytes_written=nbytes, group_commits=1, group_commit_writes=writes, quota_evictions=len(quota_evicted))  # fmt: skip
         self._forget(removed)
         compact_sparse(self.index, self.files, (n.segment for n in removed))
         # Jobs behind any write queued meanwhile: a caller waiting for its own never waits for them.
@@ -582,9 +581,8 @@ def _joined(groups: list[list[tuple[Node, Any]]]) -> list[tuple[list[tuple[Node,
 
 
 def _shared_apart(joined: list[tuple[list[tuple[Node, Any]], int]], root: bytes) -> list[tuple[list, int]]:
-    """`joined` with a group that starts at a shared prefix (a `TenantRoot`'s prompt that
-    begins with one) cut before the tenant's first block: a segment's chain starts under
-    its own model's root, and the shared blocks are the shared namespace's."""
+    """`joined` with a group that starts at a `TenantRoot`'s shared prefix cut before the
+    tenant's first block: a segment's chain starts under its model's root (the shared one)."""
     if not isinstance(root, TenantRoot):
         return joined
     out: list[tuple[list, int]] = []

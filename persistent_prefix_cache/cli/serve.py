@@ -61,7 +61,23 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("-h", "--help", action="store_true", help="show this help and exit")
     parser.add_argument("--model", type=path_arg, metavar="M", help="model folder or hub id (passed to mlx_lm.server)")
     add_store_option(parser)
-    parser.add_argument("--namespace", default="", metavar="NAME", help="tenant or cache salt (default: none)")
+    parser.add_argument("--namespace", default="", metavar="NAME", help="tenant or cache salt (default: none); "
+                        "with --tenants, where the shared prefixes are stored")  # fmt: skip
+    parser.add_argument(
+        "--tenants",
+        type=path_arg,
+        metavar="FILE",
+        default=None,
+        help="serve tenants: a JSON or TOML file of API key digests, quotas and shared prefixes (docs/serve.md); a "
+        "request's Authorization: Bearer key picks its namespace, an unknown or missing key gets 401",
+    )
+    parser.add_argument(
+        "--tenant-header",
+        metavar="NAME",
+        default=None,
+        help="the header a trusted proxy sets to the request's tenant, instead of the API key; only behind a proxy "
+        "that removes the client's own copy of it",
+    )
     parser.add_argument(
         "--store-memory-bytes",
         type=parse_size,
@@ -133,6 +149,7 @@ def _serve(args: argparse.Namespace, server_argv: list[str]) -> int:
         log.warning("--store-optional: serving without a persistent cache: %s", exc)
         path = None
     options = _store_options(args)
+    tenants = _tenants(args)
     if path is not None:
         _reach_remote(options)  # the store opens at the first request: say it now
 
@@ -141,6 +158,13 @@ def _serve(args: argparse.Namespace, server_argv: list[str]) -> int:
     from ..compat.server_patch import ProviderStores, check_server, patched_server
 
     check_server(server)  # before importing our class, which needs the same mlx-lm
+    carried = None
+    if tenants is not None:
+        from ..compat.server_patch import check_tenant_server
+        from ..compat.tenants import RequestTenants
+
+        check_tenant_server(server)
+        carried = RequestTenants()
 
     from ..compat.lru_prompt_cache import PersistentLRUPromptCache
 
@@ -152,10 +176,11 @@ def _serve(args: argparse.Namespace, server_argv: list[str]) -> int:
             budget / 1e6, said,
         )  # fmt: skip
         return PersistentLRUPromptCache(
-            ProviderStores(path, options, None if path is None else provider),
+            ProviderStores(path, options, None if path is None else provider, tenants),
             max_size=max_size,
             max_bytes=budget,
             keep_last_token=True,  # an exact hit would stop mlx-lm 0.32's batched path
+            tenants=carried,
         )
 
     # mlx_lm.server stops cleanly (stops its generation thread) on KeyboardInterrupt;
@@ -164,7 +189,7 @@ def _serve(args: argparse.Namespace, server_argv: list[str]) -> int:
     saved_argv = sys.argv
     sys.argv = ["ppc serve", *server_argv]
     try:
-        with patched_server(server, make_cache) as built:
+        with patched_server(server, make_cache, tenants=tenants, carried=carried) as built:
             try:
                 server.main()
             finally:
@@ -208,6 +233,38 @@ def _serve(args: argparse.Namespace, server_argv: list[str]) -> int:
     if built.get("cache") is not None:
         _exit_now(0)
     return 0
+
+
+def _tenants(args: argparse.Namespace) -> Any:
+    """The server's tenants (`compat.tenants.Tenants`) from ``--tenants`` and
+    ``--tenant-header``; None without either.
+
+    Raises:
+        UserError: A malformed file or header name, or a combination not supported.
+    """
+    if args.tenants is None and args.tenant_header is None:
+        return None
+    header = args.tenant_header
+    if header is not None and (not header or not all(c.isascii() and (c.isalnum() or c == "-") for c in header)):
+        raise UserError(f"--tenant-header {header!r}: a header name is letters, digits and '-'")
+    if header is not None and header.lower() == "authorization":
+        raise UserError("--tenant-header Authorization: that header carries API keys; name the proxy's own header")
+    from ..compat.tenants import Tenants
+
+    if args.tenants is None:
+        tenants = Tenants([], header=header)  # the proxy names any tenant
+    else:
+        from .tenants_file import load_tenants
+
+        tenants = load_tenants(args.tenants, header=header, shared_namespace=args.namespace)
+    if tenants.shared and args.remote is not None:
+        raise UserError("--tenants with shared prefixes and --remote: not supported yet; drop one")
+    log.info(
+        "tenants: %d declared, %s; %d shared prefixes; a request without one %s",
+        len(tenants.by_name), f"named by the {header} header" if header else "by API key", len(tenants.shared),
+        f"is served as {tenants.default!r}" if tenants.default else "gets 401",
+    )  # fmt: skip
+    return tenants
 
 
 def memory_budget(provider: Any) -> tuple[int, str]:

@@ -94,6 +94,11 @@ class PersistentLRUPromptCache(LRUPromptCache):
             server's checkpoints inside a request (a ``"system"`` or ``"user"``
             segment) then written under ``"seen"``; ``"seen"`` writes only what was
             seen before.
+        tenants: Whose request each call serves (``ppc serve --tenants``: a
+            `compat.tenants.RequestTenants`): the in-memory LRU and the stores are then
+            keyed by ``(model key, tenant name)``, so no tenant is ever answered from
+            another's entry; a fetch whose tenant is unknown finds nothing, an insert
+            whose tenant is unknown is not kept. None: one namespace.
 
     Raises:
         InvalidArgumentError: If `store` is neither a store nor callable, or `admit`
@@ -108,9 +113,10 @@ class PersistentLRUPromptCache(LRUPromptCache):
         *,
         keep_last_token: bool = False,
         admit: str = "always",
+        tenants: Any = None,
     ):
         super().__init__(max_size=max_size, max_bytes=max_bytes)
-        self.keep_last_token = keep_last_token
+        self.keep_last_token, self.tenants = keep_last_token, tenants
         self.admit = check_rule(admit)
         if isinstance(store, PersistentPrefixCache):
             self._shared_store, self._open_store = store, None
@@ -172,6 +178,11 @@ class PersistentLRUPromptCache(LRUPromptCache):
             ``(cache, rest)``: a fresh cache the caller may extend (None on a miss) and
             the tokens it does not cover, as mlx-lm's ``LRUPromptCache`` returns them.
         """
+        if self.tenants is not None:
+            tenant = self.tenants.current()
+            if tenant is None:  # never a guess: nothing from memory or the store
+                return self._served(tokens, None, list(tokens))
+            model = (model, tenant.name)
         cache, rest = super().fetch_nearest_cache(model, tokens)
         if len(rest) == 0 and len(tokens) and cache is not None:
             # An exact hit in memory: nothing can cover more.
@@ -200,7 +211,7 @@ class PersistentLRUPromptCache(LRUPromptCache):
             # One line per request the store did not help, saying why (the store's reason).
             log.info(
                 "Restored none of %d prompt tokens from the persistent store %s (memory had %d; %.1f ms): %s",
-                len(tokens), store.path, in_memory, 1000 * took, why or "-",
+                len(tokens), _named(store), in_memory, 1000 * took, why or "-",
             )  # fmt: skip
             return self._served(tokens, cache, rest)
         with self._lock:
@@ -213,7 +224,7 @@ class PersistentLRUPromptCache(LRUPromptCache):
             "Restored %d of %d prompt tokens from the persistent store %s (memory had %d; served by %s; %.1f ms)%s",
             from_store,
             len(tokens),
-            store.path,
+            _named(store),
             in_memory,
             describe_tiers(blocks_by_tier(before, store.stats())),
             1000 * took,
@@ -249,6 +260,12 @@ class PersistentLRUPromptCache(LRUPromptCache):
             cache_type: ``"assistant"``, ``"user"`` or ``"system"`` (mlx-lm's eviction
                 order).
         """
+        if self.tenants is not None:
+            tenant = self.tenants.for_insert(prompt_cache)
+            if tenant is None:  # whose it is cannot be told: kept nowhere, never under another's name
+                self._skip(model, "tenant", "a cache whose tenant cannot be told is not kept")
+                return
+            model = (model, tenant.name)
         store = self.store_for(model) if len(tokens) else None
         if store is not None:
             self._use(store)
@@ -452,6 +469,11 @@ class PersistentLRUPromptCache(LRUPromptCache):
         with self._lock:
             self._counters["store_skipped"] += 1
         self._warn_once(("insert", model, reason), message)
+
+
+def _named(store: PersistentPrefixCache) -> str:
+    """The store in a request's log line: its folder, and its namespace where it has one."""
+    return f"{store.path}, namespace {store.namespace}" if store.namespace else store.path
 
 
 def _even_lengths(cache: list[Any]) -> list[Any]:

@@ -31,6 +31,7 @@ differs from what the patch relies on, with a message, instead of running uncach
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import os
 from contextlib import contextmanager
@@ -41,6 +42,7 @@ from ..fingerprint import fingerprint_model
 from ..layers import model_cache
 from ..metrics import CONTENT_TYPE, exposition, server_metrics
 from ..store import PersistentPrefixCache
+from .tenants import Refused, RequestTenants, Tenant, Tenants, tenant_batches, tenant_responses
 
 log = logging.getLogger("persistent_prefix_cache.serve")
 
@@ -117,14 +119,49 @@ def _mlx_lm_version() -> str:
         return "(unknown version)"
 
 
+def check_tenant_server(server: Any) -> None:
+    """Verify that `server` has what ``ppc serve --tenants`` also relies on: its handler's
+    ``do_POST``, ``ResponseGenerator.generate`` and a ``BatchGenerator`` whose
+    ``insert_segments``, ``extract_cache`` and ``next`` tell requests apart (`compat.tenants`).
+
+    Raises:
+        UnsupportedServerError: Naming what differs.
+    """
+    problems = [f"mlx_lm.server has no {name}" for name in ("BatchGenerator",) if not hasattr(server, name)]
+    for owner, names in (
+        ("APIHandler", ("do_POST",)),
+        ("ResponseGenerator", ("generate",)),
+        ("BatchGenerator", ("insert_segments", "extract_cache", "next", "remove")),
+    ):
+        cls = getattr(server, owner, None)
+        problems += [f"its {owner} has no {n}" for n in names if cls is not None and not callable(getattr(cls, n, None))]
+    if problems:
+        raise UnsupportedServerError(
+            f"ppc serve --tenants cannot tell requests apart in mlx_lm.server of mlx-lm {_mlx_lm_version()}: "
+            + "; ".join(problems) + f". It was checked with mlx-lm {CHECKED_MLX_LM_VERSIONS[-1]}",
+            hint="",
+        )  # fmt: skip
+
+
 @contextmanager
-def patched_server(server: Any, make_cache: Callable[[Any, int, int], Any]) -> Iterator[dict[str, Any]]:
+def patched_server(
+    server: Any,
+    make_cache: Callable[[Any, int, int], Any],
+    *,
+    tenants: Tenants | None = None,
+    carried: RequestTenants | None = None,
+) -> Iterator[dict[str, Any]]:
     """Make ``server.run`` build its prompt cache with `make_cache` while inside.
 
     Args:
         server: The ``mlx_lm.server`` module (checked with `check_server` first).
         make_cache: ``make_cache(model_provider, max_size, max_bytes)`` returning the
             object the server uses as its prompt cache.
+        tenants: Serve tenants (`compat.tenants`; checked with `check_tenant_server`):
+            every POST names its tenant by its API key or the proxy's header, or is
+            refused (401); None: one namespace for every request.
+        carried: What carries each request's tenant to its fetch and inserts (the prompt
+            cache `make_cache` builds reads it); needed with `tenants`.
 
     Yields:
         A dict that gets ``"provider"`` and ``"cache"`` once the server has built them.
@@ -132,8 +169,19 @@ def patched_server(server: Any, make_cache: Callable[[Any, int, int], Any]) -> I
     original_run, original_cache_class = server.run, server.LRUPromptCache
     original_scan = getattr(server, "scan_cache_dir", None)
     handler_class = server.APIHandler
-    original_get = handler_class.do_GET
+    original_get, original_post = handler_class.do_GET, handler_class.do_POST
+    original_responses, original_batches = server.ResponseGenerator, getattr(server, "BatchGenerator", None)
     built: dict[str, Any] = {}
+
+    def do_post(handler):
+        assert tenants is not None and carried is not None
+        try:
+            tenant = tenants.tenant(handler.headers)
+        except Refused as exc:
+            refuse(handler, str(exc))
+            return
+        with carried.handling(tenant):
+            original_post(handler)
 
     def do_get(handler):
         if handler.path.split("?", 1)[0] == "/metrics":
@@ -153,11 +201,20 @@ def patched_server(server: Any, make_cache: Callable[[Any, int, int], Any]) -> I
     handler_class.do_GET = do_get
     if original_scan is not None:
         server.scan_cache_dir = scan_hub_cache(original_scan)
+    if tenants is not None:
+        if carried is None:
+            raise ValueError("patched_server: tenants= needs carried=")
+        handler_class.do_POST = do_post
+        server.ResponseGenerator = tenant_responses(original_responses, carried)
+        server.BatchGenerator = tenant_batches(original_batches, carried)
     try:
         yield built
     finally:
         server.run, server.LRUPromptCache = original_run, original_cache_class
-        handler_class.do_GET = original_get
+        server.ResponseGenerator = original_responses
+        if original_batches is not None:
+            server.BatchGenerator = original_batches
+        handler_class.do_GET, handler_class.do_POST = original_get, original_post
         if original_scan is not None:
             server.scan_cache_dir = original_scan
 
@@ -178,6 +235,20 @@ def serve_metrics(handler: Any, cache: Any) -> None:
         body, status, kind = f"metrics unavailable: {type(exc).__name__}: {exc}\n".encode(), 500, "text/plain"
     handler.send_response(status)
     handler.send_header("Content-Type", kind)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+def refuse(handler: Any, why: str) -> None:
+    """Answer a request without a tenant: 401 with one JSON line saying why (never the key),
+    and one log line naming the client's address."""
+    log.warning("refused a request from %s: %s", handler.client_address[0], why)
+    body = json.dumps({"error": {"message": f"unauthorized: {why}", "type": "invalid_request_error",
+                                 "code": "invalid_api_key"}}).encode() + b"\n"  # fmt: skip
+    handler.send_response(401)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("WWW-Authenticate", "Bearer")
     handler.send_header("Content-Length", str(len(body)))
     handler.end_headers()
     handler.wfile.write(body)
@@ -219,22 +290,45 @@ def scan_hub_cache(scan: Callable[..., Any]) -> Callable[..., Any]:
 class ProviderStores:
     """Opens the store handle for a model key from the model the server has loaded.
 
+    With tenants, a key is ``(the server's model key, tenant name)``: that model's store
+    handle in the tenant's namespace, with its quota and the shared prefixes (stored in
+    ``options["namespace"]``, the server's ``--namespace``).
+
     Args:
         path: The store directory.
         options: Keyword arguments for `PersistentPrefixCache` (namespace, budgets…).
         provider: The server's ``ModelProvider`` (None: every key stays in memory).
+        tenants: The server's tenants (None: keys are the server's model keys).
     """
 
-    def __init__(self, path: str, options: dict[str, Any], provider: Any):
+    def __init__(self, path: str, options: dict[str, Any], provider: Any, tenants: Tenants | None = None):
         self.path = path
         self.options = options
         self.provider = provider
+        self.tenants = tenants
+        self._shared: dict[Hashable, list[list[int]]] = {}  # model key -> the shared prefixes' token ids
+
+    def _split(self, model_key: Hashable) -> tuple[Hashable, Tenant | None]:
+        if self.tenants is None:
+            return model_key, None
+        key, name = model_key  # type: ignore[misc]
+        return key, self.tenants.by_name.get(name) or Tenant(name)
+
+    def _tenant_options(self, key: Hashable, tenant: Tenant) -> dict[str, Any]:
+        """The options of `tenant`'s handle: its namespace, quota and the shared prefixes."""
+        assert self.tenants is not None
+        if key not in self._shared:
+            tokenizer = getattr(self.provider, "tokenizer", None)
+            self._shared[key] = [p.token_ids(tokenizer) for p in self.tenants.shared]
+        return {"namespace": tenant.name, "namespace_bytes": tenant.quota, "shared_prefixes": self._shared[key],
+                "shared_namespace": self.options.get("namespace", "")}  # fmt: skip
 
     def model_for(self, model_key: Hashable) -> Any:
         """The loaded model of `model_key`, for the cost model's calibration (the server's
         `PersistentLRUPromptCache` hands it to its link: measured at the first read that
         finds a stored prefix, on the generation thread, as MLX wants); None for another
         key, or with a draft model (the store's layout is then both models')."""
+        model_key, _ = self._split(model_key)
         provider = self.provider
         if provider is None or provider.model is None or provider.model_key != model_key:
             return None
@@ -242,7 +336,7 @@ class ProviderStores:
 
     def __call__(self, model_key: Hashable):
         """The store for `model_key`, or None if that model is not the loaded one."""
-
+        model_key, tenant = self._split(model_key)
         provider = self.provider
         # The server only looks up the model it has loaded; anything else stays in memory.
         if provider is None or provider.model is None or provider.model_key != model_key:
@@ -250,6 +344,8 @@ class ProviderStores:
         model_path, adapter_path, _ = _split_key(model_key)
         model, draft = provider.model, getattr(provider, "draft_model", None)
         options = dict(self.options)
+        if tenant is not None:
+            options.update(self._tenant_options(model_key, tenant))
         if draft is not None:
             # The server's caches hold the model's layers, then the draft model's.
             model = _WithDraft(model, draft)
@@ -270,10 +366,11 @@ class ProviderStores:
             options.setdefault("model_name", name if draft is None else f"{name} + draft model")
         store = PersistentPrefixCache(self.path, model, **options)
         log.info(
-            "persistent prompt cache for %s: store %s, fingerprint %s",
+            "persistent prompt cache for %s: store %s, fingerprint %s%s",
             model_path,
             store.path,
             store.fingerprint[:16],
+            "" if tenant is None else f", tenant {tenant.name}",
         )
         return store
 
