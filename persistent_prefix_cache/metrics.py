@@ -113,6 +113,12 @@ def handle_metrics(families: Families, stats: dict[str, Any], *, model: str, nam
         c("ppc_evictions", "Blocks evicted: from the store under its disk budget by this handle's writer (disk), "
           "from the RAM tier under its budget (ram: the blocks stay on disk)", {**at, "tier": tier},
           stats[key])  # fmt: skip
+    if stats.get("namespace_quota") is not None:  # a tenant's handle (ppc serve --tenants): bytes against its quota
+        g("ppc_namespace_bytes", "Bytes of the blocks its namespace holds for this model (shared prefixes not "
+          "counted)", at, stats["namespace_bytes"])  # fmt: skip
+        g("ppc_namespace_quota_bytes", "The namespace's quota", at, stats["namespace_quota"])
+        c("ppc_quota_evictions", "Blocks of the namespace evicted under its quota (never another namespace's)", at,
+          stats["quota_evictions"])  # fmt: skip
     c("ppc_damaged_blocks", "Damaged blocks and index pages met (each a miss, dropped)", at, stats["corrupt"])
     c("ppc_write_errors", "Block writes that failed (the blocks stay unstored)", at, stats["write_errors"])
     g("ppc_ram_tier_bytes", "Bytes of blocks held in the RAM tier", at, stats["bytes_in_memory"])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -54,7 +54,7 @@ class ModelRecord:
         model_path: str | os.PathLike | None,
         name: str | None,
         namespace: str,
-        shared_prefixes: tuple[tuple[int, ...], ...] = (),
+        shared_prefixes: Sequence[Sequence[int]] = (),
         shared_namespace: str = "",
     ) -> "ModelRecord":
         """The record of `model` in the store `index` belongs to: its fingerprint hashed

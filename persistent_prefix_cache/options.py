@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
+from typing import Sequence
 
 from .disk.store_dir import store_exists, unwritable_part
 from .errors import InvalidArgumentError
@@ -84,7 +85,7 @@ class Options:
     memory_bytes: int | str
     disk_bytes: int | str | None
     namespace_bytes: int | None
-    shared_prefixes: tuple[tuple[int, ...], ...]
+    shared_prefixes: Sequence[Sequence[int]]
     shared_namespace: str
     readonly: bool
     kv_bits: int | None
@@ -177,8 +178,10 @@ def check_tenancy(
         raise InvalidArgumentError("shared_prefixes must be a list of token id lists")
     prefixes = []
     for prefix in shared_prefixes:
-        if isinstance(prefix, (str, bytes)) or not isinstance(prefix, (list, tuple)) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and TOKEN_MIN <= t <= TOKEN_MAX for t in prefix
+        if (
+            isinstance(prefix, (str, bytes))
+            or not isinstance(prefix, (list, tuple))
+            or not all(isinstance(t, int) and not isinstance(t, bool) and TOKEN_MIN <= t <= TOKEN_MAX for t in prefix)
         ):
             raise InvalidArgumentError("each shared prefix must be a list of int32 token ids")
         prefixes.append(tuple(prefix))

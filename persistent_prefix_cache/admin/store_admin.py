@@ -12,7 +12,7 @@ import json
 import os
 import stat
 import time
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO, Iterable, Iterator
 
 from ..blocks import Node
 from ..disk import store_guard
@@ -110,14 +110,36 @@ class StoreAdmin:
             yield node
             stack.extend(reader.children(node.key))
 
+    def by_namespace(self, reader: Reader, roots: Iterable[bytes]) -> dict[bytes, list[Node]]:
+        """Every node under each root, a tenant's blocks after a shared prefix counted as
+        its own (they hang under the shared root's blocks but name their tenant's root:
+        `keys.TenantRoot`), not the shared namespace's."""
+        out: dict[bytes, list[Node]] = {root: [] for root in roots}
+        linked: list[Node] = []
+        for root in out:
+            stack = list(reader.children(root))
+            while stack:
+                node = stack.pop()
+                if node.link is not None and node.link != root:
+                    linked.append(node)  # the first block of a tenant's own chain: counted below
+                    continue
+                out[root].append(node)
+                stack.extend(reader.children(node.key))
+        for node in linked:
+            if node.link in out:
+                out[node.link] += [node, *self.walk(reader, node.key)]
+        return out
+
     def summary(self, *, longest: int = 0) -> dict:
         """Totals, counters, per-model figures and (optionally) the longest prefixes."""
         with self.index.reader() as reader:
             size, count = reader.totals()
             models: list[dict[str, Any]] = []
             prefixes: list[dict[str, Any]] = []
-            for root, desc in self.models(reader).items():
-                nodes = list(self.walk(reader, root))
+            described = self.models(reader)
+            owned = self.by_namespace(reader, described)
+            for root, desc in described.items():
+                nodes = owned[root]
                 hits = [reader.hits(n.key) for n in nodes]
                 models.append(
                     {

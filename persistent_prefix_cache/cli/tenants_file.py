@@ -20,7 +20,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import tomllib
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10: JSON files only
+    tomllib = None  # type: ignore[assignment]
 from typing import Any
 
 from ..compat.tenants import SharedPrompt, Tenant, Tenants, valid_name
@@ -63,6 +67,8 @@ def load_tenants(path: str, *, header: str | None, shared_namespace: str) -> Ten
         raise bad(f"larger than {MAX_FILE} bytes")
     try:
         if path.endswith(".toml"):
+            if tomllib is None:
+                raise bad("TOML needs Python 3.11 or later; give the same table as JSON")
             data: Any = tomllib.loads(raw.decode("utf-8"))
         else:
             data = load_json(raw, what="the file", max_bytes=MAX_FILE)
@@ -74,7 +80,8 @@ def load_tenants(path: str, *, header: str | None, shared_namespace: str) -> Ten
     table = data.get("tenants")
     if not isinstance(table, dict) or not table:
         raise bad("'tenants' must be a table of at least one tenant")
-    tenants, digests = [], {}
+    tenants: list[Tenant] = []
+    digests: dict[bytes, str] = {}
     for name, entry in table.items():
         if not valid_name(name):
             raise bad(f"tenant name {name!r}: use 1-64 letters, digits, '_', '.' or '-'")
@@ -126,7 +133,7 @@ def _quota(value: Any, name: str, bad) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise bad(f"tenant {name!r}: quota must be a size such as \"2GB\" or a number of bytes")
+        raise bad(f'tenant {name!r}: quota must be a size such as "2GB" or a number of bytes')
     if isinstance(value, int):
         if value < 0:
             raise bad(f"tenant {name!r}: quota must be >= 0, got {value}")

@@ -35,7 +35,7 @@ import json
 import logging
 import os
 from contextlib import contextmanager
-from typing import Any, Callable, Hashable, Iterator
+from typing import Any, Callable, Hashable, Iterator, cast
 
 from ..errors import UnsupportedServerError
 from ..fingerprint import fingerprint_model
@@ -134,7 +134,9 @@ def check_tenant_server(server: Any) -> None:
         ("BatchGenerator", ("insert_segments", "extract_cache", "next", "remove")),
     ):
         cls = getattr(server, owner, None)
-        problems += [f"its {owner} has no {n}" for n in names if cls is not None and not callable(getattr(cls, n, None))]
+        problems += [
+            f"its {owner} has no {n}" for n in names if cls is not None and not callable(getattr(cls, n, None))
+        ]
     if problems:
         raise UnsupportedServerError(
             f"ppc serve --tenants cannot tell requests apart in mlx_lm.server of mlx-lm {_mlx_lm_version()}: "
@@ -204,6 +206,7 @@ def patched_server(
     if tenants is not None:
         if carried is None:
             raise ValueError("patched_server: tenants= needs carried=")
+        assert original_batches is not None  # check_tenant_server
         handler_class.do_POST = do_post
         server.ResponseGenerator = tenant_responses(original_responses, carried)
         server.BatchGenerator = tenant_batches(original_batches, carried)
@@ -311,7 +314,7 @@ class ProviderStores:
     def _split(self, model_key: Hashable) -> tuple[Hashable, Tenant | None]:
         if self.tenants is None:
             return model_key, None
-        key, name = model_key  # type: ignore[misc]
+        key, name = cast(tuple, model_key)
         return key, self.tenants.by_name.get(name) or Tenant(name)
 
     def _tenant_options(self, key: Hashable, tenant: Tenant) -> dict[str, Any]:

@@ -21,6 +21,7 @@ import lmdb
 from ..errors import ReadOnlyStoreError, StoreCorruptError
 from .faults import pause_point
 from .index_env import acquire_env, release_env
+from .index_owners import OWNED, OWNED_LRU, OWNERS
 from .removed import removed_for
 from .store_guard import corrupt_index, store_of
 from .index_tables import (  # noqa: F401 (the tables re-exported)
@@ -336,6 +337,9 @@ class Index:
 _META_TEXT = (b"version", b"block_size")  # stamped as ASCII digits; every other meta value is a u64
 _KEY_LENGTHS = {MODELS: 17, NODES: 17, CHILDREN: 33, LRU: 25, HITS: 17, SEGMENTS: 17, DIGESTS: 17}
 _VALUE_LENGTHS = {CHILDREN: 0, LRU: 0, HITS: 8, SEGMENTS: 24, DIGESTS: 8}
+# A namespace's quota (`index_owners`): owners, owned, owned lru.
+_KEY_LENGTHS.update({OWNERS: 17, OWNED: 17, OWNED_LRU: 41})
+_VALUE_LENGTHS.update({OWNERS: 16, OWNED: 16, OWNED_LRU: 0})
 
 
 def _record_problem(key: bytes, value: bytes) -> str | None:
