@@ -217,9 +217,9 @@ def test_a_requests_tenant_comes_from_its_key_or_the_proxys_header():
             tenants.tenant(headers)
     guest = Tenants([Tenant("one"), Tenant("guest")], key_digests=keys, default="guest")
     assert guest.tenant({"Authorization": "Bearer nope"}).name == "guest"
-    proxied = Tenants([], header="X-Tenant")
+    proxied = Tenants([], header="X-Tenant", reserved=["shared"])
     assert proxied.tenant({"X-Tenant": "acme", "Authorization": "Bearer k1"}).name == "acme"
-    for headers in ({}, {"X-Tenant": ""}, {"X-Tenant": "a/b"}, {"X-Tenant": "x" * 65}):
+    for headers in ({}, {"X-Tenant": ""}, {"X-Tenant": "a/b"}, {"X-Tenant": "x" * 65}, {"X-Tenant": "shared"}):
         with pytest.raises(Refused):
             proxied.tenant(headers)
     listed = Tenants([Tenant("one")], header="X-Tenant")

@@ -252,7 +252,7 @@ def _tenants(args: argparse.Namespace) -> Any:
     from ..compat.tenants import Tenants
 
     if args.tenants is None:
-        tenants = Tenants([], header=header)  # the proxy names any tenant
+        tenants = Tenants([], header=header, reserved=[args.namespace])  # the proxy names any tenant but that
     else:
         from .tenants_file import load_tenants
 

@@ -93,6 +93,7 @@ class Tenants:
         default: The tenant of a request without a known key (None: refused, 401).
         header: A header a trusted proxy sets to the tenant's name (None: the API key).
         shared: The prefixes every tenant shares.
+        reserved: Names a header may not give (the shared prefixes' namespace).
     """
 
     def __init__(
@@ -103,10 +104,12 @@ class Tenants:
         default: str | None = None,
         header: str | None = None,
         shared: Sequence[SharedPrompt] = (),
+        reserved: Sequence[str] = (),
     ):
         self.by_name = {t.name: t for t in tenants}
         self._digests = list((key_digests or {}).items())
         self.default, self.header, self.shared = default, header, tuple(shared)
+        self.reserved = frozenset(reserved)
 
     def tenant(self, headers: Any) -> Tenant:
         """The tenant of a request with these headers.
@@ -123,7 +126,7 @@ class Tenants:
                 return self._fallback(f"no {self.header} header")
             name = name.strip()
             tenant = self.by_name.get(name)
-            if tenant is None and not self.by_name and valid_name(name):
+            if tenant is None and not self.by_name and valid_name(name) and name not in self.reserved:
                 return Tenant(name)  # the proxy's word alone: any well-formed name
             return tenant if tenant is not None else self._fallback(f"unknown tenant in the {self.header} header")
         auth = headers.get("Authorization") or ""
