@@ -4,7 +4,10 @@ shared prefixes keyed once for every tenant (`keys.TenantRoot`)."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -187,6 +190,12 @@ def test_a_shared_prefix_is_stored_once_and_hits_for_every_tenant(store_dir, mod
         assert a.peek(SYSTEM + suffix_b) == len(SYSTEM)  # b's suffix stays b's
         assert a.peek(SYSTEM + suffix_a) == len(SYSTEM + suffix_a) - 1
     assert_tree_consistent(store_dir)
+    # ppc stats: each namespace's blocks, a tenant's after the shared prefix its own.
+    proc = subprocess.run([sys.executable, "-m", "persistent_prefix_cache", "stats", "--store", str(store_dir),
+                           "--json"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    blocks = {m["namespace"]: m["blocks"] for m in json.loads(proc.stdout)["models"]}
+    assert blocks == {"": 3, "a": 3, "b": 3}
 
 
 def test_a_shared_prefix_is_not_charged_to_the_quota_and_survives_a_flood(store_dir, model):

@@ -401,16 +401,7 @@ class Writer(Reader):
         Returns:
             The removed nodes.
         """
-        removed: list[Node] = []
-        excess = self.totals()[0] - max_bytes
-        for node in self._leaves_oldest_first() if excess > 0 else ():
-            self.remove_leaf(node)
-            removed.append(node)
-            self.evicted.append(node.key)
-            excess -= node.size
-            if excess <= 0:
-                break
-        return removed
+        return self._evict(self.totals()[0] - max_bytes)
 
     def evict_owned(self, root: bytes, max_bytes: int) -> list[Node]:
         """Remove the least-recently-used leaves `root` owns until it owns at most
@@ -420,10 +411,13 @@ class Writer(Reader):
         Returns:
             The removed nodes (none if `root` is not accounted: `adopt_root`).
         """
-        removed: list[Node] = []
         use = self.owners.use(root)
-        excess = use[1] - max_bytes if use is not None else 0
-        for node in self._leaves_oldest_first(owner=root) if excess > 0 else ():
+        return self._evict(use[1] - max_bytes if use is not None else 0, owner=root)
+
+    def _evict(self, excess: int, *, owner: bytes | None = None) -> list[Node]:
+        """Remove least-recently-used leaves (of `owner`, if given) worth `excess` bytes."""
+        removed: list[Node] = []
+        for node in self._leaves_oldest_first(owner=owner) if excess > 0 else ():
             self.remove_leaf(node)
             removed.append(node)
             self.evicted.append(node.key)
