@@ -57,6 +57,8 @@ INTERNAL = {
     "persistent_prefix_cache.cli.progress.Terminated": "SIGTERM ending a ppc command as Ctrl-C does",
     "persistent_prefix_cache.cli.precompute._WriteFailed": "ppc precompute's own stop: an `error:` line",
     "persistent_prefix_cache.cli.serve._Captured": "ppc serve's capture of mlx_lm.server's exit",
+    "persistent_prefix_cache.compat.tenants.Refused":
+        "ppc serve --tenants: a request without a tenant, answered 401 by the server (never raised to a caller)",
 }  # fmt: skip
 
 
