@@ -132,6 +132,27 @@ def chain_start(root: bytes, data: bytes, block_size: int) -> tuple[bytes, int]:
     return root, 0
 
 
+def starts_shared(root: bytes, node: Node) -> bool:
+    """Whether new blocks that start with `node` start at a `TenantRoot`'s shared root
+    (then their segment is the shared namespace's: a segment's chain starts under its root)."""
+    return isinstance(root, TenantRoot) and node.position == 0 and node.parent != root
+
+
+def shared_apart(root: bytes, groups: list[tuple[list[tuple[Node, Any]], int]]) -> list[tuple[list, int]]:
+    """The writer's groups of new blocks ``(blocks, writes)``, a group that starts at a
+    shared prefix (`starts_shared`) cut before the tenant's first block (`Node.link`)."""
+    if not isinstance(root, TenantRoot):
+        return groups
+    out: list[tuple[list, int]] = []
+    for new, n_writes in groups:
+        cut = next((i for i, (node, _) in enumerate(new) if node.link is not None), None)
+        if starts_shared(root, new[0][0]) and cut:
+            out.append((new[:cut], 0))
+            new = new[cut:]
+        out.append((new, n_writes))
+    return out
+
+
 def as_token_array(tokens: Any) -> np.ndarray:
     """Validate a token sequence and return it as a 1-D int32 array.
 

@@ -39,7 +39,7 @@ from .disk.index import WRITE_ERRORS, Index, Writer
 from .blocks import Node
 from .counters import Counters
 from .errors import StoreCorruptError
-from .keys import TenantRoot
+from .keys import shared_apart, starts_shared
 from .merging import Merges
 from .tiers.memory import MemoryTier
 
@@ -147,8 +147,7 @@ class WriteBack:
             (registered with the first block, and when the record learns more);
             `describe_shared` the record of a `keys.TenantRoot`'s shared root.
         disk_bytes: Budget of the blocks' bytes (None: unbounded).
-        quota: Budget of the bytes `root` owns (its namespace's quota: `disk.index_owners`;
-            None: none); only its own least recently used leaves are evicted past it.
+        quota: Budget of the bytes `root` owns (`disk.index_owners`; None: none): its own leaves go.
         target: The handle's restore target (`device.target.Target`): where its restores
             live on a device the host's reads take pages from (`Target.device`), the RAM
             tier's copy of what is written goes back there once written.
@@ -169,9 +168,8 @@ class WriteBack:
         quota: int | None = None,
     ):
         self.index, self.files, self.memory, self.counters = index, files, memory, counters
-        self.root, self.describe, self.disk_bytes = root, describe, disk_bytes
-        self.describe_shared = describe_shared or describe
-        self.target, self.quota = target, quota
+        self.root, self.describe, self.disk_bytes, self.quota = root, describe, disk_bytes, quota
+        self.target, self.describe_shared = target, describe_shared or describe
         self._book = Bookkeeping()
         self._futures: set[Future] = set()
         self._flying: dict[bytes, int] = {}  # block key -> queued writes holding it, not yet committed
@@ -412,7 +410,7 @@ class WriteBack:
         into one), fsync their folders once, then commit every record in one index
         transaction; then the small segments at the end of each chain written merge
         (`merging.Merges`, in jobs of their own)."""
-        joined = _shared_apart(_joined(groups), self.root)
+        joined = shared_apart(self.root, _joined(groups))
         description = self.describe()  # kept in the segment too: the index can be rebuilt
         models = [(self.root, description)]
         segments, blocks = [], []  # each new segment (id, size, digest), and its blocks
@@ -423,9 +421,8 @@ class WriteBack:
             for node in written:  # a block that comes without a time of use (the remote's) is used now
                 node.last_access = node.last_access or now
             root, model = self.root, description
-            if isinstance(root, TenantRoot) and new[0][0].position == 0 and new[0][0].parent != root:
-                # A shared prefix's first blocks: under the shared root, in a segment of its own.
-                root, model = root.shared_root, self.describe_shared()
+            if starts_shared(root, new[0][0]):  # a shared prefix's first blocks: the shared namespace's
+                root, model = root.shared_root, self.describe_shared()  # type: ignore[attr-defined]
                 models.append((root, model))
             try:
                 segment = self.files.write(
@@ -577,21 +574,6 @@ def _joined(groups: list[list[tuple[Node, Any]]]) -> list[tuple[list[tuple[Node,
             out[-1] = (out[-1][0] + group, out[-1][1] + 1)
         else:
             out.append((list(group), 1))
-    return out
-
-
-def _shared_apart(joined: list[tuple[list[tuple[Node, Any]], int]], root: bytes) -> list[tuple[list, int]]:
-    """`joined` with a group that starts at a `TenantRoot`'s shared prefix cut before the
-    tenant's first block: a segment's chain starts under its model's root (the shared one)."""
-    if not isinstance(root, TenantRoot):
-        return joined
-    out: list[tuple[list, int]] = []
-    for new, n_writes in joined:
-        cut = next((i for i, (node, _) in enumerate(new) if node.link is not None), None)
-        if new[0][0].position == 0 and new[0][0].parent != root and cut:
-            out.append((new[:cut], 0))
-            new = new[cut:]
-        out.append((new, n_writes))
     return out
 
 

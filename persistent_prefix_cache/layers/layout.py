@@ -231,7 +231,7 @@ class Layout:
         # A tenant's prompt may start with a shared prefix: its first block hangs under the
         # shared root, and the block after the prefix names the tenant (`keys.TenantRoot`).
         start_key, shared = chain_start(root, data, bs)
-        link = {"link": bytes(root).hex()} if shared else None
+        link = bytes(root).hex() if shared else None
         views = {lid: ViewPath(self.view(node, lid) for node in path) for lid, _, _ in self.leaves}
         # Sequence leaves: one copy per field of every new position (not one per block:
         # thousands of small copies were most of the caller's cost), blocks as views.
@@ -290,8 +290,8 @@ class Layout:
                 for lid, view in cut.items():
                     views[lid].append(view)
                 flags = self.flags(views, start, end)
-            if link is not None and i == shared:
-                extra = {**extra, **link}
+            if link is not None and i == shared:  # the first block of the tenant's own chain names it
+                extra = {**extra, "link": link}  # type: ignore[dict-item]
             node = Node(
                 key=keys[i],
                 parent=keys[i - 1] if i else start_key,
