@@ -233,27 +233,29 @@ def test_ppc_stats_says_what_the_blocks_held_were_read_back_for(store_dir, model
     assert f"ppc_store_model_never_restored_bytes{{{at}}} {3 * block}\n" in run.stdout, run.stdout
 
 
-def test_the_server_cache_writes_a_checkpoint_under_seen_and_a_request_under_reuse(store_dir, model):
+def test_the_server_cache_counts_one_sighting_per_request(store_dir, model):
     from persistent_prefix_cache.compat.lru_prompt_cache import PersistentLRUPromptCache
 
     system = random_tokens(2 * BLOCK + 5, seed=7)
-    turn = system + random_tokens(2 * BLOCK, seed=1)  # prompt and reply: 4 full blocks and 5 tokens
+    prompt = system + random_tokens(BLOCK, seed=1)
+    turn = prompt + random_tokens(BLOCK, seed=3)  # prompt and reply: 4 full blocks and 5 tokens
     with open_store(store_dir, model) as store:
         with pytest.raises(InvalidArgumentError, match="admit must be one of"):
             PersistentLRUPromptCache(store, admit="never")
         lru = PersistentLRUPromptCache(store, admit="reuse")
-        # mlx_lm.server: the system prompt's cache on the way (a checkpoint), then the request's.
+        # mlx_lm.server: the prompt's cache asked for, the system prompt's cache on the way (a
+        # checkpoint), then the request's (prompt and reply): one request, one sighting.
+        assert lru.fetch_nearest_cache("m", prompt)[0] is None
         lru.insert_cache("m", system, prefill(model, system)[1], cache_type="system")
         lru.insert_cache("m", turn, prefill(model, turn)[1], cache_type="assistant")
         store.flush()
-        # The system prompt's full blocks were seen twice (checkpoint, request), with the block it
-        # ends in; the request itself is no continuation of its own checkpoint: the rest waits.
-        assert store.stats()["blocks"] == 3 and store.peek(turn) == 3 * BLOCK
+        assert store.stats()["blocks"] == 0 and store.stats()["blocks_not_admitted"] == 5
         cache, rest = lru.fetch_nearest_cache("m", turn)  # the LRU kept what the store left out
         assert cache is not None and len(turn) - len(rest) == len(turn)
         following = turn + random_tokens(BLOCK, seed=2)
+        lru.fetch_nearest_cache("m", following)
         lru.insert_cache("m", following, prefill(model, following)[1])  # the next turn: written whole
         store.flush()
         assert store.peek(following) == len(following) - 1
-        assert store.stats()["blocks_not_admitted"] == 3 + 2  # the checkpoint's 3, the request's last 2
+        assert store.stats()["blocks_not_admitted"] == 5  # the first request's, nothing since
         lru.close()

@@ -89,6 +89,10 @@ def test_a_misspelt_option_comes_before_a_missing_one(capsys):
         (["forget"], "error: one of the arguments --model-path --all is required (see `ppc forget --help`)"),
         (["gc", "-x"], "error: unknown option -x (see `ppc gc --help`)"),
         (["stats", "--store", "/tmp", "extra"], "error: unrecognized arguments: extra (see `ppc stats --help`)"),
+        (
+            ["serve", "--admit", "never"],
+            "error: argument --admit: invalid choice: 'never' (choose from 'always', 'seen', 'reuse')",
+        ),  # fmt: skip
     ],
 )
 def test_every_parser_mistake_is_one_line_without_the_usage(argv, line, capsys):

@@ -186,3 +186,22 @@ def test_metrics_count_what_the_requests_did(serve_model_dir, tmp_path):
     assert stats["ppc_store_file_bytes"].samples[0].value == sum(
         p.stat().st_size for p in (store / "segments").rglob("*.seg")
     )
+
+
+@pytest.mark.parametrize("rule", ["seen", "reuse"])
+def test_admit_writes_a_one_off_prompt_at_its_second_request(serve_model_dir, tmp_path, rule):
+    # `ppc serve --admit seen|reuse`: mlx-lm 0.32's batched server inserts a request's
+    # cache twice (the prompt but its last token, then the prompt and the reply); one
+    # request is one sighting, so the store holds nothing of a prompt after its first
+    # request, and its blocks after its second.
+    prompt = " ".join(["zebra quartz harbour lantern"] * 12)
+    with Server(serve_model_dir, tmp_path / "store", tmp_path / "serve.log", "--admit", rule) as server:
+        first = server.complete(prompt, max_tokens=1)
+        once = wait_written(server)
+        blocks = first["usage"]["prompt_tokens"] // BLOCK
+        assert blocks >= 4 and once.value("ppc_not_admitted_blocks") >= blocks
+        assert once.value("ppc_store_blocks") == 0
+        server.complete(prompt, max_tokens=1)
+        twice = wait_written(server)
+        assert twice.value("ppc_store_blocks") >= blocks
+        assert server.stop() == 0, server.log()

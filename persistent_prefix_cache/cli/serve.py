@@ -34,6 +34,7 @@ import signal
 import sys
 from typing import Any
 
+from ..admission import ADMIT_RULES
 from ..errors import PrefixCacheError
 from ..tier_report import describe_decisions
 from .common import (
@@ -95,6 +96,14 @@ def _parser() -> argparse.ArgumentParser:
         help="tokens per block of a new store",
     )
     parser.add_argument("--store-readonly", action="store_true", help="restore from the store, never write it")
+    parser.add_argument(
+        "--admit",
+        choices=ADMIT_RULES,
+        default="always",
+        help="what the store writes of a request (docs/wear.md): always (default: every prompt, warm after a "
+        "restart from its first sighting), seen (a prompt's blocks at their second sighting), reuse (seen, and a "
+        "chat's next turn at first sight)",
+    )
     add_store_shared_option(parser)
     parser.add_argument(
         "--store-optional",
@@ -180,6 +189,7 @@ def _serve(args: argparse.Namespace, server_argv: list[str]) -> int:
             max_size=max_size,
             max_bytes=budget,
             keep_last_token=True,  # an exact hit would stop mlx-lm 0.32's batched path
+            admit=args.admit,
             tenants=carried,
         )
 

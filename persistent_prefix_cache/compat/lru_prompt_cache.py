@@ -56,6 +56,7 @@ from ..keys import TOKEN_MAX, TOKEN_MIN
 from ..layers import cache_length, can_trim, offset_trimmable, trim
 from ..store import PersistentPrefixCache
 from ..tier_report import blocks_by_tier, describe_tiers
+from .open_prompts import OpenPrompts
 from .through import StoreLink, WarnOnce
 
 log = logging.getLogger(__name__)
@@ -90,10 +91,12 @@ class PersistentLRUPromptCache(LRUPromptCache):
         admit: The admission rule of the writes through (`PersistentPrefixCache.store`,
             docs/wear.md): ``"always"`` (the default) writes every insert's new blocks;
             ``"reuse"`` writes a request's blocks once they are seen again or continued
-            (a chat's next turn) and leaves a one-off prompt's in memory only, the
-            server's checkpoints inside a request (a ``"system"`` or ``"user"``
-            segment) then written under ``"seen"``; ``"seen"`` writes only what was
-            seen before.
+            (a chat's next turn) and leaves a one-off prompt's in memory only;
+            ``"seen"`` writes only what was seen before. Under either, one request is
+            one sighting: the server's checkpoints inside a request (its prompt's
+            segments, the prompt but its last token) stay in memory only, and the
+            insert that covers the whole prompt is the one the rule judges
+            (`compat.open_prompts`).
         tenants: Whose request each call serves (``ppc serve --tenants``: a
             `compat.tenants.RequestTenants`): the in-memory LRU and the stores are then
             keyed by ``(model key, tenant name)``, so no tenant is ever answered from
@@ -118,6 +121,7 @@ class PersistentLRUPromptCache(LRUPromptCache):
         super().__init__(max_size=max_size, max_bytes=max_bytes)
         self.keep_last_token, self.tenants = keep_last_token, tenants
         self.admit = check_rule(admit)
+        self._open_prompts = OpenPrompts() if self.admit != "always" else None  # one sighting per request
         if isinstance(store, PersistentPrefixCache):
             self._shared_store, self._open_store = store, None
         elif callable(store):
@@ -183,6 +187,8 @@ class PersistentLRUPromptCache(LRUPromptCache):
             if tenant is None:  # never a guess: nothing from memory or the store
                 return self._served(tokens, None, list(tokens))
             model = (model, tenant.name)
+        if self._open_prompts is not None:
+            self._open_prompts.fetched(model, tokens)
         cache, rest = super().fetch_nearest_cache(model, tokens)
         if len(rest) == 0 and len(tokens) and cache is not None:
             # An exact hit in memory: nothing can cover more.
@@ -270,17 +276,15 @@ class PersistentLRUPromptCache(LRUPromptCache):
         if store is not None:
             self._use(store)
         self._fit()  # the tier's room back after a trim_to, before it takes this cache
-        # A segment's insert is a checkpoint inside a request: continuing it is no next turn.
-        admit = "seen" if self.admit == "reuse" and cache_type in ("system", "user") else self.admit
-        if not self._written(model, store, tokens, prompt_cache, admit) or self._kept(store, tokens, prompt_cache):
+        # A checkpoint inside a request is no sighting under a rule: the request's last insert is.
+        inside = self._open_prompts is not None and self._open_prompts.checkpoint(model, tokens)
+        if inside or not self._written(model, store, tokens, prompt_cache) or self._kept(store, tokens, prompt_cache):
             super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
         self._fit()
         self._note_memory()
 
-    def _written(
-        self, model: Hashable, store: PersistentPrefixCache | None, tokens: list[int], cache: list, admit: str
-    ) -> bool:
-        """Write `cache` through to `store` under the rule `admit`; whether it was taken."""
+    def _written(self, model: Hashable, store: PersistentPrefixCache | None, tokens: list[int], cache: list) -> bool:
+        """Write `cache` through to `store` under the admission rule; whether it was taken."""
         if store is None:
             if len(tokens):  # no store for this model (store_for gave None, or its open failed)
                 with self._lock:
@@ -308,7 +312,7 @@ class PersistentLRUPromptCache(LRUPromptCache):
         except Exception as exc:  # a cache the adapters cannot measure: memory only
             self._skip(model, type(exc), f"not persisted ({exc}); kept in memory only")
             return False
-        if not self._link(model, store).write(tokens, cache, admit=admit):
+        if not self._link(model, store).write(tokens, cache, admit=self.admit):
             with self._lock:
                 self._counters["store_skipped"] += 1
             return False
