@@ -47,7 +47,7 @@ _LAZY = {
     "PersistentPrefixCache": ".store",
     "fingerprint_model": ".fingerprint",
     "prefill": ".prefill",
-    "FetchReport": ".miss_reasons",
+    "FetchReport": ".core.miss_reasons",
     "PersistentLRUPromptCache": ".compat.lru_prompt_cache",
     # the seed's API (vllm_mlx.prefix_cache / vllm_mlx.paged_cache)
     "PrefixCacheStats": ".compat.prefix_cache",

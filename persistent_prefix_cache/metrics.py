@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from .counters import MISS_REASONS, write_amplification
+from .core.counters import MISS_REASONS, write_amplification
 
 # The HTTP Content-Type of `exposition`'s text.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

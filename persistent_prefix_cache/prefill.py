@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from .costs import PREFILL_STEP
+from .core.costs import PREFILL_STEP
 from .errors import InvalidArgumentError
 from .keys import as_token_array
 from .layers import all_sliced

@@ -12,18 +12,18 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any, Sequence
 
-from .cost_model import CostModel
+from .core.cost_model import CostModel
 from .errors import InvalidArgumentError, ReadOnlyStoreError, StoreClosedError
 from .fingerprint import forget_fingerprints
-from .opening import OPEN_HANDLES, open_parts
+from .core.opening import OPEN_HANDLES, open_parts
 from .options import Options
 from .tiers import REMOTE_TIMEOUT
 from .tiers.memory import MemoryView
-from .writeback import sweep_orphans
+from .core.writeback import sweep_orphans
 
 if TYPE_CHECKING:  # the remote's client is imported only where a remote is configured
-    from .miss_reasons import FetchReport
-    from .remote_fill import RemoteFill
+    from .core.miss_reasons import FetchReport
+    from .core.remote_fill import RemoteFill
 
 
 class PersistentPrefixCache:

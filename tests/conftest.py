@@ -85,7 +85,7 @@ def no_quiet_merges(monkeypatch):
     """A writer's tidy of a burst runs at close only, not after a quiet spell: a test's
     segment layout never depends on how fast the machine ran it (tests/test_prefill.py
     sets the spell itself where it tests it)."""
-    from persistent_prefix_cache import merging
+    from persistent_prefix_cache.core import merging
 
     monkeypatch.setattr(merging, "QUIET_SECONDS", 0.0)
 
@@ -95,7 +95,7 @@ def kernels_compiled():
     """This process has run a forward (a process's first teaches the cost model nothing:
     it compiles the kernels), so what a test's forwards teach never depends on which test
     ran first (tests/test_costs.py tests the first one itself)."""
-    from persistent_prefix_cache.costs import first_forward_here
+    from persistent_prefix_cache.core.costs import first_forward_here
 
     first_forward_here()
 

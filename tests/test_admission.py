@@ -14,7 +14,7 @@ import pytest
 from helpers import BLOCK, prefill, random_tokens, run_python_json, segment_files
 
 from persistent_prefix_cache import PersistentPrefixCache
-from persistent_prefix_cache.admission import SEEN_BITS, SEEN_KEYS, Admission
+from persistent_prefix_cache.core.admission import SEEN_BITS, SEEN_KEYS, Admission
 from persistent_prefix_cache.errors import InvalidArgumentError
 from persistent_prefix_cache.key_filter import KeyFilter
 from persistent_prefix_cache.metrics import Families, exposition, handle_metrics

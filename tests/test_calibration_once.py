@@ -17,9 +17,11 @@ import time
 import pytest
 from helpers import BLOCK, prefill, random_tokens
 
-from persistent_prefix_cache import PersistentPrefixCache, calibration, machine_costs
+from persistent_prefix_cache import PersistentPrefixCache
+
+from persistent_prefix_cache.core import calibration, machine_costs
 from persistent_prefix_cache.compat.prefix_cache import PrefixCacheManager
-from persistent_prefix_cache.costs import Costs
+from persistent_prefix_cache.core.costs import Costs
 
 LINE = "cost model: measured the prefill"
 PROMPT = 25 * BLOCK  # 400 tokens: above the 288 a calibration for a fetch needs

@@ -9,7 +9,7 @@ from helpers import BLOCK, assert_same_logits, cold_logits, prefill, random_toke
 
 from persistent_prefix_cache import PersistentPrefixCache
 from persistent_prefix_cache.device import target as device_target
-from persistent_prefix_cache.costs import Costs
+from persistent_prefix_cache.core.costs import Costs
 from persistent_prefix_cache.keys import as_token_array, chain_keys
 
 
@@ -108,7 +108,7 @@ def _calibrated(model, monkeypatch, tokens: int, seconds) -> tuple[list, list]:
     tokens moves by ``seconds(n)``: the forwards run, and those observed."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from persistent_prefix_cache import calibration as costs_module
+    from persistent_prefix_cache.core import calibration as costs_module
 
     seen, calls, clock = [], [], [0.0]
     monkeypatch.setattr(Costs, "observe_prefill", lambda self, n, s, start=0, forwards=1: seen.append((n, start, s)))
@@ -140,7 +140,7 @@ def test_calibrate_grows_the_prompt_while_a_forward_is_bound_by_its_call(model, 
     # An 8B model on an H200 takes ~12 ms for 32 tokens and for 256 alike: from such
     # timings alone a fit put 256 tokens at 22 ms (and restored them from disk at 2 x the
     # prefill). calibrate doubles the prompt until the tokens show, here never (up to 512).
-    from persistent_prefix_cache import calibration as costs_module
+    from persistent_prefix_cache.core import calibration as costs_module
 
     monkeypatch.setattr(costs_module, "MAX_CALIBRATION_TOKENS", 512)
     _, seen = _calibrated(model, monkeypatch, 64, lambda n: 0.012)
@@ -369,7 +369,7 @@ def test_a_process_first_restore_has_its_own_cost(monkeypatch):
     # A fresh process's first restore from a tier pays one-off costs (kernel compiles, the
     # reader pool, pinned buffers): learned apart from the tier's rate, and counted in the
     # choice until this process has paid them (256 tokens of an 8B model on an H200).
-    from persistent_prefix_cache import costs as costs_module
+    from persistent_prefix_cache.core import costs as costs_module
 
     monkeypatch.setattr(costs_module, "_restored_here", set())
     costs = Costs()
@@ -411,7 +411,7 @@ def test_a_process_first_forward_teaches_nothing(store_dir, model, monkeypatch):
     # It compiles MLX's kernels: a restarted server's first request (a restore, then a
     # one-token forward) taught 0.16 s of compiling as every restore's first-forward cost
     # on an H200, and the next process skipped restores it should have made.
-    from persistent_prefix_cache import costs as costs_module
+    from persistent_prefix_cache.core import costs as costs_module
 
     monkeypatch.setattr(costs_module, "_restored_here", set())  # a new process
     with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:

@@ -18,7 +18,7 @@ from test_serve import FIRST, OTHER, SHAPE, SYSTEM, Server
 
 from persistent_prefix_cache import PersistentPrefixCache
 from persistent_prefix_cache.compat.prefix_cache import PrefixCacheManager
-from persistent_prefix_cache.cost_model import FILE_NAME
+from persistent_prefix_cache.core.cost_model import FILE_NAME
 from persistent_prefix_cache.device.target import device_kind
 from persistent_prefix_cache.lru_prompt_cache import PersistentLRUPromptCache
 from persistent_prefix_cache.tiny_model import write_tiny_model
@@ -114,7 +114,7 @@ def test_ppc_generate_feeds_the_model(tmp_path, tiny_model_dir):
 
 
 def test_the_vllm_mlx_layer_calibrates_once_and_keeps_it(store_dir, model, tmp_path, monkeypatch):
-    from persistent_prefix_cache import machine_costs
+    from persistent_prefix_cache.core import machine_costs
 
     monkeypatch.setattr(machine_costs, "FOLDER", str(tmp_path / "machine"))  # nothing measured before
     tokens = random_tokens(20 * BLOCK, seed=912)

@@ -12,7 +12,7 @@ import pytest
 from helpers import BLOCK, prefill, random_tokens
 
 from persistent_prefix_cache import PersistentPrefixCache
-from persistent_prefix_cache.counters import MISS_REASONS
+from persistent_prefix_cache.core.counters import MISS_REASONS
 from persistent_prefix_cache.metrics import Families, exposition, handle_metrics, store_metrics
 
 parser = pytest.importorskip("prometheus_client.parser")

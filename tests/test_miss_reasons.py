@@ -12,10 +12,10 @@ from families import build
 from helpers import BLOCK, flip_block_byte, nodes_by_position, prefill, random_tokens
 
 from persistent_prefix_cache import PersistentPrefixCache
-from persistent_prefix_cache.counters import MISS_REASONS
+from persistent_prefix_cache.core.counters import MISS_REASONS
 from persistent_prefix_cache.disk import removed
 from persistent_prefix_cache.disk.faults import VARIABLE, hooks_value
-from persistent_prefix_cache.miss_reasons import FetchReport
+from persistent_prefix_cache.core.miss_reasons import FetchReport
 
 
 def open_store(path, model, **kwargs) -> PersistentPrefixCache:

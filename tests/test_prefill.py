@@ -12,7 +12,7 @@ from families import build
 from helpers import BLOCK, assert_same_logits, cold_logits, random_tokens, segment_files
 
 from persistent_prefix_cache import PersistentPrefixCache, prefill
-from persistent_prefix_cache.costs import Costs
+from persistent_prefix_cache.core.costs import Costs
 
 
 class Counted:
@@ -231,7 +231,7 @@ def test_the_package_name_prefill_calls_prefill_however_it_was_imported(store_di
 def test_a_burst_of_small_writes_merges_once_the_writer_is_quiet(store_dir, model, monkeypatch):
     import time
 
-    from persistent_prefix_cache import merging
+    from persistent_prefix_cache.core import merging
 
     monkeypatch.setattr(merging, "QUIET_SECONDS", 0.2)
     tokens = random_tokens(7 * BLOCK, seed=63)
@@ -250,7 +250,7 @@ def test_a_burst_of_small_writes_merges_once_the_writer_is_quiet(store_dir, mode
 def test_a_tidy_at_close_rewrites_a_bounded_amount(store_dir, model, monkeypatch):
     # A server stopped after hours without a quiet spell must not spend its shutdown
     # merging: at close the tidy stops once it has rewritten CLOSE_TIDY_BYTES.
-    from persistent_prefix_cache import merging
+    from persistent_prefix_cache.core import merging
 
     monkeypatch.setattr(merging, "CLOSE_TIDY_BYTES", 1)  # the first merge passes it
     with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:

@@ -18,7 +18,7 @@ import pytest
 from helpers import BLOCK, assert_restores_kv, prefill, random_tokens
 
 from persistent_prefix_cache import PersistentPrefixCache
-from persistent_prefix_cache import restore as restore_module
+from persistent_prefix_cache.core import restore as restore_module
 from persistent_prefix_cache.disk.reads_first import ReadsFirst
 
 EVENT_TIMEOUT = 60.0  # how long a test waits for something that must happen (never a speed)

@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 from test_serve import BLOCK, FIRST, OTHER, Server
 
-from persistent_prefix_cache.counters import MISS_REASONS
+from persistent_prefix_cache.core.counters import MISS_REASONS
 from persistent_prefix_cache.tiny_model import TEST_MODEL
 
 parser = pytest.importorskip("prometheus_client.parser")

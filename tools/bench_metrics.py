@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         out["fetch_short_hit_ms"] = median_ms(lambda: store.fetch(longer[next(which) % len(longer)]), args.rounds)
         out["fetch_miss_ms"] = median_ms(lambda: store.fetch(unseen[next(which) % len(unseen)]), args.rounds)
         try:  # this branch: the reasons' own part, on a lookup of the store's index
-            from persistent_prefix_cache.miss_reasons import MissReasons
+            from persistent_prefix_cache.core.miss_reasons import MissReasons
         except ImportError:
             out["why_miss_us"] = out["why_short_us"] = None
             out["fetch_miss_checks_us"] = out["fetch_short_hit_checks_us"] = None
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             import numpy as np
 
             from persistent_prefix_cache.disk.index import Index
-            from persistent_prefix_cache.lookup import Trie
+            from persistent_prefix_cache.core.lookup import Trie
             from persistent_prefix_cache.tiers.memory import MemoryTier
 
             root, index = bytes.fromhex(store.this_model()["root"]), Index(os.path.join(path, "index"))

@@ -86,7 +86,7 @@ OBSERVED: list = []  # (what, size, seconds) the cost model was told, with --log
 
 def log_costs() -> None:
     """Record every timing the cost model is told (to see what its fits rest on)."""
-    from persistent_prefix_cache.costs import Costs
+    from persistent_prefix_cache.core.costs import Costs
 
     restore, prefill = Costs.observe_restore, Costs.observe_prefill
 

@@ -58,7 +58,7 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from persistent_prefix_cache import PersistentPrefixCache  # noqa: E402
-from persistent_prefix_cache.admission import ADMIT_RULES  # noqa: E402
+from persistent_prefix_cache.core.admission import ADMIT_RULES  # noqa: E402
 from persistent_prefix_cache.compat.lru_prompt_cache import PersistentLRUPromptCache  # noqa: E402
 from persistent_prefix_cache.tiny_model import TEST_MODEL, load_tiny_model, write_tiny_model  # noqa: E402
 

@@ -19,7 +19,7 @@ import os
 from typing import Any, Callable
 
 from ..blocks import Node
-from ..counters import Counters
+from ..core.counters import Counters
 from ..disk.faults import hold_point
 from ..disk.index import Index
 from ..disk.segment import SegmentFiles

@@ -203,7 +203,7 @@ def _summary(result: dict) -> str:
 
 
 def _render(result: dict) -> str:
-    from ..tier_report import describe_tiers
+    from ..core.tier_report import describe_tiers
 
     rows = [
         ("prompt tokens", result["prompt_tokens"]),

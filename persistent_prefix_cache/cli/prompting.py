@@ -509,7 +509,7 @@ class CountingStore:
     def fetch(self, tokens: Any):
         """`PersistentPrefixCache.fetch`, remembering how many tokens it restored and
         which tier served its blocks (`tiers`: see `tier_report.blocks_by_tier`)."""
-        from ..tier_report import blocks_by_tier
+        from ..core.tier_report import blocks_by_tier
 
         started = time.perf_counter()
         before = self._store.stats()

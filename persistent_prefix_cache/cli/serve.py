@@ -34,9 +34,9 @@ import signal
 import sys
 from typing import Any
 
-from ..admission import ADMIT_RULES
+from ..core.admission import ADMIT_RULES
 from ..errors import PrefixCacheError
-from ..tier_report import describe_decisions
+from ..core.tier_report import describe_decisions
 from .common import (
     Parser, UserError, add_disk_budget_option, add_remote_option, add_store_option, add_store_shared_option,
     disk_budget_option, model_folder, parse_size, path_arg, remote_options, run, store_path, unknown_option,
@@ -291,7 +291,7 @@ def memory_budget(provider: Any) -> tuple[int, str]:
     Returns:
         ``(bytes, a few words saying where they come from)``.
     """
-    from ..opening import device_memory
+    from ..core.opening import device_memory
 
     given = getattr(getattr(provider, "cli_args", None), "prompt_cache_bytes", None)
     if given is not None:

@@ -50,12 +50,12 @@ from typing import Any, Callable, Hashable, Sequence, Union
 
 from mlx_lm.models.cache import LRUPromptCache
 
-from ..admission import check_rule
+from ..core.admission import check_rule
 from ..errors import InvalidArgumentError
 from ..keys import TOKEN_MAX, TOKEN_MIN
 from ..layers import cache_length, can_trim, offset_trimmable, trim
 from ..store import PersistentPrefixCache
-from ..tier_report import blocks_by_tier, describe_tiers
+from ..core.tier_report import blocks_by_tier, describe_tiers
 from .open_prompts import OpenPrompts
 from .through import StoreLink, WarnOnce
 

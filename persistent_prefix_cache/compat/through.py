@@ -30,7 +30,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
-from ..costs import PREFILL_STEP
+from ..core.costs import PREFILL_STEP
 from ..errors import InvalidArgumentError, PrefixCacheError
 from ..layers import cache_length
 from ..store import PersistentPrefixCache

@@ -35,14 +35,14 @@ import os
 import threading
 from typing import Any, Callable
 
-from .disk.read_path import read_path
-from .device.buffers import Arena
-from .device.target import Target, host_target
-from .blocks import Node, is_sliced
-from .disk.segment import SegmentFiles
-from .layers import Layout
+from ..disk.read_path import read_path
+from ..device.buffers import Arena
+from ..device.target import Target, host_target
+from ..blocks import Node, is_sliced
+from ..disk.segment import SegmentFiles
+from ..layers import Layout
 from .restore import read_snapshots
-from .tiers.memory import MemoryTier
+from ..tiers.memory import MemoryTier
 
 NICE = 19  # the fill thread's priority: the caller's prefill comes first
 MAX_DELAY = 1.0  # seconds a fill waits at most for the caller's prefill to end

@@ -54,8 +54,8 @@ from typing import Callable
 
 import numpy as np
 
-from .disk.index import Index
-from .keys import block_key
+from ..disk.index import Index
+from ..keys import block_key
 from .lookup import Walk
 from .writeback import WriteBack
 

@@ -22,16 +22,16 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .admission import Admission, check_rule
 from .counters import Counters
-from .device.target import Target
-from .errors import InvalidArgumentError, LayoutMismatchError, StoreCorruptError
-from .keys import as_token_array, chain_keys
-from .layers import Layout, all_sliced, cache_length, signature_of
+from ..device.target import Target
+from ..errors import InvalidArgumentError, LayoutMismatchError, StoreCorruptError
+from ..keys import as_token_array, chain_keys
+from ..layers import Layout, all_sliced, cache_length, signature_of
 from .lookup import Trie
-from .tiers.memory import MemoryTier, tensors_nbytes
+from ..tiers.memory import MemoryTier, tensors_nbytes
 from .writeback import WriteBack
 
 if TYPE_CHECKING:  # the remote's client is imported only where a remote is configured
-    from .tiers.remote import RemoteTier
+    from ..tiers.remote import RemoteTier
 
 log = logging.getLogger("persistent_prefix_cache")
 

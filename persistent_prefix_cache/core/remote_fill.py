@@ -16,16 +16,16 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from .blocks import is_sliced, sliced_spec
+from ..blocks import is_sliced, sliced_spec
 from .costs import Costs
-from .device.buffers import HostBits
-from .device.target import Target
-from .keys import chain_keys
-from .layers import Layout
+from ..device.buffers import HostBits
+from ..device.target import Target
+from ..keys import chain_keys
+from ..layers import Layout
 from .lookup import Trie
-from .tiers.memory import MemoryTier
-from .tiers.remote import RemoteTier
-from .tiers.remote_wire import RemoteBlock
+from ..tiers.memory import MemoryTier
+from ..tiers.remote import RemoteTier
+from ..tiers.remote_wire import RemoteBlock
 from .writeback import WriteBack
 
 

@@ -11,10 +11,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .disk.index import Index, Reader
-from .blocks import HEAD_AT, TOKENS_AT, Node, raw_head
-from .keys import best_continuation, block_key, chain_start, link_key
-from .tiers.memory import MemoryTier
+from ..disk.index import Index, Reader
+from ..blocks import HEAD_AT, TOKENS_AT, Node, raw_head
+from ..keys import best_continuation, block_key, chain_start, link_key
+from ..tiers.memory import MemoryTier
 
 
 class Trie:

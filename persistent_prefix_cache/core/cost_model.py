@@ -26,14 +26,14 @@ import time
 from typing import Any, Callable
 
 from . import machine_costs
-from .blocks import Node
+from ..blocks import Node
 from .calibration import calibrate, first_measured, plausible
 from .costs import Costs, first_forward_here, first_restore_here
-from .device.target import device_kind
+from ..device.target import device_kind
 from .counters import Counters
-from .files import open_regular
+from ..files import open_regular
 from .model_record import ModelRecord
-from .tiers.memory import MemoryTier
+from ..tiers.memory import MemoryTier
 from .warm import Warmer
 from .writeback import WriteBack
 
@@ -94,7 +94,7 @@ class SavedCosts:
             return
         self._saved_at = time.monotonic()
         self.costs.changed = False
-        from .disk.store_dir import TempFile, folder
+        from ..disk.store_dir import TempFile, folder
 
         tmp = None
         try:

@@ -13,27 +13,27 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .admission import Admission
-from .blocks import DEFAULT_BLOCK_SIZE
+from ..blocks import DEFAULT_BLOCK_SIZE
 from .cost_model import CostModel
 from .costs import Costs
 from .counters import HANDLE_COUNTERS, Counters
-from .disk.index import Index
-from .device.target import device_target
-from .disk.segment import SegmentFiles
-from .disk.store_dir import check_location, create_root, missing_folders, undo_creation
-from .errors import InvalidArgumentError, StoreNotWritableError
+from ..disk.index import Index
+from ..device.target import device_target
+from ..disk.segment import SegmentFiles
+from ..disk.store_dir import check_location, create_root, missing_folders, undo_creation
+from ..errors import InvalidArgumentError, StoreNotWritableError
 from .fetching import Fetcher
-from .layers import Layout, template_cache
-from .layers.mlx_lm_versions import layout_variant
+from ..layers import Layout, template_cache
+from ..layers.mlx_lm_versions import layout_variant
 from .lookup import Trie
 from .miss_reasons import MissReasons
 from .model_record import ModelRecord
-from .options import Options, existing_but_not_writable
+from ..options import Options, existing_but_not_writable
 from .parts import Parts
-from .paths import expand_path
+from ..paths import expand_path
 from .storing import Storer
-from .tiers import REMOTE_COUNTERS, REMOTE_QUEUE_BYTES
-from .tiers.memory import MemoryTier
+from ..tiers import REMOTE_COUNTERS, REMOTE_QUEUE_BYTES
+from ..tiers.memory import MemoryTier
 from .warm import Warmer
 from .writeback import WriteBack
 
@@ -164,7 +164,7 @@ def device_memory() -> int:
 
 def weight_bytes(model: Any) -> int:
     """Bytes of a model's parameters (0 for an object that has none)."""
-    from .weights_hash import named_parameters
+    from ..weights_hash import named_parameters
 
     try:
         return sum(int(v.nbytes) for _, v in named_parameters(model))
@@ -223,7 +223,7 @@ def open_parts(
         remote = remote_fill = None
         if o.remote is not None:
             from .remote_fill import RemoteFill  # the remote's client: imported only where used
-            from .tiers.remote import RemoteTier
+            from ..tiers.remote import RemoteTier
 
             remote = RemoteTier(
                 o.remote, root=root, secret=o.remote_secret, ttl=o.remote_ttl, timeout=o.remote_timeout,

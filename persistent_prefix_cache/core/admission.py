@@ -36,9 +36,9 @@ written whole or not at all (whole when all its blocks are admitted).
 
 from __future__ import annotations
 
-from .errors import InvalidArgumentError
-from .key_filter import KeyFilter
-from .keys import block_key
+from ..errors import InvalidArgumentError
+from ..key_filter import KeyFilter
+from ..keys import block_key
 
 ADMIT_RULES = ("always", "seen", "reuse")
 SEEN_BITS = 1 << 22  # bits per generation of the filter: 512 KiB

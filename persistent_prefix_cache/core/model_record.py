@@ -16,10 +16,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .disk.index import Index
-from .fingerprint import cached_fingerprint
-from .keys import TenantRoot, root_key
-from .layers import Layout
+from ..disk.index import Index
+from ..fingerprint import cached_fingerprint
+from ..keys import TenantRoot, root_key
+from ..layers import Layout
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,7 @@ def calibrate(costs: Any, model: Any, make_cache: Callable[[], list], tokens: in
     """
     import mlx.core as mx
 
-    from .errors import InvalidArgumentError
+    from ..errors import InvalidArgumentError
 
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 2:
         raise InvalidArgumentError(f"tokens must be an int >= 2, got {tokens!r}")

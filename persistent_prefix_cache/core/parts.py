@@ -10,19 +10,19 @@ from typing import TYPE_CHECKING, Any
 
 from .cost_model import CostModel
 from .counters import Counters, write_amplification
-from .disk.index import Index
-from .disk.segment import SegmentFiles
+from ..disk.index import Index
+from ..disk.segment import SegmentFiles
 from .fetching import Fetcher
-from .layers import Layout
+from ..layers import Layout
 from .model_record import ModelRecord
 from .storing import Storer
-from .tiers.memory import MemoryTier
+from ..tiers.memory import MemoryTier
 from .warm import Warmer
 from .writeback import WriteBack
 
 if TYPE_CHECKING:  # the remote's client is imported only where a remote is configured
     from .remote_fill import RemoteFill
-    from .tiers.remote import RemoteTier
+    from ..tiers.remote import RemoteTier
 
 
 @dataclass

@@ -16,14 +16,14 @@ from __future__ import annotations
 import numpy as np
 import mlx.core as mx
 
-from .disk.read_path import array_bits, read_path
-from .blocks import Node, dtype_info, is_sliced, mx_uint
-from .device.buffers import allocate
-from .device.readers import reader_pool
-from .device.target import Target
-from .disk.segment import SegmentFiles
-from .layers import JoinedSource, Layout
-from .tiers.memory import MemoryTier
+from ..disk.read_path import array_bits, read_path
+from ..blocks import Node, dtype_info, is_sliced, mx_uint
+from ..device.buffers import allocate
+from ..device.readers import reader_pool
+from ..device.target import Target
+from ..disk.segment import SegmentFiles
+from ..layers import JoinedSource, Layout
+from ..tiers.memory import MemoryTier
 
 _PARALLEL_BYTES = 4 << 20  # below this, handing copies to threads costs more than it saves
 

@@ -27,19 +27,19 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .blocks import Node
+from ..blocks import Node
 from .cost_model import CostModel
 from .counters import Counters
-from .device.target import Target
-from .disk.index import Index
-from .disk.segment import SegmentFiles
-from .errors import StoreCorruptError
-from .keys import as_token_array
-from .layers import Layout
+from ..device.target import Target
+from ..disk.index import Index
+from ..disk.segment import SegmentFiles
+from ..errors import StoreCorruptError
+from ..keys import as_token_array
+from ..layers import Layout
 from .lookup import Trie, Walk, back_off
 from .miss_reasons import FetchReport, MissReasons
 from .restore import restore
-from .tiers.memory import MemoryTier
+from ..tiers.memory import MemoryTier
 from .writeback import WriteBack
 
 if TYPE_CHECKING:  # the remote's client is imported only where a remote is configured

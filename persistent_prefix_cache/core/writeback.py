@@ -31,17 +31,17 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from .device.target import Target
-from .disk.segment import SegmentFiles
-from .disk.compaction import compact_sparse
-from .disk.commit import commit
-from .disk.index import WRITE_ERRORS, Index, Writer
-from .blocks import Node
+from ..device.target import Target
+from ..disk.segment import SegmentFiles
+from ..disk.compaction import compact_sparse
+from ..disk.commit import commit
+from ..disk.index import WRITE_ERRORS, Index, Writer
+from ..blocks import Node
 from .counters import Counters
-from .errors import StoreCorruptError
-from .keys import shared_apart, starts_shared
+from ..errors import StoreCorruptError
+from ..keys import shared_apart, starts_shared
 from .merging import Merges
-from .tiers.memory import MemoryTier
+from ..tiers.memory import MemoryTier
 
 log = logging.getLogger("persistent_prefix_cache")
 

@@ -20,10 +20,10 @@ import time
 from typing import Any, Callable
 
 from .counters import Counters
-from .disk.compaction import merge_chain
-from .disk.index import Index
-from .disk.segment import SegmentFiles
-from .tiers.memory import MemoryTier
+from ..disk.compaction import merge_chain
+from ..disk.index import Index
+from ..disk.segment import SegmentFiles
+from ..tiers.memory import MemoryTier
 
 QUIET_SECONDS = 2.0  # a module setting; tests set 0 (`tidy` then runs at close only)
 MAX_BURST = 100_000  # segments remembered per burst (a writer never quiet forgets the rest)

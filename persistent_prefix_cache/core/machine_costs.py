@@ -32,8 +32,8 @@ from typing import Any
 
 import xxhash
 
-from .files import NotRegularFileError, open_folder, open_regular, replace_beside
-from .untrusted import load_json
+from ..files import NotRegularFileError, open_folder, open_regular, replace_beside
+from ..untrusted import load_json
 
 # The folder's location: None is $XDG_CACHE_HOME/persistent-prefix-cache (~/.cache/... where
 # that is not set), looked up at each use; tests set a folder of their own.
