@@ -195,13 +195,23 @@ def test_admit_writes_a_one_off_prompt_at_its_second_request(serve_model_dir, tm
     # request is one sighting, so the store holds nothing of a prompt after its first
     # request, and its blocks after its second.
     prompt = " ".join(["zebra quartz harbour lantern"] * 12)
+
+    def after_inserts(server: Server, n: int) -> Scrape:
+        # The server inserts a request's cache after its reply is sent: wait for the n-th
+        # insert the store took, then for the writer (at most 30 s each).
+        deadline = time.monotonic() + 30
+        while Scrape(server).by("ppc_server_inserted_sequences", "fate")["stored"] < n:
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.05)
+        return wait_written(server)
+
     with Server(serve_model_dir, tmp_path / "store", tmp_path / "serve.log", "--admit", rule) as server:
         first = server.complete(prompt, max_tokens=1)
-        once = wait_written(server)
+        once = after_inserts(server, 1)
         blocks = first["usage"]["prompt_tokens"] // BLOCK
         assert blocks >= 4 and once.value("ppc_not_admitted_blocks") >= blocks
         assert once.value("ppc_store_blocks") == 0
         server.complete(prompt, max_tokens=1)
-        twice = wait_written(server)
+        twice = after_inserts(server, 2)
         assert twice.value("ppc_store_blocks") >= blocks
         assert server.stop() == 0, server.log()
