@@ -42,16 +42,16 @@ class OpenPrompts:
         """Whether an insert of `tokens` is a checkpoint inside an open request (its
         tokens a strict prefix of a prompt fetched and not answered yet); an insert that
         covers a whole open prompt answers it (it is forgotten) and is no checkpoint."""
-        n = len(tokens)
+        n, toks = len(tokens), tuple(tokens)
         with self._lock:
             prompts = self._open.get(model)
             if not prompts or n == 0:
                 return False
             for at, prompt in reversed(prompts.items()):  # the newest request first
                 m = len(prompt)
-                if n < m and prompt[0] == tokens[0] and prompt[n - 1] == tokens[n - 1] and prompt[:n] == tuple(tokens):
+                if n < m and prompt[n - 1] == toks[n - 1] and prompt[:n] == toks:
                     return True
-                if n >= m and m and tokens[m - 1] == prompt[-1] and tuple(tokens[:m]) == prompt:
+                if n >= m and m and toks[m - 1] == prompt[-1] and toks[:m] == prompt:
                     del prompts[at]
                     return False
         return False
