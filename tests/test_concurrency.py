@@ -69,7 +69,10 @@ def test_four_processes_four_threads_on_one_store(tmp_path, tiny_model_dir):
         timeout=600,
     )
     summary = json.loads(proc.stdout)
-    assert proc.returncode == 0 and summary["ok"], summary
+    if proc.returncode != 0 or not summary["ok"]:
+        # Whole (an assertion's message is cut short): which check failed, and the
+        # traceback of a worker that died on its own.
+        pytest.fail(json.dumps(summary, indent=1), pytrace=False)
     # Every fetch was compared with a cold prefill by the worker that made it.
     assert summary["operations"] > 100 and summary["full_hits"] > 0
     assert summary["corrupt_served"] == 0 and summary["errors"] == 0

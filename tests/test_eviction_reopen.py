@@ -183,3 +183,49 @@ except StoreCorruptError as exc:
     report = ppc("check", "--fix", "--store", store, "--json")
     assert report.returncode == 0, report.stdout
     assert reopens(store) == json.loads(report.stdout)["rebuild"]["blocks"]
+
+
+_COMMITTER = """
+import os, sys, time, lmdb
+env = lmdb.open(sys.argv[1], map_size=1 << 30, max_dbs=8, sync=False)  # commits often: more chances to race
+commits = 0
+while not os.path.exists(sys.argv[2]) and commits < 2000:
+    with env.begin(write=True) as txn:
+        for _ in range(20):  # new pages at the end of the file: it grows with each commit
+            txn.put(os.urandom(16), os.urandom(300))
+    commits += 1
+    time.sleep(0.002)  # sparse commits, as a store's writer makes them
+print(commits)
+"""
+
+
+def test_a_commit_in_another_process_during_the_size_check_is_not_damage(tmp_path):
+    # Seen in a soak: a worker opening the store while another committed was refused
+    # with "holds 5 pages, its trees use 7" (the size was read before the meta page, and
+    # the commit landed between the two reads). Opened beside a committing process many
+    # times, the guard must never call the file damaged.
+    from persistent_prefix_cache.disk import index_files
+    from persistent_prefix_cache.errors import StoreCorruptError
+
+    store = tmp_path / "store"
+    (store / "index").mkdir(parents=True)
+    (store / "segments").mkdir()
+    stop = tmp_path / "stop"
+    writer = subprocess.Popen([sys.executable, "-c", _COMMITTER, str(store / "index"), str(stop)],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    checks, refusals = 0, []
+    try:
+        while not (store / "index" / "data.mdb").exists():
+            time.sleep(0.001)
+        while writer.poll() is None and checks < 200_000:
+            try:
+                with index_files.checked(str(store / "index"), readonly=True, writable=False):
+                    pass
+            except StoreCorruptError as exc:
+                refusals.append(str(exc))
+            checks += 1
+    finally:
+        stop.touch()
+        commits = int(writer.communicate(timeout=60)[0])
+    assert commits >= 300 and checks >= 1000, (commits, checks)  # the two overlapped
+    assert refusals == [], (len(refusals), checks, refusals[:2])

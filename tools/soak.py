@@ -414,6 +414,19 @@ def _first_errors(path: str, limit: int = 3) -> list:
         return []
 
 
+def _crash_logs(workdir: str, limit: int = 3, tail: int = 2000) -> list:
+    """The ends of the worker logs that hold anything (a worker writes there only when it
+    dies on its own: its traceback)."""
+    out = []
+    for name in sorted(os.listdir(workdir)):
+        if name.startswith("worker-") and name.endswith(".log") and len(out) < limit:
+            with open(os.path.join(workdir, name), errors="replace") as f:
+                text = f.read()
+            if text.strip():
+                out.append({"log": name, "tail": text[-tail:]})
+    return out
+
+
 def supervise(args: argparse.Namespace) -> int:
     workdir = tempfile.mkdtemp(prefix="ppc-soak-")
     model = args.model
@@ -473,6 +486,7 @@ def supervise(args: argparse.Namespace) -> int:
         "verify": verified,
         "sizes": sizes,
         "errors_sample": _first_errors(sup.errors_path),
+        "crash_logs": _crash_logs(workdir),
         "workdir": workdir,
         "store": store,
     }

@@ -36,6 +36,7 @@ from __future__ import annotations
 import os
 import secrets
 import stat
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
@@ -44,7 +45,7 @@ from ..files import (
     NotRegularFileError, create_exclusive, kind_of, open_folder, open_regular, pid_alive, pid_of_temp, temp_name,
 )  # fmt: skip
 from . import store_guard
-from .index_pages import DamagedPages, pages_in_use, read_meta
+from .index_pages import DamagedPages, Meta, pages_in_use, read_meta
 from .store_dir import file_mode, folder_fd, segment_file_count
 
 LMDB_FILES = ("data.mdb", "lock.mdb")
@@ -61,9 +62,11 @@ class _KeptChanging(Exception):
     """An LMDB file was replaced every time it was linked (`_pin`)."""
 
 
-# A writer in another process may reuse a page while the walk reads it: read the
-# meta page again and walk again this many times before calling the file damaged.
+# A writer in another process may commit or reuse a page while the size is checked:
+# read the meta page and size again (after RELOOK_S) and check again this many times
+# before calling the file damaged.
 WALK_TRIES = 5
+RELOOK_S = 0.005
 
 
 def anchor(index_path: str) -> tuple[str, str]:
@@ -246,30 +249,48 @@ def sweep_pins(idx: int) -> None:
             pass
 
 
-def _check_size(fd: int, store: str, where: str, *, new: bool) -> None:
-    size = os.fstat(fd).st_size
+def _observe(fd: int) -> tuple[Meta | None, int]:
+    """The newest meta page, then the file's size. In this order: LMDB writes a
+    commit's pages before its meta page, so a size read after a meta covers every page
+    that meta names (read before, a commit landing between the two reads looks like a
+    truncated file)."""
+    meta = read_meta(fd)
+    return meta, os.fstat(fd).st_size
+
+
+def _size_damage(fd: int, store: str, meta: Meta | None, size: int, *, new: bool) -> str | None:
+    """What is wrong with the file's size (None: every page in use is there)."""
     if size == 0 and (new or not segment_file_count(store)):
-        return  # a new index (made here, or by an open beside this one): LMDB writes its meta pages
+        return None  # a new index (made here, or by an open beside this one): LMDB writes its meta pages
     if size < 2 * 4096:
-        raise store_guard.corrupt_index(store, f"{where}/data.mdb is truncated ({size} bytes)")
+        return f"data.mdb is truncated ({size} bytes)"
+    if meta is None:
+        return None  # not an LMDB file at all: LMDB says so (InvalidError)
+    if (meta.last_pgno + 1) * meta.psize <= size:
+        return None  # holds every page there is
+    try:
+        need = pages_in_use(fd, meta, size)
+    except DamagedPages as exc:
+        return str(exc)
+    if need * meta.psize <= size:
+        return None  # shorter than last_pgno, but every page in use is there
+    return f"data.mdb holds {size // meta.psize} pages, its trees use {need}"
+
+
+def _check_size(fd: int, store: str, where: str, *, new: bool) -> None:
+    meta, size = _observe(fd)
     for _ in range(WALK_TRIES):
-        meta = read_meta(fd)
-        if meta is None:
-            return  # not an LMDB file at all: LMDB says so (InvalidError)
-        if (meta.last_pgno + 1) * meta.psize <= size:
-            return  # holds every page there is
-        try:
-            need = pages_in_use(fd, meta, size)
-        except DamagedPages as exc:
-            damage = str(exc)
-        else:
-            if need * meta.psize <= size:
-                return  # shorter than last_pgno, but every page in use is there
-            damage = f"data.mdb holds {size // meta.psize} pages, its trees use {need}"
-        again = read_meta(fd)
-        size = os.fstat(fd).st_size
-        if again is None or again.txnid == meta.txnid:
+        damage = _size_damage(fd, store, meta, size, new=new)
+        if damage is None:
+            return
+        # Damage, or a writer in another process at work: a commit (or a new index's
+        # first pages) landing, a page reused under the walk. Give a write in flight a
+        # moment, then look again: the same meta page and size twice are the file as it is.
+        time.sleep(RELOOK_S)
+        again = _observe(fd)
+        if again == (meta, size):
             raise store_guard.corrupt_index(store, f"{where}/{damage}")
+        meta, size = again
     raise store_guard.corrupt_index(store, f"{where}/data.mdb keeps changing under a walk of its pages")
 
 
