@@ -110,6 +110,11 @@ def child(spec: str) -> int:
         print(json.dumps([probe]))
         return 0
 
+    if args.get("allocation"):
+        from persistent_prefix_cache.device import buffers
+
+        buffers.GPU_ALLOCATION = args["allocation"]
+
     def run():
         store = PersistentPrefixCache(args["path"], _Model(shape["layers"]), fingerprint="profile-restore")
         if args.get("settle"):
@@ -118,6 +123,8 @@ def child(spec: str) -> int:
             if args.get("busy"):  # a server stores the last request's prompt while the next one restores
                 other = [(13 * i + 17 * k) % 30000 + 1 for i in range(args["lengths"][0])]
                 store.store(other, synthetic_cache(len(other), shape, seed=99 + k))
+            if args.get("clear"):  # mlx-lm's server empties MLX's buffer cache after every prefill step
+                mx.clear_cache()
             before = store.stats()
             mx.synchronize()
             started = time.perf_counter()
@@ -187,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small", action="store_true", help="a small shape (to check the tool on a CPU)")
     p.add_argument("--writer", help="FETCHED,WRITTEN tokens: a fetch beside a write, the writer giving way or not")
     p.add_argument("--rounds", type=int, default=4, help="with --writer: fetches per mode")
+    p.add_argument("--modes", default="main,thread,settled,busy",
+                   help="which processes: main, thread, settled, busy, cleared (MLX's buffer cache emptied "
+                   "before each fetch, as mlx-lm's server does), cleared-unwritten (the same, buffers "
+                   "allocated by the unwritten load)")  # fmt: skip
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -205,11 +216,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         build(work / "store", shape, lengths, args.turns)
         out = {}
-        modes = ["probe"] + ["main", "thread", "settled", "busy"] * args.repeat
+        modes = ["probe"] + args.modes.split(",") * args.repeat
         for mode in modes:
             spec = json.dumps({"path": str(work / "store"), "shape": shape, "lengths": lengths, "turns": args.turns,
                                "thread": mode == "thread", "settle": 2.0 if mode in ("settled", "busy") else 0,
-                               "probe": mode == "probe", "busy": mode == "busy"})  # fmt: skip
+                               "probe": mode == "probe", "busy": mode == "busy", "clear": mode.startswith("cleared"),
+                               "allocation": "unwritten" if mode == "cleared-unwritten" else None})  # fmt: skip
             done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", spec],
                                   capture_output=True, text=True, cwd=work)  # fmt: skip
             if done.returncode:

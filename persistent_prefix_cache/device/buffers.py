@@ -138,6 +138,9 @@ class _Unwritten:
 _UNWRITTEN_WORKS = True  # cleared if this MLX cannot load from a file object
 # A module setting, to measure: True allocates restore buffers zero-filled everywhere.
 ALLOCATE_ZEROS = False
+# How a GPU allocates them, to measure: "zeros" (on the device) or "unwritten" (the
+# unwritten file's load, as on the CPU).
+GPU_ALLOCATION = "zeros"
 
 
 def on_gpu() -> bool:
@@ -157,7 +160,7 @@ def allocate(specs: list[tuple[str, tuple[int, ...], str]]) -> dict[str, mx.arra
     global _UNWRITTEN_WORKS
     if not specs:
         return {}
-    if on_gpu() or not _UNWRITTEN_WORKS or ALLOCATE_ZEROS:
+    if (on_gpu() and GPU_ALLOCATION == "zeros") or not _UNWRITTEN_WORKS or ALLOCATE_ZEROS:
         out = {
             name: mx.zeros(shape, dtype=mx_uint(dtype_info(dtype)[1])).view(mx_dtype(dtype))
             for name, shape, dtype in specs

@@ -377,26 +377,27 @@ class Stager:
             self._slot, self._piece = None, memoryview(np.empty(nbytes, dtype=np.uint8))  # type: ignore[arg-type]  # numpy stubs (3.10)
         return self._piece
 
-    def send(self, offsets: list[int], length: int) -> None:
-        """Put the piece `take` gave into the destination: its consecutive stretches of
-        `length` bytes at `offsets` (rows of a field, contiguous in the file, strided in
-        the destination)."""
+    def send(self, offsets: list[int], length: int, at: list[int] | None = None) -> None:
+        """Put the piece `take` gave into the destination: stretches of `length` bytes
+        at `offsets` (rows of a field, strided in the destination), taken from the
+        piece back to back, or from the piece's byte offsets `at`."""
         piece, slot = self._piece, self._slot
+        at = at if at is not None else [i * length for i in range(len(offsets))]
         if slot is not None:
             threads = self.driver._threads
             threads.next = (threads.next + 1) % len(self.ring)
             try:
                 src = slot[0].ctypes.data
-                for i, offset in enumerate(offsets):
-                    self.driver.copy(self.base + offset, src + i * length, length)
+                for offset, where in zip(offsets, at):
+                    self.driver.copy(self.base + offset, src + where, length)
                 self.driver.record(slot[1])
                 slot[2] = True
                 return
             except OSError:
                 _stop_staging()
                 self.driver.wait()  # the copies that did start land before the host writes
-        for i, offset in enumerate(offsets):
-            self.dest[offset : offset + length] = piece[i * length : (i + 1) * length]
+        for offset, where in zip(offsets, at):
+            self.dest[offset : offset + length] = piece[where : where + length]
 
 
 _staging = True  # cleared for the process when a driver call of `Stager` fails

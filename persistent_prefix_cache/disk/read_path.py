@@ -321,12 +321,19 @@ def _read_segments(nodes, where, runs, target: Target) -> dict[bytes, dict[str, 
         For each segment read whole, the digests of its fields (computed by the thread
         that read the field, while its bytes are fresh); None on a short read.
     """
+    staging = target.moves_as_read() and target.stages()
     jobs: list[list[Any]] = []
     for k, span in _groups(where):
         if span is None:
             continue
         seg, (lo, hi) = where[k][0], span
         whole = lo == 0 and hi == len(seg.blocks)
+        # A segment read in part is checked block by block on the host, which on a GPU
+        # moves the pages the stages put on the device back (a server's prompt stored
+        # with the token it generated, fetched again: ~1.6 GB/s on an H100). Where
+        # stages run and the path needs most of it, read it all, hashed in the pinned
+        # pieces, and copy to the device only what the path needs: one check per segment.
+        read_all = whole or (staging and _mostly_needed(seg, lo, hi))
         for f in seg.fields.values():
             first = max(lo, f.first)
             if first >= hi:
@@ -336,7 +343,8 @@ def _read_segments(nodes, where, runs, target: Target) -> dict[bytes, dict[str, 
             r = _run_of(runs, f.name, start, end)
             if r is None:
                 return None
-            jobs.append([seg, f, first, hi, r, (start - r.start) * f.row_bytes, whole, False])
+            keep = None if whole or not read_all else ((start - f.start) * f.row_bytes, (end - f.start) * f.row_bytes)
+            jobs.append([seg, f, first, hi, r, (start - r.start) * f.row_bytes, read_all, False, keep])
     if target.moves_as_read():
         # Every job goes to the GPU as it is read where stages run (`Target.stager`:
         # pinned pieces, the copy engine), whatever segments fill its buffer: a chat stored
@@ -345,7 +353,6 @@ def _read_segments(nodes, where, runs, target: Target) -> dict[bytes, dict[str, 
         # Stages copy into device pages: the buffers go there first, in order on the same
         # stream. Without stages, a buffer one job fills whole moves once read while the
         # other jobs read (H200, 1 GiB: 105 ms against 125 ms moved after the last read).
-        staging = target.stages()
         fills = Counter(id(job[4]) for job in jobs)
         for job in jobs:
             job[7] = staging or (job[6] and fills[id(job[4])] == 1)
@@ -365,16 +372,28 @@ def _read_segments(nodes, where, runs, target: Target) -> dict[bytes, dict[str, 
     return digests
 
 
+def _mostly_needed(seg: OpenSegment, lo: int, hi: int) -> bool:
+    """Whether blocks ``[lo, hi)`` hold at least half of the segment's tokens and every
+    field of it has data there (so that reading it all gives every field's digest)."""
+    blocks = seg.blocks
+    total = blocks[-1][1] + blocks[-1][2] - blocks[0][1]
+    needed = blocks[hi - 1][1] + blocks[hi - 1][2] - blocks[lo][1]
+    return 2 * needed >= total and all(f.first < hi for f in seg.fields.values())
+
+
 def _read_job(job: list, target: Target) -> tuple[bool, int | None]:
     seg: OpenSegment
     r: _Run
-    seg, f, lo, hi, r, offset, whole, move = job  # see `_read_segments`
+    seg, f, lo, hi, r, offset, read_all, move, keep = job  # see `_read_segments`
     stage = target.stager(r.view) if move and r.moving else None
-    if whole:  # the whole field: hashed as it is read, while each piece is in cache
-        digest = seg.read_field_hashed(f, r.view, offset, r.row_stride, stage)
+    if read_all and (keep is None or stage is not None):
+        # The whole field, hashed as it is read, while each piece is in cache.
+        digest = seg.read_field_hashed(f, r.view, offset, r.row_stride, stage, keep)
         if move and digest is not None and stage is None:
             r.moving = target.start_moves([r.view])
         return digest is not None, digest
+    # Without a stager, only the blocks needed: checked one by one after (`_first_bad`).
+    r.checked_on_host = r.checked_on_host or keep is not None
     return seg.read_rows(f, lo, hi, [r.view], [offset], r.row_stride, stage), None
 
 

@@ -382,19 +382,33 @@ class OpenSegment:
             return False
         return True
 
-    def read_field_hashed(self, f: SegmentField, dest: memoryview, offset: int, stride: int, stage=None) -> int | None:
-        """Read every block of field `f` into rows of `dest` (row ``r`` at ``offset + r *
-        stride``), hashing each piece right after it arrives, while it is still in the
-        CPU's cache (a second pass over the whole field would read it from memory again).
+    def read_field_hashed(
+        self,
+        f: SegmentField,
+        dest: memoryview,
+        offset: int,
+        stride: int,
+        stage=None,
+        keep: tuple[int, int] | None = None,
+    ) -> int | None:
+        """Read every block of field `f`, hashing each piece right after it arrives, while
+        it is still in the CPU's cache (a second pass over the whole field would read it
+        from memory again), into rows of `dest` (row ``r`` at ``offset + r * stride``).
 
         Args:
             stage: A stager (`device.cuda.Stager`) for `dest`, if any: each piece is read into its
                 pinned memory, hashed there and copied to `dest` on the device.
+            keep: With a stager, the bytes ``[a, b)`` of each row that go to `dest` (row
+                ``r``'s byte ``a`` at ``offset + r * stride``); the rest is read and
+                hashed only. None: whole rows.
 
         Returns:
             The field's digest (as `field_digest` computes it), None on a short read.
         """
         n = f.tokens * f.row_bytes
+        a, b = keep if keep is not None else (0, n)
+        if stage is None and (a, b) != (0, n):
+            raise ValueError("only a staged read keeps part of each row")
         h = xxhash.xxh3_64()
         h.update(f.run_tag)
         try:
@@ -408,7 +422,8 @@ class OpenSegment:
                     if preadv(self.fd, [piece], self.body + f.at + r * n) != k * n:
                         return None
                     h.update(piece)
-                    stage.send([offset + (r + i) * stride for i in range(k)], n)
+                    if b > a:
+                        stage.send([offset + (r + i) * stride for i in range(k)], b - a, [i * n + a for i in range(k)])
                 return h.intdigest()
             if stage is None and 0 < n < HASH_CHUNK // 2:
                 # Short rows (a segment of a few blocks): as many as fit a chunk in one
@@ -433,8 +448,9 @@ class OpenSegment:
                     if preadv(self.fd, [piece], at + lo) != size:
                         return None
                     h.update(piece)
-                    if stage is not None:
-                        stage.send([start + lo], size)
+                    x, y = max(lo, a), min(lo + size, b)  # the part of this piece kept
+                    if stage is not None and y > x:
+                        stage.send([start + x - a], y - x, [x - lo])
         except OSError:
             return None
         return h.intdigest()
