@@ -334,11 +334,10 @@ class PersistentPrefixCache:
         self._check_open()
         return MemoryView(self._parts.memory)
 
-    def observe_prefill(
-        self, tokens: int, seconds: float, *, start: int = 0, restored: bool = False, forwards: int = 1
-    ) -> None:
-        """Tell the cost model how long a prefill took: see `CostModel.observe_prefill`."""
-        self._parts.costs.observe_prefill(tokens, seconds, start=start, restored=restored, forwards=forwards)
+    def observe_prefill(self, tokens: int, seconds: float, **where: Any) -> None:
+        """Tell the cost model how long a prefill took (``start``, ``restored``,
+        ``forwards``, ``exact``): see `CostModel.observe_prefill`."""
+        self._parts.costs.observe_prefill(tokens, seconds, **where)
 
     def calibrate(
         self, model: Any, *, tokens: int = 512, only_if_unknown: bool = False, prompt: Any = None

@@ -174,7 +174,8 @@ class StoreLink:
             same = False
         if same and not restored:
             calls = -(-(written - held) // PREFILL_STEP)  # the server's forward calls (its default step)
-            self.store.observe_prefill(written - held, now - when, start=held, forwards=calls)
+            # A request's time (queueing, sampling, the answer), not its forwards' alone.
+            self.store.observe_prefill(written - held, now - when, start=held, forwards=calls, exact=False)
         if same:
             self._last_read = (now, prompt, written, False)  # the next segment starts here
 

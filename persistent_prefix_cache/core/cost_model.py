@@ -163,7 +163,14 @@ class CostModel:
     # -- what callers tell it ------------------------------------------------------------
 
     def observe_prefill(
-        self, tokens: int, seconds: float, *, start: int = 0, restored: bool = False, forwards: int = 1
+        self,
+        tokens: int,
+        seconds: float,
+        *,
+        start: int = 0,
+        restored: bool = False,
+        forwards: int = 1,
+        exact: bool = True,
     ) -> None:
         """Tell the cost model that the model computed positions ``[start, start +
         tokens)`` in `seconds` (`prefill()`, ``ppc generate`` and ``ppc serve`` do; so can
@@ -176,6 +183,9 @@ class CostModel:
             restored: This was the first forward on a cache `fetch` had just restored
                 (it teaches the first forward's extra cost, not the prefill rate).
             forwards: How many forward calls it took.
+            exact: False where `seconds` hold more than the forwards (a server's request:
+                queueing, sampling, its answer): they teach the rate, never what one
+                call costs, and a later `calibrate` with ``only_if_unknown`` still measures.
 
         Raises:
             StoreClosedError: If the store is closed.
@@ -186,7 +196,7 @@ class CostModel:
         if restored and start > 0:
             self.learned.observe_first_forward(tokens, seconds, start=start)
         else:
-            self.learned.observe_prefill(tokens, seconds, start=start, forwards=forwards)
+            self.learned.observe_prefill(tokens, seconds, start=start, forwards=forwards, exact=exact)
         self.save_soon()
 
     def resumable_step(self) -> int | None:
@@ -216,8 +226,9 @@ class CostModel:
             tokens: Tokens of the first timed forward (more, up to 4,096, where a forward
                 of that many is bound by its call: a fast GPU).
             only_if_unknown: Measure nothing if the prefill of this model on this
-                device kind is known: measured here, remembered by the store, or measured
-                on this machine before (then taken from there: no forward runs).
+                device kind is known from timed forwards: measured here, remembered by
+                the store, or measured on this machine before (then taken from there: no
+                forward runs). A prefill known only from a server's requests is not.
             prompt: Measure for a fetch of this prompt: nothing unless the store holds
                 a prefix of it (a miss decides nothing: the caller's prefill then teaches
                 the rate), and at most about `calibration.SHARE` of that prefix's
@@ -233,7 +244,7 @@ class CostModel:
         """
         self._check_open()
         costs, device = self.learned, self.saved.device
-        if only_if_unknown and costs.prefill_tokens_per_s is not None:
+        if only_if_unknown and costs.prefill_tokens_per_s is not None and costs.timed_forwards:
             return costs.prefill_tokens_per_s
         key, name = machine_costs.record_key(self._model.model_root, device), self._model.label
         if only_if_unknown:

@@ -147,6 +147,9 @@ class Costs:
         # The fastest single forward call seen: no call's fixed cost can exceed it (a
         # bound on the per-call coefficient, which noise can otherwise inflate).
         self.fastest_forward: float | None = None
+        # Whether the prefill was taught by timed forwards (`calibrate`, `prefill()`, a rate
+        # given), not only by a server's requests, whose time holds more than forwards.
+        self.timed_forwards = False
         self.changed = False  # anything learned since the last save
         self.device: str | None = None  # the device kind the costs are of (`cost_model.SavedCosts`)
         self._lock = threading.Lock()
@@ -163,7 +166,7 @@ class Costs:
     @prefill_tokens_per_s.setter
     def prefill_tokens_per_s(self, rate: float | None) -> None:
         with self._lock:
-            self.prefill, self.fastest_forward = _new_prefill(), None
+            self.prefill, self.fastest_forward, self.timed_forwards = _new_prefill(), None, bool(rate)
             if rate:
                 self.prefill.set((1 / rate, 0.0, 0.0))
             self.changed = True
@@ -188,7 +191,7 @@ class Costs:
         `growth` seconds more per token and position (attention), and `per_forward`
         seconds per forward call of up to `PREFILL_STEP` tokens."""
         with self._lock:
-            self.prefill, self.fastest_forward = _new_prefill(), None
+            self.prefill, self.fastest_forward, self.timed_forwards = _new_prefill(), None, True
             self.prefill.set((1 / tokens_per_s, growth, per_forward))
             self.changed = True
 
@@ -241,14 +244,18 @@ class Costs:
 
     # -- learning ----------------------------------------------------------------------
 
-    def observe_prefill(self, tokens: int, seconds: float, *, start: int = 0, forwards: int = 1) -> None:
+    def observe_prefill(
+        self, tokens: int, seconds: float, *, start: int = 0, forwards: int = 1, exact: bool = True
+    ) -> None:
         """Record that positions ``[start, start + tokens)`` were prefilled in `seconds`,
-        by `forwards` forward calls."""
+        by `forwards` forward calls (`exact`: the seconds are the forwards' alone; else a
+        server's request, which never bounds what one call costs)."""
         if tokens > 0 and seconds > 0 and start >= 0 and forwards >= 1:
             with self._lock:
                 self.prefill.add(_prefill_features(start, start + tokens, forwards), seconds)
-                if forwards == 1:
+                if forwards == 1 and exact:
                     self.fastest_forward = min(seconds, self.fastest_forward or seconds)
+                self.timed_forwards = self.timed_forwards or exact
                 self.changed = True
 
     def observe_restore(self, tier: str, nbytes: int, seconds: float, *, first: bool = False) -> None:
@@ -417,6 +424,7 @@ class Costs:
                 "first_forward_per_token": self.first_forward_per_token,
                 "first_restore": dict(self.first_restore),
                 "fastest_forward": self.fastest_forward,
+                "timed_forwards": self.timed_forwards,
             }
 
     def prefill_record(self) -> dict:
@@ -430,6 +438,7 @@ class Costs:
         with self._lock:
             self.prefill = _new_prefill(prefill)
             self.fastest_forward = None if fastest is None else max(0.0, float(fastest))
+            self.timed_forwards = True  # `calibrate` measured it (`machine_costs`)
             self.changed = True
 
     def load(self, record: dict) -> bool:
@@ -455,4 +464,6 @@ class Costs:
             self.first_restore = once
             fastest = record.get("fastest_forward")
             self.fastest_forward = None if fastest is None else max(0.0, float(fastest))
+            # Older records: a fastest forward was timed by a forward of its own.
+            self.timed_forwards = bool(record.get("timed_forwards", fastest is not None))
         return True

@@ -32,7 +32,8 @@ def describe_decisions(stats: dict) -> str:
     """A store's fetch decisions from its `stats()`, in words: how many fetches hit or
     missed, and of the hits how many restored all, only the RAM tier's part, a shorter
     prefix, or nothing (skipped as slower than recomputing), damaged blocks met, and the
-    costs that decided (the prefill's rate, each tier's rate and fixed cost)."""
+    costs that decided (the prefill's rate and a forward call's cost, each tier's rate and
+    fixed cost)."""
 
     def rate(value, unit: str, scale: float) -> str:
         return "?" if value is None else f"{value / scale:,.1f} {unit}"
@@ -46,6 +47,6 @@ def describe_decisions(stats: dict) -> str:
         f"{stats['queries']} fetches, {stats['hits']} hits, {stats['misses']} misses; "
         f"restored all {stats['restored_all']}, RAM only {stats['restored_ram_only']}, "
         f"shorter {stats['restored_shorter']}, skipped as slower {stats['skipped_slower']}; "
-        f"damaged {stats['corrupt']}; costs: prefill {rate(stats.get('prefill_tokens_per_s'), 'tokens/s', 1)}, "
-        + ", ".join(tiers)
+        f"damaged {stats['corrupt']}; costs: prefill {rate(stats.get('prefill_tokens_per_s'), 'tokens/s', 1)} "
+        f"(a call {rate(stats.get('prefill_per_forward_s'), 'ms', 1e-3)}), " + ", ".join(tiers)
     )
