@@ -80,19 +80,17 @@ def test_a_miss_calibrates_nothing_and_a_requests_time_teaches_the_rate_not_a_ca
         manager.store_cache(tokens, prefill(model, tokens)[1])  # the caller's prefill, timed by the link
         assert manager.store.stats()["prefill_tokens_per_s"] is not None
         # The link timed a request (read to write), not forwards: it teaches the rate but
-        # never bounds what one call costs (on an H100, `ppc serve`'s request overhead
-        # read as a call's cost restored 64 tokens of 2,092 to "save a call").
+        # never what one call costs (on an H100, `ppc serve`'s request overhead read as a
+        # call's cost restored 64 tokens of 2,092 to "save a call").
         assert manager.store.costs.learned.fastest_forward is None
+        assert manager.store.stats()["prefill_per_forward_s"] == 0
     finally:
         manager.close()
     assert LINE not in caplog.text and not folder.exists()
-    # A restarted server's first read of a stored prefix: the forwards are timed once.
+    # A restarted server's first read of a stored prefix: the rate is known (from requests,
+    # remembered by the store), so no calibration forward runs.
     ran, rate, restored = _first_read(tmp_path / "store", model, tokens + [7], forwards)
-    assert ran > 0 and rate is not None and restored and LINE in caplog.text
-    with PersistentPrefixCache(tmp_path / "store", model) as store:
-        assert store.costs.learned.fastest_forward is not None and store.costs.learned.timed_forwards
-    ran, _, restored = _first_read(tmp_path / "store", model, tokens + [9], forwards)
-    assert ran == 0 and restored  # known now: no calibration
+    assert ran == 0 and rate is not None and restored and LINE not in caplog.text
 
 
 def test_a_second_store_of_the_same_model_runs_no_calibration_forward(tmp_path, model, folder, forwards, caplog):
@@ -314,3 +312,24 @@ def test_the_per_user_record_keeps_the_newest_and_writes_atomically(tmp_path, fo
     assert os.listdir(folder) == [machine_costs.FILE_NAME]  # no temporary file left
     assert machine_costs.recall(f"{4:032x}")["prefill"] == record["prefill"]
     assert machine_costs.recall(f"{0:032x}") is None
+
+
+def test_a_read_that_restored_a_prefix_still_teaches_the_prefill_after_it(tmp_path, model, folder, monkeypatch):
+    # A server's prompts share a template's first blocks: a read restores those, then
+    # the server prefills the rest. Taught nothing after such reads, a restarted
+    # `ppc serve` on an H100 knew no rate and calibrated inside a request (1.2 s).
+    from persistent_prefix_cache.core import costs as costs_module
+
+    monkeypatch.setattr(costs_module, "_restored_here", {"forward"})  # not this process's first forward
+    tokens = random_tokens(PROMPT, seed=952)
+    _filled(tmp_path / "store", model, tokens[: 2 * BLOCK])  # the template: 32 tokens, too few to calibrate for
+    manager = PrefixCacheManager(model, store=str(tmp_path / "store"))
+    try:
+        cache, rest = manager.fetch_cache(tokens)
+        assert cache is not None and len(rest) == len(tokens) - 2 * BLOCK
+        assert manager.store.stats()["prefill_tokens_per_s"] is None
+        manager.store_cache(tokens, prefill(model, tokens)[1])  # the server's prefill of the rest, then its write
+        assert manager.store.stats()["prefill_tokens_per_s"] is not None  # taught, as a request
+        assert manager.store.costs.learned.fastest_forward is None
+    finally:
+        manager.close()

@@ -398,13 +398,15 @@ def test_a_long_first_forward_teaches_no_first_forward_cost():
     assert costs.first_forward_per_token is None
     costs.observe_first_forward(16, 0.021, start=500)  # a short one: 5 ms over, 10 us a restored token
     assert costs.first_forward_per_token == pytest.approx(0.005 / 500, rel=1e-3)
-    # Records saved before this rule keep their rates, not their first forward.
+    # Records saved before this rule keep their restore rates, not their first forward
+    # (nor, before version 4, their prefill: it may mix a server's requests in).
     for version in (None, 2):  # before the rule; a constant per restore
         old = dict(costs.record(), first_forward=1.5)
         old.pop("version") if version is None else old.update(version=version)
         again = Costs()
         assert again.load(old) and again.first_forward_per_token is None
-    assert again.prefill_tokens_per_s == pytest.approx(1000.0)
+    assert again.prefill_tokens_per_s is None
+    assert Costs().load(costs.record()) and costs.prefill_tokens_per_s == pytest.approx(1000.0)
 
 
 def test_a_process_first_forward_teaches_nothing(store_dir, model, monkeypatch):
@@ -422,3 +424,43 @@ def test_a_process_first_forward_teaches_nothing(store_dir, model, monkeypatch):
         assert store.stats()["prefill_tokens_per_s"] is not None
         store.observe_prefill(16, 0.5, start=300, restored=True)
         assert store.stats()["first_forward_s_per_token"] is not None
+
+
+def test_a_servers_requests_teach_its_prefill_and_never_a_calls_cost():
+    # `ppc serve` times a request (read to write). On an H100 ~150 ms of each was not its
+    # prefill's, and fitted as a call's cost it restored 64 tokens of 2,092 to "save a
+    # call"; its tokens cost ~13,000 tokens/s there, 3 x what `calibrate`'s forwards show.
+    costs = Costs()
+    for n in (2044, 2080, 7968, 7909, 2209, 8220):
+        costs.observe_prefill(n, 0.15 + n / 13000, forwards=-(-n // 2048), exact=False)
+    assert costs.fastest_forward is None and not costs.timed_forwards
+    coef = costs.figures()
+    assert coef["prefill_per_forward_s"] == 0  # a request's own time is no call's
+    assert costs.prefill_tokens_per_s == pytest.approx(13000, rel=0.05)  # its tokens, as the server runs them
+    # Restoring 64 tokens of 2,092 saves 64 tokens' time, nothing more.
+    saved = costs.prefill_seconds(0, 2092) - costs.prefill_seconds(64, 2092)
+    assert saved == pytest.approx(64 / 13000, rel=0.05)
+    # Timed forwards (a calibration: 10 ms a call) give a call's cost, the requests still the tokens'.
+    for _ in range(2):
+        for n in (32, 256, 512, 1024, 2048):
+            costs.observe_prefill(n, 0.01 + n / 38000)
+    assert costs.timed_forwards and costs.figures()["prefill_per_forward_s"] == pytest.approx(0.01, rel=0.1)
+    assert costs.prefill_seconds(64, 1088) == pytest.approx(1024 / 13000 + 0.01, rel=0.1)
+    # Kept apart in the record, and taken back apart.
+    again = Costs()
+    assert again.load(costs.record()) and again.timed_forwards
+    assert again.prefill_seconds(0, 4096) == pytest.approx(costs.prefill_seconds(0, 4096))
+    # An older record (version 3): its prefill may mix requests in, so it is learned again.
+    older = Costs()
+    assert older.load({**costs.record(), "version": 3}) and older.prefill_tokens_per_s is None
+    assert not older.timed_forwards and older.fastest_forward is None
+
+
+def test_two_requests_alike_still_give_a_rate():
+    # A restarted server's store had seen two 8k prompts, the longer a little faster: fitted
+    # as all overhead, its prefill read as unknown, and its first restore calibrated (0.8 s
+    # inside a request on an H100). The tokens are kept; the overhead goes first.
+    costs = Costs()
+    costs.observe_prefill(8220, 0.70, forwards=5, exact=False)
+    costs.observe_prefill(8255, 0.69, forwards=5, exact=False)
+    assert costs.prefill_tokens_per_s == pytest.approx(8237 / 0.695, rel=0.02)

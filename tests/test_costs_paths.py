@@ -164,7 +164,9 @@ def test_serve_measures_once_per_model_and_machine_where_it_may_restore(costs_se
         assert server.stop() == 0
         assert measured not in server.log()
     (per_device,) = _records(store).values()
-    assert per_device[device_kind()]["prefill"][0] > 0
+    # Taught by a request's time: kept apart from timed forwards (it holds more than them).
+    assert per_device[device_kind()]["prefill_requests"][0] > 0 and per_device[device_kind()]["prefill"][0] == 0
+    assert per_device[device_kind()]["timed_forwards"] is False
     assert per_device[device_kind()]["first_forward_per_token"] is None
     with Server(costs_serve_model_dir, store, tmp_path / "two.log") as server:
         server.chat(OTHER)  # the same system prompt: restored from the store

@@ -258,6 +258,9 @@ class Bench:
         path = self.scratch(name).with_suffix(".json")
         path.write_text(json.dumps(spec))
         log = path.with_suffix(".log")
+        # This process's freed buffers stay in MLX's cache (up to most of the device): give
+        # them back, or a child loading a second copy of an 8B model ran out of an H100's 80 GB.
+        mx.clear_cache()
         with open(log, "w") as err:
             proc = subprocess.run([sys.executable, __file__, "--child", str(path)], stdout=subprocess.PIPE,
                                   stderr=err, text=True, timeout=900)  # fmt: skip

@@ -7,10 +7,12 @@ become one warning per cause, never a failed request.
 
 The link also feeds the store's cost model what it can observe: a write of a prefix of
 the prompt last read (a server saving the cache at the end of a prompt segment, before
-any token is generated) took the prefill of the tokens since that read. A write that
-holds generated tokens also holds their decoding, and teaches nothing; nor does one after
-a read that restored something: the time since holds the server's whole request (merging
-the cache into its batch, sampling), which a first forward's own cost would be blamed for. Where the model
+any token is generated) took the prefill of the tokens since that read, within a
+request's own time (merging the cache into its batch, sampling): taught as a request
+(``exact=False``: `costs.Costs.prefill_requests`), after a read that restored something
+too (the prompts of a server share a template's first blocks: skipping those, a server
+learned nothing). A write that holds generated tokens also holds their decoding, and
+teaches nothing. Where the model
 is known and the store does not know its prefill on this device kind, a read takes the
 rate this machine measured before for the model, if there is one; else the first read
 that finds a stored prefix measures it, on the reading thread (the one that runs the
@@ -105,8 +107,8 @@ class StoreLink:
         self.model = model
         self._warn = warn
         self._errors = errors
-        # (when, prompt length, positions the cache held, whether the store restored them)
-        self._last_read: tuple[float, Any, int, bool] | None = None
+        # (when, the prompt, positions the cache held)
+        self._last_read: tuple[float, Any, int] | None = None
         self._calibrated = model is None
 
     def calibrate(self, model: Any = None, prompt: Any = None) -> None:
@@ -142,7 +144,7 @@ class StoreLink:
             self._warn(("read", type(exc)), f"could not read the store: {exc}")
             return None, tokens
         held = len(tokens) - len(rest) if cache is not None else have
-        self._last_read = (time.perf_counter(), tokens, held, cache is not None)
+        self._last_read = (time.perf_counter(), tokens, held)
         return cache, rest
 
     def write(self, tokens: Any, cache: Sequence[Any], *, admit: str = "always") -> bool:
@@ -164,7 +166,7 @@ class StoreLink:
         last, self._last_read = self._last_read, None
         if last is None or self.store is None:
             return
-        when, prompt, held, restored = last
+        when, prompt, held = last
         now, written = time.perf_counter(), len(tokens)
         try:  # another request's prompt (a server interleaves them) teaches nothing
             same = held < written <= len(prompt) and np.array_equal(
@@ -172,12 +174,11 @@ class StoreLink:
             )
         except (TypeError, ValueError):
             same = False
-        if same and not restored:
+        if same:
             calls = -(-(written - held) // PREFILL_STEP)  # the server's forward calls (its default step)
             # A request's time (queueing, sampling, the answer), not its forwards' alone.
             self.store.observe_prefill(written - held, now - when, start=held, forwards=calls, exact=False)
-        if same:
-            self._last_read = (now, prompt, written, False)  # the next segment starts here
+            self._last_read = (now, prompt, written)  # the next segment starts here
 
     def close(self) -> None:
         """Close the store if this link opened it (from a path); idempotent."""

@@ -183,9 +183,8 @@ class CostModel:
             restored: This was the first forward on a cache `fetch` had just restored
                 (it teaches the first forward's extra cost, not the prefill rate).
             forwards: How many forward calls it took.
-            exact: False where `seconds` hold more than the forwards (a server's request:
-                queueing, sampling, its answer): they teach the rate, never what one
-                call costs, and a later `calibrate` with ``only_if_unknown`` still measures.
+            exact: False where `seconds` are a request's, not its forwards' alone (a
+                server's: queueing, sampling, its answer; `costs.Costs.prefill_requests`).
 
         Raises:
             StoreClosedError: If the store is closed.
@@ -226,9 +225,9 @@ class CostModel:
             tokens: Tokens of the first timed forward (more, up to 4,096, where a forward
                 of that many is bound by its call: a fast GPU).
             only_if_unknown: Measure nothing if the prefill of this model on this
-                device kind is known from timed forwards: measured here, remembered by
-                the store, or measured on this machine before (then taken from there: no
-                forward runs). A prefill known only from a server's requests is not.
+                device kind is known: measured here (a server's requests included),
+                remembered by the store, or measured on this machine before (then taken
+                from there: no forward runs).
             prompt: Measure for a fetch of this prompt: nothing unless the store holds
                 a prefix of it (a miss decides nothing: the caller's prefill then teaches
                 the rate), and at most about `calibration.SHARE` of that prefix's
@@ -244,7 +243,7 @@ class CostModel:
         """
         self._check_open()
         costs, device = self.learned, self.saved.device
-        if only_if_unknown and costs.prefill_tokens_per_s is not None and costs.timed_forwards:
+        if only_if_unknown and costs.prefill_tokens_per_s is not None:
             return costs.prefill_tokens_per_s
         key, name = machine_costs.record_key(self._model.model_root, device), self._model.label
         if only_if_unknown:

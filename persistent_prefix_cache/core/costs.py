@@ -54,8 +54,10 @@ SNAPSHOT_OVERHEAD = 0.05
 # prompts it would have restored 80 x faster than their prefill).
 FIRST_FORWARD_TOKENS = 256
 # Saved records of this version and later hold a first forward learned as above and per
-# restored token (older ones' is ignored, the rest of them kept).
-RECORD_VERSION = 3
+# restored token (older ones' is ignored, the rest of them kept); from 4 on, a server's
+# requests apart from timed forwards (`Costs.prefill_requests`: an older prefill may
+# mix them, and is dropped).
+RECORD_VERSION = 4
 MAX_AGE = 30 * 24 * 3600.0
 TIERS = ("ram", "disk", "remote")
 # Tiers this process has restored from (and "forward" once it ran one, `first_forward_here`):
@@ -114,6 +116,11 @@ def _prefill_order(sums: list[float]) -> tuple[int, ...]:
     return (0, 2, 1) if per_forward >= LARGE_FORWARD else (2, 0, 1)
 
 
+def _new_requests(sums: list[float] | None = None) -> Fit:
+    # Features (tokens, growth, 1): the tokens first, then a request's own time, then growth.
+    return Fit((0, 2, 1), sums)  # the tokens kept first: two requests alike must not read as all overhead
+
+
 def _new_restore(sums: list[float] | None = None) -> Fit:
     return Fit((1, 0), sums)  # features (1, bytes): the rate first, then the fixed cost
 
@@ -138,6 +145,14 @@ class Costs:
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
         self.prefill = _new_prefill()  # seconds ~ a·tokens + b·(end² − start²)/2 + c·forwards
+        # The prefill as a server's requests show it (`observe_prefill(exact=False)`):
+        # seconds ~ a·tokens + b·(e² − s²)/2 + r, `r` a request's own time (queueing,
+        # sampling, the answer), which no restore saves. Where a caller's prefill is a
+        # server's, its tokens cost what they cost there: mlx-lm's server prefilled 2k
+        # tokens of a 3B model ~3 x slower than `calibrate`'s forwards (H100). Fitted
+        # with the forwards' features, `r` read as a call's cost (~144 ms) and restores
+        # of 64 tokens of 2,092 "saved a call".
+        self.prefill_requests = _new_requests()
         self.restore: dict[str, Fit] = {}  # tier -> seconds ~ fixed·1 + (1/rate)·bytes
         # Seconds per restored token a first forward on a restored cache costs beyond one on
         # a grown cache: mlx-lm copies what was restored (docs/cost-model.md).
@@ -147,8 +162,7 @@ class Costs:
         # The fastest single forward call seen: no call's fixed cost can exceed it (a
         # bound on the per-call coefficient, which noise can otherwise inflate).
         self.fastest_forward: float | None = None
-        # Whether the prefill was taught by timed forwards (`calibrate`, `prefill()`, a rate
-        # given), not only by a server's requests, whose time holds more than forwards.
+        # Whether `prefill` was taught by timed forwards (`calibrate`, `prefill()`, a rate given).
         self.timed_forwards = False
         self.changed = False  # anything learned since the last save
         self.device: str | None = None  # the device kind the costs are of (`cost_model.SavedCosts`)
@@ -167,6 +181,7 @@ class Costs:
     def prefill_tokens_per_s(self, rate: float | None) -> None:
         with self._lock:
             self.prefill, self.fastest_forward, self.timed_forwards = _new_prefill(), None, bool(rate)
+            self.prefill_requests = _new_requests()
             if rate:
                 self.prefill.set((1 / rate, 0.0, 0.0))
             self.changed = True
@@ -192,6 +207,7 @@ class Costs:
         seconds per forward call of up to `PREFILL_STEP` tokens."""
         with self._lock:
             self.prefill, self.fastest_forward, self.timed_forwards = _new_prefill(), None, True
+            self.prefill_requests = _new_requests()
             self.prefill.set((1 / tokens_per_s, growth, per_forward))
             self.changed = True
 
@@ -230,9 +246,15 @@ class Costs:
         return min(longest, max(1, math.ceil(tokens / block_size)) * block_size)
 
     def _prefill_coefficients(self) -> list[float] | None:
-        coef = self.prefill.coefficients()
+        """(per token, growth, per forward call): a server's requests' per token and
+        growth where it has timed any (a call's cost then from timed forwards, else 0),
+        else the timed forwards'."""
+        coef = self.prefill.coefficients() if self.timed_forwards else None
         if coef is not None and self.fastest_forward is not None:
             coef[2] = min(coef[2], self.fastest_forward)
+        requests = self.prefill_requests.coefficients()
+        if requests is not None and requests[0] > 0:
+            return [requests[0], requests[1], coef[2] if coef is not None else 0.0]
         return coef
 
     def _restore_seconds(self, tier: str, nbytes: int) -> float | None:
@@ -252,7 +274,10 @@ class Costs:
         server's request, which never bounds what one call costs)."""
         if tokens > 0 and seconds > 0 and start >= 0 and forwards >= 1:
             with self._lock:
-                self.prefill.add(_prefill_features(start, start + tokens, forwards), seconds)
+                if exact:
+                    self.prefill.add(_prefill_features(start, start + tokens, forwards), seconds)
+                else:  # (tokens, growth, 1): a request's own time in place of its calls
+                    self.prefill_requests.add(_prefill_features(start, start + tokens, forwards)[:2] + (1.0,), seconds)
                 if forwards == 1 and exact:
                     self.fastest_forward = min(seconds, self.fastest_forward or seconds)
                 self.timed_forwards = self.timed_forwards or exact
@@ -420,6 +445,7 @@ class Costs:
                 "version": RECORD_VERSION,
                 "saved": time.time(),
                 "prefill": list(self.prefill.sums),
+                "prefill_requests": list(self.prefill_requests.sums),
                 "restore": {tier: list(fit.sums) for tier, fit in self.restore.items()},
                 "first_forward_per_token": self.first_forward_per_token,
                 "first_restore": dict(self.first_restore),
@@ -451,19 +477,24 @@ class Costs:
             if time.time() - float(record["saved"]) > MAX_AGE:
                 return False
             prefill = [float(v) for v in record["prefill"]]
+            requests = record.get("prefill_requests")
+            requests = None if requests is None else [float(v) for v in requests]
             restore = {str(t): [float(v) for v in s] for t, s in record.get("restore", {}).items() if t in TIERS}
             first = record.get("first_forward_per_token") if record.get("version", 1) >= RECORD_VERSION else None
             first = None if first is None else max(0.0, float(first))
             once = {str(t): max(0.0, float(v)) for t, v in (record.get("first_restore") or {}).items() if t in TIERS}
         except (KeyError, TypeError, ValueError, AttributeError):
             return False
+        timed = record.get("timed_forwards")
+        if record.get("version", 1) < RECORD_VERSION or not isinstance(timed, bool):
+            prefill, requests, timed = [], [], False  # an older prefill may mix requests in: learned again
         with self._lock:
-            self.prefill = _new_prefill(prefill)
+            self.prefill = _new_prefill(prefill or None)
+            self.prefill_requests = _new_requests(requests or None)
             self.restore = {tier: _new_restore(sums) for tier, sums in restore.items()}
             self.first_forward_per_token = first
             self.first_restore = once
-            fastest = record.get("fastest_forward")
+            fastest = record.get("fastest_forward") if timed else None
             self.fastest_forward = None if fastest is None else max(0.0, float(fastest))
-            # Older records: a fastest forward was timed by a forward of its own.
-            self.timed_forwards = bool(record.get("timed_forwards", fastest is not None))
+            self.timed_forwards = timed
         return True
