@@ -108,16 +108,36 @@ class _HostDriver:
         pass
 
 
-def _fetches(monkeypatch, store_dir, family, driver, piece, fill=None):
-    """One prompt stored (by `fill(store, model, tokens)` if given), then fetched
-    plainly and through the stages: the logits of both restored caches fed the last token."""
+class _Counting(_HostDriver):
+    """A `_HostDriver` that counts the bytes copied to the "device"."""
+
+    bytes = 0
+
+    def copy(self, dst, src, nbytes):
+        self.bytes += nbytes
+        super().copy(dst, src, nbytes)
+
+
+def _stage(monkeypatch, driver, piece: int) -> None:
+    """From now on restores go through the stages, `driver` standing for CUDA's."""
+    monkeypatch.setattr(cuda, "on_cuda", lambda: True)
+    monkeypatch.setattr(cuda, "_get_driver", lambda: driver)
+    monkeypatch.setattr(cuda, "STAGE_PIECE", piece)
+    monkeypatch.setattr(cuda, "_staging", True)
+
+
+def _fetches(monkeypatch, store_dir, family, driver, piece, fill=None, ask=None, seed=4242):
+    """One prompt stored (by `fill(store, model, tokens)` if given), then fetched (``ask(tokens)``,
+    else the prompt and one token more) plainly and through the stages: the logits of
+    both restored caches fed their last token."""
     from families import build
     from helpers import BLOCK, prefill, random_tokens, warm_logits
 
     from persistent_prefix_cache import PersistentPrefixCache
 
     model = build(family)
-    tokens = [t % 256 for t in random_tokens(150, seed=4242)]
+    tokens = [t % 256 for t in random_tokens(150, seed=seed)]
+    prompt = ask(tokens) if ask is not None else tokens + [3]
     options = dict(block_size=BLOCK, fingerprint="staged", memory_bytes=0)
     with PersistentPrefixCache(store_dir, model, sync_writes=True, **options) as store:
         if fill is None:
@@ -127,13 +147,10 @@ def _fetches(monkeypatch, store_dir, family, driver, piece, fill=None):
     logits = []
     for staged in (False, True):
         if staged:
-            monkeypatch.setattr(cuda, "on_cuda", lambda: True)
-            monkeypatch.setattr(cuda, "_get_driver", lambda: driver)
-            monkeypatch.setattr(cuda, "STAGE_PIECE", piece)
-            monkeypatch.setattr(cuda, "_staging", True)
+            _stage(monkeypatch, driver, piece)
         with PersistentPrefixCache(store_dir, model, **options) as store:
-            restored, rest = store.fetch(tokens + [3])
-        assert list(rest) == [3]
+            restored, rest = store.fetch(prompt)
+        assert list(rest) == prompt[-1:]
         logits.append(np.array(warm_logits(model, restored, rest)))
     return logits
 
@@ -176,12 +193,7 @@ def test_a_path_over_several_segments_is_staged_and_bitwise(monkeypatch, store_d
             store.store(tokens[:end], prefill(model, tokens[:end])[1])
         assert store.stats()["blocks"] == len(tokens) // BLOCK + 1 + 2  # the other prompt's own two
 
-    class Counting(_HostDriver):
-        def copy(self, dst, src, nbytes):
-            self.bytes = getattr(self, "bytes", 0) + nbytes
-            super().copy(dst, src, nbytes)
-
-    driver = Counting()
+    driver = _Counting()
     plain, staged = _fetches(monkeypatch, store_dir, "llama", driver, piece, fill=fill)
     assert np.array_equal(plain, staged)
     # Every restored byte of KV came through a copy: 150 tokens x 4 layers x 2 fields x
@@ -202,42 +214,19 @@ def test_a_segment_the_path_mostly_needs_is_read_whole_and_checked_once(monkeypa
     # hashed in the pinned pieces, verified by its one digest; only the blocks the path
     # needs are copied to the device, and the restore is bitwise the plain one.
     from families import build
-    from helpers import BLOCK, prefill, random_tokens, warm_logits
+    from helpers import BLOCK, prefill
 
-    from persistent_prefix_cache import PersistentPrefixCache
     from persistent_prefix_cache.disk.segment_reader import OpenSegment
 
-    model = build("llama")
-    tokens = [t % 256 for t in random_tokens(150, seed=4646)]
-    asked = tokens[: 7 * BLOCK + 3]  # 8 of the segment's 10 blocks (9 whole, a tail of 6)
-    options = dict(block_size=BLOCK, fingerprint="staged", memory_bytes=0)
-    with PersistentPrefixCache(store_dir, model, sync_writes=True, **options) as store:
-        store.store(tokens, prefill(model, tokens)[1])
-    checked = []
+    checked = []  # whether each block checked on the host was checked by a staged restore
     real = OpenSegment.block_digest
-    monkeypatch.setattr(OpenSegment, "block_digest", lambda self, *a: checked.append(1) or real(self, *a))
-
-    class Counting(_HostDriver):
-        def copy(self, dst, src, nbytes):
-            self.bytes = getattr(self, "bytes", 0) + nbytes
-            super().copy(dst, src, nbytes)
-
-    driver, logits, rests = Counting(), [], []
-    for staged in (False, True):
-        if staged:
-            monkeypatch.setattr(cuda, "on_cuda", lambda: True)
-            monkeypatch.setattr(cuda, "_get_driver", lambda: driver)
-            monkeypatch.setattr(cuda, "STAGE_PIECE", piece)
-            monkeypatch.setattr(cuda, "_staging", True)
-        checked.clear()
-        with PersistentPrefixCache(store_dir, model, **options) as store:
-            restored, rest = store.fetch(asked)
-        rests.append(list(rest))
-        logits.append(np.array(warm_logits(model, restored, rest)))
-    assert rests[0] == rests[1] == asked[-1:]  # the 8th block restored in part
-    assert np.array_equal(logits[0], logits[1])
-    assert checked == []  # one digest for the segment, no block checked on the host
-    per_token = sum((c.keys.nbytes + c.values.nbytes) // c.keys.shape[2] for c in prefill(model, [1])[1])
+    monkeypatch.setattr(OpenSegment, "block_digest", lambda self, *a: checked.append(cuda.on_cuda()) or real(self, *a))
+    driver = _Counting()
+    ask = lambda tokens: tokens[: 7 * BLOCK + 3]  # noqa: E731  # 8 of the segment's 10 blocks (9 whole, a tail of 6)
+    plain, staged = _fetches(monkeypatch, store_dir, "llama", driver, piece, ask=ask, seed=4646)
+    assert np.array_equal(plain, staged)
+    assert False in checked and True not in checked  # the plain restore checks blocks; the staged one none
+    per_token = sum((c.keys.nbytes + c.values.nbytes) // c.keys.shape[2] for c in prefill(build("llama"), [1])[1])
     assert driver.bytes == 8 * BLOCK * per_token  # only the blocks asked for went to the device
 
 
@@ -299,10 +288,7 @@ def test_a_damaged_segment_is_checked_after_the_copies_land(monkeypatch, store_d
         store.store(tokens, prefill(model, tokens)[1])
     flip_block_byte(store_dir, nodes_by_position(store_dir)[2], at=7)
     driver = _LateDriver()
-    monkeypatch.setattr(cuda, "on_cuda", lambda: True)
-    monkeypatch.setattr(cuda, "_get_driver", lambda: driver)
-    monkeypatch.setattr(cuda, "STAGE_PIECE", 1 << 20)
-    monkeypatch.setattr(cuda, "_staging", True)
+    _stage(monkeypatch, driver, 1 << 20)
     prompt = tokens + [3] if asked == "all" else tokens[: 7 * BLOCK]
     with PersistentPrefixCache(store_dir, model, **options) as store:
         restored, rest = store.fetch(prompt)
