@@ -12,13 +12,12 @@ request's own time (merging the cache into its batch, sampling): taught as a req
 (``exact=False``: `costs.Costs.prefill_requests`), after a read that restored something
 too (the prompts of a server share a template's first blocks: skipping those, a server
 learned nothing). A write that holds generated tokens also holds their decoding, and
-teaches nothing. Where the model
-is known and the store does not know its prefill on this device kind, a read takes the
-rate this machine measured before for the model, if there is one; else the first read
-that finds a stored prefix measures it, on the reading thread (the one that runs the
-model, as MLX wants), by forwards costing at most about a quarter of that prefix's
-prefill (`PersistentPrefixCache.calibrate` with ``prompt=``). A read that finds nothing
-runs no forward: the prefill the caller then runs teaches the rate.
+teaches nothing. Where the model is known and the store does not know its prefill on
+this device kind, a read takes the rate this machine measured before for the model, if
+there is one; else the first read that finds a stored prefix measures it, on the reading
+thread (the one that runs the model, as MLX wants), by forwards costing at most about a
+quarter of that prefix's prefill (`PersistentPrefixCache.calibrate` with ``prompt=``). A
+read that finds nothing runs no forward: the prefill the caller then runs teaches the rate.
 """
 
 from __future__ import annotations
