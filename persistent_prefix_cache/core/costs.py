@@ -53,10 +53,9 @@ SNAPSHOT_OVERHEAD = 0.05
 # calibration on a CPU, put 1.5 s on every later restore, which then skipped 512-token
 # prompts it would have restored 80 x faster than their prefill).
 FIRST_FORWARD_TOKENS = 256
-# Saved records of this version and later hold a first forward learned as above and per
-# restored token (older ones' is ignored, the rest of them kept); from 4 on, a server's
-# requests apart from timed forwards (`Costs.prefill_requests`: an older prefill may
-# mix them, and is dropped).
+# Saved records older than this are read without their first forward (learned as above,
+# per restored token, since version 3) and without their prefill (since version 4 a
+# server's requests are kept apart, `Costs.prefill_requests`; before, they may be mixed in).
 RECORD_VERSION = 4
 MAX_AGE = 30 * 24 * 3600.0
 TIERS = ("ram", "disk", "remote")
@@ -162,8 +161,6 @@ class Costs:
         # The fastest single forward call seen: no call's fixed cost can exceed it (a
         # bound on the per-call coefficient, which noise can otherwise inflate).
         self.fastest_forward: float | None = None
-        # Whether `prefill` was taught by timed forwards (`calibrate`, `prefill()`, a rate given).
-        self.timed_forwards = False
         self.changed = False  # anything learned since the last save
         self.device: str | None = None  # the device kind the costs are of (`cost_model.SavedCosts`)
         self._lock = threading.Lock()
@@ -180,11 +177,20 @@ class Costs:
     @prefill_tokens_per_s.setter
     def prefill_tokens_per_s(self, rate: float | None) -> None:
         with self._lock:
-            self.prefill, self.fastest_forward, self.timed_forwards = _new_prefill(), None, bool(rate)
-            self.prefill_requests = _new_requests()
+            self._forget_prefill()
             if rate:
                 self.prefill.set((1 / rate, 0.0, 0.0))
-            self.changed = True
+
+    @property
+    def timed_forwards(self) -> bool:
+        """Whether `prefill` was taught by timed forwards (`calibrate`, `prefill()`, a rate
+        given), not only by a server's requests (`prefill_requests`)."""
+        return any(self.prefill.sums)
+
+    def _forget_prefill(self) -> None:
+        """Forget both prefill fits and the fastest forward (the lock held)."""
+        self.prefill, self.prefill_requests, self.fastest_forward = _new_prefill(), _new_requests(), None
+        self.changed = True
 
     @property
     def restore_bytes_per_s(self) -> dict[str, float]:
@@ -206,10 +212,8 @@ class Costs:
         `growth` seconds more per token and position (attention), and `per_forward`
         seconds per forward call of up to `PREFILL_STEP` tokens."""
         with self._lock:
-            self.prefill, self.fastest_forward, self.timed_forwards = _new_prefill(), None, True
-            self.prefill_requests = _new_requests()
+            self._forget_prefill()
             self.prefill.set((1 / tokens_per_s, growth, per_forward))
-            self.changed = True
 
     def set_restore(self, rates: dict[str, float], fixed: dict[str, float] | None = None) -> None:
         """Set the restore rates (bytes/s) and fixed costs (seconds) per tier."""
@@ -249,7 +253,7 @@ class Costs:
         """(per token, growth, per forward call): a server's requests' per token and
         growth where it has timed any (a call's cost then from timed forwards, else 0),
         else the timed forwards'."""
-        coef = self.prefill.coefficients() if self.timed_forwards else None
+        coef = self.prefill.coefficients()
         if coef is not None and self.fastest_forward is not None:
             coef[2] = min(coef[2], self.fastest_forward)
         requests = self.prefill_requests.coefficients()
@@ -280,7 +284,6 @@ class Costs:
                     self.prefill_requests.add(_prefill_features(start, start + tokens, forwards)[:2] + (1.0,), seconds)
                 if forwards == 1 and exact:
                     self.fastest_forward = min(seconds, self.fastest_forward or seconds)
-                self.timed_forwards = self.timed_forwards or exact
                 self.changed = True
 
     def observe_restore(self, tier: str, nbytes: int, seconds: float, *, first: bool = False) -> None:
@@ -464,7 +467,6 @@ class Costs:
         with self._lock:
             self.prefill = _new_prefill(prefill)
             self.fastest_forward = None if fastest is None else max(0.0, float(fastest))
-            self.timed_forwards = True  # `calibrate` measured it (`machine_costs`)
             self.changed = True
 
     def load(self, record: dict) -> bool:
@@ -485,16 +487,14 @@ class Costs:
             once = {str(t): max(0.0, float(v)) for t, v in (record.get("first_restore") or {}).items() if t in TIERS}
         except (KeyError, TypeError, ValueError, AttributeError):
             return False
-        timed = record.get("timed_forwards")
-        if record.get("version", 1) < RECORD_VERSION or not isinstance(timed, bool):
-            prefill, requests, timed = [], [], False  # an older prefill may mix requests in: learned again
+        if record.get("version", 1) < RECORD_VERSION:
+            prefill, requests = [], []  # an older prefill may mix requests in: learned again
         with self._lock:
             self.prefill = _new_prefill(prefill or None)
             self.prefill_requests = _new_requests(requests or None)
             self.restore = {tier: _new_restore(sums) for tier, sums in restore.items()}
             self.first_forward_per_token = first
             self.first_restore = once
-            fastest = record.get("fastest_forward") if timed else None
+            fastest = record.get("fastest_forward") if self.timed_forwards else None
             self.fastest_forward = None if fastest is None else max(0.0, float(fastest))
-            self.timed_forwards = timed
         return True
