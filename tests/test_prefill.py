@@ -80,6 +80,25 @@ def test_an_attention_model_runs_mlx_lms_forwards_and_is_stored_once(store_dir, 
         assert_same_logits(logits[0], cold_logits(model, longer))
 
 
+def test_a_restored_prompt_is_not_cut_again(store_dir, model, monkeypatch):
+    # prefill() stores the whole prompt after a restore too: with every block stored,
+    # nothing of the cache is copied or cut (on a GPU that was a copy per field).
+    from persistent_prefix_cache.layers import Layout
+
+    tokens = random_tokens(300, seed=44)
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        prefill(model, tokens, store)
+        store.flush()
+    cuts = []
+    real = Layout.new_blocks
+    monkeypatch.setattr(Layout, "new_blocks", lambda self, *a, **k: cuts.append(1) or real(self, *a, **k))
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        _, logits = prefill(model, tokens, store)
+        assert store.last_fetch.restored == 299
+        assert cuts == []
+        assert_same_logits(logits[0], cold_logits(model, tokens))
+
+
 def test_a_prompt_longer_than_a_step_is_cut_in_mlx_lms_steps(store_dir, model):
     tokens = random_tokens(5000, seed=43)
     counted = Counted(model)

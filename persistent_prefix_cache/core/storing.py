@@ -119,9 +119,9 @@ class Storer:
             self._counters.add(
                 blocks_not_admitted=len(keys) - upto, tokens_not_admitted=len(toks) - upto * self._block_size
             )
-            if upto == len(path):
-                return 0
             keys, data = keys[:upto], data[: 4 * upto * self._block_size]
+        if upto == len(path):  # nothing new (a restored prompt stored again): nothing to cut
+            return 0
         return self._write(cache, keys, data, path)
 
     def _write(self, cache: Sequence[Any], keys: list[bytes], data: bytes, path: list) -> int:
