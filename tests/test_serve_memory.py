@@ -142,6 +142,54 @@ def test_caches_the_store_refuses_share_the_budget(serve_model, budgeted):
     assert ours.nbytes == 0 and len(ours) == 0
 
 
+def test_two_stores_in_turn_keep_their_hot_prompts_in_ram(serve_model, tmp_path):
+    # A server whose requests alternate between two tenants (a handle each, one budget):
+    # each tenant's hot prompt stays in its tier while the other's is served.
+    stores = {
+        name: PersistentPrefixCache(tmp_path / "store", serve_model, block_size=BLOCK, namespace=name)
+        for name in ("a", "b")
+    }
+    ours = PersistentLRUPromptCache(lambda key: stores[key], max_size=1000, max_bytes=BUDGET, keep_last_token=True)
+    hot = {name: random_tokens(TOKENS, seed=700 + i, first=1 + i) for i, name in enumerate(stores)}
+
+    def ask(name, tokens):
+        cache, rest = ours.fetch_nearest_cache(name, tokens)
+        covered = len(tokens) - len(rest)
+        if cache is None:
+            cache = make_prompt_cache(serve_model)
+        logits = feed(serve_model, cache, rest)
+        ours.insert_cache(name, list(tokens), cache)
+        return covered, logits
+
+    for name, tokens in hot.items():
+        assert ask(name, tokens)[0] == 0
+    ours.flush()
+    for _ in range(4):
+        for name, tokens in hot.items():
+            before = stores[name].stats()
+            covered, logits = ask(name, tokens)
+            after = stores[name].stats()
+            assert covered == len(tokens) - 1
+            assert_same_logits(logits, cold_logits(serve_model, tokens))
+            assert after["restored_blocks_disk"] == before["restored_blocks_disk"], name  # from RAM
+            assert ours.nbytes <= BUDGET
+    # A flood of one tenant's one-off prompts (more than the budget holds): its tier
+    # evicts its own blocks, never the other's hot prompt (within an even share).
+    held = stores["b"].limit_memory()[0]
+    assert 0 < held <= BUDGET // 2
+    for i in range(8):
+        ask("a", random_tokens(TOKENS, seed=720 + i, first=3))
+        assert ours.nbytes <= BUDGET
+    assert stores["a"].stats()["memory_evictions"] > 0
+    assert stores["b"].limit_memory()[0] == held
+    before = stores["b"].stats()["restored_blocks_disk"]
+    assert ask("b", hot["b"])[0] == len(hot["b"]) - 1
+    assert stores["b"].stats()["restored_blocks_disk"] == before
+    ours.close()
+    for store in stores.values():
+        store.close()
+
+
 def test_without_a_budget_each_tier_keeps_its_own(serve_model, tmp_path):
     store = PersistentPrefixCache(tmp_path / "store", serve_model, block_size=BLOCK, memory_bytes=1 << 20)
     ours = PersistentLRUPromptCache(store)

@@ -30,8 +30,9 @@ generation writes into). The LRU keeps only what the store cannot serve as well:
 cache it refused (quantized KV, image tokens, a read-only store), a cache that cannot
 be trimmed (recurrent layers: the store resumes only at its snapshots), or one larger
 than the tier. The LRU's entries come first: the tier of the store in use gets what
-they leave (``min(its own memory_bytes, max_bytes - LRU bytes)``) and other stores'
-tiers are emptied (their blocks stay on disk). Not counted: the caches of requests
+they leave, less what other stores' tiers hold: those keep their blocks but take no
+more, and give back evenly what the store in use needs of its even share (blocks given
+back stay on disk). Not counted: the caches of requests
 in progress (the caller's) and blocks queued for the writer thread until written.
 
 The store holds one model's KV (its layout and fingerprint are fixed when it opens),
@@ -434,20 +435,37 @@ class PersistentLRUPromptCache(LRUPromptCache):
             self._fit()
 
     def _fit(self, room: int | None = None) -> None:
-        """Give the active store's RAM tier `room` bytes (default: what the LRU leaves of
-        ``max_bytes``), capped by its own budget; other stores' tiers get nothing. Without
-        ``max_bytes`` (and `room`) every tier keeps its own budget."""
+        """Share `room` bytes (default: what the LRU leaves of ``max_bytes``) between the
+        stores' RAM tiers: the active store's tier gets what the others hold leaves, at
+        least an even share, capped by its own budget; the others keep what they hold
+        (no more), cut evenly where the active one needs its share. Emptying them made a
+        server whose requests alternate between tenants (a handle each) restore every
+        prompt from disk. Without ``max_bytes`` (and `room`) every tier keeps its own budget."""
         bounded = self.max_bytes < _NO_LIMIT
         if room is None:
             room = max(0, self.max_bytes - self._lru_bytes()) if bounded else _NO_LIMIT
-        for store in self._open_stores():
-            if store.closed:
-                continue
-            cap = self._caps.setdefault(id(store), store.limit_memory()[1])
-            if self._active in (None, store):
-                store.limit_memory(min(cap, room))
-            else:
-                store.limit_memory(0 if bounded else cap)
+        stores = self._open_stores()
+        for store in stores:
+            self._caps.setdefault(id(store), store.limit_memory()[1])
+        active = self._active if self._active in stores else None
+        if not bounded or active is None:
+            for store in stores:
+                store.limit_memory(min(self._caps[id(store)], room))
+            return
+        others = [s for s in stores if s is not active]
+        held = {id(s): s.limit_memory()[0] for s in others}
+        keep = room - min(self._caps[id(active)], room // len(stores))  # what the others may keep
+        while others and sum(held.values()) > keep:  # cut the largest down to the next, evenly
+            over = sum(held.values()) - keep
+            top = max(held.values())
+            tied = [k for k, v in held.items() if v == top]
+            below = max([v for v in held.values() if v < top], default=0)
+            cut = min(top - below, -(-over // len(tied)))
+            for k in tied:
+                held[k] -= cut
+        for store in others:
+            store.limit_memory(min(self._caps[id(store)], held[id(store)]))
+        active.limit_memory(min(self._caps[id(active)], max(0, room - sum(held.values()))))
 
     def _note_memory(self) -> None:
         total = self.nbytes
