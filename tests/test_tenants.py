@@ -228,3 +228,33 @@ def test_an_index_rebuild_keeps_the_blocks_after_a_shared_prefix(store_dir, mode
     assert set(read_index(store_dir)["nodes"]) == before
     with open_store(store_dir, model, "a", **shared) as a:
         assert a.peek(tokens) == len(tokens) - 1
+
+
+def test_exporting_one_tenant_takes_its_prompts_after_the_shared_prefix(store_dir, model, tmp_path):
+    shared = {"shared_prefixes": [SYSTEM]}
+    suffix = {name: random_tokens(2 * BLOCK + 3, seed=980 + i) for i, name in enumerate("ab")}
+    for name in "ab":
+        with open_store(store_dir, model, name, **shared) as store:
+            put(store, model, SYSTEM + suffix[name])
+            put(store, model, random_tokens(BLOCK + 5, seed=990 + ord(name)))  # one without the prefix
+            root = store.this_model()["root"]
+    env = {**os.environ, "PPC_PACK_SECRET": "a fleet secret"}
+
+    def ppc(*args):
+        proc = subprocess.run([sys.executable, "-m", "persistent_prefix_cache", *map(str, args), "--json"],
+                              capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+        return json.loads(proc.stdout)
+
+    pack, target = tmp_path / "b.tar", tmp_path / "copy"
+    out = ppc("export", "--store", store_dir, pack, "--model", root[:12])  # tenant b
+    # b's own prompt (2 blocks), the shared prefix (3) and b's blocks after it (3); not a's.
+    assert out["blocks"] == 2 + 3 + 3 and out["models"] == 2
+    assert ppc("import", "--store", target, pack)["added"] == out["blocks"]
+    assert ppc("check", "--store", target)["clean"]
+    with open_store(target, model, "b", **shared) as b:
+        assert b.peek(SYSTEM + suffix["b"]) == len(SYSTEM + suffix["b"]) - 1
+        assert b.peek(SYSTEM + suffix["a"]) == len(SYSTEM)
+    with open_store(target, model, "a", **shared) as a:
+        assert a.peek(SYSTEM + suffix["a"]) == len(SYSTEM)  # a's blocks stayed home
+    assert_tree_consistent(target)

@@ -130,6 +130,26 @@ class StoreAdmin:
                 out[node.link] += [node, *self.walk(reader, node.key)]
         return out
 
+    def linked_to(self, reader: Reader, target: bytes, roots: Iterable[bytes]) -> dict[bytes, list[Node]]:
+        """By shared root, the blocks of `target`'s chains that hang under it
+        (`keys.TenantRoot`): the shared prefix blocks they continue, then each first block
+        naming `target` with everything under it; parents before children, once each.
+        Roots with none are left out."""
+        out: dict[bytes, list[Node]] = {}
+        for root in roots:
+            kept: dict[bytes, Node] = {}
+            stack: list[tuple[Node, tuple[Node, ...]]] = [(n, ()) for n in reader.children(root)]
+            while stack:
+                node, above = stack.pop()
+                if node.link is None:
+                    stack.extend((child, (*above, node)) for child in reader.children(node.key))
+                elif node.link == target:
+                    for n in (*above, node, *self.walk(reader, node.key)):
+                        kept.setdefault(n.key, n)
+            if kept:
+                out[root] = list(kept.values())
+        return out
+
     def summary(self, *, longest: int = 0) -> dict:
         """Totals, counters, per-model figures and (optionally) the longest prefixes."""
         with self.index.reader() as reader:
@@ -442,8 +462,14 @@ class StoreAdmin:
             models = self.models(reader)
             if model is not None:
                 chosen = self.find_model(reader, model)
-                models = {chosen: models[chosen]}
-            nodes = [n for root in models for n in self.walk(reader, root)]
+                nodes = list(self.walk(reader, chosen))
+                # A tenant's prompts after a shared prefix hang under the shared root: their
+                # chains go too, with the prefix blocks they continue and that root's record.
+                shared = self.linked_to(reader, chosen, [r for r in models if r != chosen])
+                nodes += [n for path in shared.values() for n in path]
+                models = {root: models[root] for root in (chosen, *shared)}
+            else:
+                nodes = [n for root in models for n in self.walk(reader, root)]
         return packs.export_pack(
             self.files, self.index, nodes, models, out_path, root=self.path, secret=secret, stream=stream
         )
