@@ -371,3 +371,13 @@ def test_plain_mlx_ops_give_the_fused_kernels_value(folder, monkeypatch):
     fused = wh.fingerprint_model(model, scheme=LANES)
     monkeypatch.setattr(wh, "_FUSED", [False])
     assert wh.fingerprint_model(model, scheme=LANES) == fused
+
+
+def test_the_lane_terms_buffers_go_back_with_the_fingerprint(folder):
+    # The open pays for its fingerprint's temporaries: MLX's buffer cache holds none of
+    # them after it (the first mx.clear_cache() of a prefill freed GBs on a GPU).
+    model = load_tiny_model(folder)
+    mx.eval(model.parameters())
+    mx.clear_cache()
+    wh.fingerprint_model(model, scheme=wh.LANES_SCHEME)
+    assert mx.get_cache_memory() == 0
