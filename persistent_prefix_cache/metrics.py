@@ -156,6 +156,10 @@ def store_metrics(families: Families, stats: dict[str, Any], *, store: str) -> N
       stats[prefix + "tokens_saved"])  # fmt: skip
     c("ppc_store_damaged_blocks", "Damaged blocks met over every process since the store was made", at,
       stats[prefix + "corrupt"])  # fmt: skip
+    c("ppc_store_written_bytes", "Segment bytes written over every process (stores, merges, imports)", at,
+      stats[prefix + "written_bytes"])  # fmt: skip
+    c("ppc_store_restored_bytes", "Block bytes fetches restored over every process", at,
+      stats[prefix + "restored_bytes"])  # fmt: skip
 
 
 def summary_metrics(summary: dict[str, Any]) -> Families:

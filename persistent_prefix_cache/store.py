@@ -252,8 +252,8 @@ class PersistentPrefixCache:
             the costs measured for this model on this device kind (`Costs.figures`); the
             RAM tier's (`MemoryTier.stats`); the remote's (`tiers.REMOTE_COUNTERS`,
             remote: its URL, password hidden, remote_pending, remote_key_id); the store's
-            over every process (blocks, block_bytes, bytes_on_disk, store_hits,
-            store_misses, store_tokens_saved, store_corrupt); write_amplification (this
+            over every process (blocks, block_bytes, bytes_on_disk, and ``store_`` +
+            each of `index_tables.STORE_WIDE_COUNTERS`); write_amplification (this
             handle's disk bytes written per block byte restored, None until a restore).
             See `parts.Parts.stats`.
 

@@ -213,11 +213,17 @@ def test_ppc_stats_says_what_the_blocks_held_were_read_back_for(store_dir, model
         store.fetch(read)  # all but the last token: its 4 blocks restored, twice
         store.fetch(read)
         block = store.stats()["block_bytes"] // 7  # 7 full blocks of one size
+        handle = store.stats()
     run = subprocess.run([sys.executable, "-m", "persistent_prefix_cache", "stats", "--store", str(store_dir),
                           "--json"], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert run.returncode == 0, run.stderr
     summary = json.loads(run.stdout)
     assert summary["bytes_restored"] == 2 * 4 * block and summary["block_bytes"] == 7 * block
+    # Store-wide, over every process: the segment bytes written, the bytes fetches restored.
+    written = handle["bytes_written"] + handle["bytes_rewritten"]
+    assert summary["written_bytes"] == written >= summary["bytes_on_disk"] > 7 * block
+    assert summary["restored_bytes"] == handle["bytes_restored_ram"] + handle["bytes_restored_disk"] == 8 * block
+    assert summary["write_amplification"] == written / (8 * block)
     assert (summary["never_restored_blocks"], summary["never_restored_bytes"]) == (3, 3 * block)
     run = subprocess.run([sys.executable, "-m", "persistent_prefix_cache", "stats", "--store", str(store_dir)],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
@@ -226,6 +232,7 @@ def test_ppc_stats_says_what_the_blocks_held_were_read_back_for(store_dir, model
     assert re.search(r"restored per byte held +1.14\n", run.stdout), run.stdout  # 8 blocks read of 7 held
     assert re.search(r"blocks never restored +3\n", run.stdout), run.stdout
     assert re.search(rf"bytes never restored +{3 * block:,}\n", run.stdout), run.stdout
+    assert re.search(rf"written per byte restored +{written / (8 * block):.2f}\n", run.stdout), run.stdout
     run = subprocess.run([sys.executable, "-m", "persistent_prefix_cache", "stats", "--store", str(store_dir),
                           "--prometheus"], capture_output=True, text=True, timeout=120)  # fmt: skip
     at = f'store="{store_dir}",model="tiny",namespace=""'

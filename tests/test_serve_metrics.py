@@ -37,7 +37,8 @@ HANDLE_FAMILIES = {
 }  # fmt: skip
 STORE_FAMILIES = {
     "ppc_store_blocks", "ppc_store_block_bytes", "ppc_store_file_bytes", "ppc_store_budget_bytes",
-    "ppc_store_queries", "ppc_store_tokens_restored", "ppc_store_damaged_blocks",
+    "ppc_store_queries", "ppc_store_tokens_restored", "ppc_store_damaged_blocks", "ppc_store_written_bytes",
+    "ppc_store_restored_bytes",
 }  # fmt: skip
 SERVER_FAMILIES = {
     "ppc_server_prompt_tokens", "ppc_server_inserted_sequences", "ppc_server_memory_bytes",
@@ -183,6 +184,9 @@ def test_metrics_count_what_the_requests_did(serve_model_dir, tmp_path):
     queries = {s.labels["outcome"]: s.value for s in stats["ppc_store_queries"].samples}
     assert queries == {"hit": 3, "miss": 2}
     assert stats["ppc_store_tokens_restored"].samples[0].value == sum(hits) + restored
+    # SSD wear, store-wide: every segment written (merged ones too: more than is left), every byte restored.
+    assert stats["ppc_store_written_bytes"].samples[0].value >= stats["ppc_store_file_bytes"].samples[0].value > 0
+    assert 0 < stats["ppc_store_restored_bytes"].samples[0].value
     assert stats["ppc_store_file_bytes"].samples[0].value == sum(
         p.stat().st_size for p in (store / "segments").rglob("*.seg")
     )

@@ -206,6 +206,10 @@ class StoreAdmin:
             "block_bytes": size,
             **counters,
             "hit_rate": _rate(counters.get("hits", 0), counters.get("misses", 0)),  # all processes
+            # Segment bytes written per block byte restored, all processes (None before a restore).
+            "write_amplification": counters["written_bytes"] / counters["restored_bytes"]
+            if counters["restored_bytes"]
+            else None,
             # SSD wear over every model (docs/wear.md).
             **{key: sum(int(m[key]) for m in models) for key in WEAR_KEYS},
             "models": models,

@@ -42,6 +42,10 @@ def _render(s: dict) -> str:
         ("restored per byte held", "-" if not s["block_bytes"] else f"{s['bytes_restored'] / s['block_bytes']:.2f}"),
         ("blocks never restored", s["never_restored_blocks"]),
         ("bytes never restored", s["never_restored_bytes"]),
+        # Over every process, evicted blocks included (counted from 2026-12-05 on).
+        ("bytes written", s["written_bytes"]),
+        ("bytes restored by fetches", s["restored_bytes"]),
+        ("written per byte restored", "-" if s["write_amplification"] is None else f"{s['write_amplification']:.2f}"),
     ]
     out = table(rows)
     if s.get("remote") is not None:

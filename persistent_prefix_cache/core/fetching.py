@@ -199,7 +199,7 @@ class Fetcher:
             **{f"hits_{tier}": 1, f"tokens_saved_{tier}": matched}, **({f"short_{reason}": 1} if reason else {}),
         )  # fmt: skip
         keys = [node.key for node in path]
-        self._note(touch=keys, hit=keys, hits=1, tokens_saved=matched)
+        self._note(touch=keys, hit=keys, hits=1, tokens_saved=matched, restored_bytes=ram_bytes + disk_bytes)
         self._last.report = FetchReport(n, matched, found, reason, tier)
         return layers, tokens[matched:]
 

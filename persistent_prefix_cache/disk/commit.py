@@ -98,6 +98,8 @@ def commit(
 
     def transaction(w: Writer) -> tuple[T, list[bytes]]:
         register(w, new, models)
+        if new:  # SSD wear, store-wide: every segment byte written (`ppc stats`)
+            w.add_counters({"written_bytes": sum(size for _, size, _ in new)})
         result = change(w)
         for segment, _, _ in new:
             held = w.segment(segment)

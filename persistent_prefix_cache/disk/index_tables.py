@@ -36,7 +36,10 @@ META, MODELS, NODES, CHILDREN, LRU, FINGERPRINTS, HITS, SEGMENTS, DIGESTS = (byt
 # The tables' layout (prefixes, keys, value encodings): schema v3's. Raise it with the
 # migration that changes them, after freezing what older migrations write (tests/test_layout.py).
 TABLES_VERSION = 3
-STORE_WIDE_COUNTERS = ("hits", "misses", "tokens_saved", "corrupt")
+# Over every process: fetches that restored or not, tokens restored, damage met, and
+# for SSD wear the segment bytes written (every commit of new segments: stores, merges,
+# imports) and the block bytes restores took (both counted from 2026-12-05 on: 0 before).
+STORE_WIDE_COUNTERS = ("hits", "misses", "tokens_saved", "corrupt", "written_bytes", "restored_bytes")
 _SEG = struct.Struct("<QQQ")
 
 
