@@ -16,10 +16,12 @@ STAMP_031 := $(VENV_031)/.installed
 MLX_LM_031 ?= 0.31.3
 VLLM_MLX ?= 0.6.0
 # On mlx-lm 0.31 CI runs the cache families, restarts and crashes, and the compat layers
-# (vllm-mlx's API, the real vllm-mlx, mlx_lm.server, mlx_lm.generate's flags).
+# (vllm-mlx's API, the real vllm-mlx, mlx_lm.server with its tenants and one memory
+# budget, mlx_lm.generate's flags).
 TESTS_031 := tests/test_families.py tests/test_store.py tests/test_restart.py tests/test_crash.py \
 	tests/test_prefix_cache.py tests/test_paged_cache.py tests/test_compat_gaps.py tests/test_vllm_mlx_real.py \
-	tests/test_serve.py tests/test_serve_metrics.py tests/test_generate_flags.py tests/test_install.py tests/test_mlx_lm_versions.py
+	tests/test_serve.py tests/test_serve_metrics.py tests/test_serve_tenants.py tests/test_serve_memory.py \
+	tests/test_generate_flags.py tests/test_install.py tests/test_mlx_lm_versions.py
 
 .PHONY: demo test test-fast lint install clean servers test-mlx-lm-0.31 check-vllm-mlx-resolves
 
