@@ -145,13 +145,14 @@ def _print_help(parser: argparse.ArgumentParser) -> int:
 
 
 def _serve(args: argparse.Namespace, server_argv: list[str]) -> int:
-    path = store_path(args, walk=False)
+    found = store_path(args, walk=False)
+    path: str | None = found  # None: serving without a store (--store-optional)
     if args.model is not None:
         model_folder(args.model)  # what mlx-lm would fail every request on: said now
         server_argv = ["--model", args.model, *server_argv]
     try:
         store_path(args)  # the index walked in a child process: damage is an error, not an abort
-        _check_store(path, args)  # fail now, not at the first request
+        _check_store(found, args)  # fail now, not at the first request
     except (UserError, PrefixCacheError) as exc:
         if not args.store_optional:
             raise

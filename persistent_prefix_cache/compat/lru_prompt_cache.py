@@ -123,6 +123,8 @@ class PersistentLRUPromptCache(LRUPromptCache):
         self.keep_last_token, self.tenants = keep_last_token, tenants
         self.admit = check_rule(admit)
         self._open_prompts = OpenPrompts() if self.admit != "always" else None  # one sighting per request
+        self._shared_store: PersistentPrefixCache | None
+        self._open_store: Callable[[Hashable], PersistentPrefixCache | None] | None
         if isinstance(store, PersistentPrefixCache):
             self._shared_store, self._open_store = store, None
         elif callable(store):
@@ -279,7 +281,8 @@ class PersistentLRUPromptCache(LRUPromptCache):
         self._fit()  # the tier's room back after a trim_to, before it takes this cache
         # A checkpoint inside a request is no sighting under a rule: the request's last insert is.
         inside = self._open_prompts is not None and self._open_prompts.checkpoint(model, tokens)
-        if inside or not self._written(model, store, tokens, prompt_cache) or self._kept(store, tokens, prompt_cache):
+        written = self._written(model, store, tokens, prompt_cache)  # False without a store
+        if inside or not written or store is None or self._kept(store, tokens, prompt_cache):
             super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
         self._fit()
         self._note_memory()
@@ -349,13 +352,15 @@ class PersistentLRUPromptCache(LRUPromptCache):
         """
         if self._shared_store is not None:
             return self._usable(model, self._shared_store)
+        opener = self._open_store
+        assert opener is not None  # one of the two is given (__init__)
         with self._lock:
             if model in self._stores:
                 return self._usable(model, self._stores[model])
             if model in self._failed:
                 return None
             try:
-                store = self._open_store(model)
+                store = opener(model)
             except Exception as exc:
                 # Opening again on every request would repeat the cost and the error.
                 self._failed.add(model)
@@ -515,7 +520,7 @@ def _even_lengths(cache: list[Any]) -> list[Any]:
     view = []
     for layer, n in zip(cache, lengths):
         layer = copy.copy(layer)
-        layer.trim(n - shortest)
+        layer.trim((shortest if n is None else n) - shortest)
         view.append(layer)
     return view
 

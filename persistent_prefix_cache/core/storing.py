@@ -127,6 +127,7 @@ class Storer:
     def _write(self, cache: Sequence[Any], keys: list[bytes], data: bytes, path: list) -> int:
         """Cut the blocks after `path` out of `cache` and hand them to the writer thread."""
         layout, writeback = self._layout, self._writeback
+        assert writeback is not None  # a read-only handle's store() returned before
         # A synchronous store (no remote, which publishes after the return) writes from
         # the caller's cache while the caller waits: no copy before the disk starts. Not
         # on a CUDA GPU: the host reading the caller's cache would move its pages into

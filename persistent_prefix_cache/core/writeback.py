@@ -27,7 +27,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future, wait
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -227,7 +227,7 @@ class WriteBack:
         self.submit(held)
         return reached
 
-    def write(self, blocks: list[tuple[Node, dict]], *, then: Callable[[list], None] | None = None) -> Future:
+    def write(self, blocks: list[tuple[Node, Mapping]], *, then: Callable[[list], None] | None = None) -> Future:
         """Write blocks into a segment and commit their records, joining the group commit:
         the block writes queued behind a busy writer share one index transaction (see the
         module). Every block write goes through here.
@@ -368,7 +368,7 @@ class WriteBack:
                 if then is not None:
                     self._guarded(then, blocks)  # one failing does not keep the others back
 
-    def write_from_caller(self, new: list[tuple[Node, dict, dict, dict]], evaluate: Callable[[], None]) -> None:
+    def write_from_caller(self, new: list[tuple[Node, dict, Mapping, dict]], evaluate: Callable[[], None]) -> None:
         """A synchronous store's write: the writer thread writes the blocks from their
         bits, views of the caller's cache (no copy before the disk starts), while this
         thread runs `evaluate`, the RAM tier's copy of them (the tier never shares a
