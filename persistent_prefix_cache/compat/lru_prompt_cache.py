@@ -281,8 +281,13 @@ class PersistentLRUPromptCache(LRUPromptCache):
         self._fit()  # the tier's room back after a trim_to, before it takes this cache
         # A checkpoint inside a request is no sighting under a rule: the request's last insert is.
         inside = self._open_prompts is not None and self._open_prompts.checkpoint(model, tokens)
-        written = self._written(model, store, tokens, prompt_cache)  # False without a store
-        if inside or not written or store is None or self._kept(store, tokens, prompt_cache):
+        # (A checkpoint is not written at all; without a store `_written` is False.)
+        if (
+            inside
+            or not self._written(model, store, tokens, prompt_cache)
+            or store is None
+            or self._kept(store, tokens, prompt_cache)
+        ):
             super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
         self._fit()
         self._note_memory()
