@@ -446,8 +446,8 @@ class PersistentLRUPromptCache(LRUPromptCache):
 
     def _fit(self, room: int | None = None) -> None:
         """Share `room` bytes (default: what the LRU leaves of ``max_bytes``) between the
-        stores' RAM tiers: the active store's tier gets what the others hold leaves, at
-        least an even share, capped by its own budget; the others keep what they hold
+        stores' RAM tiers: the active store's tier gets what the others' holdings leave,
+        at least an even share, capped by its own budget; the others keep what they hold
         (no more), cut evenly where the active one needs its share. Emptying them made a
         server whose requests alternate between tenants (a handle each) restore every
         prompt from disk. Without ``max_bytes`` (and `room`) every tier keeps its own budget."""
