@@ -391,8 +391,8 @@ class PersistentLRUPromptCache(LRUPromptCache):
             tokens left to compute), stored_sequences (inserts written through), store_skipped (inserts kept in
             memory only: the store refused them, or there was no store for the model),
             memory_only_sequences (inserts the store took that the LRU
-            kept too), memory_peak_bytes (the most `nbytes` seen after any call),
-            memory_bytes (`nbytes` now), memory_budget (``max_bytes``; None when
+            kept too), memory_peak_bytes (the most `nbytes` seen after any call or
+            now), memory_bytes (`nbytes` now, read with the stores' stats), memory_budget (``max_bytes``; None when
             unbounded), and ``stores``: a list of ``{"model", "path", "stats", "name",
             "namespace", "fingerprint"}`` (the model key, the store, its `stats()`, and
             what the handle was opened with).
@@ -408,7 +408,12 @@ class PersistentLRUPromptCache(LRUPromptCache):
             for key, s in stores
             if not s.closed
         ]  # fmt: skip
-        out["memory_bytes"] = self.nbytes
+        # One reading of the memory held, from the stats above (a tier can grow between two
+        # calls: a background fill after a restart), which the peak then counts too.
+        total = self._lru_bytes() + sum(entry["stats"]["bytes_in_memory"] for entry in out["stores"])
+        with self._lock:
+            peak = self._counters["memory_peak_bytes"] = max(self._counters["memory_peak_bytes"], total)
+        out.update(memory_bytes=total, memory_peak_bytes=peak)
         out["memory_budget"] = self.max_bytes if self.max_bytes < _NO_LIMIT else None  # None: unbounded
         return out
 
