@@ -530,7 +530,7 @@ def _even_lengths(cache: list[Any]) -> list[Any]:
     view = []
     for layer, n in zip(cache, lengths):
         layer = copy.copy(layer)
-        layer.trim((shortest if n is None else n) - shortest)
+        layer.trim(0 if n is None else n - shortest)
         view.append(layer)
     return view
 
