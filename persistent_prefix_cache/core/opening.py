@@ -216,7 +216,7 @@ def open_parts(
         if not readonly:
             writeback = WriteBack(
                 index, files, memory, counters, root=root, describe=record.describe, describe_shared=record.describe_shared,
-                disk_bytes=disk_budget(path, o.disk_bytes, index.totals()[0]), target=target, quota=o.namespace_bytes,
+                disk_bytes=disk_budget(path, o.disk_bytes, index.totals()[0]), quota=o.namespace_bytes,
             )  # fmt: skip
             if o.namespace_bytes is not None:  # count what the namespace holds now (an older writer kept no count)
                 index.write(lambda w: w.adopt_root(root))

@@ -29,9 +29,7 @@ import time
 from concurrent.futures import Future, wait
 from typing import Any, Callable, Iterable, Mapping
 
-import numpy as np
 
-from ..device.target import Target
 from ..disk.segment import SegmentFiles
 from ..disk.compaction import compact_sparse
 from ..disk.commit import commit
@@ -148,9 +146,6 @@ class WriteBack:
             `describe_shared` the record of a `keys.TenantRoot`'s shared root.
         disk_bytes: Budget of the blocks' bytes (None: unbounded).
         quota: Budget of the bytes `root` owns (`disk.index_owners`; None: none): its own leaves go.
-        target: The handle's restore target (`device.target.Target`): where its restores
-            live on a device the host's reads take pages from (`Target.device`), the RAM
-            tier's copy of what is written goes back there once written.
     """
 
     def __init__(
@@ -164,12 +159,11 @@ class WriteBack:
         describe: Callable[[], bytes],
         disk_bytes: int | None,
         describe_shared: Callable[[], bytes] | None = None,
-        target: Target | None = None,
         quota: int | None = None,
     ):
         self.index, self.files, self.memory, self.counters = index, files, memory, counters
         self.root, self.describe, self.disk_bytes, self.quota = root, describe, disk_bytes, quota
-        self.target, self.describe_shared = target, describe_shared or describe
+        self.describe_shared = describe_shared or describe
         self._book = Bookkeeping()
         self._futures: set[Future] = set()
         self._flying: dict[bytes, int] = {}  # block key -> queued writes holding it, not yet committed
@@ -431,8 +425,6 @@ class WriteBack:
             except (OSError, ValueError) as exc:
                 self._failed("write", written, exc)  # nothing was renamed into place
                 continue
-            finally:
-                self._give_back(new)
             segments.append(segment)
             blocks.append(written)
             writes += n_writes
@@ -493,25 +485,6 @@ class WriteBack:
         compact_sparse(self.index, self.files, (n.segment for n in removed))
         # Jobs behind any write queued meanwhile: a caller waiting for its own never waits for them.
         self.merges.after_write(ids, [written[-1].key for written in blocks])
-
-    def _give_back(self, new: list[tuple[Node, dict]]) -> None:
-        """On a CUDA GPU, the RAM tier's copy of these blocks back on the device: the writer
-        read its pages on the host (managed memory moves to whoever touches it), and the
-        tier's next restore would fault them back one by one (`Target.give_back`; a
-        no-op elsewhere, and for blocks the tier did not keep)."""
-        target = self.target
-        if target is None or not target.device or not any(self.memory.node(node.key) is node for node, _ in new):
-            return
-        owners = {}
-        for _, bits in new:
-            for part in bits.values():
-                for x in part.values():
-                    owner = x[0] if isinstance(x, tuple) else None
-                    while isinstance(owner, np.ndarray) and owner.base is not None:
-                        owner = owner.base
-                    if isinstance(owner, memoryview):  # a field's copy (`Layout.new_blocks`)
-                        owners[id(owner)] = owner
-        target.give_back(list(owners.values()))
 
     def _failed(self, what: str, nodes: list[Node], exc: Exception) -> None:
         if isinstance(exc, StoreCorruptError):

@@ -176,6 +176,17 @@ def allocate(specs: list[tuple[str, tuple[int, ...], str]]) -> dict[str, mx.arra
     return out
 
 
+def device_copy(x: mx.array) -> mx.array:
+    """A lazy copy of `x` in a buffer of its own, made by the device (a copy kernel on a
+    GPU, no host touch). `mx.contiguous` of a contiguous array, or a slice assignment of a
+    whole one, takes the source's buffer; a concatenation always writes a new one."""
+    axis = max(range(x.ndim), key=lambda a: x.shape[a]) if x.ndim else None
+    if axis is not None and x.shape[axis] > 1:
+        return mx.concatenate(x.split((1,), axis=axis), axis=axis)
+    # One element at most: through the host (nothing there to move).
+    return mx.array(np.array(x.view(mx_uint(x.itemsize)))).view(x.dtype)
+
+
 class HostBits:
     """A block tensor held as numpy bits of an MLX dtype, not yet in MLX memory (a
     block read from the remote tier, or by a background fill): the read path copies it

@@ -293,13 +293,6 @@ def _copy_to_host(driver: _Driver, out: np.ndarray, src: int, pause: Callable[[]
                     pass
 
 
-def give_back(buffers: Sequence) -> bool:
-    """Start moving these buffers back to the GPU and return (no wait): memory of the
-    RAM tier's the host has just read (a writer writing a store's copy), so that its next
-    restore finds it on the device. A hint: False where nothing was started."""
-    return bool(buffers) and prefetch(buffers)
-
-
 def wait() -> None:
     """Wait for the moves `prefetch` started (on any thread)."""
     driver = _get_driver() if MODE in ("prefetch", "stage") else None

@@ -99,12 +99,6 @@ class Target:
         wait (`cuda.to_gpu`: on a CUDA GPU; a no-op elsewhere)."""
         cuda.to_gpu(arrays)
 
-    def give_back(self, buffers: Sequence) -> None:
-        """Start moving memory of the RAM tier's the host has just read back to the
-        device, without waiting (`cuda.give_back`; only for a target on a CUDA GPU)."""
-        if self.device:
-            cuda.give_back(buffers)
-
     def _take(self, arena: Arena, shape: tuple[int, ...], bits: str) -> np.ndarray | None:
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(bits).itemsize
         start = -(-self._used // 64) * 64

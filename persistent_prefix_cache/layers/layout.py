@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..blocks import FIELDS, RESUMABLE, TRIMMABLE, Kind, Node, Tensors, dtype_info, mx_uint, sliced_spec
+from ..device.buffers import device_copy
 from ..errors import UnsupportedCacheError
 from ..keys import chain_start
 from .adapters import (
@@ -212,8 +213,9 @@ class Layout:
                 the caller goes on); `evaluate` then makes the copy the tensors are
                 views of (the RAM tier's), while the writer writes.
             host: What the writer writes of each field's copy, given its numpy bits
-                (`buffers.Target.host_bits`): called once per field, on the thread
-                that first reads a block's bits (the writer's).
+                (`Target.host_bits`): called once per field, on the thread that first
+                reads a block's bits (the writer's). Given (a CUDA GPU), the writer
+                reads a device copy of its own.
 
         Returns:
             ``(node, tensors by leaf, bits by leaf, origin by leaf)`` per new block:
@@ -243,17 +245,20 @@ class Layout:
                 sources[lid] = {f: x[..., offset - first : n - first, :] for f, x in held.items()}
                 ranges[lid] = {f: mx.contiguous(x) for f, x in sources[lid].items()}
         # What the writer reads, per field: the copy, or (direct) the caller's buffers,
-        # as numpy bits evaluated once per field; each block's bits are numpy slices of
+        # as numpy bits taken once per field; each block's bits are numpy slices of
         # them (thousands of MLX slices and their evaluation cost more than the copy).
         written = sources if direct else ranges
+        if host is not None:
+            # A GPU with memory of its own (CUDA): a host view of an MLX buffer moves it into
+            # managed memory (MLX's allocator, a copy at ~20 GB/s on an H100), which must never
+            # befall the caller's cache (the range of a full buffer is that buffer) nor the RAM
+            # tier's copy: the writer gets a copy of its own, viewed on its own thread.
+            written = {lid: {f: device_copy(x) for f, x in fields.items()} for lid, fields in sources.items()}
         uints = {lid: {f: _as_uint(x) for f, x in fields.items()} for lid, fields in written.items()}
         mx.eval(uints)
         whole = WholeBits(
             {
-                lid: {
-                    f: (np.asarray(memoryview(u)), dtype_info(written[lid][f].dtype)[0])  # type: ignore[arg-type]  # MLX stubs: no buffer protocol
-                    for f, u in fields.items()
-                }
+                lid: {f: (u, dtype_info(written[lid][f].dtype)[0]) for f, u in fields.items()}
                 for lid, fields in uints.items()
             },
             host,
@@ -332,11 +337,13 @@ class Layout:
 
 class WholeBits:
     """Each sequence field's bits of one `Layout.new_blocks` call, shared by its blocks
-    (leaf -> field -> ``(numpy bits, dtype name)``): passed through `host` once, by the
-    first thread that asks (the writer's), where one is given."""
+    (leaf -> field -> ``(bits, dtype name)``): evaluated MLX arrays of unsigned ints,
+    taken to numpy (and through `host`, where one is given) once, by the first thread
+    that asks (the writer's: on a CUDA GPU taking them moves their buffer)."""
 
     def __init__(self, fields: dict[str, dict[str, tuple]], host: Callable[[np.ndarray], np.ndarray] | None):
         self._fields, self._host, self._lock = fields, host, threading.Lock()
+        self._taken = False
 
     def __contains__(self, lid: str) -> bool:
         return lid in self._fields
@@ -345,16 +352,16 @@ class WholeBits:
         return len(self._fields)
 
     def leaf(self, lid: str) -> dict[str, tuple]:
-        """The fields of leaf `lid`."""
-        if self._host is not None:
+        """The fields of leaf `lid`, as ``(numpy bits, dtype name)``."""
+        if not self._taken:
             with self._lock:
-                if self._host is not None:
-                    host = self._host
+                if not self._taken:
+                    host = self._host or (lambda a: a)
                     self._fields = {
-                        name: {f: (host(a), dtype) for f, (a, dtype) in fields.items()}
+                        name: {f: (host(np.asarray(memoryview(u))), dtype) for f, (u, dtype) in fields.items()}  # type: ignore[arg-type]  # MLX stubs: no buffer protocol
                         for name, fields in self._fields.items()
                     }
-                    self._host = None
+                    self._taken = True
         return self._fields[lid]
 
 
