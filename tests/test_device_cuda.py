@@ -404,7 +404,11 @@ def test_the_host_views_a_copy_of_the_writers_own_on_the_writers_thread(monkeypa
 
     real_put = MemoryTier.put
     monkeypatch.setattr(layout, "memoryview", view, raising=False)
-    monkeypatch.setattr(MemoryTier, "put", lambda self, node, tensors, *a, **k: kept.append(tensors) or real_put(self, node, tensors, *a, **k))
+    monkeypatch.setattr(
+        MemoryTier,
+        "put",
+        lambda self, node, tensors, *a, **k: kept.append(tensors) or real_put(self, node, tensors, *a, **k),
+    )
     monkeypatch.setattr(cuda, "on_cuda", lambda: True)
     monkeypatch.setattr(cuda, "_get_driver", lambda: _HostDriver())
     model = build("llama")
@@ -586,3 +590,31 @@ def test_the_writers_copy_to_the_host_gives_way_to_a_restore_between_pieces(monk
             store.flush()
     assert len(copies) > 2 and all(copies[1:])  # every later piece after the restore
     _assert_stored_bitwise(store_dir, model, tokens, cache, "host")
+
+
+@pytest.mark.parametrize(
+    "x",
+    [
+        mx.arange(2 * 3 * 5 * 4, dtype=mx.float32).reshape(2, 3, 5, 4)[:, :, 1:, :],  # a slice: a view
+        (mx.arange(64) % 17).astype(mx.bfloat16).reshape(1, 2, 8, 4),  # a whole buffer
+        mx.array([7.5], dtype=mx.bfloat16).reshape(1, 1, 1, 1),  # one element
+        mx.array(3, dtype=mx.uint8),
+        mx.zeros((1, 2, 0, 4), dtype=mx.bfloat16),
+    ],
+)
+def test_a_device_copy_is_bitwise_and_owns_its_buffer(x):
+    # What the writer takes to the host on a CUDA GPU, and what the RAM tier keeps of a
+    # restore there: never a buffer the source shares (a host view would move it).
+    from persistent_prefix_cache.blocks import mx_uint
+    from persistent_prefix_cache.device.buffers import device_copy
+
+    mx.eval(x)
+    y = device_copy(x)
+    mx.eval(y)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    bits = lambda a: np.array(a.view(mx_uint(a.itemsize)))  # noqa: E731
+    assert np.array_equal(bits(y), bits(x))
+    if x.size:
+        assert not np.shares_memory(
+            np.asarray(memoryview(y.view(mx_uint(y.itemsize)))), np.asarray(memoryview(x.view(mx_uint(x.itemsize))))
+        )

@@ -178,13 +178,16 @@ def allocate(specs: list[tuple[str, tuple[int, ...], str]]) -> dict[str, mx.arra
 
 def device_copy(x: mx.array) -> mx.array:
     """A lazy copy of `x` in a buffer of its own, made by the device (a copy kernel on a
-    GPU, no host touch). `mx.contiguous` of a contiguous array, or a slice assignment of a
-    whole one, takes the source's buffer; a concatenation always writes a new one."""
+    GPU: the host never reads `x`, which on CUDA would move its buffer). `mx.contiguous`
+    of a contiguous array, or a slice assignment of a whole one, takes the source's
+    buffer; a concatenation always writes a new one."""
     axis = max(range(x.ndim), key=lambda a: x.shape[a]) if x.ndim else None
     if axis is not None and x.shape[axis] > 1:
         return mx.concatenate(x.split((1,), axis=axis), axis=axis)
-    # One element at most: through the host (nothing there to move).
-    return mx.array(np.array(x.view(mx_uint(x.itemsize)))).view(x.dtype)
+    if x.size == 0:
+        return mx.zeros(x.shape, dtype=x.dtype)
+    flat = x.reshape(-1)  # one element: twice over, then the first
+    return mx.concatenate([flat, flat])[:1].reshape(x.shape)
 
 
 class HostBits:
