@@ -248,21 +248,32 @@ class Layout:
         # as numpy bits taken once per field; each block's bits are numpy slices of
         # them (thousands of MLX slices and their evaluation cost more than the copy).
         written = sources if direct else ranges
+        packs: list[tuple[mx.array, list[tuple[str, str, str]]]] = [
+            (x, [(lid, f, dtype_info(x.dtype)[0])]) for lid, fields in written.items() for f, x in fields.items()
+        ]
         if host is not None:
             # A GPU with memory of its own (CUDA): a host view of an MLX buffer moves it into
             # managed memory (MLX's allocator, a copy at ~20 GB/s on an H100), which must never
             # befall the caller's cache (the range of a full buffer is that buffer) nor the RAM
-            # tier's copy: the writer gets a copy of its own, viewed on its own thread.
-            written = {lid: {f: device_copy(x) for f, x in fields.items()} for lid, fields in sources.items()}
-        uints = {lid: {f: _as_uint(x) for f, x in fields.items()} for lid, fields in written.items()}
-        mx.eval(uints)
-        whole = WholeBits(
-            {
-                lid: {f: (u, dtype_info(written[lid][f].dtype)[0]) for f, u in fields.items()}
-                for lid, fields in uints.items()
-            },
-            host,
-        )
+            # tier's copy: the writer gets a copy of its own, viewed on its own thread. Fields
+            # of one shape and dtype are one copy (stacked along the batch): one move and one
+            # copy to the host for all of a store's layers, not one per field.
+            alike: dict[tuple, list[tuple[str, str, str]]] = {}
+            for lid, fields in sources.items():
+                for f, x in fields.items():
+                    alike.setdefault((x.dtype, tuple(x.shape)), []).append((lid, f, dtype_info(x.dtype)[0]))
+            packs = [
+                (
+                    mx.concatenate([sources[lid][f] for lid, f, _ in names], axis=0)
+                    if len(names) > 1
+                    else device_copy(sources[names[0][0]][names[0][1]]),
+                    names,
+                )
+                for names in alike.values()
+            ]
+        packs = [(_as_uint(x), names) for x, names in packs]
+        mx.eval([u for u, _ in packs])
+        whole = WholeBits(packs, host)
         # Each block's tensors: views of the copy, made by one split per field (not one
         # slice per block and field: 2,048 MLX calls for 128 MiB).
         bounds = [i * bs - offset for i in range(len(path) + 1, len(keys))]
@@ -336,32 +347,39 @@ class Layout:
 
 
 class WholeBits:
-    """Each sequence field's bits of one `Layout.new_blocks` call, shared by its blocks
-    (leaf -> field -> ``(bits, dtype name)``): evaluated MLX arrays of unsigned ints,
-    taken to numpy (and through `host`, where one is given) once, by the first thread
-    that asks (the writer's: on a CUDA GPU taking them moves their buffer)."""
+    """Each sequence field's bits of one `Layout.new_blocks` call, shared by its blocks:
+    evaluated MLX arrays of unsigned ints, each holding one field or several stacked along
+    the batch (``(array, [(leaf, field, dtype name), ...])``), taken to numpy (and through
+    `host`, where one is given) once, by the first thread that asks (the writer's: on a
+    CUDA GPU taking them moves their buffer)."""
 
-    def __init__(self, fields: dict[str, dict[str, tuple]], host: Callable[[np.ndarray], np.ndarray] | None):
-        self._fields, self._host, self._lock = fields, host, threading.Lock()
-        self._taken = False
+    def __init__(
+        self, packs: list[tuple[mx.array, list[tuple[str, str, str]]]], host: Callable[[np.ndarray], np.ndarray] | None
+    ):
+        self._packs, self._host, self._lock = packs, host, threading.Lock()
+        self._leaves = {lid for _, names in packs for lid, _, _ in names}
+        self._fields: dict[str, dict[str, tuple]] | None = None
 
     def __contains__(self, lid: str) -> bool:
-        return lid in self._fields
+        return lid in self._leaves
 
     def __len__(self) -> int:
-        return len(self._fields)
+        return len(self._leaves)
 
     def leaf(self, lid: str) -> dict[str, tuple]:
         """The fields of leaf `lid`, as ``(numpy bits, dtype name)``."""
-        if not self._taken:
+        if self._fields is None:
             with self._lock:
-                if not self._taken:
-                    host = self._host or (lambda a: a)
-                    self._fields = {
-                        name: {f: (host(np.asarray(memoryview(u))), dtype) for f, (u, dtype) in fields.items()}  # type: ignore[arg-type]  # MLX stubs: no buffer protocol
-                        for name, fields in self._fields.items()
-                    }
-                    self._taken = True
+                if self._fields is None:
+                    fields: dict[str, dict[str, tuple]] = {}
+                    for u, names in self._packs:
+                        bits = np.asarray(memoryview(u))  # type: ignore[arg-type]  # MLX stubs: no buffer protocol
+                        if self._host is not None:
+                            bits = self._host(bits)
+                        batch = bits.shape[0] // len(names)
+                        for i, (name, f, dtype) in enumerate(names):
+                            fields.setdefault(name, {})[f] = (bits[i * batch : (i + 1) * batch], dtype)
+                    self._fields, self._packs = fields, []
         return self._fields[lid]
 
 
