@@ -244,18 +244,8 @@ class PersistentPrefixCache:
         OPEN_HANDLES.discard(self)
 
     def stats(self) -> dict[str, Any]:
-        """Counters of this handle plus the store's totals (docs/library.md lists them).
-
-        Returns:
-            This handle's counters (`counters.HANDLE_COUNTERS`), pending_writes,
-            disk_budget (`disk_bytes` resolved, None if unbounded) and budget_evictions;
-            the costs measured for this model on this device kind (`Costs.figures`); the
-            RAM tier's (`MemoryTier.stats`); the remote's (`tiers.REMOTE_COUNTERS`,
-            remote: its URL, password hidden, remote_pending, remote_key_id); the store's
-            over every process (blocks, block_bytes, bytes_on_disk, and ``store_`` +
-            each of `index_tables.STORE_WIDE_COUNTERS`); write_amplification (this
-            handle's disk bytes written per block byte restored, None until a restore).
-            See `parts.Parts.stats`.
+        """Counters of this handle, its costs, RAM tier and remote, and the store's totals
+        over every process: docs/library.md lists them, `parts.Parts.stats` gathers them.
 
         Raises:
             StoreClosedError: If the store is closed (InvalidArgumentError: opened before a fork).

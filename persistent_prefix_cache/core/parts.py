@@ -92,9 +92,14 @@ class Parts:
             self.index.close()
 
     def stats(self) -> dict[str, Any]:
-        """What `PersistentPrefixCache.stats` returns (its docstring says what each is):
-        the handle's counters, its writer's queue and budget, the store's totals from the
-        index, the RAM tier's, the learned costs' and the remote's figures."""
+        """What `PersistentPrefixCache.stats` returns (docs/library.md says what each is):
+        this handle's counters (`counters.HANDLE_COUNTERS`), pending_writes, disk_budget
+        (`disk_bytes` resolved, None if unbounded), budget_evictions and the namespace's
+        quota and holdings; the store's over every process (blocks, block_bytes,
+        bytes_on_disk, and ``store_`` + each of `index_tables.STORE_WIDE_COUNTERS`); the
+        RAM tier's (`MemoryTier.stats`); the costs measured for this model on this device
+        kind (`Costs.figures`); the remote's (its URL, password hidden, remote_pending,
+        remote_key_id); write_amplification (docs/wear.md)."""
         out: dict[str, Any] = self.counters.snapshot()
         out["pending_writes"] = self.writeback.pending if self.writeback is not None else 0
         out["disk_budget"] = self.writeback.disk_bytes if self.writeback is not None else None
