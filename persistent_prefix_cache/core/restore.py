@@ -214,7 +214,7 @@ def join_admitted(
         entries.append((nodes[k], tensors, origin))
     # The tier holds arrays other threads may read, evaluated: a leaf with an origin is
     # read as slices of its evaluated copies (`read_path`), its block views only measured,
-    # so those stay lazy (evaluating 16k of them was a tenth of a 16k-token restore, H100).
+    # so those stay lazy (a 16k-token restore evaluated 16k of them: docs/performance.md).
     mx.eval(views)
     for node, tensors, origin in entries:
         memory.put(node, tensors, origin, source="disk")

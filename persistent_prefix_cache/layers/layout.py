@@ -253,7 +253,7 @@ class Layout:
         ]
         if host is not None:
             # A GPU with memory of its own (CUDA): a host view of an MLX buffer moves it into
-            # managed memory (MLX's allocator, a copy at ~20 GB/s on an H100), which must never
+            # managed memory (MLX's allocator: a copy; docs/performance.md), which must never
             # befall the caller's cache (the range of a full buffer is that buffer) nor the RAM
             # tier's copy: the writer gets a copy of its own, viewed on its own thread. Fields
             # of one shape and dtype are one copy (stacked along the batch): one move and one
