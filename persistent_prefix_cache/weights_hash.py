@@ -156,8 +156,8 @@ def fingerprint_model(model: Any, *, scheme: str | None = None, prefetch: bool |
             h.update(f"{name}:{value.dtype}:{tuple(value.shape)}:{value.nbytes}\0".encode())
             h.update(sums)
         # The lane terms' buffers (GBs for an 8B model) go back now, with the open, not
-        # at the first `mx.clear_cache()` after it: freed there, they made the first
-        # prefill() after an open on an H100 32 ms (256 tokens) to 130 ms (16k) slower.
+        # at the first `mx.clear_cache()` after it: freed there, they slowed the first
+        # prefill() after an open on a GPU (docs/performance.md).
         mx.clear_cache()
         return f"{LANES_SCHEME}:{h.hexdigest()}"
     if prefetch is None:

@@ -29,7 +29,6 @@ import time
 from concurrent.futures import Future, wait
 from typing import Any, Callable, Iterable, Mapping
 
-
 from ..disk.segment import SegmentFiles
 from ..disk.compaction import compact_sparse
 from ..disk.commit import commit

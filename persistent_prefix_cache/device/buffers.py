@@ -190,6 +190,12 @@ def device_copy(x: mx.array) -> mx.array:
     return mx.concatenate([flat, flat])[:1].reshape(x.shape)
 
 
+def stacked_copy(arrays: list[mx.array]) -> mx.array:
+    """Arrays of one shape and dtype copied by the device into one buffer of its own,
+    stacked along their first axis (one copy kernel; `device_copy` for a single one)."""
+    return mx.concatenate(arrays, axis=0) if len(arrays) > 1 else device_copy(arrays[0])
+
+
 class HostBits:
     """A block tensor held as numpy bits of an MLX dtype, not yet in MLX memory (a
     block read from the remote tier, or by a background fill): the read path copies it

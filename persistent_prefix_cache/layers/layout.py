@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..blocks import FIELDS, RESUMABLE, TRIMMABLE, Kind, Node, Tensors, dtype_info, mx_uint, sliced_spec
-from ..device.buffers import device_copy
+from ..device.buffers import stacked_copy
 from ..errors import UnsupportedCacheError
 from ..keys import chain_start
 from .adapters import (
@@ -248,10 +248,12 @@ class Layout:
         # as numpy bits taken once per field; each block's bits are numpy slices of
         # them (thousands of MLX slices and their evaluation cost more than the copy).
         written = sources if direct else ranges
-        packs: list[tuple[mx.array, list[tuple[str, str, str]]]] = [
-            (x, [(lid, f, dtype_info(x.dtype)[0])]) for lid, fields in written.items() for f, x in fields.items()
-        ]
-        if host is not None:
+        packs: list[tuple[mx.array, list[tuple[str, str, str]]]]
+        if host is None:
+            packs = [
+                (x, [(lid, f, dtype_info(x.dtype)[0])]) for lid, fields in written.items() for f, x in fields.items()
+            ]
+        else:
             # A GPU with memory of its own (CUDA): a host view of an MLX buffer moves it into
             # managed memory (MLX's allocator: a copy; docs/performance.md), which must never
             # befall the caller's cache (the range of a full buffer is that buffer) nor the RAM
@@ -262,15 +264,7 @@ class Layout:
             for lid, fields in sources.items():
                 for f, x in fields.items():
                     alike.setdefault((x.dtype, tuple(x.shape)), []).append((lid, f, dtype_info(x.dtype)[0]))
-            packs = [
-                (
-                    mx.concatenate([sources[lid][f] for lid, f, _ in names], axis=0)
-                    if len(names) > 1
-                    else device_copy(sources[names[0][0]][names[0][1]]),
-                    names,
-                )
-                for names in alike.values()
-            ]
+            packs = [(stacked_copy([sources[lid][f] for lid, f, _ in names]), names) for names in alike.values()]
         packs = [(_as_uint(x), names) for x, names in packs]
         mx.eval([u for u, _ in packs])
         whole = WholeBits(packs, host)
