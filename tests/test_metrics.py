@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import threading
 
 import pytest
 from helpers import BLOCK, prefill, random_tokens
@@ -124,3 +125,23 @@ def test_ppc_stats_prometheus_refuses_json(store_dir, model):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert run.returncode == 2 and "--prometheus" in run.stderr
+
+
+def test_a_restore_counts_the_bytes_of_blocks_not_yet_written(store_dir, model):
+    """`ppc_read_bytes` counts what a restore took from the RAM tier, whether or not the
+    writer has committed those blocks yet (their index records, not the tier, carry the
+    size once written)."""
+    tokens = random_tokens(4 * BLOCK, seed=3)
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        cache = prefill(model, tokens)[1]
+        release = threading.Event()
+        store.hold_writer(release).wait(30)
+        store.store(tokens, cache)  # queued behind the held writer: in the RAM tier only
+        assert store.stats()["pending_writes"] > 0
+        assert store.fetch(tokens)[0] is not None
+        pending = store.stats()["bytes_restored_ram"]
+        release.set()
+        store.flush()
+        assert store.fetch(tokens)[0] is not None
+        written = store.stats()["bytes_restored_ram"] - pending
+    assert written > 0 and pending == written

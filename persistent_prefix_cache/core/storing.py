@@ -158,6 +158,9 @@ class Storer:
                 if sized is not None:
                     sized[node.n_tokens] = size
             sizes.append(size)
+            # A restore may find the block in the RAM tier before the writer's record
+            # sets its size: its bytes are counted and taught to the cost model from it.
+            node.size = size
         if any(self._memory.fits(size) for size in sizes):
             layout.evaluate(new)
             for (node, tensors, _, origin), size in zip(new, sizes):
