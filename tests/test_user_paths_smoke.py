@@ -54,11 +54,12 @@ def _servers_of(scratch: Path) -> list[str]:
         if not pid.isdigit():
             continue
         try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
         except OSError:
             continue
-        if str(scratch) in cmdline:
-            found.append(cmdline)
+        # As bytes: another test's process may name a path that is not UTF-8.
+        if os.fsencode(scratch) in cmdline:
+            found.append(os.fsdecode(cmdline))
     return found
 
 
