@@ -28,7 +28,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_bench  # noqa: E402
-from user_paths import mlx_prefill, prompt_ids  # noqa: E402
+from user_paths_bench import mlx_prefill, prompt_ids  # noqa: E402
 
 from persistent_prefix_cache import PersistentPrefixCache, prefill  # noqa: E402
 
@@ -112,7 +112,7 @@ class Timed1:
 def store_parts(model, ids, work) -> dict:
     """One store() of `ids`'s cache on an empty store, its parts timed."""
     from persistent_prefix_cache.layers import layout as layout_mod
-    from user_paths import mlx_prefill as run
+    from user_paths_bench import mlx_prefill as run
 
     cache = run(model, ids)
     spent: dict = {}

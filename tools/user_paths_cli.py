@@ -27,7 +27,7 @@ import numpy as np
 
 import bench  # tools/bench.py: raw_write, fsync_path, settle
 import bench_serve  # tools/bench_serve.py: Server (a server subprocess on a free port)
-from user_paths import Bench, clock, interleave, kv_bytes, median, mlx_prefill, per_round
+from user_paths_bench import Bench, clock, interleave, kv_bytes, median, mlx_prefill, per_round
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ("the store keeps every block of a prompt on disk so that a server restarted later restores its "
