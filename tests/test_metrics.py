@@ -128,19 +128,21 @@ def test_ppc_stats_prometheus_refuses_json(store_dir, model):
 
 
 def test_a_restore_counts_the_bytes_of_blocks_not_yet_written(store_dir, model):
-    """`ppc_read_bytes` counts what a restore took from the RAM tier, whether or not the
-    writer has committed those blocks yet (their index records, not the tier, carry the
-    size once written)."""
+    """`ppc_read_bytes` (and the cost model, from the same sizes) counts what a restore
+    took from the RAM tier whether or not the writer has committed those blocks yet:
+    a block's size is known from the moment it is cut."""
     tokens = random_tokens(4 * BLOCK, seed=3)
     with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
         cache = prefill(model, tokens)[1]
         release = threading.Event()
-        store.hold_writer(release).wait(30)
-        store.store(tokens, cache)  # queued behind the held writer: in the RAM tier only
-        assert store.stats()["pending_writes"] > 0
-        assert store.fetch(tokens)[0] is not None
-        pending = store.stats()["bytes_restored_ram"]
-        release.set()
+        try:
+            assert store.hold_writer(release).wait(30)
+            store.store(tokens, cache)  # queued behind the held writer: in the RAM tier only
+            assert store.stats()["pending_writes"] > 0
+            assert store.fetch(tokens)[0] is not None
+            pending = store.stats()["bytes_restored_ram"]
+        finally:
+            release.set()  # never leave the writer held: close() would wait for it
         store.flush()
         assert store.fetch(tokens)[0] is not None
         written = store.stats()["bytes_restored_ram"] - pending
