@@ -228,12 +228,14 @@ def test_stores_queued_behind_a_busy_writer_share_one_segment(store_dir, model):
     with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
         gate = __import__("threading").Event()
         store.hold_writer(gate)  # the writer busy: every store below queues
-        cache = make_prompt_cache(model)
-        for end in range(BLOCK, len(tokens) + 1, BLOCK):
-            model(mx.array(tokens[end - BLOCK : end])[None], cache=cache)
-            mx.eval([c.state for c in cache])
-            store.store(tokens[:end], cache)
-        gate.set()
+        try:
+            cache = make_prompt_cache(model)
+            for end in range(BLOCK, len(tokens) + 1, BLOCK):
+                model(mx.array(tokens[end - BLOCK : end])[None], cache=cache)
+                mx.eval([c.state for c in cache])
+                store.store(tokens[:end], cache)
+        finally:
+            gate.set()  # never leave the writer held: close() would wait for it
         store.flush()
         assert len(segment_files(store_dir)) == 1 and store.stats()["segments_merged"] == 0
 
