@@ -28,8 +28,9 @@ Modes: the default runs a small llama (``tiny_model.write_tiny_model``, hidden s
 256, 2 layers) on MLX's default device in a few minutes on a 2-core VM; ``--smoke`` is
 a tiny run for CI; ``--gpu`` runs an 8B-shaped llama in bf16 built in-process
 (``tools/gpu_bench.py``'s ``SHAPE_8B``) for rows 2-4 and a 3B-shaped model folder for
-the others. Every timed figure is the median of ``--repeat`` runs after a warm-up, the
-compared operations interleaved; each ratio is the median of per-round ratios.
+the others. Every timed figure is the median of ``--repeat`` runs after a warm-up (row 1,
+whole processes, 5 in the default mode unless ``--repeat`` is given), the compared
+operations interleaved; each ratio is the median of per-round ratios.
 
     python tools/user_paths.py                 # the small model (CPU: ~5-8 minutes)
     python tools/user_paths.py --smoke --json  # what CI runs
@@ -290,9 +291,11 @@ def child(spec_path: str) -> int:
 
 
 def table(result: dict) -> str:
+    plan = result["plan"]
+    rounds = f"{plan['repeat']}" + (f" (row 1: {plan['readme_repeat']})" if plan.get("readme_repeat") else "")
     lines = [
         f"persistent_prefix_cache: the paths users run ({result['mode']}; mlx {result['mlx']} on {result['device']}, "
-        f"mlx-lm {result['mlx_lm']}; median of {result['plan']['repeat']} after {result['plan']['warmup']} warm-up)",
+        f"mlx-lm {result['mlx_lm']}; median of {rounds} after {plan['warmup']} warm-up)",
         f"{'row':<3} {'path':<72} {'ours':>14} {'no cache':>14} {'ratio':>7}  target",
     ]
     for r in result["rows"]:

@@ -140,7 +140,8 @@ def row_readme(b: Bench) -> None:
         shutil.rmtree(home)
         return {"first": first, "second": second}
 
-    times = interleave({"plain": plain, "example": example_twice}, b.plan.repeat, b.plan.warmup)
+    rounds = b.plan.readme_repeat or b.plan.repeat
+    times = interleave({"plain": plain, "example": example_twice}, rounds, b.plan.warmup)
     for which, label in (("first", "1st run, empty store"), ("second", "2nd run, a new process")):
         b.add(1, f"README example ({label}) ÷ mlx-lm load + prefill", median(times[which]),
               median(times["plain"]), per_round(times[which], times["plain"]), "<= 1.05",
