@@ -390,7 +390,7 @@ def test_the_host_views_a_copy_of_the_writers_own_on_the_writers_thread(monkeypa
     from helpers import BLOCK, prefill, random_tokens
 
     from persistent_prefix_cache import PersistentPrefixCache
-    from persistent_prefix_cache.device import buffers
+    from persistent_prefix_cache.layers import layout
     from persistent_prefix_cache.tiers.memory import MemoryTier
 
     viewed, kept = [], []
@@ -401,7 +401,7 @@ def test_the_host_views_a_copy_of_the_writers_own_on_the_writers_thread(monkeypa
         return builtins.memoryview(x)
 
     real_put = MemoryTier.put
-    monkeypatch.setattr(buffers, "memoryview", view, raising=False)
+    monkeypatch.setattr(layout, "memoryview", view, raising=False)
     monkeypatch.setattr(
         MemoryTier,
         "put",
@@ -658,24 +658,3 @@ def test_a_store_on_a_gpu_writes_what_a_store_on_the_cpu_does(monkeypatch, tmp_p
         assert list(rest) == [3]
         logits.append(np.array(warm_logits(model, restored, rest)))
     assert np.array_equal(logits[0], logits[1])
-
-
-@pytest.mark.parametrize("gpu", [True, False])
-def test_a_host_view_on_cuda_is_taken_after_an_evaluation_that_reads_the_buffer(monkeypatch, gpu):
-    # MLX's buffer protocol asks for a device buffer's address (which moves it into managed
-    # memory on CUDA) with the GIL held: a 2 GiB move stalled the caller's forward. A
-    # one-element read on the CPU stream, evaluated first, makes that move without the GIL.
-    import builtins
-
-    from persistent_prefix_cache.device import buffers
-
-    arrays = [mx.arange(1000).astype(mx.uint16), mx.zeros((0, 4), dtype=mx.uint8), mx.ones((3, 5), dtype=mx.uint32)]
-    mx.eval(arrays)
-    events, real_eval = [], mx.eval
-    monkeypatch.setattr(cuda, "on_cuda", lambda: gpu)
-    monkeypatch.setattr(buffers.mx, "eval", lambda *a: events.append("eval") or real_eval(*a))
-    monkeypatch.setattr(buffers, "memoryview", lambda x: events.append("view") or builtins.memoryview(x), raising=False)
-    views = buffers.host_views(arrays)
-    assert events == (["eval"] if gpu else []) + ["view"] * 3
-    for x, v in zip(arrays, views):
-        assert v.shape == tuple(x.shape) and np.array_equal(v, np.array(x))

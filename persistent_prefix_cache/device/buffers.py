@@ -196,22 +196,6 @@ def stacked_copy(arrays: list[mx.array]) -> mx.array:
     return mx.concatenate(arrays, axis=0) if len(arrays) > 1 else device_copy(arrays[0])
 
 
-def host_views(arrays: list[mx.array]) -> list[np.ndarray]:
-    """Evaluated arrays' bytes as numpy views of their buffers.
-
-    On a CUDA GPU MLX moves a device buffer into managed memory (a new managed block, a
-    copy, the old block freed) when the host first asks for its address, and the buffer
-    protocol asks with the GIL held: every other Python thread, the caller's next
-    forward included, waited for the move (a 2 GiB store's copy: ~150 ms on an H100). A
-    one-element read on MLX's CPU stream asks inside an evaluation, which runs without
-    the GIL; the views then find the buffers moved.
-    """
-    if cuda.on_cuda():
-        with mx.stream(mx.cpu):
-            mx.eval([mx.sum(x.reshape(-1)[:1]) for x in arrays if x.size])
-    return [np.asarray(memoryview(x)) for x in arrays]  # type: ignore[arg-type]  # MLX stubs: no buffer protocol
-
-
 class HostBits:
     """A block tensor held as numpy bits of an MLX dtype, not yet in MLX memory (a
     block read from the remote tier, or by a background fill): the read path copies it

@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..blocks import FIELDS, RESUMABLE, TRIMMABLE, Kind, Node, Tensors, dtype_info, mx_uint, sliced_spec
-from ..device.buffers import host_views, stacked_copy
+from ..device.buffers import stacked_copy
 from ..errors import UnsupportedCacheError
 from ..keys import chain_start
 from .adapters import (
@@ -366,8 +366,8 @@ class WholeBits:
             with self._lock:
                 if self._fields is None:
                     fields: dict[str, dict[str, tuple]] = {}
-                    views = host_views([u for u, _ in self._packs])
-                    for bits, (_, names) in zip(views, self._packs):
+                    for u, names in self._packs:
+                        bits = np.asarray(memoryview(u))  # type: ignore[arg-type]  # MLX stubs: no buffer protocol
                         if self._host is not None:
                             bits = self._host(bits)
                         batch = bits.shape[0] // len(names)
