@@ -6,9 +6,11 @@ prompt through variants that add one part of the store at a time: mlx-lm's prefi
 the same loop by hand, on the default stream and on a stream of its own (as
 ``generate_step``); `prefill()` with a store that does nothing; with a handle open
 beside it; with a real handle whose `store()` does nothing (its fetch and cost model
-run), and with the cost model off; with the real `store()` (RAM tier off, on, and on a
-stream of its own); and on a handle opened just before each call (its fingerprint
-hashed), without and with ``mx.clear_cache()`` after the open. Each line: the median,
+run), and with the cost model off; with the real `store()` (RAM tier off, on, on a
+stream of its own, and right after another prompt's `prefill()` on the same handle: its
+writer busy during the timed call, where every other variant's writes are flushed before
+the next call); and on a handle opened just before each call (its fingerprint hashed),
+without and with ``mx.clear_cache()`` after the open. Each line: the median,
 its ratio to mlx-lm's prefill, every round.
 
     python tools/prefill_variants.py [--small] [--tokens 256,4096,16384] [--rounds 5]
@@ -111,6 +113,17 @@ def variants(model: Any, work: Path) -> tuple[dict[str, Callable[[list[int]], An
         with mx.stream(stream):
             prefill(model, ids, handle("real-stream"))
 
+    def back_to_back(ids: list[int]) -> float:
+        # As a program that prefills prompt after prompt: the call before (untimed, another
+        # prompt) leaves its writer copying and writing while the timed call computes.
+        store = handle("back-to-back")
+        prefill(model, [(t + 1) % model.args.vocab_size for t in ids], store)
+        mx.synchronize()
+        started = time.perf_counter()
+        prefill(model, ids, store)
+        mx.synchronize()
+        return time.perf_counter() - started
+
     def fresh(clear: bool) -> Callable[[list[int]], float]:
         def run(ids: list[int]) -> float:
             count[0] += 1
@@ -140,6 +153,7 @@ def variants(model: Any, work: Path) -> tuple[dict[str, Callable[[list[int]], An
         "real store(), RAM tier off": lambda ids: prefill(model, ids, handle("ram-off", memory_bytes=0)),
         "real store()": lambda ids: prefill(model, ids, handle("real")),
         "real store(), own stream": in_stream,
+        "real store(), back to back": back_to_back,
         "handle opened before": fresh(False),
         "... and MLX cache cleared": fresh(True),
     }
