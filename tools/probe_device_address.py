@@ -21,6 +21,9 @@ pinned lanes, `device.cuda`). Per size it prints:
   address route must then never be used on that array again).
 
     python3 tools/probe_device_address.py [--mib 32,512,2048] [--rounds 3]
+
+A one-off experiment: once it has run, its figures go to docs/performance.md with the
+commit it lived at, and it leaves tools/ (docs/development.md).
 """
 
 from __future__ import annotations
