@@ -658,3 +658,66 @@ def test_a_store_on_a_gpu_writes_what_a_store_on_the_cpu_does(monkeypatch, tmp_p
         assert list(rest) == [3]
         logits.append(np.array(warm_logits(model, restored, rest)))
     assert np.array_equal(logits[0], logits[1])
+
+
+def test_size_classes_hold_the_bytes_in_whole_pages_with_at_most_an_eighth_more():
+    from persistent_prefix_cache.device.buffers import size_class
+
+    page = 16384
+    for n in [1, 100, page, page + 1, 3 * page, 1 << 20, (1 << 20) + 1, 5_000_000, 2_147_483_648, 2_300_000_001]:
+        c = size_class(n)
+        assert c >= n and c % page == 0 and (c <= page or c <= n + n // 8 + page)
+    assert size_class(5_000_000) == size_class(5_000_001)  # neighbours share a class
+
+
+def test_a_kept_writer_copy_is_written_again_in_place(monkeypatch):
+    # A managed buffer a slice update donates needs no move on CUDA: a kept buffer takes the
+    # next copy of its size class in place (the same memory), and nothing more is kept
+    # than `keep_bytes` allows.
+    from persistent_prefix_cache.device.buffers import WriterCopies, size_class
+
+    def address(a):
+        return np.asarray(memoryview(a)).ctypes.data
+
+    copies = WriterCopies(keep_bytes=size_class(6000))
+    first = copies.place(mx.arange(3000).astype(mx.uint16))
+    mx.eval(first)
+    where = address(first)
+    copies.keep(first)
+    del first
+    second = copies.place(mx.arange(2990, dtype=mx.uint32).astype(mx.uint16)[::-1] * 3)
+    mx.eval(second)
+    assert copies.reused == 1 and address(second) == where
+    assert np.array_equal(np.asarray(memoryview(second))[:5980].view(np.uint16), np.arange(2990)[::-1] * 3)
+    other = copies.place(mx.zeros((3000,), dtype=mx.uint16))  # none free: a new buffer
+    mx.eval(other)
+    copies.keep(second)
+    copies.keep(other)  # beyond keep_bytes: let go
+    assert sum(len(v) for v in copies._free.values()) == 1
+
+
+@pytest.mark.parametrize("staging", [True, False])
+def test_the_writer_reuses_its_copies_across_stores_and_stores_bitwise(monkeypatch, tmp_path, staging):
+    # Two stores of prompts of one length under the CUDA emulation: the second store's
+    # copy is made in the buffer the first one's writer kept, and both restore bit for
+    # bit. Where staging is off the host reads the buffer in place: it is never kept.
+    from families import build
+    from helpers import BLOCK, prefill, random_tokens
+
+    from persistent_prefix_cache import PersistentPrefixCache
+    from persistent_prefix_cache.device import buffers
+
+    monkeypatch.setattr(cuda, "on_cuda", lambda: True)
+    monkeypatch.setattr(cuda, "_get_driver", lambda: _HostDriver())
+    monkeypatch.setattr(cuda, "_staging", staging)
+    monkeypatch.setattr(buffers, "_writer_copies", buffers.WriterCopies(1 << 30))
+    model = build("llama")
+    prompts = [[t % 256 for t in random_tokens(192, seed=seed)] for seed in (11, 12)]
+    caches = [prefill(model, tokens)[1] for tokens in prompts]
+    for i, (tokens, cache) in enumerate(zip(prompts, caches)):
+        with PersistentPrefixCache(tmp_path / f"s{i}", model, block_size=BLOCK, fingerprint="own") as store:
+            store.store(tokens, cache)
+            store.flush()
+    assert buffers.writer_copies().reused == (1 if staging else 0)
+    for i, (tokens, cache) in enumerate(zip(prompts, caches)):
+        _assert_stored_bitwise(tmp_path / f"s{i}", model, tokens, cache, "own")

@@ -8,6 +8,7 @@ writes would migrate pages (`join_on_device`, a GPU). Which of them a read gets 
 from __future__ import annotations
 
 import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, cast
 
@@ -194,6 +195,77 @@ def stacked_copy(arrays: list[mx.array]) -> mx.array:
     """Arrays of one shape and dtype copied by the device into one buffer of its own,
     stacked along their first axis (one copy kernel; `device_copy` for a single one)."""
     return mx.concatenate(arrays, axis=0) if len(arrays) > 1 else device_copy(arrays[0])
+
+
+class WriterCopies:
+    """Buffers of managed memory the writer's copies are made in on a CUDA GPU, kept and
+    made again (a branch's experiment: not yet measured on a GPU).
+
+    A host view of an MLX buffer in device memory moves it into managed memory (MLX's
+    allocator: a new managed block, a synchronous copy, the old block freed), and the
+    buffer protocol makes that move with the GIL held: the caller's Python waits for
+    it (~150 ms for a 2 GiB store on an H100, docs/performance.md). A copy written
+    into a managed buffer by a slice update that donates it needs no move: the writer
+    keeps the buffers it has copied to the host and the next copy of that size class
+    goes into one. A buffer's first use is a new device buffer, moved by its first view
+    as before.
+
+    Args:
+        keep_bytes: The most bytes kept between stores (the rest MLX frees).
+    """
+
+    def __init__(self, keep_bytes: int):
+        self.keep_bytes = keep_bytes
+        self._free: dict[int, list[mx.array]] = {}
+        self._kept = 0
+        self._lock = threading.Lock()
+        self.reused = 0  # copies made into a kept buffer (for tests and tools)
+
+    def place(self, x: mx.array) -> mx.array:
+        """A lazy flat ``uint8`` array whose first ``x.nbytes`` bytes are `x`'s (row
+        order), in a kept buffer of `x`'s size class when one is free (on the caller's
+        thread, which evaluates it)."""
+        size = size_class(x.nbytes)
+        with self._lock:
+            free = self._free.get(size)
+            buf = free.pop() if free else None
+            if buf is not None:
+                self._kept -= size
+                self.reused += 1
+        if buf is None:
+            buf = mx.zeros((size,), dtype=mx.uint8)
+        buf[: x.nbytes] = x.reshape(-1).view(mx.uint8)  # the kept array's only reference: donated
+        return buf
+
+    def keep(self, buf: mx.array) -> None:
+        """Keep `buf` (from `place`, its bytes copied to the host, no view of it left)
+        for a later copy, within `keep_bytes`."""
+        size = buf.nbytes
+        with self._lock:
+            if self._kept + size <= self.keep_bytes:
+                self._free.setdefault(size, []).append(buf)
+                self._kept += size
+
+
+def size_class(nbytes: int) -> int:
+    """`nbytes` rounded up to one of eight steps per power of two (at most 1/8 more), in
+    whole 16 KiB pages (MLX's CUDA allocator rounds to those anyway)."""
+    page = 16384
+    pages = max(1, -(-nbytes // page))
+    step = max(1, (1 << (pages.bit_length() - 1)) // 8)
+    return -(-pages // step) * step * page
+
+
+_writer_copies: WriterCopies | None = None
+
+
+def writer_copies() -> WriterCopies:
+    """The process's `WriterCopies` (every handle's writer shares them), keeping at most
+    1/16 of the memory MLX may use."""
+    global _writer_copies
+    if _writer_copies is None:
+        _writer_copies = WriterCopies(int(mx.get_memory_limit()) // 16)
+    return _writer_copies
 
 
 class HostBits:

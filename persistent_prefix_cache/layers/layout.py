@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..blocks import FIELDS, RESUMABLE, TRIMMABLE, Kind, Node, Tensors, dtype_info, mx_uint, sliced_spec
-from ..device.buffers import stacked_copy
+from ..device.buffers import stacked_copy, writer_copies
 from ..errors import UnsupportedCacheError
 from ..keys import chain_start
 from .adapters import (
@@ -248,10 +248,12 @@ class Layout:
         # as numpy bits taken once per field; each block's bits are numpy slices of
         # them (thousands of MLX slices and their evaluation cost more than the copy).
         written = sources if direct else ranges
-        packs: list[tuple[mx.array, list[tuple[str, str, str]]]]
+        packs: list[Pack]
         if host is None:
             packs = [
-                (x, [(lid, f, dtype_info(x.dtype)[0])]) for lid, fields in written.items() for f, x in fields.items()
+                (_as_uint(x), [(lid, f, dtype_info(x.dtype)[0])], None)
+                for lid, fields in written.items()
+                for f, x in fields.items()
             ]
         else:
             # A GPU with memory of its own (CUDA): a host view of an MLX buffer moves it into
@@ -265,9 +267,14 @@ class Layout:
             for lid, fields in sources.items():
                 for f, x in fields.items():
                     alike.setdefault((x.dtype, tuple(x.shape)), []).append((lid, f, dtype_info(x.dtype)[0]))
-            packs = [(stacked_copy([sources[lid][f] for lid, f, _ in names]), names) for names in alike.values()]
-        packs = [(_as_uint(x), names) for x, names in packs]
-        mx.eval([u for u, _ in packs])
+            # The copy is made in a managed buffer the writer kept from an earlier store where
+            # one is free (`WriterCopies`: its view then moves nothing).
+            copies = writer_copies()
+            packs = []
+            for names in alike.values():
+                u = _as_uint(stacked_copy([sources[lid][f] for lid, f, _ in names]))
+                packs.append((copies.place(u), names, (tuple(u.shape), u.itemsize)))
+        mx.eval([u for u, _, _ in packs])
         whole = WholeBits(packs, host)
         # Each block's tensors: views of the copy, made by one split per field (not one
         # slice per block and field: 2,048 MLX calls for 128 MiB).
@@ -348,11 +355,9 @@ class WholeBits:
     `host`, where one is given) once, by the first thread that asks (the writer's: on a
     CUDA GPU taking them moves their buffer)."""
 
-    def __init__(
-        self, packs: list[tuple[mx.array, list[tuple[str, str, str]]]], host: Callable[[np.ndarray], np.ndarray] | None
-    ):
+    def __init__(self, packs: list[Pack], host: Callable[[np.ndarray], np.ndarray] | None):
         self._packs, self._host, self._lock = packs, host, threading.Lock()
-        self._leaves = {lid for _, names in packs for lid, _, _ in names}
+        self._leaves = {lid for _, names, _ in packs for lid, _, _ in names}
         self._fields: dict[str, dict[str, tuple]] | None = None
 
     def __contains__(self, lid: str) -> bool:
@@ -366,16 +371,32 @@ class WholeBits:
         if self._fields is None:
             with self._lock:
                 if self._fields is None:
-                    fields: dict[str, dict[str, tuple]] = {}
-                    for u, names in self._packs:
-                        bits = np.asarray(memoryview(u))  # type: ignore[arg-type]  # MLX stubs: no buffer protocol
-                        if self._host is not None:
-                            bits = self._host(bits)
-                        batch = bits.shape[0] // len(names)
-                        for i, (name, f, dtype) in enumerate(names):
-                            fields.setdefault(name, {})[f] = (bits[i * batch : (i + 1) * batch], dtype)
+                    fields, done = self._to_host()
                     self._fields, self._packs = fields, []
+                    copies = writer_copies()
+                    while done:  # its views are gone, and `_packs` let go: the next copy donates it
+                        copies.keep(done.pop())
         return self._fields[lid]
+
+    def _to_host(self) -> tuple[dict[str, dict[str, tuple]], list[mx.array]]:
+        """Every field's bits, and the `WriterCopies` buffers whose bytes the host now
+        holds (no view of them outlives this call)."""
+        fields: dict[str, dict[str, tuple]] = {}
+        done: list[mx.array] = []
+        for u, names, flat in self._packs:
+            bits = np.asarray(memoryview(u))  # type: ignore[arg-type]  # MLX stubs: no buffer protocol
+            if flat is not None:  # a `WriterCopies` buffer: the copy is its first bytes
+                shape, itemsize = flat
+                bits = bits[: int(np.prod(shape)) * itemsize].view(f"u{itemsize}").reshape(shape)
+            if self._host is not None:
+                copied = self._host(bits)
+                if flat is not None and copied is not bits:  # (staging off: the bits are read in place)
+                    done.append(u)
+                bits = copied
+            batch = bits.shape[0] // len(names)
+            for i, (name, f, dtype) in enumerate(names):
+                fields.setdefault(name, {})[f] = (bits[i * batch : (i + 1) * batch], dtype)
+        return fields, done
 
 
 class BlockBits(Mapping):
@@ -409,6 +430,11 @@ class BlockBits(Mapping):
 
     def __len__(self) -> int:
         return len(self._tensors)
+
+
+# A writer's copy: its MLX array, the (leaf, field, dtype name) of each field stacked in it,
+# and for a flat `WriterCopies` buffer the stack's shape and item size (else None).
+Pack = tuple[mx.array, list[tuple[str, str, str]], "tuple[tuple[int, ...], int] | None"]
 
 
 def _as_uint(x: mx.array) -> mx.array:
