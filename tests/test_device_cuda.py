@@ -660,13 +660,12 @@ def test_a_store_on_a_gpu_writes_what_a_store_on_the_cpu_does(monkeypatch, tmp_p
     assert np.array_equal(logits[0], logits[1])
 
 
-def test_size_classes_hold_the_bytes_in_whole_pages_with_at_most_an_eighth_more():
+def test_size_classes_hold_the_rows_with_at_most_an_eighth_more():
     from persistent_prefix_cache.device.buffers import size_class
 
-    page = 16384
-    for n in [1, 100, page, page + 1, 3 * page, 1 << 20, (1 << 20) + 1, 5_000_000, 2_147_483_648, 2_300_000_001]:
+    for n in [0, 1, 7, 8, 9, 100, 1000, 1 << 20, (1 << 20) + 1, 5_000_000, 1 << 31, 2_300_000_001]:
         c = size_class(n)
-        assert c >= n and c % page == 0 and (c <= page or c <= n + n // 8 + page)
+        assert c >= max(n, 1) and c <= max(n, 1) + max(n, 1) // 8
     assert size_class(5_000_000) == size_class(5_000_001)  # neighbours share a class
 
 
@@ -679,21 +678,34 @@ def test_a_kept_writer_copy_is_written_again_in_place(monkeypatch):
     def address(a):
         return np.asarray(memoryview(a)).ctypes.data
 
-    copies = WriterCopies(keep_bytes=size_class(6000))
-    first = copies.place(mx.arange(3000).astype(mx.uint16))
+    copies = WriterCopies(keep_bytes=size_class(3000) * 16)
+    first = copies.place(mx.arange(24000).astype(mx.uint16).reshape(3000, 8))
     mx.eval(first)
     where = address(first)
+    assert first.shape == (size_class(3000), 16)
     copies.keep(first)
     del first
-    second = copies.place(mx.arange(2990, dtype=mx.uint32).astype(mx.uint16)[::-1] * 3)
+    values = mx.arange(23920, dtype=mx.uint32).astype(mx.uint16)[::-1] * 2
+    second = copies.place(values.reshape(2990, 8))
     mx.eval(second)
     assert copies.reused == 1 and address(second) == where
-    assert np.array_equal(np.asarray(memoryview(second))[:5980].view(np.uint16), np.arange(2990)[::-1] * 3)
-    other = copies.place(mx.zeros((3000,), dtype=mx.uint16))  # none free: a new buffer
+    assert np.array_equal(np.asarray(memoryview(second))[:2990].view(np.uint16).reshape(-1), np.arange(23920)[::-1] * 2)
+    other = copies.place(mx.zeros((3000, 8), dtype=mx.uint16))  # none free: a new buffer
     mx.eval(other)
     copies.keep(second)
     copies.keep(other)  # beyond keep_bytes: let go
     assert sum(len(v) for v in copies._free.values()) == 1
+
+
+def test_a_writer_copy_past_two_gib_is_placed_in_rows():
+    # MLX's axes count to 2**31: a 16k-token store of an 8B model (2 GiB in one stack) must
+    # not need one flat axis (it raised OverflowError on an H100). Shapes only: nothing is
+    # evaluated, so no 2 GiB is allocated here.
+    from persistent_prefix_cache.device.buffers import WriterCopies
+
+    x = mx.zeros((64, 8, 16384, 128), dtype=mx.bfloat16)  # 2 GiB, lazy
+    placed = WriterCopies(keep_bytes=0).place(x)
+    assert placed.shape[1] == 256 and placed.shape[0] >= 64 * 8 * 16384 and placed.dtype == mx.uint8
 
 
 @pytest.mark.parametrize("staging", [True, False])

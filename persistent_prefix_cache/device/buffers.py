@@ -222,38 +222,38 @@ class WriterCopies:
         self.reused = 0  # copies made into a kept buffer (for tests and tools)
 
     def place(self, x: mx.array) -> mx.array:
-        """A lazy flat ``uint8`` array whose first ``x.nbytes`` bytes are `x`'s (row
-        order), in a kept buffer of `x`'s size class when one is free (on the caller's
-        thread, which evaluates it)."""
-        size = size_class(x.nbytes)
+        """A lazy ``uint8`` array of rows as wide as `x`'s last axis in bytes, whose first
+        rows hold `x`'s bytes (row order), in a kept buffer of `x`'s size class when one
+        is free (on the caller's thread, which evaluates it). Rows, not one flat axis: MLX's
+        axes count to 2**31, and one 16k-token store of an 8B model is 2 GiB."""
+        width = x.shape[-1] * x.itemsize if x.ndim and x.shape[-1] else x.itemsize
+        rows = x.nbytes // width
+        key = (size_class(rows), width)
         with self._lock:
-            free = self._free.get(size)
+            free = self._free.get(key)
             buf = free.pop() if free else None
             if buf is not None:
-                self._kept -= size
+                self._kept -= buf.nbytes
                 self.reused += 1
         if buf is None:
-            buf = mx.zeros((size,), dtype=mx.uint8)
-        buf[: x.nbytes] = x.reshape(-1).view(mx.uint8)  # the kept array's only reference: donated
+            buf = mx.zeros(key, dtype=mx.uint8)
+        buf[:rows] = x.view(mx.uint8).reshape(rows, width)  # the kept array's only reference: donated
         return buf
 
     def keep(self, buf: mx.array) -> None:
         """Keep `buf` (from `place`, its bytes copied to the host, no view of it left)
         for a later copy, within `keep_bytes`."""
-        size = buf.nbytes
         with self._lock:
-            if self._kept + size <= self.keep_bytes:
-                self._free.setdefault(size, []).append(buf)
-                self._kept += size
+            if self._kept + buf.nbytes <= self.keep_bytes:
+                self._free.setdefault(tuple(buf.shape), []).append(buf)
+                self._kept += buf.nbytes
 
 
-def size_class(nbytes: int) -> int:
-    """`nbytes` rounded up to one of eight steps per power of two (at most 1/8 more), in
-    whole 16 KiB pages (MLX's CUDA allocator rounds to those anyway)."""
-    page = 16384
-    pages = max(1, -(-nbytes // page))
-    step = max(1, (1 << (pages.bit_length() - 1)) // 8)
-    return -(-pages // step) * step * page
+def size_class(count: int) -> int:
+    """`count` rounded up to one of eight steps per power of two (at most 1/8 more)."""
+    count = max(1, count)
+    step = max(1, (1 << (count.bit_length() - 1)) // 8)
+    return -(-count // step) * step
 
 
 _writer_copies: WriterCopies | None = None

@@ -385,9 +385,9 @@ class WholeBits:
         done: list[mx.array] = []
         for u, names, flat in self._packs:
             bits = np.asarray(memoryview(u))  # type: ignore[arg-type]  # MLX stubs: no buffer protocol
-            if flat is not None:  # a `WriterCopies` buffer: the copy is its first bytes
+            if flat is not None:  # a `WriterCopies` buffer: the copy is its first rows
                 shape, itemsize = flat
-                bits = bits[: int(np.prod(shape)) * itemsize].view(f"u{itemsize}").reshape(shape)
+                bits = bits[: int(np.prod(shape)) * itemsize // bits.shape[1]].view(f"u{itemsize}").reshape(shape)
             if self._host is not None:
                 copied = self._host(bits)
                 if flat is not None and copied is not bits:  # (staging off: the bits are read in place)
@@ -433,7 +433,7 @@ class BlockBits(Mapping):
 
 
 # A writer's copy: its MLX array, the (leaf, field, dtype name) of each field stacked in it,
-# and for a flat `WriterCopies` buffer the stack's shape and item size (else None).
+# and for a `WriterCopies` buffer (rows of bytes) the stack's shape and item size (else None).
 Pack = tuple[mx.array, list[tuple[str, str, str]], "tuple[tuple[int, ...], int] | None"]
 
 
