@@ -33,8 +33,8 @@ class Options:
         block_size: Tokens per block for a new store (64 if None); an existing store
             keeps its own, and a different explicit value is an error.
         memory_bytes: Budget of the RAM tier (0 disables it). ``"auto"`` (the
-            default): 1/8 of the device's memory beside the model's weights, at least
-            512 MiB (`opening.memory_budget`).
+            default): 1/8 of the device's memory beside the model's weights, shared by
+            the process's open handles, at least 512 MiB each (`opening.memory_tier`).
         disk_bytes: Budget of the blocks' bytes; least recently used leaves are
             evicted past it. ``"auto"`` (the default): what the store holds plus half
             the space free on its file system at open (`opening.disk_budget`). None

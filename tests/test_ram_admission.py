@@ -302,3 +302,30 @@ def test_a_restarted_process_learns_the_hot_prefix(tmp_path, tiny_model_dir):
     assert all(f == {"matched": len(toks), "exact": True} for f in fetches)
     assert out[2]["memory_admitted"] == 5 and out[2]["memory_hits_disk"] == 0
     assert out[4]["memory_hits_disk"] == 5 and out[4]["bytes_in_memory"] == out[4]["block_bytes"]
+
+
+def test_auto_ram_budgets_are_shared_by_a_process_open_handles(monkeypatch, tmp_path):
+    # Each handle taking 1/8 of the device's memory ran an H100 out of memory with seven
+    # handles open in one process: "auto" tiers share the one share, each gets at least the
+    # floor, a closed handle gives its share back, and a budget given as an int is its own.
+    from persistent_prefix_cache.core import opening
+
+    model = build("llama")
+    floor = opening.MIN_MEMORY_BYTES
+    monkeypatch.setattr(opening, "device_memory", lambda: opening.weight_bytes(model) + 8 * 3 * floor)
+    monkeypatch.setattr(opening, "_auto_tiers", opening._AutoTiers())
+
+    def budget(store: PersistentPrefixCache) -> int:
+        return store.stats()["memory_budget"]
+
+    first = PersistentPrefixCache(tmp_path / "a", model, fingerprint="own")
+    second = PersistentPrefixCache(tmp_path / "b", model, fingerprint="own", memory_bytes=5 * floor)
+    third = PersistentPrefixCache(tmp_path / "c", model, fingerprint="own")
+    assert (budget(first), budget(second), budget(third)) == (3 * floor, 5 * floor, floor)
+    first.close()
+    fourth = PersistentPrefixCache(tmp_path / "d", model, fingerprint="own")
+    assert budget(fourth) == 2 * floor  # the first's share came back; the third still holds its own
+    for store in (second, third, fourth):
+        store.close()
+    with PersistentPrefixCache(tmp_path / "e", model, fingerprint="own") as alone:
+        assert budget(alone) == 3 * floor

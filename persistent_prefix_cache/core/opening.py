@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import threading
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -129,20 +130,43 @@ def disk_budget(path: str, disk_bytes: int | str | None, held: int) -> int | Non
 MIN_MEMORY_BYTES = 512 << 20  # the RAM tier's "auto" budget is never below this
 
 
-def memory_budget(model: Any, memory_bytes: int | str) -> int:
-    """The RAM tier's budget: `memory_bytes` as given, or for ``"auto"`` 1/8 of what the
-    device's memory holds beside the model's weights (at least `MIN_MEMORY_BYTES`): the
-    hot prompts of the model served, sized by its device. An H200 (141 GB) serving an 8B
-    model in bf16 (16 GB) keeps ~15 GB, seven 16k-token prompts of 2 GiB (a fixed 512 MiB
-    held none, and churned); a 16 GB Mac with a 4-bit 8B model ~1.4 GB.
+def memory_tier(model: Any, memory_bytes: int | str) -> MemoryTier:
+    """A handle's RAM tier: its budget `memory_bytes` as given, or for ``"auto"`` what is
+    left of the process's share, 1/8 of what the device's memory holds beside the model's
+    weights, after the other open handles' "auto" tiers (and at least `MIN_MEMORY_BYTES`):
+    the hot prompts of the model served, sized by its device. An H200 (141 GB) serving an
+    8B model in bf16 (16 GB) keeps ~15 GB, seven 16k-token prompts of 2 GiB (a fixed 512
+    MiB held none, and churned); a 16 GB Mac with a 4-bit 8B model ~1.4 GB. Shared, since
+    each handle taking 1/8 made seven handles of one process run an H100 out of memory. A
+    closed handle's tier holds nothing and gives its share back (`Parts.release`).
 
     Args:
         model: The model (its parameters' bytes are counted).
         memory_bytes: An int, or ``"auto"``.
     """
     if not isinstance(memory_bytes, str):  # the one str `options.check_options` lets through: "auto"
-        return memory_bytes
-    return max(MIN_MEMORY_BYTES, (device_memory() - weight_bytes(model)) // 8)
+        return MemoryTier(memory_bytes)
+    share = max(MIN_MEMORY_BYTES, (device_memory() - weight_bytes(model)) // 8)
+    with _auto_lock:
+        if _auto_tiers.pid != os.getpid():  # a fork's copies of the parent's tiers are not this process's
+            _auto_tiers.pid, _auto_tiers.tiers = os.getpid(), weakref.WeakSet()
+        held = sum(t.max_bytes for t in _auto_tiers.tiers)
+        tier = MemoryTier(max(MIN_MEMORY_BYTES, share - held))
+        _auto_tiers.tiers.add(tier)
+    return tier
+
+
+class _AutoTiers:
+    """The "auto" RAM tiers of this process's handles (weakly: a handle dropped unclosed
+    gives its share back when collected)."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.tiers: weakref.WeakSet[MemoryTier] = weakref.WeakSet()
+
+
+_auto_tiers = _AutoTiers()
+_auto_lock = threading.Lock()
 
 
 def device_memory() -> int:
@@ -206,7 +230,7 @@ def open_parts(
             namespace=o.namespace, shared_prefixes=o.shared_prefixes, shared_namespace=o.shared_namespace,
         )  # fmt: skip
         root, block_size = record.root, index.block_size
-        memory = MemoryTier(memory_budget(model, o.memory_bytes))
+        memory = memory_tier(model, o.memory_bytes)
         # Where restored bytes live (MLX's device: CPU, unified memory, a CUDA GPU's),
         # decided once for the handle, whichever thread calls it.
         target = device_target()

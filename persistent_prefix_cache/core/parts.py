@@ -86,8 +86,10 @@ class Parts:
         return finished
 
     def release(self, *, close_index: bool) -> None:
-        """The second half of a close: the RAM tier emptied, the index closed if asked."""
+        """The second half of a close: the RAM tier emptied (its budget 0: an "auto" share
+        goes back to the process, `opening.memory_tier`), the index closed if asked."""
         self.memory.clear()
+        self.memory.max_bytes = 0
         if close_index:
             self.index.close()
 
