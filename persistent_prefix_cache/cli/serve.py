@@ -292,7 +292,7 @@ def memory_budget(provider: Any) -> tuple[int, str]:
     Returns:
         ``(bytes, a few words saying where they come from)``.
     """
-    from ..core.opening import device_memory
+    from ..device.target import device_memory
 
     given = getattr(getattr(provider, "cli_args", None), "prompt_cache_bytes", None)
     if given is not None:

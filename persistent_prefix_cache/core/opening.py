@@ -19,7 +19,7 @@ from .cost_model import CostModel
 from .costs import Costs
 from .counters import HANDLE_COUNTERS, Counters
 from ..disk.index import Index
-from ..device.target import device_target
+from ..device.target import device_memory, device_target
 from ..disk.segment import SegmentFiles
 from ..disk.store_dir import check_location, create_root, missing_folders, undo_creation
 from ..errors import InvalidArgumentError, StoreNotWritableError
@@ -167,23 +167,6 @@ class _AutoTiers:
 
 _auto_tiers = _AutoTiers()
 _auto_lock = threading.Lock()
-
-
-def device_memory() -> int:
-    """Bytes of memory MLX computes in: the GPU's (Apple's unified memory, a CUDA
-    device's) as MLX reports it, else the machine's physical memory (0 if unknown)."""
-    import mlx.core as mx
-
-    try:
-        size = int(mx.device_info().get("memory_size") or 0)
-    except Exception:  # an MLX without device_info
-        size = 0
-    if size > 0:
-        return size
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return 0
 
 
 def weight_bytes(model: Any) -> int:

@@ -1,10 +1,12 @@
 """Where a handle's restored bytes live (`Target`): chosen once per handle at open
 (`device_target`) or by a background fill (`host_target`), passed explicitly to whoever
 reads, and asked by them how the bytes get there. Also the device kind the cost model
-keys its records by (`device_kind`)."""
+keys its records by (`device_kind`), and the memory MLX computes in (`device_memory`, which
+sizes the RAM tier's and `ppc serve`'s default budgets)."""
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import numpy as np
@@ -154,3 +156,20 @@ def device_kind() -> str:
     except Exception:  # an MLX without device_info, or a backend that cannot say
         name = ""
     return f"{'gpu' if device.type == mx.DeviceType.gpu else 'cpu'}:{name}"
+
+
+def device_memory() -> int:
+    """Bytes of memory MLX computes in: the GPU's (Apple's unified memory, a CUDA
+    device's) as MLX reports it, else the machine's physical memory (0 if unknown)."""
+    import mlx.core as mx
+
+    try:
+        size = int(mx.device_info().get("memory_size") or 0)
+    except Exception:  # an MLX without device_info
+        size = 0
+    if size > 0:
+        return size
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return 0
