@@ -383,14 +383,14 @@ class WholeBits:
         holds (no view of them outlives this call)."""
         fields: dict[str, dict[str, tuple]] = {}
         done: list[mx.array] = []
-        for u, names, flat in self._packs:
+        for u, names, stack in self._packs:
             bits = np.asarray(memoryview(u))  # type: ignore[arg-type]  # MLX stubs: no buffer protocol
-            if flat is not None:  # a `WriterCopies` buffer: the copy is its first rows
-                shape, itemsize = flat
+            if stack is not None:  # a `WriterCopies` buffer: the copy is its first rows
+                shape, itemsize = stack
                 bits = bits[: int(np.prod(shape)) * itemsize // bits.shape[1]].view(f"u{itemsize}").reshape(shape)
             if self._host is not None:
                 copied = self._host(bits)
-                if flat is not None and copied is not bits:  # (staging off: the bits are read in place)
+                if stack is not None and copied is not bits:  # (staging off: the bits are read in place)
                     done.append(u)
                 bits = copied
             batch = bits.shape[0] // len(names)
