@@ -10,10 +10,11 @@ run), and with the cost model off; with the real `store()` (RAM tier off, on, on
 stream of its own, and right after another prompt's `prefill()` on the same handle: its
 writer busy during the timed call, where every other variant's writes are flushed before
 the next call); and on a handle opened just before each call (its fingerprint hashed),
-without and with ``mx.clear_cache()`` after the open. Each line: the median,
-its ratio to mlx-lm's prefill, every round.
+without and with ``mx.clear_cache()`` after the open, and with its fingerprint given
+(nothing hashed at the open). ``--only`` keeps the variants whose names hold one of its
+words. Each line: the median, its ratio to mlx-lm's prefill, every round.
 
-    python tools/prefill_variants.py [--small] [--tokens 256,4096,16384] [--rounds 5]
+    python tools/prefill_variants.py [--small] [--tokens 256,4096,16384] [--rounds 5] [--only "opened,back"]
 
 ``--small`` runs a 4-layer model (to check the tool on a CPU); the default is the 8B
 shape of ``tools/gpu_bench.py`` in bf16 (a GPU).
@@ -124,11 +125,11 @@ def variants(model: Any, work: Path) -> tuple[dict[str, Callable[[list[int]], An
         mx.synchronize()
         return time.perf_counter() - started
 
-    def fresh(clear: bool) -> Callable[[list[int]], float]:
+    def fresh(clear: bool, fingerprint: str | None = None) -> Callable[[list[int]], float]:
         def run(ids: list[int]) -> float:
             count[0] += 1
             path = work / f"fresh-{count[0]}"
-            store = PersistentPrefixCache(path, model)
+            store = PersistentPrefixCache(path, model, fingerprint=fingerprint)
             if clear:
                 mx.clear_cache()
             mx.synchronize()
@@ -156,6 +157,8 @@ def variants(model: Any, work: Path) -> tuple[dict[str, Callable[[list[int]], An
         "real store(), back to back": back_to_back,
         "handle opened before": fresh(False),
         "... and MLX cache cleared": fresh(True),
+        # Given, the fingerprint is not hashed at open (on a GPU: lane sums of every weight).
+        "... fingerprint given": fresh(False, "given-" + "0" * 26),
     }
     return table, opened  # handles open as the variants first use them
 
@@ -165,10 +168,15 @@ def main() -> int:
     p.add_argument("--small", action="store_true", help="a 4-layer model (to check the tool on a CPU)")
     p.add_argument("--tokens", default="256,4096,16384", help="prompt lengths, comma-separated")
     p.add_argument("--rounds", type=int, default=5, help="rounds per length (the first is dropped)")
+    p.add_argument("--only", help="the variants whose names hold one of these, comma-separated (mlx-lm's always)")
     args = p.parse_args()
     model = gpu_bench.build(gpu_bench.SMALL if args.small else gpu_bench.SHAPE_8B)
     work = Path(tempfile.mkdtemp(prefix="ppc-prefill-variants-"))
     table, opened = variants(model, work)
+    if args.only:
+        # Fewer variants, fewer handles holding prompts: all of them at 16k ran an H100 out of memory.
+        words = [w.strip() for w in args.only.split(",") if w.strip()]
+        table = {k: v for k, v in table.items() if k == "mlx-lm prefill" or any(w in k for w in words)}
     print(f"device {mx.default_device()}, mlx {mx.__version__}", flush=True)
     try:
         for n in (int(t) for t in args.tokens.split(",")):
