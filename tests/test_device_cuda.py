@@ -713,23 +713,35 @@ def test_the_writer_reuses_its_copies_across_stores_and_stores_bitwise(monkeypat
     # Two stores of prompts of one length under the CUDA emulation: the second store's
     # copy is made in the buffer the first one's writer kept, and both restore bit for
     # bit. Where staging is off the host reads the buffer in place: it is never kept.
+    # Kept buffers outlive a store's close while another handle is open, not the last one.
+    import weakref
+
     from families import build
     from helpers import BLOCK, prefill, random_tokens
 
     from persistent_prefix_cache import PersistentPrefixCache
+    from persistent_prefix_cache import store as store_module
+    from persistent_prefix_cache.core import opening
     from persistent_prefix_cache.device import buffers
 
     monkeypatch.setattr(cuda, "on_cuda", lambda: True)
     monkeypatch.setattr(cuda, "_get_driver", lambda: _HostDriver())
     monkeypatch.setattr(cuda, "_staging", staging)
     monkeypatch.setattr(buffers, "_writer_copies", buffers.WriterCopies(1 << 30))
+    monkeypatch.setattr(opening, "OPEN_HANDLES", weakref.WeakSet())  # other tests' handles do not count
+    monkeypatch.setattr(store_module, "OPEN_HANDLES", opening.OPEN_HANDLES)
     model = build("llama")
     prompts = [[t % 256 for t in random_tokens(192, seed=seed)] for seed in (11, 12)]
     caches = [prefill(model, tokens)[1] for tokens in prompts]
+    keeper = PersistentPrefixCache(tmp_path / "open", model, block_size=BLOCK, fingerprint="own")
     for i, (tokens, cache) in enumerate(zip(prompts, caches)):
         with PersistentPrefixCache(tmp_path / f"s{i}", model, block_size=BLOCK, fingerprint="own") as store:
             store.store(tokens, cache)
             store.flush()
-    assert buffers.writer_copies().reused == (1 if staging else 0)
+    copies = buffers.writer_copies()
+    assert copies.reused == (1 if staging else 0)
+    assert (copies._kept > 0) == staging
+    keeper.close()  # the last handle: nothing kept
+    assert copies._kept == 0 and not copies._free
     for i, (tokens, cache) in enumerate(zip(prompts, caches)):
         _assert_stored_bitwise(tmp_path / f"s{i}", model, tokens, cache, "own")

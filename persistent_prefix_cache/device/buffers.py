@@ -210,7 +210,7 @@ class WriterCopies:
     goes into one. A buffer's first use is a new device buffer, moved by its first view
     as before. On an H100 (8B model, bf16) `prefill()` ÷ mlx-lm's prefill went from 1.27
     to 1.05 at 4k tokens and from 1.49 to 1.17 at 16k (docs/performance.md, "sixth
-    day"); the kept buffers stay allocated for the process.
+    day"); the kept buffers stay allocated while a handle is open (`drop_writer_copies`).
 
     Args:
         keep_bytes: The most bytes kept between stores (the rest MLX frees).
@@ -250,6 +250,12 @@ class WriterCopies:
                 self._free.setdefault(tuple(buf.shape), []).append(buf)
                 self._kept += buf.nbytes
 
+    def clear(self) -> None:
+        """Let every kept buffer go (MLX frees them)."""
+        with self._lock:
+            self._free.clear()
+            self._kept = 0
+
 
 def size_class(count: int) -> int:
     """`count` rounded up to one of eight steps per power of two (at most 1/8 more)."""
@@ -268,6 +274,12 @@ def writer_copies() -> WriterCopies:
     if _writer_copies is None:
         _writer_copies = WriterCopies(int(mx.get_memory_limit()) // 16)
     return _writer_copies
+
+
+def drop_writer_copies() -> None:
+    """Let the process's kept writer copies go, if it has any (the last handle closed)."""
+    if _writer_copies is not None:
+        _writer_copies.clear()
 
 
 class HostBits:
