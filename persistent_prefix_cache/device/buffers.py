@@ -208,9 +208,8 @@ class WriterCopies:
     into a managed buffer by a slice update that donates it needs no move: the writer
     keeps the buffers it has copied to the host and the next copy of that size class
     goes into one. A buffer's first use is a new device buffer, moved by its first view
-    as before. On an H100 (8B model, bf16) `prefill()` ÷ mlx-lm's prefill went from 1.27
-    to 1.05 at 4k tokens and from 1.49 to 1.17 at 16k (docs/performance.md, "sixth
-    day"); the kept buffers stay allocated while a handle is open (`drop_writer_copies`).
+    as before (measured on H100s: docs/performance.md, "sixth day"). The kept buffers
+    stay allocated while a handle of the process is open (`drop_writer_copies`).
 
     Args:
         keep_bytes: The most bytes kept between stores (the rest MLX frees).
