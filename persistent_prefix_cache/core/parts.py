@@ -89,7 +89,7 @@ class Parts:
         """The second half of a close: the RAM tier emptied (its budget 0: an "auto" share
         goes back to the process, `opening.memory_tier`), the index closed if asked."""
         self.memory.clear()
-        self.memory.max_bytes = 0
+        self.memory.resize(0)
         if close_index:
             self.index.close()
 

@@ -261,8 +261,8 @@ class Layout:
             # Python waits for it; docs/performance.md), which must never befall the caller's
             # cache (the range of a full buffer is that buffer) nor the RAM tier's copy: the
             # writer gets a copy of its own, viewed on its own thread. Fields of one shape and
-            # dtype are one copy (stacked along the batch): one move and one copy to the host
-            # for all of a store's layers, not one per field.
+            # dtype are one copy (stacked along the batch): one copy to the host for all of a
+            # store's layers, not one per field.
             alike: dict[tuple, list[tuple[str, str, str]]] = {}
             for lid, fields in sources.items():
                 for f, x in fields.items():
