@@ -28,7 +28,9 @@ from persistent_prefix_cache.compat.tenants import Refused, Tenant, Tenants
 
 HOT = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a cache?"}]
 QUOTA = 40_000  # the flooding tenant's: about five blocks of the test model's KV
-LINE = re.compile(r"Restored (\d+|none) of (\d+) prompt tokens from the persistent store [^,(]+, namespace (\w+)")
+LINE = re.compile(
+    r"Restored (\d+|none) of (\d+) prompt tokens from the persistent store [^,(]+, namespace (\w+) \(memory had (\d+)"
+)
 
 
 def digest(key: str) -> str:
@@ -116,6 +118,7 @@ def test_two_tenants_one_flooding_past_its_quota(serve_model_dir, tmp_path):
     # Every request the store helped, by namespace: the flooding tenant never restored more
     # than the shared prefix of the quiet tenant's prompt (its one request for it).
     lines = [(m.group(1), int(m.group(2)), m.group(3)) for m in LINE.finditer(log)]
+    memory = [int(m.group(4)) for m in LINE.finditer(log)]
     assert [n for n, _, ns in lines if ns == "quiet"] == ["none", str(again["usage"]["prompt_tokens"] - 1)]
     assert sum(ns == "flood" for _, _, ns in lines) == 11
     assert lines[2] == (str(shared), theirs["usage"]["prompt_tokens"], "flood")
@@ -130,7 +133,14 @@ def test_two_tenants_one_flooding_past_its_quota(serve_model_dir, tmp_path):
     assert not [s for s in scrape.families["ppc_namespace_quota_bytes"].samples if s.labels["namespace"] == "quiet"]
     for namespace in ("quiet", "flood"):  # under the store's budget: nothing (the quota did it)
         assert scrape.value("ppc_evictions", namespace=namespace, tier="disk") == 0
-    assert total("ppc_hits", "quiet") == 1 and total("ppc_hits", "flood") == 11
+    # A hit per flood request the store served. Another may find its prefix in the server's
+    # own cache instead (its line says "none", and memory had the shared prefix at least): a CI
+    # run on a busy machine once had 2 of the 11 so, which no run here reproduced (writer and
+    # caller slowed at random, one core shared); which tier serves is not what this test is for.
+    flooded = [(n, had) for (n, _, ns), had in zip(lines, memory) if ns == "flood"]
+    assert all(had >= shared for n, had in flooded if n == "none"), log
+    assert total("ppc_hits", "quiet") == 1 and total("ppc_hits", "flood") == sum(n != "none" for n, _ in flooded)
+    assert total("ppc_tokens_restored", "flood") == sum(int(n) for n, _ in flooded if n != "none")
     assert total("ppc_tokens_restored", "quiet") == again["usage"]["prompt_tokens"] - 1
     assert total("ppc_misses", "quiet") == 1 and total("ppc_misses", "flood") == 0
 
