@@ -30,7 +30,7 @@ import enum
 import json
 import struct
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 if TYPE_CHECKING:  # a type only: importing mlx here would load it for every record
     import mlx.core
@@ -38,6 +38,37 @@ if TYPE_CHECKING:  # a type only: importing mlx here would load it for every rec
 # One block's tensors for one leaf, by field name (``keys``, ``values``, a snapshot):
 # what `layers/` cuts and rebuilds, the RAM tier holds and the disk read path joins.
 Tensors = dict[str, "mlx.core.array"]
+
+
+class CutFrom(Mapping):
+    """One block's tensors by leaf, then field, as rows ``lo:hi`` of one copy per field
+    (``copies``: leaf -> field -> array, the tokens on the second axis from the end),
+    each view made when its leaf is asked for and not kept: the blocks a store cuts from
+    its copy weigh one small object each, not a view per field (every MLX array is an
+    object Python's cyclic collector walks; making thousands was a third of a long
+    prompt's `store()` on a CPU). `names` is the leaves and their fields, without views."""
+
+    __slots__ = ("copies", "lo", "hi", "names")
+
+    def __init__(self, copies: dict[str, dict[str, Any]], lo: int, hi: int, names: tuple):
+        self.copies, self.lo, self.hi, self.names = copies, lo, hi, names
+
+    def __getitem__(self, lid: str) -> Tensors:
+        lo, hi = self.lo, self.hi
+        return {f: x[..., lo:hi, :] for f, x in self.copies[lid].items()}
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.copies)
+
+    def __len__(self) -> int:
+        return len(self.copies)
+
+    @staticmethod
+    def names_of(copies: Mapping[str, Mapping[str, Any]]) -> tuple:
+        """The `names` of blocks cut from `copies` (and of any tensors by leaf, then field)."""
+        return tuple(copies), tuple(map(tuple, copies.values()))
+
+
 # Tokens per block of a new store (the seed's); a store keeps its own in its index.
 DEFAULT_BLOCK_SIZE = 64
 

@@ -8,6 +8,7 @@ and the store was written and closed by another handle first.
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 
@@ -91,6 +92,60 @@ def test_fresh_handle_serves_the_third_fetch_from_the_tier(tmp_path, model):
         # ... and the third is served from the tier, every block counted by its origin.
         assert third["memory_hits_disk"] == blocks
         assert third["memory_hits_store"] == third["memory_hits_remote"] == 0
+
+
+@pytest.mark.parametrize("how", ["stored", "admitted"])
+def test_the_tier_holds_blocks_as_their_copy_and_rows(tmp_path, model, how):
+    """A block cut from one copy (a store's, or an admitted read's) is held as that copy
+    and its rows, not as a view per field (each MLX array is an object Python's cyclic
+    collector walks at every full collection); `ram_tier.items()` still shows each block's
+    rows of the cache, bit for bit, and a fetch from the tier is exact."""
+    toks = random_tokens(16 * BS + 5, 3, first=3)
+    _, cache = one_shot(model, toks)
+
+    def held_objects(budget: int):
+        """The handle at `budget` after the steps, and the tracked objects they left."""
+        path = tmp_path / f"s{budget}"
+        if how == "admitted":
+            with PersistentPrefixCache(path, model, block_size=BS, memory_bytes=0) as writer:
+                writer.store(toks, cache)
+        store = PersistentPrefixCache(path, model, block_size=BS, memory_bytes=budget, cost_model=False)
+        store.fetch(toks[:BS])  # (what a handle sets up on first use, counted on neither side)
+        gc.collect()
+        before = len(gc.get_objects())
+        if how == "stored":
+            store.store(toks, cache)
+            store.flush()
+        else:
+            for _ in range(2):  # the second disk hit admits
+                store.fetch(toks + [1])
+        gc.collect()
+        return store, len(gc.get_objects()) - before
+
+    off, without = held_objects(0)
+    off.close()
+    store, with_tier = held_objects(64 * MiB)
+    with store:
+        blocks = store.stats()["blocks_in_memory"]
+        assert blocks == 17
+        held = store.ram_tier.items()
+        fields = sum(len(part) for part in held[0][1].values())
+        per_block = (with_tier - without) / blocks
+        # A block's record, its entry and its place among its parent's children: ~4 (the
+        # fields' views and their dicts were 15 here, 102 for an 8B model).
+        assert fields >= 4 and per_block <= 5, (
+            f"the tier keeps {per_block:.1f} tracked objects a block ({fields} fields)"
+        )
+        # The tier's blocks in the order they came (the path's), joined: the cache's rows.
+        for i, layer in enumerate(cache):
+            for fld, want in (("k", layer.keys), ("v", layer.values)):
+                rows = mx.concatenate([tensors[str(i)][fld] for _, tensors in held], axis=2)
+                assert mx.array_equal(rows, want[..., : len(toks), :]).item(), f"{i}.{fld}"
+        served = "memory_hits_" + ("store" if how == "stored" else "disk")
+        before = store.stats()[served]
+        restored, rest = store.fetch(toks + [1])
+        assert len(rest) == 1 and store.stats()[served] - before == 17
+        assert_same_logits(warm_logits(model, restored, rest), cold_logits(model, toks + [1]))
 
 
 @pytest.fixture(params=["numpy", "mlx"])

@@ -46,6 +46,7 @@ class Collections:
     def __init__(self) -> None:
         self.inside = self._empty()
         self.outside = self._empty()
+        self.collected = self._empty()  # objects each collection found unreachable (in cycles)
         self.marked = False
         self._began = 0.0
         gc.callbacks.append(self._callback)
@@ -60,6 +61,7 @@ class Collections:
         else:
             where = self.inside if self.marked else self.outside
             where[info["generation"]].append(time.perf_counter() - self._began)
+            self.collected[info["generation"]].append(info["collected"])
 
     def stop(self) -> None:
         gc.callbacks.remove(self._callback)
@@ -92,7 +94,9 @@ def main() -> int:
                 calls.append(time.perf_counter() - started)
                 seen.marked = False
                 store.flush()
+            started = time.perf_counter()
             gc.collect()
+            walk = time.perf_counter() - started
             blocks = store.stats()["blocks_in_memory"]
             kept = len(gc.get_objects()) - tracked
             print(
@@ -105,6 +109,10 @@ def main() -> int:
                         f"  generation {gen} {title}: {len(times)} collections, {sum(times) * 1000:.1f} ms "
                         f"({sum(times) * 1000 / args.prompts:.2f} ms a prompt), longest {max(times, default=0) * 1000:.1f}"
                     )
+            print(
+                f"  objects in cycles found by the collections: {dict((g, sum(n)) for g, n in seen.collected.items())}"
+            )
+            print(f"  one full collection after the run (nothing queued): {walk * 1000:.1f} ms")
             print(f"  tracked objects: {len(gc.get_objects()):,}; the RAM tier holds {blocks} blocks, "
                   f"{kept / max(blocks, 1):.0f} tracked objects kept per block")  # fmt: skip
     finally:

@@ -200,15 +200,20 @@ def join_admitted(
                     slot[2].add(a)
     entries = []
     views: list[mx.array] = []
+    # Blocks of one copy share their origin: the tier then keeps next to nothing per block.
+    shared: dict[tuple, tuple] = {}
+    origins: dict[tuple, dict] = {}
     for k in chosen:
         tensors: dict[str, dict] = {lid: {} for lid in (*runs, *own_snaps.get(k, {}))}
         origin: dict[str, tuple] = {}
         for lid, (sliced, whole, starts) in per[k].items():
             tensors[lid] = sliced
             if len(starts) == 1:  # every field's copy starts at one row: restores join the blocks as one slice
-                origin[lid] = (whole, next(iter(starts)))
+                at = next(iter(starts))
+                origin[lid] = shared.setdefault((lid, at, *map(id, whole.values())), (whole, at))
             else:
                 views.extend(sliced.values())
+        origin = origins.setdefault(tuple(map(id, origin.values())), origin)
         for lid, f, copy in snap_copies.get(k, ()):
             tensors[lid][f] = copy
         entries.append((nodes[k], tensors, origin))

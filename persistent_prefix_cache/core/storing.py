@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .admission import Admission, check_rule
 from .counters import Counters
+from ..blocks import CutFrom
 from ..device.target import Target
 from ..errors import InvalidArgumentError, LayoutMismatchError, StoreCorruptError
 from ..keys import as_token_array, chain_keys
@@ -139,7 +140,7 @@ class Storer:
         )  # fmt: skip
         taught = None
         for node, tensors, _, _ in new:
-            names = (tuple(tensors), tuple(map(tuple, tensors.values())))
+            names = tensors.names if isinstance(tensors, CutFrom) else CutFrom.names_of(tensors)
             if names != taught:  # blocks with the fields of the one before teach nothing new
                 layout.learn_fields(tensors)  # the dtypes and shapes a read must find
                 taught = names

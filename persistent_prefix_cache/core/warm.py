@@ -170,8 +170,9 @@ class Warmer:
             # On this thread, before the blocks join the tier: the host wrote these
             # pages, and a restore's copies would fault them over one by one.
             arena.to_device()
+        shared: dict[tuple, Any] = {}  # blocks of one run share their origin
         for k, node in enumerate(nodes):
-            tensors, origin = _block_bits(node, self.layout.kinds, runs, snaps.get(k, {}))
+            tensors, origin = _block_bits(node, self.layout.kinds, runs, snaps.get(k, {}), shared)
             self.memory.put(node, tensors, origin, source="disk")
         self.memory.count_warm(memory_warmed=len(nodes), memory_warmed_bytes=sum(n.size for n in nodes))
 
@@ -203,10 +204,13 @@ class Warmer:
         return nodes, runs, snaps
 
 
-def _block_bits(node: Node, leaves: dict, runs: dict, snaps: dict) -> tuple[dict[str, dict[str, Any]], dict]:
+def _block_bits(
+    node: Node, leaves: dict, runs: dict, snaps: dict, shared: dict
+) -> tuple[dict[str, dict[str, Any]], dict]:
     """One block's tensors by leaf (every leaf of `leaves`): views of the fill's runs
     (sliced fields) and its snapshots, as host bits; and their origin (see
-    `MemoryTier.put`: a restore copies the blocks of one run as one slice of it)."""
+    `MemoryTier.put`: a restore copies the blocks of one run as one slice of it), one
+    object for every block of `shared` that has the same (the tier keeps it)."""
     tensors: dict[str, dict] = {lid: {} for lid in leaves}
     origin: dict[str, tuple] = {}
     for lid, part in runs.items():
@@ -220,7 +224,9 @@ def _block_bits(node: Node, leaves: dict, runs: dict, snaps: dict) -> tuple[dict
                         fields[fld] = run
                         starts.add(a)
         if len(starts) == 1:
-            origin[lid] = (fields, starts.pop())
+            at = starts.pop()
+            origin[lid] = shared.setdefault((lid, at, *map(id, fields.values())), (fields, at))
     for lid, part in snaps.items():
         tensors.setdefault(lid, {}).update(part)
+    origin = shared.setdefault(("origin", *map(id, origin.values())), origin)
     return tensors, origin

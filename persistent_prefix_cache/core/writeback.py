@@ -361,7 +361,7 @@ class WriteBack:
                 if then is not None:
                     self._guarded(then, blocks)  # one failing does not keep the others back
 
-    def write_from_caller(self, new: list[tuple[Node, dict, Mapping, dict]], evaluate: Callable[[], None]) -> None:
+    def write_from_caller(self, new: list[tuple[Node, Mapping, Mapping, dict]], evaluate: Callable[[], None]) -> None:
         """A synchronous store's write: the writer thread writes the blocks from their
         bits, views of the caller's cache (no copy before the disk starts), while this
         thread runs `evaluate`, the RAM tier's copy of them (the tier never shares a

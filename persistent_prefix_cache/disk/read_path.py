@@ -38,36 +38,43 @@ def _capacity(position: int) -> int:
 
 def _pieces(nodes, cached, origins) -> list[tuple[str, int, int, mx.array]]:
     """The sliced tensors of the RAM-tier blocks of a path as ``(name, start, end,
-    array)``, in path order; consecutive blocks cut from one copy (see
-    `MemoryTier.put`) come as one slice of it: joining thousands of block-sized
-    pieces costs a copy kernel or a numpy call each."""
+    array)``, in path order; consecutive blocks cut from one copy (their origin: see
+    `MemoryTier.put`) come as one slice of it: joining thousands of block-sized pieces
+    costs a copy kernel or a numpy call each."""
     out: list[list] = []
     last: dict[str, list] = {}  # name -> its latest piece
     names: dict[tuple, str | None] = {}  # (leaf, field, shape, tokens) -> name if sliced (asked once)
+
+    def sliced(lid: str, fld: str, shape: tuple, tokens: int) -> str | None:
+        key = (lid, fld, shape, tokens)
+        name = names.get(key, "")
+        if name == "":
+            name = names[key] = f"{lid}.{fld}" if is_sliced(f"{lid}.{fld}", shape, tokens) else None
+        return name
+
     for k, (node, have) in enumerate(zip(nodes, cached)):
         if have is None:
             continue
-        origin = origins[k] if origins else {}
         position, end = node.position, node.end
-        for lid, part in have.items():
-            fields, at = origin.get(lid, (None, 0))
-            for fld, x in part.items():
-                key = (lid, fld, x.shape, end - position)
-                name = names.get(key, "")
-                if name == "":
-                    name = names[key] = f"{lid}.{fld}" if is_sliced(f"{lid}.{fld}", x.shape, end - position) else None
+        for lid, (fields, at) in (origins[k] if origins else {}).items():
+            for fld, base in fields.items():
+                name = sliced(lid, fld, (*base.shape[:-2], end - position, base.shape[-1]), end - position)
                 if name is None:
                     continue
-                base = fields.get(fld) if fields else None
                 prev = last.get(name)
-                if base is not None and prev is not None and prev[4] is base and prev[2] == position:
+                if prev is not None and prev[3] is base and prev[2] == position:
                     prev[2] = end  # the same copy goes on: widen the slice
                     continue
-                last[name] = piece = [name, position, end, x, base, at]
+                last[name] = piece = [name, position, end, base, at]
                 out.append(piece)
+        for lid, part in have.items():  # held as they are (not cut from one copy)
+            for fld, x in part.items():
+                name = sliced(lid, fld, x.shape, end - position)
+                if name is not None:
+                    last[name] = piece = [name, position, end, x, None]
+                    out.append(piece)
     return [
-        (name, start, end, x if base is None else base[..., start - at : end - at, :])
-        for name, start, end, x, base, at in out
+        (name, start, end, x if at is None else x[..., start - at : end - at, :]) for name, start, end, x, at in out
     ]
 
 
@@ -108,7 +115,8 @@ def read_path(
         target: Where the buffers are made and what comes back (`device.target`:
             `device_target`, MLX arrays with room to grow; `host_target`, host bits, no MLX work).
         nodes: The blocks, in order.
-        cached: For each block, its tensors from the RAM tier, or None to read it.
+        cached: For each block, its tensors from the RAM tier (those its origin does
+            not give), or None to read it.
         files: The store's segment files.
         lid_kind: Leaf id -> adapter kind (sequence leaves get room to grow).
         position: Where the cache will be rebuilt (sizes the room to grow).
@@ -146,7 +154,7 @@ def read_path(
             if seg is None or i is None or i >= unfit[node.segment]:
                 return _intact_before(len(where), *again), {}, {}
             where.append((seg, i))
-        runs, disagree = _plan(nodes, cached, where)
+        runs, disagree = _plan(nodes, cached, origins, where)
         if disagree is not None:  # a block's tensors do not continue the one before
             return _intact_before(disagree, *again), {}, {}
         last = len(nodes) - 1
@@ -239,7 +247,7 @@ def _first_unfit(seg: OpenSegment, expect: dict[str, list] | None) -> int:
     return first
 
 
-def _plan(nodes, cached, where) -> tuple[list[_Run], int | None]:
+def _plan(nodes, cached, origins, where) -> tuple[list[_Run], int | None]:
     """Group each sliced field's blocks into runs of consecutive positions.
 
     Returns:
@@ -260,23 +268,28 @@ def _plan(nodes, cached, where) -> tuple[list[_Run], int | None]:
 
     known: dict[tuple, tuple] = {}  # (leaf, field, shape, dtype) -> (name, dims, dtype name)
     for k, span in _groups(where):
-        if span is None:  # a RAM-tier block
+        if span is None:  # a RAM-tier block: the fields its origin gives, then those held as they are
             node = nodes[k]
             n = node.n_tokens
-            for lid, part in cached[k].items():
-                for fld, x in part.items():
-                    spec = known.get((lid, fld, x.shape, x.dtype))
-                    if spec is None:
-                        name = f"{lid}.{fld}"
-                        spec = (
-                            (name, (x.shape[0], x.shape[1], x.shape[3]), dtype_info(x.dtype)[0])
-                            if len(x.shape) == 4
-                            else (name, None, None)
-                        )
-                        known[(lid, fld, x.shape, x.dtype)] = spec
-                    if spec[1] is not None and is_sliced(spec[0], x.shape, n):
-                        if not extend(k, spec[0], node.position, node.end, spec[1], spec[2]):
-                            return [], k
+            held = [
+                (lid, fld, (*x.shape[:-2], n, x.shape[-1]), x.dtype)
+                for lid, (fields, _) in (origins[k] if origins else {}).items()
+                for fld, x in fields.items()
+            ]
+            held += [(lid, fld, x.shape, x.dtype) for lid, part in cached[k].items() for fld, x in part.items()]
+            for lid, fld, shape, dtype in held:
+                spec = known.get((lid, fld, shape, dtype))
+                if spec is None:
+                    name = f"{lid}.{fld}"
+                    spec = (
+                        (name, (shape[0], shape[1], shape[3]), dtype_info(dtype)[0])
+                        if len(shape) == 4
+                        else (name, None, None)
+                    )
+                    known[(lid, fld, shape, dtype)] = spec
+                if spec[1] is not None and is_sliced(spec[0], shape, n):
+                    if not extend(k, spec[0], node.position, node.end, spec[1], spec[2]):
+                        return [], k
             continue
         seg, (lo, hi) = where[k][0], span
         for f in seg.fields.values():

@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence, cast
 import mlx.core as mx
 import numpy as np
 
-from ..blocks import FIELDS, RESUMABLE, TRIMMABLE, Kind, Node, Tensors, dtype_info, mx_uint, sliced_spec
+from ..blocks import FIELDS, RESUMABLE, TRIMMABLE, CutFrom, Kind, Node, Tensors, dtype_info, mx_uint, sliced_spec
 from ..device.buffers import stacked_copy, writer_copies
 from ..errors import UnsupportedCacheError
 from ..keys import chain_start
@@ -91,7 +91,7 @@ class Layout:
         # known (from the store's model record, or from the first cache stored).
         self.fields: dict[str, list] | None = None
 
-    def learn_fields(self, tensors: dict[str, Tensors]) -> bool:
+    def learn_fields(self, tensors: Mapping[str, Tensors]) -> bool:
         """Record the dtypes and shapes of a block's sliced tensors as the layout's.
 
         Returns:
@@ -198,7 +198,7 @@ class Layout:
         block_size: int,
         direct: bool = False,
         host: Callable[[np.ndarray], np.ndarray] | None = None,
-    ) -> list[tuple[Node, dict[str, Tensors], Mapping, dict]]:
+    ) -> list[tuple[Node, Mapping[str, Tensors], Mapping, dict]]:
         """The blocks of `cache` after the stored `path`, with their index records.
 
         Args:
@@ -220,7 +220,8 @@ class Layout:
         Returns:
             ``(node, tensors by leaf, bits by leaf, origin by leaf)`` per new block:
             tensors are never views of `cache` (those of sequence leaves are views
-            of one copy per field) and, for sequence leaves, left to `evaluate`
+            of one copy per field: a `CutFrom` where every leaf is one) and, for
+            sequence leaves, left to `evaluate`
             (only the RAM tier keeps them); ``bits`` are what the segment writer
             takes, evaluated: for sequence leaves ``(numpy array of the bits, dtype
             name)``, a strided view (so the writer thread needs no MLX operation),
@@ -276,10 +277,6 @@ class Layout:
                 packs.append((copies.place(u), names, (tuple(u.shape), u.itemsize)))
         mx.eval([u for u, _, _ in packs])
         whole = WholeBits(packs, host)
-        # Each block's tensors: views of the copy, made by one split per field (not one
-        # slice per block and field: 2,048 MLX calls for 128 MiB).
-        bounds = [i * bs - offset for i in range(len(path) + 1, len(keys))]
-        splits = {lid: {f: mx.split(x, bounds, axis=2) for f, x in fields.items()} for lid, fields in ranges.items()}
         # Every leaf sliced along the sequence, every block before holding its slice: each
         # new block resumes (and trims) like the first, whose flags are worked out once
         # (asking every leaf at every block was a third of a long prompt's cost).
@@ -287,24 +284,30 @@ class Layout:
             a.kind == SEQ and views[lid].complete for lid, _, a in self.leaves
         )  # fmt: skip
         origin = {lid: (fields, offset) for lid, fields in ranges.items()}
-        new: list[tuple[Node, dict[str, Tensors], Mapping, dict]] = []
+        named = CutFrom.names_of(ranges)
+        new: list[tuple[Node, Mapping[str, Tensors], Mapping, dict]] = []
         flags = None
         extra: dict[str, list[str]]  # the node's record (leaves without a slice, with a snapshot)
-        # Each block's pieces by leaf, then field (one dict per leaf and block, built in C:
-        # a comprehension per block was a tenth of a 16k-token store's time on a CPU).
-        per_block: list[dict] = [{} for _ in range(len(keys) - len(path))]
-        for lid, fields in splits.items():
-            names = list(fields)
-            for block, parts in zip(per_block, zip(*fields.values())):  # (no new block: one empty part)
-                block[lid] = dict(zip(names, parts))
+        tensors: Mapping[str, Tensors]
+        per_block: list[dict] | None = None
+        if not uniform:
+            # Each block's pieces by leaf, then field, for `cut`: views of the copy, made by
+            # one split per field (not one slice per block and field: 2,048 MLX calls for
+            # 128 MiB), one dict per leaf and block built in C.
+            bounds = [i * bs - offset for i in range(len(path) + 1, len(keys))]
+            per_block = [{} for _ in range(len(keys) - len(path))]
+            for lid, fields in ranges.items():
+                parts = zip(*(mx.split(x, bounds, axis=2) for x in fields.values()))
+                for block, part in zip(per_block, parts):  # (no new block: one empty part)
+                    block[lid] = dict(zip(fields, part))
         for i in range(len(path), len(keys)):
             start, end = i * bs, min((i + 1) * bs, n)
             k = i - len(path)
-            pieces = per_block[k]
-            if uniform and flags is not None:  # what `cut` gives such a block: its pieces, nothing to record
-                tensors, extra = pieces, {}
-            else:
-                tensors, extra, cut = self.cut(cache, start, end, i == len(keys) - 1, pieces)
+            if uniform:  # what `cut` gives such a block: its pieces (made where asked for), nothing to record
+                tensors, extra = CutFrom(ranges, start - offset, end - offset, named), {}
+            if not uniform or flags is None:  # (a uniform store's first block: its flags, once)
+                cut_from = dict(tensors) if per_block is None else per_block[k]
+                tensors, extra, cut = self.cut(cache, start, end, i == len(keys) - 1, cut_from)
                 for lid, view in cut.items():
                     views[lid].append(view)
                 flags = self.flags(views, start, end)
@@ -336,7 +339,7 @@ class Layout:
         return new
 
     @staticmethod
-    def evaluate(new: list[tuple[Node, dict[str, Tensors], Mapping, dict]]) -> None:
+    def evaluate(new: list[tuple[Node, Mapping[str, Tensors], Mapping, dict]]) -> None:
         """Evaluate what the RAM tier keeps of blocks from `new_blocks` (with ``direct``,
         this makes their copy): the copy each field's blocks are views of, once (not
         thousands of views), and the tensors of blocks without one."""
@@ -344,7 +347,7 @@ class Layout:
         copies = {id(x): x for origin in origins.values() for fields, _ in origin.values() for x in fields.values()}
         mx.eval(
             list(copies.values())
-            + [x for _, tensors, _, origin in new for lid, part in tensors.items() if lid not in origin for x in part.values()]
+            + [x for _, tensors, _, origin in new for lid in tensors if lid not in origin for x in tensors[lid].values()]
         )  # fmt: skip
 
 
@@ -407,7 +410,7 @@ class BlockBits(Mapping):
 
     __slots__ = ("_whole", "_lo", "_hi", "_tensors", "_made")
 
-    def __init__(self, whole: WholeBits, lo: int, hi: int, tensors: dict[str, Tensors]):
+    def __init__(self, whole: WholeBits, lo: int, hi: int, tensors: Mapping[str, Tensors]):
         self._whole, self._lo, self._hi, self._tensors = whole, lo, hi, tensors
         self._made: dict | None = None
 
@@ -417,8 +420,8 @@ class BlockBits(Mapping):
             self._made = {
                 lid: {f: (a[..., lo:hi, :], dtype) for f, (a, dtype) in self._whole.leaf(lid).items()}
                 if lid in self._whole
-                else part
-                for lid, part in self._tensors.items()
+                else self._tensors[lid]
+                for lid in self._tensors
             }
         return self._made
 

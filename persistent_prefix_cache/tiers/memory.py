@@ -18,23 +18,59 @@ or read from disk by a fetch (``"disk"``), admitted by `MemoryTier.admit`:
 - on the **first** hit where the blocks fit in the tier's free room and the copy is a
   device-side one (GPU: ~3 ms per GiB, docs/h200-measurements.md), evicting nothing;
 - never a path larger than the whole budget (it would flush the tier and itself).
+
+**What an entry holds.** Blocks cut from one copy per field (a store's new blocks, a
+restore's admitted ones, a fill's) are held as that copy and where the block starts in
+it (its *origin*), not as views: an MLX array is an object Python's cyclic garbage
+collector tracks, and a tier holding 64 views per block of an 8B model had every full
+collection walk them all (tens of milliseconds inside the caller's `store()`; measured by
+``tools/gc_in_store.py``, docs/performance.md). A restore reads such blocks as slices of
+their copies (`disk.read_path`); `block_tensors` makes the views where a caller wants them.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Iterable
+from typing import Iterable, Mapping
 
-from ..blocks import Node, Tensors
+from ..blocks import CutFrom, Node, Tensors
 
 # How a block entered the tier: stored by this process, read from disk, from the remote.
 SOURCES = ("store", "disk", "remote")
 
 
-def tensors_nbytes(tensors: dict[str, Tensors]) -> int:
+def tensors_nbytes(tensors: Mapping[str, Tensors]) -> int:
     """Bytes held by one block's tensors (by leaf, then by field)."""
     return sum(x.nbytes for part in tensors.values() for x in part.values())
+
+
+def block_tensors(node: Node, rest: dict[str, Tensors], origin: dict) -> dict[str, Tensors]:
+    """A held block's tensors by leaf, then field: views of its copies (see `MemoryTier.put`)
+    beside the tensors held as they are (`rest`), in fresh dicts."""
+    out = {lid: {f: base[..., node.position - at : node.end - at, :] for f, base in fields.items()}
+           for lid, (fields, at) in origin.items()}  # fmt: skip
+    for lid, part in rest.items():
+        out.setdefault(lid, {}).update(part)
+    return out
+
+
+def _rest(tensors: Mapping[str, Tensors], origin: dict) -> dict[str, Tensors]:
+    """What of a block's tensors its origin does not give (snapshots, fields cut elsewhere)."""
+    if not origin:
+        return tensors if isinstance(tensors, dict) else dict(tensors)
+    if isinstance(tensors, CutFrom) and all(
+        origin.get(lid, (None,))[0] is part for lid, part in tensors.copies.items()
+    ):
+        return {}  # cut from the copies its origin names: nothing more to hold
+    out = {}
+    for lid, part in tensors.items():
+        held = origin.get(lid)
+        if held is None:
+            out[lid] = part
+        elif not part.keys() <= held[0].keys():
+            out[lid] = {f: x for f, x in part.items() if f not in held[0]}
+    return out
 
 
 class MemoryTier:
@@ -54,6 +90,7 @@ class MemoryTier:
         # Background fills (`warm.Warmer`): blocks and bytes put, fills not started
         # (one was running), blocks found missing or damaged.
         self.warm = {"memory_warmed": 0, "memory_warmed_bytes": 0, "memory_warm_dropped": 0, "memory_warm_damaged": 0}
+        # key -> (node, the tensors its origin does not give, bytes, origin, source)
         self._entries: OrderedDict[bytes, tuple[Node, dict[str, Tensors], int, dict, str]] = OrderedDict()
         self._seen: OrderedDict[bytes, int] = OrderedDict()  # recent disk hits: key -> bytes
         self._seen_bytes = 0
@@ -64,8 +101,9 @@ class MemoryTier:
         return len(self._entries)
 
     def get(self, key: bytes) -> tuple[Node, dict[str, Tensors], dict] | None:
-        """The entry for `key` as ``(node, tensors, origin)`` (see `put`), refreshed as
-        most recently used, or None."""
+        """The entry for `key` as ``(node, rest, origin)``, refreshed as most recently
+        used, or None: the block's tensors are the views its origin gives (see `put`)
+        and those of `rest` (`block_tensors` joins them)."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
@@ -98,7 +136,7 @@ class MemoryTier:
         entry = self._entries.get(key)
         return entry[4] if entry else None
 
-    def fits(self, tensors: dict[str, Tensors] | int) -> bool:
+    def fits(self, tensors: Mapping[str, Tensors] | int) -> bool:
         """Whether a block of these tensors (or of this many bytes) fits in the tier's
         budget at all (else `put` leaves it out)."""
         return (tensors if isinstance(tensors, int) else tensors_nbytes(tensors)) <= self.max_bytes
@@ -106,7 +144,7 @@ class MemoryTier:
     def put(
         self,
         node: Node,
-        tensors: dict[str, Tensors],
+        tensors: Mapping[str, Tensors],
         origin: dict | None = None,
         source: str = "store",
         *,
@@ -117,9 +155,10 @@ class MemoryTier:
         Args:
             node: The block's record.
             tensors: Its tensors by leaf, then field.
-            origin: Leaf -> ``(fields, position)`` where the leaf's tensors are views
-                of those arrays starting at that position (blocks cut from one copy):
-                a restore joins consecutive such blocks as one slice of it.
+            origin: Leaf -> ``(fields, position)`` where the leaf's tensors of those
+                fields are views of those arrays starting at that position (blocks cut
+                from one copy): only the copy and the position are kept (see the
+                module), and a restore joins consecutive such blocks as one slice of it.
             source: How it came: ``"store"``, ``"disk"`` or ``"remote"`` (counted).
             size: Its tensors' bytes, if the caller knows them (else they are summed).
         """
@@ -128,7 +167,7 @@ class MemoryTier:
             return
         with self._lock:
             self._drop(node.key)
-            self._entries[node.key] = (node, tensors, size, origin or {}, source)
+            self._entries[node.key] = (node, _rest(tensors, origin or {}), size, origin or {}, source)
             if source != "store":
                 self.admitted += 1
                 self.admitted_bytes += size
@@ -223,9 +262,11 @@ class MemoryTier:
 
     def held(self) -> list[tuple[bytes, dict[str, Tensors]]]:
         """Every block held, least recently used first, as ``(key, tensors by leaf, then
-        field)``: the tier's own arrays in fresh dicts; the order and counters unchanged."""
+        field)``: the tier's own arrays (or views of them) in fresh dicts; the order and
+        counters unchanged."""
         with self._lock:
-            return [(key, {lid: dict(part) for lid, part in entry[1].items()}) for key, entry in self._entries.items()]
+            entries = [(key, entry[0], entry[1], entry[3]) for key, entry in self._entries.items()]
+        return [(key, block_tensors(node, rest, origin)) for key, node, rest, origin in entries]
 
     def discard(self, key: bytes) -> bool:
         """Forget a block (it was evicted from disk or found damaged).
