@@ -404,32 +404,25 @@ class WholeBits:
 
 class BlockBits(Mapping):
     """One block's bits for the segment writer (see `Layout.new_blocks`): for sequence
-    leaves numpy slices of each field's bits, cut when first read (on the writer's
-    thread: thousands of them were a long prompt's cost on the caller's), for the
-    others the block's tensors. Leaves come in the layout's order."""
+    leaves numpy slices of each field's bits, cut when read (on the writer's thread:
+    thousands of them were a long prompt's cost on the caller's) and not kept (a dict
+    per leaf and block, alive for a whole write, outlived Python's young collections and
+    brought on full ones: only those untrack dicts), for the others the block's tensors.
+    Leaves come in the layout's order."""
 
-    __slots__ = ("_whole", "_lo", "_hi", "_tensors", "_made")
+    __slots__ = ("_whole", "_lo", "_hi", "_tensors")
 
     def __init__(self, whole: WholeBits, lo: int, hi: int, tensors: Mapping[str, Tensors]):
         self._whole, self._lo, self._hi, self._tensors = whole, lo, hi, tensors
-        self._made: dict | None = None
-
-    def _bits(self) -> dict:
-        if self._made is None:  # two threads may both make it: the same slices
-            lo, hi = self._lo, self._hi
-            self._made = {
-                lid: {f: (a[..., lo:hi, :], dtype) for f, (a, dtype) in self._whole.leaf(lid).items()}
-                if lid in self._whole
-                else self._tensors[lid]
-                for lid in self._tensors
-            }
-        return self._made
 
     def __getitem__(self, lid: str):
-        return self._bits()[lid]
+        if lid in self._whole:
+            lo, hi = self._lo, self._hi
+            return {f: (a[..., lo:hi, :], dtype) for f, (a, dtype) in self._whole.leaf(lid).items()}
+        return self._tensors[lid]
 
     def __iter__(self):
-        return iter(self._bits())
+        return iter(self._tensors)
 
     def __len__(self) -> int:
         return len(self._tensors)
