@@ -205,6 +205,25 @@ def test_admission_keeps_mlx_lm_growing_in_place(tmp_path, model, join):
         assert memory_counts(store)["memory_hits_disk"] > 0
 
 
+def test_a_restored_cache_has_room_for_the_rest_of_its_prompt(tmp_path, model, join):
+    """A fetch of a prompt longer than what is stored hands over buffers with room for the
+    whole prompt: the caller's forward of the rest (here 300 tokens, past the 256-row step
+    that mlx-lm grows by) writes in place, with no copy of the restored cache."""
+    toks = random_tokens(90, 3, first=3)
+    _, cache = one_shot(model, toks)
+    with PersistentPrefixCache(tmp_path / "s", model, block_size=BS, memory_bytes=0) as writer:
+        writer.store(toks, cache)
+    prompt = toks + random_tokens(300, 4)
+    with PersistentPrefixCache(tmp_path / "s", model, memory_bytes=64 * MiB, cost_model=False) as store:
+        for _ in range(3):  # disk; disk + admission; the tier
+            restored, rest = store.fetch(prompt)
+            assert len(rest) == 300 and all(c.keys.shape[2] > len(prompt) for c in restored)
+            before = [data_pointer(c.keys) for c in restored]
+            feed(model, restored, rest)
+            assert [data_pointer(c.keys) for c in restored] == before
+            assert_same_logits(warm_logits(model, store.fetch(prompt)[0], rest), cold_logits(model, prompt))
+
+
 def test_admission_respects_the_budget(tmp_path, model):
     prompts = [random_tokens(96, 10 + i, first=10 + i) for i in range(3)]
     with PersistentPrefixCache(tmp_path / "s", model, block_size=BS, memory_bytes=0) as writer:

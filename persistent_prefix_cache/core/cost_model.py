@@ -28,7 +28,7 @@ from typing import Any, Callable
 from . import machine_costs
 from ..blocks import Node
 from .calibration import calibrate, first_measured, plausible
-from .costs import Costs, first_forward_here, first_restore_here
+from .costs import FIRST_FORWARD_TOKENS, Costs, first_forward_here, first_restore_here
 from ..device.target import device_kind
 from .counters import Counters
 from ..files import open_regular
@@ -181,7 +181,8 @@ class CostModel:
             seconds: The time, the evaluation of the cache included.
             start: Positions the cache held before.
             restored: This was the first forward on a cache `fetch` had just restored
-                (it teaches the first forward's extra cost, not the prefill rate).
+                (up to `costs.FIRST_FORWARD_TOKENS` tokens, it teaches the first forward's
+                extra cost, not the prefill rate).
             forwards: How many forward calls it took.
             exact: False where `seconds` are a request's, not its forwards' alone (a
                 server's: queueing, sampling, its answer; `costs.Costs.prefill_requests`).
@@ -192,9 +193,13 @@ class CostModel:
         self._check_open()
         if first_forward_here():
             return  # it compiled the kernels: it says nothing of the model or the restore
-        if restored and start > 0:
+        if restored and start > 0 and tokens <= FIRST_FORWARD_TOKENS:
             self.learned.observe_first_forward(tokens, seconds, start=start)
         else:
+            # A longer forward after a restore is a prefill like any other (the restore's
+            # share of it is small, and its cache has room to grow in place): left out, a
+            # chat grown turn by turn through `prefill()` taught the fit one-token forwards
+            # alone (docs/performance.md).
             self.learned.observe_prefill(tokens, seconds, start=start, forwards=forwards, exact=exact)
         self.save_soon()
 

@@ -173,7 +173,7 @@ class Fetcher:
             started = time.perf_counter()
             layers, intact = restore(
                 self._layout, self._memory, self._files, path[first:], matched,
-                self._index.segment_digests(path[first:]), target=self._target,
+                self._index.segment_digests(path[first:]), target=self._target, room_for=n,
             )  # fmt: skip
             if layers is not None:
                 self._costs.timed(path[first:], time.perf_counter() - started, in_ram=not from_disk)

@@ -37,6 +37,7 @@ def restore(
     digests: dict[bytes, int] | None = None,
     *,
     target: Target,
+    room_for: int = 0,
 ) -> tuple[list | None, int]:
     """Rebuild the cache at `position` from `nodes` (the blocks any leaf needs).
 
@@ -48,6 +49,8 @@ def restore(
         nodes: Consecutive blocks, from the first one a leaf needs to the last.
         position: Where the cache is rebuilt (inside or at the end of the last block).
         digests: The index's whole-segment digests of the segments involved.
+        room_for: The caller's prompt length: its cache gets room to compute the rest in
+            place (`read_path`).
 
     Returns:
         ``(cache or None, how many of nodes were intact)``. Fewer than ``len(nodes)``
@@ -61,8 +64,9 @@ def restore(
             cached.append(entry[1] if entry is not None else None)
             origins.append(entry[2] if entry is not None else {})
         intact, runs, snaps = read_path(
-            nodes, cached, files, layout.kinds, position, layout.fields, digests, origins, target=target
-        )
+            nodes, cached, files, layout.kinds, position, layout.fields, digests, origins, target=target,
+            room_for=room_for,
+        )  # fmt: skip
         if intact < len(nodes):
             return None, intact
         last = nodes[-1]

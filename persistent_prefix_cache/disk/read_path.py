@@ -32,7 +32,8 @@ _PARALLEL_COPY_BYTES = 4 << 20  # below this, handing copies to threads costs mo
 
 
 def _capacity(position: int) -> int:
-    """Rows to allocate for a cache restored at `position`: room for a few decode steps."""
+    """Rows to allocate for a cache that will hold `position` tokens: room for a few decode
+    steps after them."""
     return (position // KV_STEP + 1) * KV_STEP
 
 
@@ -108,6 +109,7 @@ def read_path(
     origins: Sequence[dict] | None = None,
     *,
     target: Target,
+    room_for: int = 0,
 ) -> tuple[int, dict[str, dict[str, list]], dict[str, Tensors]]:
     """Read a path of blocks into joined buffers, for a restore at `position`.
 
@@ -126,6 +128,10 @@ def read_path(
             read whole is verified with one pass (else block by block).
         origins: For each block, the RAM tier's origin of its tensors (see
             `MemoryTier.put`), or None.
+        room_for: Positions the caller's cache will hold once it has computed the rest
+            of its prompt: sequence leaves get room for them (and a few decode steps),
+            so that mlx-lm's next forward writes in place instead of growing the cache
+            by a copy of all of it.
 
     Returns:
         (number of blocks intact, runs by leaf then field as ``(start, end, array)``,
@@ -135,7 +141,8 @@ def read_path(
     if all(have is not None for have in cached) and target.join_on_device and not target.host:
         pieces = _pieces(nodes, cached, origins)
         last_cached = cast(dict[str, Tensors], cached[-1])  # every block is in the RAM tier
-        return len(nodes), *join_on_device(pieces, last_cached, nodes[-1].n_tokens, lid_kind, _capacity(position))
+        capacity = _capacity(max(position, room_for))
+        return len(nodes), *join_on_device(pieces, last_cached, nodes[-1].n_tokens, lid_kind, capacity)
     segments: dict[bytes, OpenSegment | None] = {}
     runs: list[_Run] = []
     unfit: dict[bytes, int] = {}  # segment -> first block whose fields do not fit
@@ -165,7 +172,7 @@ def read_path(
             b, h, w = r.dims
             rows = r.end - r.start
             if r.start == 0 and lid_kind.get(r.name.rpartition(".")[0]) == "seq" and not target.host:
-                rows = max(rows, _capacity(position))  # room for mlx-lm to grow in place
+                rows = max(rows, _capacity(max(position, room_for)))  # room for mlx-lm to grow in place
             specs.append((f"r{k}", (b, h, rows, w), r.dtype))
         specs += [(f"s{k}", s.shape, s.dtype) for k, s in enumerate(snaps_wanted)]
         arrays = target.allocate(specs)
