@@ -44,19 +44,11 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_bench  # noqa: E402
-from user_paths_bench import mlx_prefill, prompt_ids  # noqa: E402
+from user_paths_bench import clock, mlx_prefill, prompt_ids  # noqa: E402
 
 from persistent_prefix_cache import PersistentPrefixCache  # noqa: E402
 
 DEFAULT_MODES = ["before", "after", "after_clear", "before", "after"]
-
-
-def clock(fn):
-    mx.synchronize()
-    started = time.perf_counter()
-    out = fn()
-    mx.synchronize()
-    return time.perf_counter() - started, out
 
 
 def fetch(model, path: str, n: int, sampler=None) -> dict:

@@ -22,25 +22,16 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_bench  # noqa: E402
-from user_paths_bench import mlx_prefill, prompt_ids  # noqa: E402
+from user_paths_bench import clock, mlx_prefill, prompt_ids  # noqa: E402
 
 from persistent_prefix_cache import PersistentPrefixCache  # noqa: E402
 from persistent_prefix_cache.device.buffers import device_copy  # noqa: E402
-
-
-def clock(fn):
-    mx.synchronize()
-    started = time.perf_counter()
-    out = fn()
-    mx.synchronize()
-    return time.perf_counter() - started, out
 
 
 def main() -> int:

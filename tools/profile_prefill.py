@@ -28,17 +28,9 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_bench  # noqa: E402
-from user_paths_bench import mlx_prefill, prompt_ids  # noqa: E402
+from user_paths_bench import clock, mlx_prefill, prompt_ids  # noqa: E402
 
 from persistent_prefix_cache import PersistentPrefixCache, prefill  # noqa: E402
-
-
-def clock(fn):
-    mx.synchronize()
-    t = time.perf_counter()
-    out = fn()
-    mx.synchronize()
-    return time.perf_counter() - t, out
 
 
 class Timed:
