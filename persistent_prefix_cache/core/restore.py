@@ -23,7 +23,7 @@ from ..device.readers import reader_pool
 from ..device.target import Target
 from ..disk.segment import SegmentFiles
 from ..layers import JoinedSource, Layout
-from ..tiers.memory import MemoryTier
+from ..tiers.memory import MemoryTier, SharedOrigins
 
 _PARALLEL_BYTES = 4 << 20  # below this, handing copies to threads costs more than it saves
 
@@ -204,20 +204,17 @@ def join_admitted(
                     slot[2].add(a)
     entries = []
     views: list[mx.array] = []
-    # Blocks of one copy share their origin: the tier then keeps next to nothing per block.
-    shared: dict[tuple, tuple] = {}
-    origins: dict[tuple, dict] = {}
+    shared = SharedOrigins()
     for k in chosen:
         tensors: dict[str, dict] = {lid: {} for lid in (*runs, *own_snaps.get(k, {}))}
         origin: dict[str, tuple] = {}
         for lid, (sliced, whole, starts) in per[k].items():
             tensors[lid] = sliced
             if len(starts) == 1:  # every field's copy starts at one row: restores join the blocks as one slice
-                at = next(iter(starts))
-                origin[lid] = shared.setdefault((lid, at, *map(id, whole.values())), (whole, at))
+                origin[lid] = shared.leaf(lid, whole, next(iter(starts)))
             else:
                 views.extend(sliced.values())
-        origin = origins.setdefault(tuple(map(id, origin.values())), origin)
+        origin = shared.block(origin)
         for lid, f, copy in snap_copies.get(k, ()):
             tensors[lid][f] = copy
         entries.append((nodes[k], tensors, origin))

@@ -42,7 +42,7 @@ from ..blocks import Node, is_sliced
 from ..disk.segment import SegmentFiles
 from ..layers import Layout
 from .restore import read_snapshots
-from ..tiers.memory import MemoryTier
+from ..tiers.memory import MemoryTier, SharedOrigins
 
 NICE = 19  # the fill thread's priority: the caller's prefill comes first
 MAX_DELAY = 1.0  # seconds a fill waits at most for the caller's prefill to end
@@ -170,7 +170,7 @@ class Warmer:
             # On this thread, before the blocks join the tier: the host wrote these
             # pages, and a restore's copies would fault them over one by one.
             arena.to_device()
-        shared: dict[tuple, Any] = {}  # blocks of one run share their origin
+        shared = SharedOrigins()  # blocks of one run share their origin
         for k, node in enumerate(nodes):
             tensors, origin = _block_bits(node, self.layout.kinds, runs, snaps.get(k, {}), shared)
             self.memory.put(node, tensors, origin, source="disk")
@@ -205,12 +205,12 @@ class Warmer:
 
 
 def _block_bits(
-    node: Node, leaves: dict, runs: dict, snaps: dict, shared: dict
+    node: Node, leaves: dict, runs: dict, snaps: dict, shared: SharedOrigins
 ) -> tuple[dict[str, dict[str, Any]], dict]:
     """One block's tensors by leaf (every leaf of `leaves`): views of the fill's runs
     (sliced fields) and its snapshots, as host bits; and their origin (see
-    `MemoryTier.put`: a restore copies the blocks of one run as one slice of it), one
-    object for every block of `shared` that has the same (the tier keeps it)."""
+    `MemoryTier.put`: a restore copies the blocks of one run as one slice of it), the
+    one `shared` gives every block of the same runs."""
     tensors: dict[str, dict] = {lid: {} for lid in leaves}
     origin: dict[str, tuple] = {}
     for lid, part in runs.items():
@@ -224,9 +224,7 @@ def _block_bits(
                         fields[fld] = run
                         starts.add(a)
         if len(starts) == 1:
-            at = starts.pop()
-            origin[lid] = shared.setdefault((lid, at, *map(id, fields.values())), (fields, at))
+            origin[lid] = shared.leaf(lid, fields, starts.pop())
     for lid, part in snaps.items():
         tensors.setdefault(lid, {}).update(part)
-    origin = shared.setdefault(("origin", *map(id, origin.values())), origin)
-    return tensors, origin
+    return tensors, shared.block(origin)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 from ..blocks import CutFrom, Node, Tensors
 
@@ -71,6 +71,25 @@ def _rest(tensors: Mapping[str, Tensors], origin: dict) -> dict[str, Tensors]:
         elif not part.keys() <= held[0].keys():
             out[lid] = {f: x for f, x in part.items() if f not in held[0]}
     return out
+
+
+class SharedOrigins:
+    """Gives the blocks of one copy one origin object (see `MemoryTier.put`): a restore's
+    admitted blocks or a background fill's, put one by one, would each bring a dict and
+    a tuple per leaf of their own, which the tier then keeps; shared, the tier keeps next
+    to nothing per block. Keyed by the copies' identities, so it lives only as long as
+    one batch of blocks whose copies it holds alive."""
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple, Any] = {}
+
+    def leaf(self, lid: str, fields: dict, at: int) -> tuple[dict, int]:
+        """The one ``(fields, at)`` of leaf `lid` for every block cut from these copies at `at`."""
+        return self._seen.setdefault((lid, at, *map(id, fields.values())), (fields, at))
+
+    def block(self, origin: dict) -> dict:
+        """The one origin (leaf -> `leaf`'s pair) for every block whose leaves share these."""
+        return self._seen.setdefault(("block", *map(id, origin.values())), origin)
 
 
 class MemoryTier:
