@@ -22,7 +22,7 @@ from ..device.buffers import allocate, device_copy
 from ..device.readers import reader_pool
 from ..device.target import Target
 from ..disk.segment import SegmentFiles
-from ..layers import JoinedSource, Layout
+from ..layers import JoinedSource, Layout, grown_rows
 from ..tiers.memory import MemoryTier, SharedOrigins
 
 _PARALLEL_BYTES = 4 << 20  # below this, handing copies to threads costs more than it saves
@@ -49,8 +49,8 @@ def restore(
         nodes: Consecutive blocks, from the first one a leaf needs to the last.
         position: Where the cache is rebuilt (inside or at the end of the last block).
         digests: The index's whole-segment digests of the segments involved.
-        room_for: The caller's prompt length: its cache gets room to compute the rest in
-            place (`read_path`).
+        room_for: The caller's prompt length: its cache gets the rows mlx-lm's own prefill
+            of it would leave, room to compute the rest in place (`layers.grown_rows`).
 
     Returns:
         ``(cache or None, how many of nodes were intact)``. Fewer than ``len(nodes)``
@@ -64,8 +64,8 @@ def restore(
             cached.append(entry[1] if entry is not None else None)
             origins.append(entry[2] if entry is not None else {})
         intact, runs, snaps = read_path(
-            nodes, cached, files, layout.kinds, position, layout.fields, digests, origins, target=target,
-            room_for=room_for,
+            nodes, cached, files, layout.kinds, layout.fields, digests, origins, target=target,
+            seq_rows=grown_rows(max(position, room_for)),
         )  # fmt: skip
         if intact < len(nodes):
             return None, intact

@@ -182,7 +182,7 @@ class Warmer:
         kinds, fields = self.layout.kinds, self.layout.fields
         digests = self.digests(nodes)
         read = lambda nodes: read_path(  # noqa: E731
-            nodes, [None] * len(nodes), self.files, kinds, nodes[-1].end, fields, digests, target=target
+            nodes, [None] * len(nodes), self.files, kinds, fields, digests, target=target
         )
         intact, runs, last = read(nodes)
         if intact < len(nodes):

@@ -27,14 +27,7 @@ from ..device.readers import reader_pool
 from ..device.target import Target
 from .segment import OpenSegment, SegmentFiles
 
-KV_STEP = 256  # mlx-lm's KVCache grows in steps of 256 tokens
 _PARALLEL_COPY_BYTES = 4 << 20  # below this, handing copies to threads costs more than it saves
-
-
-def _capacity(position: int) -> int:
-    """Rows to allocate for a cache that will hold `position` tokens: room for a few decode
-    steps after them."""
-    return (position // KV_STEP + 1) * KV_STEP
 
 
 def _pieces(nodes, cached, origins) -> list[tuple[str, int, int, mx.array]]:
@@ -103,15 +96,14 @@ def read_path(
     cached: Sequence[dict[str, Tensors] | None],
     files: SegmentFiles,
     lid_kind: dict[str, str],
-    position: int,
     expect: dict[str, list] | None = None,
     digests: dict[bytes, int] | None = None,
     origins: Sequence[dict] | None = None,
     *,
     target: Target,
-    room_for: int = 0,
+    seq_rows: int = 0,
 ) -> tuple[int, dict[str, dict[str, list]], dict[str, Tensors]]:
-    """Read a path of blocks into joined buffers, for a restore at `position`.
+    """Read a path of blocks into joined buffers, for a restore.
 
     Args:
         target: Where the buffers are made and what comes back (`device.target`:
@@ -121,17 +113,15 @@ def read_path(
             not give), or None to read it.
         files: The store's segment files.
         lid_kind: Leaf id -> adapter kind (sequence leaves get room to grow).
-        position: Where the cache will be rebuilt (sizes the room to grow).
         expect: Field name -> ``[dtype, batch, heads, width]`` the model's layout
             holds; a block whose fields differ is treated as damaged.
         digests: Segment id -> its whole-segment digest from the index: a segment
             read whole is verified with one pass (else block by block).
         origins: For each block, the RAM tier's origin of its tensors (see
             `MemoryTier.put`), or None.
-        room_for: Positions the caller's cache will hold once it has computed the rest
-            of its prompt: sequence leaves get room for them (and a few decode steps),
-            so that mlx-lm's next forward writes in place instead of growing the cache
-            by a copy of all of it.
+        seq_rows: Rows the buffers of a sequence leaf's run from position 0 get at
+            least (its caller's choice, `layers.grown_rows`): room for mlx-lm's next
+            forwards to write in place instead of growing the cache by a copy of all of it.
 
     Returns:
         (number of blocks intact, runs by leaf then field as ``(start, end, array)``,
@@ -141,12 +131,11 @@ def read_path(
     if all(have is not None for have in cached) and target.join_on_device and not target.host:
         pieces = _pieces(nodes, cached, origins)
         last_cached = cast(dict[str, Tensors], cached[-1])  # every block is in the RAM tier
-        capacity = _capacity(max(position, room_for))
-        return len(nodes), *join_on_device(pieces, last_cached, nodes[-1].n_tokens, lid_kind, capacity)
+        return len(nodes), *join_on_device(pieces, last_cached, nodes[-1].n_tokens, lid_kind, seq_rows)
     segments: dict[bytes, OpenSegment | None] = {}
     runs: list[_Run] = []
     unfit: dict[bytes, int] = {}  # segment -> first block whose fields do not fit
-    again = (nodes, cached, files, lid_kind, position, expect, digests, origins, target)
+    again = (nodes, cached, files, lid_kind, expect, digests, origins, target)
     try:
         where: list[tuple[OpenSegment, int] | None] = []
         for node, have in zip(nodes, cached):
@@ -172,7 +161,7 @@ def read_path(
             b, h, w = r.dims
             rows = r.end - r.start
             if r.start == 0 and lid_kind.get(r.name.rpartition(".")[0]) == "seq" and not target.host:
-                rows = max(rows, _capacity(max(position, room_for)))  # room for mlx-lm to grow in place
+                rows = max(rows, seq_rows)  # room for mlx-lm to grow in place
             specs.append((f"r{k}", (b, h, rows, w), r.dtype))
         specs += [(f"s{k}", s.shape, s.dtype) for k, s in enumerate(snaps_wanted)]
         arrays = target.allocate(specs)
@@ -226,17 +215,13 @@ def read_path(
                 seg.close()
 
 
-def _intact_before(
-    j, nodes, cached, files, lid_kind, position, expect, digests, origins, target, *, verify: bool = False
-) -> int:
+def _intact_before(j, nodes, cached, files, lid_kind, expect, digests, origins, target, *, verify: bool = False) -> int:
     """How many of the blocks before index `j` are intact (j itself is not, unless
     `verify`: then j is the whole path, which failed to read)."""
     if verify:
         j -= 1
     while j > 0:
-        intact = read_path(
-            nodes[:j], cached[:j], files, lid_kind, nodes[j - 1].end, expect, digests, origins, target=target
-        )[0]
+        intact = read_path(nodes[:j], cached[:j], files, lid_kind, expect, digests, origins, target=target)[0]
         if intact == j:
             return j
         j = intact

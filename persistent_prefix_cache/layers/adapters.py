@@ -453,6 +453,17 @@ def adapter_for(layer: Any, where: str = "0"):
     return adapter
 
 
+def grown_rows(tokens: int) -> int:
+    """Rows a sequence layer's buffers hold once mlx-lm's own prefill has computed `tokens`
+    tokens (its steps of 2048 grow a ``KVCache`` by multiples of ``KVCache.step``): the
+    room a restored cache is given to compute the rest of its prompt in place. On CUDA,
+    MLX builds a cuDNN attention graph per buffer length, once per thread: a length an
+    uncached prefill also makes costs no build that prefill would not (H100: 50-60 ms on
+    the first one-token forward after a restore, docs/performance.md)."""
+    step = KVCache.step
+    return -(-tokens // step) * step
+
+
 def leaves(cache: Sequence[Any]) -> list[tuple[str, Any]]:
     """Flatten a cache list into (leaf id, leaf layer), descending into ``CacheList``."""
     out: list[tuple[str, Any]] = []
