@@ -99,6 +99,28 @@ def test_a_restored_prompt_is_not_cut_again(store_dir, model, monkeypatch):
         assert_same_logits(logits[0], cold_logits(model, tokens))
 
 
+@pytest.mark.parametrize("length", [256, 300, 512])
+def test_a_restored_cache_has_the_rows_mlx_lms_own_prefill_leaves(store_dir, model, length):
+    # On CUDA, MLX builds a cuDNN attention graph per cache length, once per thread: a
+    # restored cache as long as mlx-lm's own makes its next forwards build no graph that an
+    # uncached prefill would not (a length of its own cost 50-60 ms on an H100).
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    tokens = random_tokens(length, seed=45)
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        prefill(model, tokens, store)
+        store.flush()
+    theirs = make_prompt_cache(model)
+    for _ in generate_step(mx.array(tokens), model, max_tokens=0, prompt_cache=theirs):
+        pass
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        ours, _ = prefill(model, tokens, store)
+        assert store.last_fetch.restored == length - 1
+    assert [c.offset for c in ours] == [c.offset for c in theirs] == [length] * len(ours)
+    assert [c.keys.shape[2] for c in ours] == [c.keys.shape[2] for c in theirs]
+
+
 def test_a_prompt_longer_than_a_step_is_cut_in_mlx_lms_steps(store_dir, model):
     tokens = random_tokens(5000, seed=43)
     counted = Counted(model)
