@@ -111,14 +111,17 @@ def test_the_tier_holds_blocks_as_their_copy_and_rows(tmp_path, model, how):
                 writer.store(toks, cache)
         store = PersistentPrefixCache(path, model, block_size=BS, memory_bytes=budget, cost_model=False)
         store.fetch(toks[:BS])  # (what a handle sets up on first use, counted on neither side)
+        # The count is the whole process's: the handle's background work (the open's sweep
+        # on the writer thread, a fill) is done before and after, never half inside it.
+        store.flush()
         gc.collect()
         before = len(gc.get_objects())
         if how == "stored":
             store.store(toks, cache)
-            store.flush()
         else:
             for _ in range(2):  # the second disk hit admits
                 store.fetch(toks + [1])
+        store.flush()
         gc.collect()
         return store, len(gc.get_objects()) - before
 
