@@ -15,7 +15,7 @@ import tempfile
 import time
 
 import pytest
-from helpers import BLOCK, prefill, random_tokens
+from helpers import BLOCK, counted_forwards, prefill, random_tokens
 
 from persistent_prefix_cache import PersistentPrefixCache
 
@@ -38,16 +38,8 @@ def folder(tmp_path, monkeypatch):
 
 @pytest.fixture
 def forwards(model, monkeypatch):
-    """The model's forward calls, counted (a list of token counts)."""
-    calls = []
-    real = type(model).__call__
-
-    def counted(self, inputs, *args, **kwargs):
-        calls.append(inputs.shape[1])
-        return real(self, inputs, *args, **kwargs)
-
-    monkeypatch.setattr(type(model), "__call__", counted)
-    return calls
+    """The model's forward calls, counted, a calibration timing them by their tokens."""
+    return counted_forwards(model, monkeypatch)
 
 
 def _filled(path, model, tokens) -> None:

@@ -292,13 +292,18 @@ def test_a_cost_per_forward_call_is_told_apart_from_the_tokens():
     # So a prompt of 8,192 tokens prefills (in 2,048-token calls) at ~ 8,192 * 25 us + 4 calls.
     assert costs.prefill_seconds(0, 8192) == pytest.approx(8192 * 25e-6 + 4 * 0.002, rel=1e-3)
     # Chunks all alike cannot tell a call from its tokens. Small ones are explained by their
-    # calls (a caller's 64-token forwards never teach "the model is slow": 16k tokens
-    # then cost 8 calls, not 256 x 4 ms), large ones by their tokens.
+    # calls (a caller's 64-token forwards never teach "the model is slow": not 256 x 4 ms
+    # for 16k tokens), which prices a token at nothing: the prefill stays unknown, and a
+    # fetch restores all it finds, as before anything was timed. Large ones are explained
+    # by their tokens.
     alike = Costs()
     for _ in range(3):
         alike.observe_prefill(64, 0.004)
     assert alike.prefill.coefficients() == pytest.approx([0.0, 0.0, 0.004])
-    assert alike.prefill_seconds(0, 16384) == pytest.approx(8 * 0.004)
+    assert alike.prefill_seconds(0, 16384) is None and alike.prefill_tokens_per_s is None
+    alike.set_restore({"ram": 3e10, "disk": 1e9}, {"ram": 1e-3, "disk": 5e-3})
+    choice = alike.choose([2048, 4096], [1 << 28, 1 << 28], [False, False], [0, 1], 4097)
+    assert (choice.blocks, choice.decision) == (2, "restored_all")
     large = Costs()
     for _ in range(3):
         large.observe_prefill(2048, 0.2)

@@ -230,9 +230,9 @@ class CostModel:
             tokens: Tokens of the first timed forward (more, up to 4,096, where a forward
                 of that many is bound by its call: a fast GPU).
             only_if_unknown: Measure nothing if the prefill of this model on this
-                device kind is known: measured here (a server's requests included),
-                remembered by the store, or measured on this machine before (then taken
-                from there: no forward runs).
+                device kind was measured: here (a server's requests included; priced
+                or not, `Costs.measured`), remembered by the store, or measured on this
+                machine before (then taken from there: no forward runs).
             prompt: Measure for a fetch of this prompt: nothing unless the store holds
                 a prefix of it (a miss decides nothing: the caller's prefill then teaches
                 the rate), and at most about `calibration.SHARE` of that prefix's
@@ -248,7 +248,7 @@ class CostModel:
         """
         self._check_open()
         costs, device = self.learned, self.saved.device
-        if only_if_unknown and costs.prefill_tokens_per_s is not None:
+        if only_if_unknown and costs.measured:
             return costs.prefill_tokens_per_s
         key, name = machine_costs.record_key(self._model.model_root, device), self._model.label
         if only_if_unknown:

@@ -108,8 +108,9 @@ def _prefill_order(sums: list[float]) -> tuple[int, ...]:
     forwards never teach "the model is slow" (64-token forwards of an 8B model on an H200
     are bound by their launch: read as tokens they put its prefill at ~6,000 tokens/s, a
     fifth of its speed, and restores slower than the prefill looked worth it). Small
-    forwards then err towards recomputing, never towards a restore slower than the
-    prefill; forwards of other sizes (prefill's steps, its last token) tell the two apart.
+    forwards alone then price a token at nothing, which leaves the prefill unknown
+    (`Costs._prefill_coefficients`); forwards of other sizes (prefill's steps, its last
+    token) tell the two apart.
     Features: (tokens, growth, forwards); sums as `Fit` keeps them."""
     per_forward = sums[0 * 3 + 2] / sums[2 * 3 + 2] if sums[2 * 3 + 2] > 0 else 0.0  # Σ n·f / Σ f²
     return (0, 2, 1) if per_forward >= LARGE_FORWARD else (2, 0, 1)
@@ -187,6 +188,13 @@ class Costs:
         given), not only by a server's requests (`prefill_requests`)."""
         return any(self.prefill.sums)
 
+    @property
+    def measured(self) -> bool:
+        """Whether the prefill was timed or set at all (forwards or a server's requests),
+        priced or not: `calibrate(only_if_unknown=True)` measures nothing then (forwards
+        bound by their calls price no token, and measuring them again would not either)."""
+        return self.timed_forwards or any(self.prefill_requests.sums)
+
     def _forget_prefill(self) -> None:
         """Forget both prefill fits and the fastest forward (the lock held)."""
         self.prefill, self.prefill_requests, self.fastest_forward = _new_prefill(), _new_requests(), None
@@ -259,7 +267,12 @@ class Costs:
         requests = self.prefill_requests.coefficients()
         if requests is not None and requests[0] > 0:
             return [requests[0], requests[1], coef[2] if coef is not None else 0.0]
-        return coef
+        # A fit that prices a token at nothing (per token and growth 0) has seen only forwards
+        # bound by their calls (a prompt's last token alone, a caller's small chunks): it
+        # cannot say what a prefill of many tokens costs, and deciding by it recomputed what
+        # the RAM tier would restore 3 x faster (tests/test_costs_paths.py). The prefill is
+        # unknown until a token is priced.
+        return coef if coef is not None and (coef[0] > 0 or coef[1] > 0) else None
 
     def _restore_seconds(self, tier: str, nbytes: int) -> float | None:
         fit = self.restore.get(tier)
