@@ -209,7 +209,6 @@ def test_serve_measures_once_per_model_and_machine_where_it_may_restore(costs_se
     assert per_device[device_kind()]["prefill"][0] > 0
 
 
-
 RUNS = """
 import json, sys
 from persistent_prefix_cache import PersistentPrefixCache, prefill
