@@ -170,8 +170,8 @@ class Costs:
 
     @property
     def prefill_tokens_per_s(self) -> float | None:
-        """Tokens/s of a prefill of a 1,024-token prompt (None until measured); setting
-        it makes the prefill linear at that rate."""
+        """Tokens/s of a prefill of a 1,024-token prompt (None until measured, and while
+        what was measured prices no token); setting it makes the prefill linear at that rate."""
         seconds = self.prefill_seconds(0, 1024)
         return None if not seconds else 1024 / seconds
 
@@ -428,7 +428,8 @@ class Costs:
         return best
 
     def figures(self) -> dict[str, Any]:
-        """The costs as `PersistentPrefixCache.stats` shows them (None: not measured).
+        """The costs as `PersistentPrefixCache.stats` shows them (None: not measured, or
+        for the prefill's, nothing measured prices a token).
 
         Returns:
             prefill_tokens_per_s (of a 1,024-token prompt), prefill_growth (seconds per
