@@ -228,9 +228,9 @@ print(json.dumps(seen))
 @pytest.mark.slow
 def test_a_prompt_prefilled_once_is_restored_in_every_later_process(store_dir, tiny_model_dir):
     # The README's path, a process at a time: prefill() on an empty store, then new processes
-    # that call it three times. The first process times two forwards: the prompt but its last
-    # token (a process's first forward compiles kernels: not timed) and that last token alone,
-    # a forward bound by its call, which prices a token at nothing. Taken as the prefill's
+    # that call it three times. The first process runs two forwards: the prompt but its last
+    # token (a process's first forward compiles kernels: not timed) and that last token alone
+    # (timed), a forward bound by its call, which prices a token at nothing. Taken as the prefill's
     # cost, that made every restore look worthless: once the tiers' rates were known (the
     # tiny model's restores are too small to teach them; a GPU's teach them in one process)
     # every later call recomputed what the store held (an H100 and an 8B model: 30 ms
