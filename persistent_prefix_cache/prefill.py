@@ -20,12 +20,12 @@ store learns them from the first two (of different sizes).
 from __future__ import annotations
 
 import sys
-import time
 import types
 from typing import Any, Callable
 
 import mlx.core as mx
 
+from .core import costs
 from .core.costs import PREFILL_STEP
 from .errors import InvalidArgumentError
 from .keys import as_token_array
@@ -100,11 +100,11 @@ def prefill(
         end = min(pos + step, stop)
         if every_forward and end < stop:
             end = max(end // bs * bs, pos + 1)
-        started = time.perf_counter()
+        started = costs.clock()
         model(mx.array(ids[pos:end])[None], cache=cache)
         mx.eval([c.state for c in cache])
         # For the cost model (kept in the store per model and device kind).
-        store.observe_prefill(end - pos, time.perf_counter() - started, start=pos, restored=restored)
+        store.observe_prefill(end - pos, costs.clock() - started, start=pos, restored=restored)
         restored = False
         if every_forward:
             store.store(ids[:end], cache)
@@ -116,10 +116,10 @@ def prefill(
     if every_forward and stored < stop:  # its snapshot is the cache as it is now
         store.store(ids[:stop], cache)
         stored = stop
-    started = time.perf_counter()
+    started = costs.clock()
     logits = model(mx.array(ids[pos:])[None], cache=cache)[:, -1, :]
     mx.eval(logits)
-    store.observe_prefill(len(ids) - pos, time.perf_counter() - started, start=pos, restored=restored)
+    store.observe_prefill(len(ids) - pos, costs.clock() - started, start=pos, restored=restored)
     if not every_forward and stored < len(ids):
         # After the caller's last forward (the writer's work never overlaps it), the whole
         # prompt: a sliced cache trims, so a fetch of the same prompt takes all but its

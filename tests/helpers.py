@@ -59,15 +59,15 @@ def prefill(model: Any, tokens: Sequence[int]) -> tuple[mx.array, list]:
 
 def counted_forwards(model: Any, monkeypatch: Any) -> list[int]:
     """Count `model`'s forward calls (the returned list gets each one's tokens), and have a
-    calibration time them by a clock each moves by 0.1 ms a call and 10 us a token: the
-    tiny model's small forwards are bound by their calls, and on a busy machine their own
-    timings could price a token at nothing, which leaves the prefill unknown."""
-    from persistent_prefix_cache.core import calibration
+    prefill's and a calibration's timings (`costs.clock`) move by 0.1 ms a call and 10 us a
+    token: the tiny model's small forwards are bound by their calls, and on a busy machine
+    their own timings could price a token at nothing, which leaves the prefill unknown."""
+    from persistent_prefix_cache.core import costs
 
     calls: list[int] = []
     clock = [0.0]
     real = type(model).__call__
-    monkeypatch.setattr(calibration, "_clock", lambda: clock[0])
+    monkeypatch.setattr(costs, "clock", lambda: clock[0])
 
     def counted(self: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         calls.append(inputs.shape[1])

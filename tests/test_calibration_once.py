@@ -19,7 +19,7 @@ from helpers import BLOCK, counted_forwards, prefill, random_tokens
 
 from persistent_prefix_cache import PersistentPrefixCache
 
-from persistent_prefix_cache.core import calibration, machine_costs
+from persistent_prefix_cache.core import calibration, costs, machine_costs
 from persistent_prefix_cache.compat.prefix_cache import PrefixCacheManager
 from persistent_prefix_cache.core.costs import Costs
 
@@ -263,7 +263,7 @@ def _counted_calibration(model, monkeypatch, seconds, *, stake: int, tokens: int
     from mlx_lm.models.cache import make_prompt_cache
 
     calls, clock = [], [0.0]
-    monkeypatch.setattr(calibration, "_clock", lambda: clock[0])
+    monkeypatch.setattr(costs, "clock", lambda: clock[0])
     real = type(model).__call__
 
     def counted(self, inputs, *args, **kwargs):
@@ -272,8 +272,7 @@ def _counted_calibration(model, monkeypatch, seconds, *, stake: int, tokens: int
         return real(self, inputs, *args, **kwargs)
 
     monkeypatch.setattr(type(model), "__call__", counted)
-    costs = Costs()
-    measured = calibration.calibrate(costs, model, lambda: make_prompt_cache(model), tokens, stake=stake)
+    measured = calibration.calibrate(Costs(), model, lambda: make_prompt_cache(model), tokens, stake=stake)
     assert measured == bool(calls)
     return calls
 

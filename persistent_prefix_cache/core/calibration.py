@@ -12,9 +12,9 @@ is said once (logging, INFO, with its duration: `first_measured`).
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable
 
+from . import costs as _costs
 from .costs import Costs, first_forward_here
 
 MAX_CALIBRATION_TOKENS = 4096  # the longest prompt `calibrate` grows to
@@ -26,7 +26,6 @@ FIRST_SET = 2.25  # tokens a set of forwards of n // 8 and n feeds, run twice: 2
 # Rates (tokens/s of a 1,024- and a 32,768-token prefill) a remembered record may give:
 # outside these it is not a prefill this machine measured.
 MIN_RATE, MAX_RATE = 0.01, 1e9
-_clock = time.perf_counter  # what `calibrate` times with (tests set a clock of their own)
 _announced: set[str] = set()  # the records this process has measured and said so
 
 
@@ -67,7 +66,7 @@ def calibrate(costs: Any, model: Any, make_cache: Callable[[], list], tokens: in
         if tokens < MIN_TOKENS:
             return False  # what is at stake costs less than one set of forwards
     ids = [(7 * i + 1) % 251 for i in range(2 * max(tokens, MAX_CALIBRATION_TOKENS))]
-    started = _clock()
+    started = _costs.clock()
 
     def run(calls: list[tuple[int, int, int]], observed_from: int = 0) -> list[float]:
         """The calls ``(cache, start, end)`` once untimed, then timed (and observed from
@@ -75,9 +74,9 @@ def calibrate(costs: Any, model: Any, make_cache: Callable[[], list], tokens: in
         for timed in (False, True):
             caches, seconds = [make_cache(), make_cache()], []
             for k, (which, start, end) in enumerate(calls):
-                begun = _clock()
+                begun = _costs.clock()
                 mx.eval(model(mx.array([ids[start:end]]), cache=caches[which]))
-                seconds.append(_clock() - begun)
+                seconds.append(_costs.clock() - begun)
                 if timed and k >= observed_from:
                     costs.observe_prefill(end - start, seconds[-1], start=start)
             first_forward_here()  # the untimed round compiled the kernels
@@ -88,7 +87,7 @@ def calibrate(costs: Any, model: Any, make_cache: Callable[[], list], tokens: in
         if stake is None:
             return True
         cost = 2 * sum(costs.prefill_seconds(start, end) or 0.0 for _, start, end in calls)
-        return _clock() - started + cost <= SHARE * (costs.prefill_seconds(0, stake) or 0.0)
+        return _costs.clock() - started + cost <= SHARE * (costs.prefill_seconds(0, stake) or 0.0)
 
     def first(n: int) -> list[tuple[int, int, int]]:
         return [(0, 0, max(1, n // 8)), (1, 0, n)]

@@ -59,6 +59,9 @@ FIRST_FORWARD_TOKENS = 256
 RECORD_VERSION = 4
 MAX_AGE = 30 * 24 * 3600.0
 TIERS = ("ram", "disk", "remote")
+# What a prefill's and a calibration's forwards are timed by (`prefill()`, `calibrate`): one
+# clock, so a test can set its own and have every forward it counts cost what it says.
+clock = time.perf_counter
 # Tiers this process has restored from (and "forward" once it ran one, `first_forward_here`):
 # its first restore from each pays one-off costs
 # (MLX compiling kernels for the shapes met, the reader pool and pinned buffers made), a
