@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from typing import Any, Sequence
 
 import mlx.core as mx
@@ -57,25 +58,46 @@ def prefill(model: Any, tokens: Sequence[int]) -> tuple[mx.array, list]:
     return feed(model, cache, tokens), cache
 
 
-def counted_forwards(model: Any, monkeypatch: Any) -> list[int]:
+def counted_forwards(model: Any, monkeypatch: Any = None) -> list[int]:
     """Count `model`'s forward calls (the returned list gets each one's tokens), and have a
     prefill's and a calibration's timings (`costs.clock`) move by 0.1 ms a call and 10 us a
     token: the tiny model's small forwards are bound by their calls, and on a busy machine
-    their own timings could price a token at nothing, which leaves the prefill unknown."""
+    their own timings could price a token at nothing, which leaves the prefill unknown.
+
+    Args:
+        model: The model, or its class (every model of it is counted).
+        monkeypatch: Undoes the change after the test; None: for the rest of the process
+            (a subprocess, `COUNTED_SERVE`).
+    """
     from persistent_prefix_cache.core import costs
 
+    put = setattr if monkeypatch is None else monkeypatch.setattr
+    cls = model if isinstance(model, type) else type(model)
     calls: list[int] = []
     clock = [0.0]
-    real = type(model).__call__
-    monkeypatch.setattr(costs, "clock", lambda: clock[0])
+    real = cls.__call__
+    put(costs, "clock", lambda: clock[0])
 
     def counted(self: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         calls.append(inputs.shape[1])
         clock[0] += 1e-4 + 1e-5 * inputs.shape[1]
         return real(self, inputs, *args, **kwargs)
 
-    monkeypatch.setattr(type(model), "__call__", counted)
+    put(cls, "__call__", counted)
     return calls
+
+
+# ``ppc`` in a process whose llama forwards are timed by `counted_forwards` (run as
+# ``python -c COUNTED_PPC args...``, the tests' folder on its path).
+COUNTED_PPC = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+from helpers import counted_forwards
+from mlx_lm.models import llama
+from persistent_prefix_cache.cli import main
+counted_forwards(llama.Model)
+sys.exit(main())
+"""
 
 
 def cold_logits(model: Any, tokens: Sequence[int]) -> mx.array:

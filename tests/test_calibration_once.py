@@ -104,6 +104,29 @@ def test_a_second_store_of_the_same_model_runs_no_calibration_forward(tmp_path, 
     assert len([r for r in caplog.records if LINE in r.getMessage()]) == 1
 
 
+def test_a_calibration_that_prices_no_token_says_so_and_restores(tmp_path, model, folder, monkeypatch, caplog):
+    # Forwards that take as long whatever their tokens (a small model, a fast GPU's small
+    # forwards) give no rate: said as such, not as "0 tokens/s", and nothing kept for the
+    # machine (another store would take a rate from there), and the read restores.
+    caplog.set_level(logging.INFO, logger="persistent_prefix_cache")
+    tokens = random_tokens(PROMPT, seed=953)
+    _filled(tmp_path / "one", model, tokens)
+    forwards, clock, real = [], [0.0], type(model).__call__
+    monkeypatch.setattr(costs, "clock", lambda: clock[0])
+
+    def same(self, inputs, *args, **kwargs):
+        forwards.append(inputs.shape[1])
+        clock[0] += 0.01
+        return real(self, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "__call__", same)
+    ran, rate, restored = _first_read(tmp_path / "one", model, tokens + [7], forwards)
+    assert ran > 0 and rate is None and restored
+    (said,) = [r.getMessage() for r in caplog.records if LINE in r.getMessage()]
+    assert "no rate" in said and "tokens/s" not in said and "kept for this store only" in said, said
+    assert not folder.exists()
+
+
 def test_another_model_or_another_machine_measures_again(tmp_path, model, other_model, folder, forwards, monkeypatch):
     tokens = random_tokens(PROMPT, seed=952)
     _filled(tmp_path / "one", model, tokens)

@@ -26,7 +26,7 @@ import urllib.request
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import assert_same_logits, cold_logits, feed, random_tokens, run_python_json
+from helpers import COUNTED_PPC, assert_same_logits, cold_logits, feed, random_tokens, run_python_json
 from mlx_lm.models.cache import LRUPromptCache, QuantizedKVCache, make_prompt_cache
 
 from persistent_prefix_cache import PersistentPrefixCache
@@ -346,12 +346,13 @@ def _free_port() -> int:
 
 
 class Server:
-    """One ``ppc serve`` process on 127.0.0.1; its output goes to a log file."""
+    """One ``ppc serve`` process on 127.0.0.1; its output goes to a log file (`counted`: its
+    forwards timed by `helpers.counted_forwards`, for what a calibration decides)."""
 
-    def __init__(self, model_dir, store, log_path, *extra: str):
+    def __init__(self, model_dir, store, log_path, *extra: str, counted: bool = False):
         self.log_path = log_path
         self._argv = [
-            sys.executable, "-m", "persistent_prefix_cache", "serve",
+            sys.executable, *(["-c", COUNTED_PPC] if counted else ["-m", "persistent_prefix_cache"]), "serve",
             "--model", str(model_dir), "--store", str(store), "--store-block-size", str(BLOCK),
             "--host", "127.0.0.1", "--log-level", "INFO", *extra,
         ]  # fmt: skip

@@ -267,9 +267,12 @@ class CostModel:
         record = dict(costs.prefill_record(), device=device, model=name[:200])
         kept = plausible(record) and machine_costs.remember(key, record)
         if first_measured(key):  # said once a process, where it happened
+            rate = costs.prefill_tokens_per_s
             log.info(
-                "cost model: measured the prefill of %s on %s in %.2f s: %.0f tokens/s (%s)",
-                name, device, seconds, costs.prefill_tokens_per_s or 0.0,
+                "cost model: measured the prefill of %s on %s in %.2f s: %s (%s)",
+                name, device, seconds,
+                f"{rate:.0f} tokens/s" if rate else "no rate (the forwards took as long whatever their tokens: "
+                "every prefix is restored until a longer forward prices a token)",
                 f"kept for every store of this model on this machine, in {machine_costs.folder()}" if kept
                 else "kept for this store only",
             )  # fmt: skip
