@@ -10,8 +10,10 @@ run), and with the cost model off; with the real `store()` (RAM tier off, on, on
 stream of its own, and right after another prompt's `prefill()` on the same handle: its
 writer busy during the timed call, where every other variant's writes are flushed before
 the next call); and on a handle opened just before each call (its fingerprint hashed),
-without and with ``mx.clear_cache()`` after the open, and with its fingerprint given
-(nothing hashed at the open). ``--only`` keeps the variants whose names hold one of its
+without and with ``mx.clear_cache()`` after the open, with its fingerprint given
+(nothing hashed at the open), and that with the writer's copies kept from the call before
+(on CUDA a close that ends a process's last handle lets them go; the other handles this
+tool keeps open would otherwise keep them). ``--only`` keeps the variants whose names hold one of its
 words. Each line: the median, its ratio to mlx-lm's prefill, every round.
 
     python tools/prefill_variants.py [--small] [--tokens 256,4096,16384] [--rounds 5] [--only "opened,back"]
@@ -39,6 +41,7 @@ import gpu_bench  # noqa: E402
 from user_paths_bench import mlx_prefill, prompt_ids  # noqa: E402
 
 from persistent_prefix_cache import PersistentPrefixCache, prefill  # noqa: E402
+from persistent_prefix_cache.device import buffers  # noqa: E402
 
 
 class NullStore:
@@ -125,8 +128,21 @@ def variants(model: Any, work: Path) -> tuple[dict[str, Callable[[list[int]], An
         mx.synchronize()
         return time.perf_counter() - started
 
-    def fresh(clear: bool, fingerprint: str | None = None) -> Callable[[list[int]], float]:
+    def fresh(clear: bool, fingerprint: str | None = None, kept: bool = False) -> Callable[[list[int]], float]:
         def run(ids: list[int]) -> float:
+            # As the README's example run as a program: its first store finds none of the
+            # writer's copies (CUDA, `WriterCopies`; a close that ends a process's last
+            # handle lets them go), where the handles this tool keeps open keep them (up to
+            # cfcd6e0 these variants reused those). `kept`: the process's copies, reused.
+            shared = buffers._writer_copies
+            if not kept:
+                buffers._writer_copies = None  # a pool of its own, made at its first store
+            try:
+                return timed(ids)
+            finally:
+                buffers._writer_copies = shared
+
+        def timed(ids: list[int]) -> float:
             count[0] += 1
             path = work / f"fresh-{count[0]}"
             store = PersistentPrefixCache(path, model, fingerprint=fingerprint)
@@ -159,6 +175,7 @@ def variants(model: Any, work: Path) -> tuple[dict[str, Callable[[list[int]], An
         "... and MLX cache cleared": fresh(True),
         # Given, the fingerprint is not hashed at open (on a GPU: lane sums of every weight).
         "... fingerprint given": fresh(False, "given-" + "0" * 26),
+        "... writer copies kept": fresh(False, "given-" + "0" * 26, kept=True),
     }
     return table, opened  # handles open as the variants first use them
 
