@@ -58,7 +58,7 @@ def prefill(model: Any, tokens: Sequence[int]) -> tuple[mx.array, list]:
     return feed(model, cache, tokens), cache
 
 
-def counted_forwards(model: Any, monkeypatch: Any = None) -> list[int]:
+def counted_forwards(model: Any, monkeypatch: Any = None, seconds: Any = None) -> list[int]:
     """Count `model`'s forward calls (the returned list gets each one's tokens), and have a
     prefill's and a calibration's timings (`costs.clock`) move by 0.1 ms a call and 10 us a
     token: the tiny model's small forwards are bound by their calls, and on a busy machine
@@ -67,7 +67,8 @@ def counted_forwards(model: Any, monkeypatch: Any = None) -> list[int]:
     Args:
         model: The model, or its class (every model of it is counted).
         monkeypatch: Undoes the change after the test; None: for the rest of the process
-            (a subprocess, `COUNTED_SERVE`).
+            (a subprocess, `COUNTED_PPC`).
+        seconds: What a forward of ``n`` tokens moves the clock by, in place of the above.
     """
     from persistent_prefix_cache.core import costs
 
@@ -80,7 +81,7 @@ def counted_forwards(model: Any, monkeypatch: Any = None) -> list[int]:
 
     def counted(self: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         calls.append(inputs.shape[1])
-        clock[0] += 1e-4 + 1e-5 * inputs.shape[1]
+        clock[0] += 1e-4 + 1e-5 * inputs.shape[1] if seconds is None else seconds(inputs.shape[1])
         return real(self, inputs, *args, **kwargs)
 
     put(cls, "__call__", counted)

@@ -19,7 +19,7 @@ from helpers import BLOCK, counted_forwards, prefill, random_tokens
 
 from persistent_prefix_cache import PersistentPrefixCache
 
-from persistent_prefix_cache.core import calibration, costs, machine_costs
+from persistent_prefix_cache.core import calibration, machine_costs
 from persistent_prefix_cache.compat.prefix_cache import PrefixCacheManager
 from persistent_prefix_cache.core.costs import Costs
 
@@ -111,15 +111,7 @@ def test_a_calibration_that_prices_no_token_says_so_and_restores(tmp_path, model
     caplog.set_level(logging.INFO, logger="persistent_prefix_cache")
     tokens = random_tokens(PROMPT, seed=953)
     _filled(tmp_path / "one", model, tokens)
-    forwards, clock, real = [], [0.0], type(model).__call__
-    monkeypatch.setattr(costs, "clock", lambda: clock[0])
-
-    def same(self, inputs, *args, **kwargs):
-        forwards.append(inputs.shape[1])
-        clock[0] += 0.01
-        return real(self, inputs, *args, **kwargs)
-
-    monkeypatch.setattr(type(model), "__call__", same)
+    forwards = counted_forwards(model, monkeypatch, seconds=lambda n: 0.01)
     ran, rate, restored = _first_read(tmp_path / "one", model, tokens + [7], forwards)
     assert ran > 0 and rate is None and restored
     (said,) = [r.getMessage() for r in caplog.records if LINE in r.getMessage()]
@@ -285,16 +277,7 @@ def _counted_calibration(model, monkeypatch, seconds, *, stake: int, tokens: int
     a forward of ``n`` tokens moves by ``seconds(n)``: the forwards' token counts."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    calls, clock = [], [0.0]
-    monkeypatch.setattr(costs, "clock", lambda: clock[0])
-    real = type(model).__call__
-
-    def counted(self, inputs, *args, **kwargs):
-        calls.append(inputs.shape[1])
-        clock[0] += seconds(inputs.shape[1])
-        return real(self, inputs, *args, **kwargs)
-
-    monkeypatch.setattr(type(model), "__call__", counted)
+    calls = counted_forwards(model, monkeypatch, seconds)
     measured = calibration.calibrate(Costs(), model, lambda: make_prompt_cache(model), tokens, stake=stake)
     assert measured == bool(calls)
     return calls
