@@ -126,10 +126,10 @@ def _stage(monkeypatch, driver, piece: int) -> None:
     monkeypatch.setattr(cuda, "_staging", True)
 
 
-def _fetches(monkeypatch, store_dir, family, driver, piece, fill=None, ask=None, seed=4242):
+def _fetches(monkeypatch, store_dir, family, driver, piece, fill=None, ask=None, seed=4242, staged_too=None):
     """One prompt stored (by `fill(store, model, tokens)` if given), then fetched (``ask(tokens)``,
-    else the prompt and one token more) plainly and through the stages: the logits of
-    both restored caches fed their last token."""
+    else the prompt and one token more) plainly and through the stages (`staged_too()` run
+    first, if given): the logits of both restored caches fed their last token."""
     from families import build
     from helpers import BLOCK, prefill, random_tokens, warm_logits
 
@@ -148,6 +148,8 @@ def _fetches(monkeypatch, store_dir, family, driver, piece, fill=None, ask=None,
     for staged in (False, True):
         if staged:
             _stage(monkeypatch, driver, piece)
+            if staged_too is not None:
+                staged_too()
         with PersistentPrefixCache(store_dir, model, **options) as store:
             restored, rest = store.fetch(prompt)
         assert list(rest) == prompt[-1:]
@@ -165,6 +167,26 @@ def test_a_staged_restore_is_bitwise_the_plain_one(monkeypatch, store_dir, famil
     driver = _HostDriver()
     plain, staged = _fetches(monkeypatch, store_dir, family, driver, piece)
     assert driver.copies > 0  # the pieces went through the stages
+    assert np.array_equal(plain, staged)
+
+
+@STAGED
+def test_a_staged_restore_into_managed_buffers_is_bitwise_the_plain_one(monkeypatch, store_dir, family, piece):
+    # `buffers.GPU_ALLOCATION` "managed": the restore's buffers are made on MLX's CPU
+    # stream (on CUDA, managed memory no host view has to move) and placed on the
+    # device before the pieces are copied in; the bits are the plain route's.
+    from persistent_prefix_cache.device import buffers
+
+    made, real = [], buffers.managed_empty
+
+    def managed() -> None:
+        monkeypatch.setattr(buffers, "GPU_ALLOCATION", "managed")
+        monkeypatch.setattr(buffers, "on_gpu", lambda: True)
+        monkeypatch.setattr(buffers, "managed_empty", lambda specs: made.append(len(specs)) or real(specs))
+
+    driver = _HostDriver()
+    plain, staged = _fetches(monkeypatch, store_dir, family, driver, piece, staged_too=managed)
+    assert made and driver.copies > 0
     assert np.array_equal(plain, staged)
 
 
@@ -708,12 +730,13 @@ def test_a_writer_copy_past_two_gib_is_placed_in_rows():
     assert placed.shape[1] == 256 and placed.shape[0] >= 64 * 8 * 16384 and placed.dtype == mx.uint8
 
 
-@pytest.mark.parametrize("staging", [True, False])
-def test_the_writer_reuses_its_copies_across_stores_and_stores_bitwise(monkeypatch, tmp_path, staging):
+@pytest.mark.parametrize("staging, allocation", [(True, "zeros"), (False, "zeros"), (True, "managed")])
+def test_the_writer_reuses_its_copies_across_stores_and_stores_bitwise(monkeypatch, tmp_path, staging, allocation):
     # Two stores of prompts of one length under the CUDA emulation: the second store's
     # copy is made in the buffer the first one's writer kept, and both restore bit for
     # bit. Where staging is off the host reads the buffer in place: it is never kept.
     # Kept buffers outlive a store's close while another handle is open, not the last one.
+    # A new buffer is made on the device, or as managed memory (`WRITER_ALLOCATION`).
     import weakref
 
     from families import build
@@ -728,6 +751,9 @@ def test_the_writer_reuses_its_copies_across_stores_and_stores_bitwise(monkeypat
     monkeypatch.setattr(cuda, "_get_driver", lambda: _HostDriver())
     monkeypatch.setattr(cuda, "_staging", staging)
     monkeypatch.setattr(buffers, "_writer_copies", buffers.WriterCopies(1 << 30))
+    monkeypatch.setattr(buffers, "WRITER_ALLOCATION", allocation)
+    made, real = [], buffers.managed_empty
+    monkeypatch.setattr(buffers, "managed_empty", lambda specs: made.append(specs) or real(specs))
     monkeypatch.setattr(opening, "OPEN_HANDLES", weakref.WeakSet())  # other tests' handles do not count
     monkeypatch.setattr(store_module, "OPEN_HANDLES", opening.OPEN_HANDLES)
     model = build("llama")
@@ -740,6 +766,7 @@ def test_the_writer_reuses_its_copies_across_stores_and_stores_bitwise(monkeypat
             store.flush()
     copies = buffers.writer_copies()
     assert copies.reused == (1 if staging else 0)
+    assert len(made) == (1 if allocation == "managed" else 0)  # the second store's copy reused the first's
     assert (copies._kept > 0) == staging
     keeper.close()  # the last handle: nothing kept
     assert copies._kept == 0 and not copies._free

@@ -13,7 +13,8 @@ and GB/s (fetch + evaluating the cache). Modes:
 - ``after``: an mlx-lm prefill of the longest prompt first (``after_clear``: and
   ``mx.clear_cache()`` after it);
 - ``sampled``: as ``before``, its first fetch sampled (where each thread's time went);
-- a suffix ``+prefetch`` (`device.cuda.MODE` "prefetch"), ``+t1`` / ``+t4`` / ``+t16``
+- a suffix ``+prefetch`` (`device.cuda.MODE` "prefetch"), ``+managed``
+  (`device.buffers.GPU_ALLOCATION` "managed"), ``+t1`` / ``+t4`` / ``+t16``
   (reader threads sharing a restore).
 
 Last, the machine's own ceiling: the longest store's segment files read from the page
@@ -86,6 +87,10 @@ def child(model, mode: str, root: str, lengths: list[int]) -> None:
 
     if "+prefetch" in mode:
         cuda.MODE = "prefetch"
+    if "+managed" in mode:
+        from persistent_prefix_cache.device import buffers
+
+        buffers.GPU_ALLOCATION = "managed"
     for suffix, threads in (("+t1", 1), ("+t4", 4), ("+t16", 16)):
         if suffix in mode:
             readers.READERS = max(readers.READERS, threads)

@@ -139,9 +139,12 @@ class _Unwritten:
 _UNWRITTEN_WORKS = True  # cleared if this MLX cannot load from a file object
 # A module setting, to measure: True allocates restore buffers zero-filled everywhere.
 ALLOCATE_ZEROS = False
-# How a GPU allocates them, to measure: "zeros" (on the device) or "unwritten" (the
-# unwritten file's load, as on the CPU).
+# How a GPU allocates them, to measure: "zeros" (on the device), "unwritten" (the
+# unwritten file's load, as on the CPU) or "managed" (`managed_empty`).
 GPU_ALLOCATION = "zeros"
+# How `WriterCopies` makes a new buffer on a CUDA GPU, to measure: "zeros" (on the device)
+# or "managed" (`managed_empty`).
+WRITER_ALLOCATION = "zeros"
 
 
 def on_gpu() -> bool:
@@ -161,6 +164,10 @@ def allocate(specs: list[tuple[str, tuple[int, ...], str]]) -> dict[str, mx.arra
     global _UNWRITTEN_WORKS
     if not specs:
         return {}
+    if on_gpu() and GPU_ALLOCATION == "managed" and _UNWRITTEN_WORKS and not ALLOCATE_ZEROS:
+        made = managed_empty(specs)
+        if made is not None:
+            return made
     if (on_gpu() and GPU_ALLOCATION == "zeros") or not _UNWRITTEN_WORKS or ALLOCATE_ZEROS:
         out = {
             name: mx.zeros(shape, dtype=mx_uint(dtype_info(dtype)[1])).view(mx_dtype(dtype))
@@ -174,6 +181,29 @@ def allocate(specs: list[tuple[str, tuple[int, ...], str]]) -> dict[str, mx.arra
             _UNWRITTEN_WORKS = False
             return allocate(specs)
     mx.eval(list(out.values()))
+    return out
+
+
+def managed_empty(specs: list[tuple[str, tuple[int, ...], str]]) -> dict[str, mx.array] | None:
+    """Evaluated MLX arrays in CUDA managed memory whose pages sit on the device, contents
+    undefined; None where this MLX cannot load from a file object.
+
+    MLX's CUDA allocator gives an array made on its CPU stream managed memory (no stream
+    to allocate on), and the unwritten file's load never touches it; the driver then
+    places its pages on the device (`cuda.to_gpu`: no bytes move, none were written). A
+    device array's first host view costs a new managed block and a synchronous copy with
+    the GIL held (MLX's `Buffer::raw_ptr`, read in MLX 0.32's source); these should need
+    neither (what `GPU_ALLOCATION` and `WRITER_ALLOCATION` "managed" are there to measure).
+    """
+    global _UNWRITTEN_WORKS
+    try:
+        loaded = mx.load(_Unwritten(specs), format="safetensors", stream=mx.cpu)  # type: ignore[arg-type]  # a file object works too
+    except (TypeError, ValueError, RuntimeError):  # an MLX without file-object loads
+        _UNWRITTEN_WORKS = False
+        return None
+    out = cast(dict[str, mx.array], loaded)
+    mx.eval(list(out.values()))
+    cuda.to_gpu(list(out.values()))
     return out
 
 
@@ -236,6 +266,8 @@ class WriterCopies:
             if buf is not None:
                 self._kept -= buf.nbytes
                 self.reused += 1
+        if buf is None and WRITER_ALLOCATION == "managed":
+            buf = (managed_empty([("b", key, "U8")]) or {}).get("b")
         if buf is None:
             buf = mx.zeros(key, dtype=mx.uint8)
         buf[:rows] = x.view(mx.uint8).reshape(rows, width)  # the kept array's only reference: donated
