@@ -339,6 +339,7 @@ def test_the_writer_copies_a_stores_kv_to_the_host_by_the_copy_engine(monkeypatc
     # memory moves to whoever touches it, page by page, while the caller's next forward
     # runs, and the RAM tier's next restore faults it back. The copy engine copies each
     # field once into host memory; the device's pages stay put: nothing to move back.
+    # The one move asked for places the writer's new (empty) buffer on the device.
     import ctypes
 
     from families import build
@@ -368,7 +369,7 @@ def test_the_writer_copies_a_stores_kv_to_the_host_by_the_copy_engine(monkeypatc
             store.flush()
             kv = store.stats()["block_bytes"]
     assert sum(copied) == kv and len(copied) == -(-kv // 1000)  # once, piece by piece (the fields are one copy)
-    assert moved == []
+    assert len(moved) == 1 and kv <= moved[0] <= kv + kv // 8 + 4096  # `managed_empty`: one size class
     _assert_stored_bitwise(store_dir, model, tokens, cache, "host")  # what was written: the caller's KV
 
 

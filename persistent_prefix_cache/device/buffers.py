@@ -140,11 +140,14 @@ _UNWRITTEN_WORKS = True  # cleared if this MLX cannot load from a file object
 # A module setting, to measure: True allocates restore buffers zero-filled everywhere.
 ALLOCATE_ZEROS = False
 # How a GPU allocates them, to measure: "zeros" (on the device), "unwritten" (the
-# unwritten file's load, as on the CPU) or "managed" (`managed_empty`).
+# unwritten file's load, as on the CPU) or "managed" (`managed_empty`: on an H200 a first
+# restore of 16k tokens 18 % faster, of 4k 30 % slower, and the first `prefill()` after a
+# restart slower at 1k and 16k; docs/performance.md, twelfth day).
 GPU_ALLOCATION = "zeros"
-# How `WriterCopies` makes a new buffer on a CUDA GPU, to measure: "zeros" (on the device)
-# or "managed" (`managed_empty`).
-WRITER_ALLOCATION = "zeros"
+# How `WriterCopies` makes a new buffer on a CUDA GPU: "managed" (`managed_empty`; an
+# H200's `prefill()` on an empty store 1.03-1.08 x mlx-lm's at 4k-16k tokens, against
+# 1.12-1.27 x with "zeros", new device buffers: docs/performance.md, twelfth day).
+WRITER_ALLOCATION = "managed"
 
 
 def on_gpu() -> bool:
@@ -192,8 +195,9 @@ def managed_empty(specs: list[tuple[str, tuple[int, ...], str]]) -> dict[str, mx
     to allocate on), and the unwritten file's load never touches it; the driver then
     places its pages on the device (`cuda.to_gpu`: no bytes move, none were written). A
     device array's first host view costs a new managed block and a synchronous copy with
-    the GIL held (MLX's `Buffer::raw_ptr`, read in MLX 0.32's source); these should need
-    neither (what `GPU_ALLOCATION` and `WRITER_ALLOCATION` "managed" are there to measure).
+    the GIL held (MLX's `Buffer::raw_ptr`, read in MLX 0.32's source); these need neither.
+    Each costs a managed allocation and a wait for the driver, which a buffer the host
+    fills anyway (a restore's, `GPU_ALLOCATION`) did not repay at 4k tokens on an H200.
     """
     global _UNWRITTEN_WORKS
     try:
@@ -237,9 +241,10 @@ class WriterCopies:
     it (~150 ms for a 2 GiB store on an H100, docs/performance.md). A copy written
     into a managed buffer by a slice update that donates it needs no move: the writer
     keeps the buffers it has copied to the host and the next copy of that size class
-    goes into one. A buffer's first use is a new device buffer, moved by its first view
-    as before (measured on H100s: docs/performance.md, "sixth day"). The kept buffers
-    stay allocated while a handle of the process is open (`drop_writer_copies`).
+    goes into one (measured on H100s: docs/performance.md, "sixth day"). A new buffer is
+    made as managed memory from the start (`managed_empty`, `WRITER_ALLOCATION`), so
+    its first view moves nothing either. The kept buffers stay allocated while a handle
+    of the process is open (`drop_writer_copies`).
 
     Args:
         keep_bytes: The most bytes kept between stores (the rest MLX frees).
