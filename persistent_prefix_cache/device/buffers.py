@@ -140,9 +140,9 @@ _UNWRITTEN_WORKS = True  # cleared if this MLX cannot load from a file object
 # A module setting, to measure: True allocates restore buffers zero-filled everywhere.
 ALLOCATE_ZEROS = False
 # How a GPU allocates them, to measure: "zeros" (on the device), "unwritten" (the
-# unwritten file's load, as on the CPU) or "managed" (`managed_empty`: on an H200 a first
-# restore of 16k tokens 18 % faster, of 4k 30 % slower, and the first `prefill()` after a
-# restart slower at 1k and 16k; docs/performance.md, twelfth day).
+# unwritten file's load, as on the CPU) or "managed" (`managed_empty`: on an H200 a
+# restore of 16k tokens 18 % faster, a later one of 4k 30 % slower, and the first
+# `prefill()` after a restart slower at 1k and 16k; docs/performance.md, twelfth day).
 GPU_ALLOCATION = "zeros"
 # How `WriterCopies` makes a new buffer on a CUDA GPU: "managed" (`managed_empty`; an
 # H200's `prefill()` on an empty store 1.03-1.08 x mlx-lm's at 4k-16k tokens, against
