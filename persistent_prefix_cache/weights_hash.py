@@ -58,6 +58,11 @@ SCHEMES = (XXH3, LANES_SCHEME)
 LANES = 4
 _CHUNK_WORDS = 1 << 24  # 64 MiB of weights a chunk: 256 MiB of lane terms on the device
 _EVAL_WORDS = 1 << 27  # words reduced per evaluation (bounds the device memory in flight)
+# Words one kernel call reduces: a chunk's lane sums are the (wrapping) sums of its pieces'
+# (the same value however split); each call's terms take 16 bytes a word on the device.
+_TERM_WORDS = _CHUNK_WORDS
+# Hand MLX's buffer cache back after the lane sums (their terms' buffers).
+CLEAR_AFTER = True
 # Lane constants: odd multipliers (invertible mod 2**32) and offsets, one set per lane.
 _P = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F)
 _Q = (0x165667B1, 0xD3A2646C, 0xFD7046C5, 0xB55A4F09)
@@ -158,7 +163,8 @@ def fingerprint_model(model: Any, *, scheme: str | None = None, prefetch: bool |
         # The lane terms' buffers (GBs for an 8B model) go back now, with the open, not
         # at the first `mx.clear_cache()` after it: freed there, they slowed the first
         # prefill() after an open on a GPU (docs/performance.md).
-        mx.clear_cache()
+        if CLEAR_AFTER:
+            mx.clear_cache()
         return f"{LANES_SCHEME}:{h.hexdigest()}"
     if prefetch is None:
         prefetch = mx.default_device() == mx.gpu
@@ -288,7 +294,8 @@ def _lane_sums_or_unfused(params) -> list:
 def _lane_sums(params):
     """(name, value, lane sums bytes) per parameter, reduced on the default device,
     `_EVAL_WORDS` words an evaluation (at least one chunk)."""
-    positions = mx.arange(min(_CHUNK_WORDS, max((p.nbytes + 3) // 4 for _, p in params) if params else 1),
+    piece = min(_TERM_WORDS, _CHUNK_WORDS)
+    positions = mx.arange(min(piece, max((p.nbytes + 3) // 4 for _, p in params) if params else 1),
                           dtype=mx.uint32)  # fmt: skip
     pending: deque[tuple[str, mx.array, list]] = deque()
     in_flight = 0
@@ -303,11 +310,17 @@ def _lane_sums(params):
         words = _words(value)
         sums = []
         for start in range(0, words.size, _CHUNK_WORDS):
-            sums.append(_mix(words[start : start + _CHUNK_WORDS], positions, start))
-            in_flight += min(_CHUNK_WORDS, words.size - start)
-            if in_flight >= _EVAL_WORDS:
-                mx.eval(sums)
-                in_flight = 0
+            stop = min(start + _CHUNK_WORDS, words.size)
+            acc: mx.array | None = None
+            for at in range(start, stop, piece):
+                part = _mix(words[at : min(at + piece, stop)], positions, at)
+                acc = part if acc is None else acc + part  # uint32: wraps, as one sum would
+                in_flight += min(piece, stop - at)
+                if in_flight >= _EVAL_WORDS:
+                    mx.eval(sums + [acc])
+                    in_flight = 0
+            assert acc is not None  # start < stop: one piece at least
+            sums.append(acc)
         pending.append((name, value, sums))
         if in_flight >= _EVAL_WORDS or len(pending) >= 64:
             yield from drain()

@@ -14,7 +14,8 @@ and GB/s (fetch + evaluating the cache). Modes:
   ``mx.clear_cache()`` after it);
 - ``sampled``: as ``before``, its first fetch sampled (where each thread's time went);
 - a suffix ``+prefetch`` (`device.cuda.MODE` "prefetch"), ``+managed``
-  (`device.buffers.GPU_ALLOCATION` "managed"), ``+t1`` / ``+t4`` / ``+t16``
+  (`device.buffers.GPU_ALLOCATION` "managed"), ``+noram`` (no RAM tier: a restore
+  admits nothing, so it makes no copies for it), ``+t1`` / ``+t4`` / ``+t16``
   (reader threads sharing a restore).
 
 Last, the machine's own ceiling: the longest store's segment files read from the page
@@ -50,6 +51,7 @@ from user_paths_bench import clock, mlx_prefill, prompt_ids  # noqa: E402
 from persistent_prefix_cache import PersistentPrefixCache  # noqa: E402
 
 DEFAULT_MODES = ["before", "after", "after_clear", "before", "after"]
+OPTIONS: dict = {}  # the handles' options beyond the tool's (``+noram``: no RAM tier)
 
 
 def fetch(model, path: str, n: int, sampler=None) -> dict:
@@ -59,7 +61,7 @@ def fetch(model, path: str, n: int, sampler=None) -> dict:
         2 * args.num_hidden_layers * args.num_key_value_heads * (args.hidden_size // args.num_attention_heads) * 2
     )
     ids = prompt_ids(args.vocab_size, n, seed=n)
-    with PersistentPrefixCache(path, model, cost_model=False) as store:
+    with PersistentPrefixCache(path, model, cost_model=False, **OPTIONS) as store:
 
         def go() -> int:
             if sampler is not None:
@@ -91,6 +93,8 @@ def child(model, mode: str, root: str, lengths: list[int]) -> None:
         from persistent_prefix_cache.device import buffers
 
         buffers.GPU_ALLOCATION = "managed"
+    if "+noram" in mode:
+        OPTIONS["memory_bytes"] = 0
     for suffix, threads in (("+t1", 1), ("+t4", 4), ("+t16", 16)):
         if suffix in mode:
             readers.READERS = max(readers.READERS, threads)
