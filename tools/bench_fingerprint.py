@@ -7,7 +7,8 @@ file, and times in one run, each the median of ``--repeat``:
 
 - ``fingerprint_model`` in each scheme (``weights_hash``): ``xxh3`` (the host hashes the
   bytes; the CPU's default, and what every open paid before issue 18) and ``lanes1``
-  (lane sums with MLX ops on the default device; a GPU's default), and, for
+  (lane sums with MLX ops on the default device; a GPU's default; also reduced in
+  1M-word pieces, with the device memory each takes at its peak), and, for
   comparison, xxh3 digests of each tensor on threads (``--threads``; a scheme we did
   not adopt: on this VM it was no faster than one stream). What a store without a
   remembered fingerprint pays at every open;
@@ -42,7 +43,29 @@ from mlx_lm.models import llama
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from persistent_prefix_cache.fingerprint import compare_with_folder, fingerprint_model, sample_digest  # noqa: E402
+from persistent_prefix_cache import weights_hash  # noqa: E402
 from persistent_prefix_cache.weights_hash import LANES_SCHEME, XXH3, bytes_of  # noqa: E402
+
+# The lane sums reduced in 1M-word pieces, 16M words an evaluation, MLX's buffer cache left
+# as it was (`weights_hash._TERM_WORDS`, `_EVAL_WORDS`, `CLEAR_AFTER`): the same value.
+PIECES = {"_TERM_WORDS": 1 << 20, "_EVAL_WORDS": 1 << 24, "CLEAR_AFTER": False}
+
+
+def lanes_memory(model, settings: dict) -> tuple[str, int, int]:
+    """One lanes fingerprint under `settings`: (value, device memory it took at its peak
+    beyond what was in use before, bytes MLX's buffer cache holds after)."""
+    saved = {k: getattr(weights_hash, k) for k in settings}
+    for k, v in settings.items():
+        setattr(weights_hash, k, v)
+    try:
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        before = mx.get_active_memory()
+        value = fingerprint_model(model, scheme=LANES_SCHEME)
+        return value, mx.get_peak_memory() - before, mx.get_cache_memory()
+    finally:
+        for k, v in saved.items():
+            setattr(weights_hash, k, v)
 
 
 def threaded_xxh3(params, threads: int) -> str:
@@ -98,9 +121,13 @@ def main() -> int:
         compare_first, compare = _median_time(lambda: compare_with_folder(model, folder), args.repeat)
         full_first, full = _median_time(lambda: fingerprint_model(model, scheme=XXH3), args.repeat)
         threaded_first, threaded = _median_time(lambda: threaded_xxh3(params, args.threads), args.repeat)
-        lanes_first = lanes = None
+        lanes_first = lanes = pieces_first = pieces = None
+        memory: dict = {}
         if not args.no_lanes:
             lanes_first, lanes = _median_time(lambda: fingerprint_model(model, scheme=LANES_SCHEME), args.repeat)
+            pieces_first, pieces = _median_time(lambda: lanes_memory(model, PIECES), args.repeat)
+            memory = {name: lanes_memory(model, settings) for name, settings in (("lanes", {}), ("pieces", PIECES))}
+            assert memory["lanes"][0] == memory["pieces"][0]  # one value, however reduced
         found = compare_with_folder(model, folder)
         assert found.compared == len(params) and not found.differing
     result = {
@@ -111,6 +138,12 @@ def main() -> int:
         "fingerprint_model_first_s": round(full_first, 4),
         "lanes_s": None if lanes is None else round(lanes, 4),
         "lanes_first_s": None if lanes_first is None else round(lanes_first, 4),
+        "lanes_peak_bytes": memory["lanes"][1] if memory else None,
+        "lanes_cache_after_bytes": memory["lanes"][2] if memory else None,
+        "lanes_pieces_s": None if pieces is None else round(pieces, 4),
+        "lanes_pieces_first_s": None if pieces_first is None else round(pieces_first, 4),
+        "lanes_pieces_peak_bytes": memory["pieces"][1] if memory else None,
+        "lanes_pieces_cache_after_bytes": memory["pieces"][2] if memory else None,
         "xxh3_threads": args.threads,
         "xxh3_threads_s": round(threaded, 4),
         "xxh3_threads_first_s": round(threaded_first, 4),
@@ -127,10 +160,15 @@ def main() -> int:
         print(f"model: {len(params)} tensors, {nbytes / 1e9:.2f} GB (bf16), device {mx.default_device()}")
         rate = nbytes / full / 1e9
         print(f"xxh3 (full hash, host)          {full:8.3f} s   {rate:.2f} GB/s (first {full_first:.3f} s)")
-        if lanes is not None:
-            print(
-                f"lanes1 (full hash, MLX ops)     {lanes:8.3f} s   {nbytes / lanes / 1e9:.2f} GB/s (first {lanes_first:.3f} s)"
-            )
+        if lanes is not None and pieces is not None:
+            for name, s, first, (_, peak, cached) in (
+                ("lanes1 (full hash, MLX ops)", lanes, lanes_first, memory["lanes"]),
+                ("... in 1M-word pieces", pieces, pieces_first, memory["pieces"]),
+            ):
+                print(
+                    f"{name:31s} {s:8.3f} s   {nbytes / s / 1e9:.2f} GB/s (first {first:.3f} s),"
+                    f" peak +{peak / 2**20:.0f} MiB, MLX cache after {cached / 2**20:.0f} MiB"
+                )
         print(
             f"xxh3 per tensor, {args.threads} threads     {threaded:8.3f} s   {nbytes / threaded / 1e9:.2f} GB/s"
             f" (first {threaded_first:.3f} s; measured, not used)"
