@@ -294,8 +294,9 @@ def _lane_sums_or_unfused(params) -> list:
 def _lane_sums(params):
     """(name, value, lane sums bytes) per parameter, reduced on the default device,
     `_EVAL_WORDS` words an evaluation (at least one chunk)."""
-    piece = min(_TERM_WORDS, _CHUNK_WORDS)
-    positions = mx.arange(min(piece, max((p.nbytes + 3) // 4 for _, p in params) if params else 1),
+    piece = max(2, min(_TERM_WORDS, _CHUNK_WORDS))
+    # (A chunk's last piece may take one word more: see below.)
+    positions = mx.arange(min(piece + 1, max((p.nbytes + 3) // 4 for _, p in params) if params else 1),
                           dtype=mx.uint32)  # fmt: skip
     pending: deque[tuple[str, mx.array, list]] = deque()
     in_flight = 0
@@ -312,10 +313,15 @@ def _lane_sums(params):
         for start in range(0, words.size, _CHUNK_WORDS):
             stop = min(start + _CHUNK_WORDS, words.size)
             acc: mx.array | None = None
-            for at in range(start, stop, piece):
-                part = _mix(words[at : min(at + piece, stop)], positions, at)
+            # No piece of one word: `_mix` would take it to the host through a view of
+            # the weight's buffer (on CUDA, a move of the whole buffer); the last takes it.
+            bounds = [*range(start, stop, piece), stop]
+            if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
+                del bounds[-2]
+            for at, end in zip(bounds, bounds[1:]):
+                part = _mix(words[at:end], positions, at)
                 acc = part if acc is None else acc + part  # uint32: wraps, as one sum would
-                in_flight += min(piece, stop - at)
+                in_flight += end - at
                 if in_flight >= _EVAL_WORDS:
                     mx.eval(sums + [acc])
                     in_flight = 0
