@@ -63,6 +63,11 @@ _EVAL_WORDS = 1 << 27  # words reduced per evaluation (bounds the device memory 
 _TERM_WORDS = _CHUNK_WORDS
 # Hand MLX's buffer cache back after the lane sums (their terms' buffers).
 CLEAR_AFTER = True
+# The settings measured against those above (``tools/bench_fingerprint.py``,
+# ``tools/prefill_variants.py``): 1M-word pieces, 16M words an evaluation, MLX's cache
+# left as it was. On a CPU a quarter of the peak memory and no slower; on a GPU not yet
+# measured (docs/performance.md, thirteenth day).
+SMALL_PIECES = {"_TERM_WORDS": 1 << 20, "_EVAL_WORDS": 1 << 24, "CLEAR_AFTER": False}
 # Lane constants: odd multipliers (invertible mod 2**32) and offsets, one set per lane.
 _P = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F)
 _Q = (0x165667B1, 0xD3A2646C, 0xFD7046C5, 0xB55A4F09)

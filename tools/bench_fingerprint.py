@@ -46,10 +46,6 @@ from persistent_prefix_cache.fingerprint import compare_with_folder, fingerprint
 from persistent_prefix_cache import weights_hash  # noqa: E402
 from persistent_prefix_cache.weights_hash import LANES_SCHEME, XXH3, bytes_of  # noqa: E402
 
-# The lane sums reduced in 1M-word pieces, 16M words an evaluation, MLX's buffer cache left
-# as it was (`weights_hash._TERM_WORDS`, `_EVAL_WORDS`, `CLEAR_AFTER`): the same value.
-PIECES = {"_TERM_WORDS": 1 << 20, "_EVAL_WORDS": 1 << 24, "CLEAR_AFTER": False}
-
 
 def lanes_memory(model, settings: dict) -> tuple[str, int, int]:
     """One lanes fingerprint under `settings`: (value, device memory it took at its peak
@@ -125,8 +121,11 @@ def main() -> int:
         memory: dict = {}
         if not args.no_lanes:
             lanes_first, lanes = _median_time(lambda: fingerprint_model(model, scheme=LANES_SCHEME), args.repeat)
-            pieces_first, pieces = _median_time(lambda: lanes_memory(model, PIECES), args.repeat)
-            memory = {name: lanes_memory(model, settings) for name, settings in (("lanes", {}), ("pieces", PIECES))}
+            pieces_first, pieces = _median_time(lambda: lanes_memory(model, weights_hash.SMALL_PIECES), args.repeat)
+            memory = {
+                name: lanes_memory(model, settings)
+                for name, settings in (("lanes", {}), ("pieces", weights_hash.SMALL_PIECES))
+            }
             assert memory["lanes"][0] == memory["pieces"][0]  # one value, however reduced
         found = compare_with_folder(model, folder)
         assert found.compared == len(params) and not found.differing

@@ -46,8 +46,6 @@ from persistent_prefix_cache import PersistentPrefixCache, prefill  # noqa: E402
 from persistent_prefix_cache import weights_hash  # noqa: E402
 from persistent_prefix_cache.device import buffers  # noqa: E402
 
-SMALL_PIECES = {"_TERM_WORDS": 1 << 20, "_EVAL_WORDS": 1 << 24, "CLEAR_AFTER": False}
-
 
 class NullStore:
     """A store that holds nothing and learns nothing: prefill()'s own loop alone."""
@@ -192,7 +190,7 @@ def variants(model: Any, work: Path) -> tuple[dict[str, Callable[[list[int]], An
         "... writer copies kept": fresh(False, "given-" + "0" * 26, kept=True),
         "... given, MLX cache cleared": fresh(True, "given-" + "0" * 26),
         # The lane sums reduced 1M words a call, MLX's cache left as it was (the same value).
-        "... hashed in small pieces": fresh(False, hashing=SMALL_PIECES),
+        "... hashed in small pieces": fresh(False, hashing=weights_hash.SMALL_PIECES),
     }
     return table, opened  # handles open as the variants first use them
 
