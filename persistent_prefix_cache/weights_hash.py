@@ -42,8 +42,9 @@ import json
 import os
 import warnings
 from collections import deque
+from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, cast
+from typing import Any, Iterator, cast
 
 import mlx.core as mx
 import numpy as np
@@ -68,6 +69,21 @@ CLEAR_AFTER = True
 # left as it was. On a CPU a quarter of the peak memory and no slower; on a GPU not yet
 # measured (docs/performance.md, thirteenth day).
 SMALL_PIECES = {"_TERM_WORDS": 1 << 20, "_EVAL_WORDS": 1 << 24, "CLEAR_AFTER": False}
+
+
+@contextmanager
+def lane_settings(settings: dict[str, Any]) -> Iterator[None]:
+    """This module's lane settings (e.g. `SMALL_PIECES`) in force inside the block, and
+    restored after it (for the tools that measure them; not thread-safe). A name this
+    module does not define is a KeyError."""
+    saved = {k: globals()[k] for k in settings}
+    globals().update(settings)
+    try:
+        yield
+    finally:
+        globals().update(saved)
+
+
 # Lane constants: odd multipliers (invertible mod 2**32) and offsets, one set per lane.
 _P = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F)
 _Q = (0x165667B1, 0xD3A2646C, 0xFD7046C5, 0xB55A4F09)

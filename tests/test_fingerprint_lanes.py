@@ -161,6 +161,20 @@ def test_moved_words_change_the_fingerprint(folder):
     assert wh.fingerprint_model(model, scheme=LANES) != base
 
 
+def test_the_measured_alternative_settings_give_the_same_value_and_go_back(folder, monkeypatch):
+    monkeypatch.setattr(wh, "_CHUNK_WORDS", 1 << 12)  # small pieces that really split this model's chunks
+    model = _model(folder, "float32")
+    base = wh.fingerprint_model(model, scheme=LANES)
+    before = {k: getattr(wh, k) for k in wh.SMALL_PIECES}
+    with wh.lane_settings({**wh.SMALL_PIECES, "_TERM_WORDS": 1000}):
+        assert wh._TERM_WORDS == 1000 and wh.CLEAR_AFTER is False
+        assert wh.fingerprint_model(model, scheme=LANES) == base
+    assert {k: getattr(wh, k) for k in wh.SMALL_PIECES} == before
+    with pytest.raises(KeyError):
+        with wh.lane_settings({"_NO_SUCH_SETTING": 1}):
+            pass
+
+
 _IN_A_CHILD = """
 import json, sys
 from persistent_prefix_cache.tiny_model import load_tiny_model

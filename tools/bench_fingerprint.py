@@ -50,18 +50,12 @@ from persistent_prefix_cache.weights_hash import LANES_SCHEME, XXH3, bytes_of  #
 def lanes_memory(model, settings: dict) -> tuple[str, int, int]:
     """One lanes fingerprint under `settings`: (value, device memory it took at its peak
     beyond what was in use before, bytes MLX's buffer cache holds after)."""
-    saved = {k: getattr(weights_hash, k) for k in settings}
-    for k, v in settings.items():
-        setattr(weights_hash, k, v)
-    try:
+    with weights_hash.lane_settings(settings):
         mx.clear_cache()
         mx.reset_peak_memory()
         before = mx.get_active_memory()
         value = fingerprint_model(model, scheme=LANES_SCHEME)
         return value, mx.get_peak_memory() - before, mx.get_cache_memory()
-    finally:
-        for k, v in saved.items():
-            setattr(weights_hash, k, v)
 
 
 def threaded_xxh3(params, threads: int) -> str:

@@ -150,14 +150,8 @@ def variants(model: Any, work: Path) -> tuple[dict[str, Callable[[list[int]], An
         def timed(ids: list[int]) -> float:
             count[0] += 1
             path = work / f"fresh-{count[0]}"
-            saved = {k: getattr(weights_hash, k) for k in hashing or {}}
-            for k, v in (hashing or {}).items():
-                setattr(weights_hash, k, v)
-            try:
+            with weights_hash.lane_settings(hashing or {}):
                 store = PersistentPrefixCache(path, model, fingerprint=fingerprint)
-            finally:
-                for k, v in saved.items():
-                    setattr(weights_hash, k, v)
             if clear:
                 mx.clear_cache()
             mx.synchronize()
