@@ -370,6 +370,24 @@ def test_bench_fingerprint_times_both_schemes():
         assert result[key] > 0, key
 
 
+def test_bench_fingerprint_lanes_only_times_the_lanes_both_ways_and_nothing_on_the_host():
+    proc = subprocess.run(
+        [sys.executable, os.path.join(TOOLS, "bench_fingerprint.py"), "--hidden", "128", "--layers", "1",
+         "--vocab", "500", "--repeat", "1", "--json", "--lanes-only"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    for key in ("lanes_s", "lanes_pieces_s", "lanes_peak_bytes", "lanes_pieces_peak_bytes"):
+        assert result[key] > 0, key
+    assert not [key for key in result if "xxh3" in key or "sample" in key or "compare" in key or "model_s" in key]
+    both = subprocess.run(
+        [sys.executable, os.path.join(TOOLS, "bench_fingerprint.py"), "--lanes-only", "--no-lanes"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert both.returncode == 2 and "leave nothing to time" in both.stderr
+
+
 def test_gpu_bench_fingerprint_row_checks_the_device_sums():
     proc = subprocess.run(
         [sys.executable, os.path.join(TOOLS, "gpu_bench.py"), "--small", "--tokens", "64", "--repeat", "1",

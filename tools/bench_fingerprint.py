@@ -16,6 +16,10 @@ file, and times in one run, each the median of ``--repeat``:
 - ``compare_with_folder``: what the first open of a folder pays once to check the
   loaded model against the folder's files (page cache warm).
 
+``--lanes-only`` times the lanes scheme alone, both ways, its weights' pages where the
+model put them (no file written, nothing hashed on the host first: on a GPU, device time
+for the open's own scheme only); ``--no-lanes`` leaves it out.
+
 The sample's cost grows with the number of tensors (4 pages each), not their size:
 the line ``per tensor`` lets one scale it to a larger model (an 8B llama has 291).
 
@@ -23,6 +27,7 @@ Example::
 
     .venv/bin/python tools/bench_fingerprint.py --hidden 2048 --layers 8 --repeat 3
     .venv/bin/python tools/bench_fingerprint.py --llama8b --repeat 3   # on a GPU host
+    python3 tools/bench_fingerprint.py --llama8b --repeat 3 --lanes-only  # the open's scheme there
 """
 
 from __future__ import annotations
@@ -89,8 +94,15 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1))
     parser.add_argument("--no-lanes", action="store_true", help="skip the lanes scheme (slow on a CPU: ~0.2 GB/s)")
+    parser.add_argument(
+        "--lanes-only",
+        action="store_true",
+        help="only the lanes scheme, both ways (no file written, nothing hashed on the host first)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.no_lanes and args.lanes_only:
+        parser.error("--no-lanes and --lanes-only leave nothing to time")
     if args.llama8b:
         args.hidden, args.layers, args.vocab, args.intermediate = 4096, 32, 128256, 14336
 
@@ -105,30 +117,22 @@ def main() -> int:
     params = tree_flatten(model.parameters())
     mx.eval([p for _, p in params])
     nbytes = sum(p.nbytes for _, p in params)
-    with tempfile.TemporaryDirectory() as folder:
-        mx.save_safetensors(os.path.join(folder, "model.safetensors"), dict(params))
-        sample_first, sample = _median_time(lambda: sample_digest(model), args.repeat)
-        compare_first, compare = _median_time(lambda: compare_with_folder(model, folder), args.repeat)
-        full_first, full = _median_time(lambda: fingerprint_model(model, scheme=XXH3), args.repeat)
-        threaded_first, threaded = _median_time(lambda: threaded_xxh3(params, args.threads), args.repeat)
-        lanes_first = lanes = pieces_first = pieces = None
-        memory: dict = {}
-        if not args.no_lanes:
-            lanes_first, lanes = _median_time(lambda: fingerprint_model(model, scheme=LANES_SCHEME), args.repeat)
-            pieces_first, pieces = _median_time(lambda: lanes_memory(model, weights_hash.SMALL_PIECES), args.repeat)
-            memory = {
-                name: lanes_memory(model, settings)
-                for name, settings in (("lanes", {}), ("pieces", weights_hash.SMALL_PIECES))
-            }
-            assert memory["lanes"][0] == memory["pieces"][0]  # one value, however reduced
-        found = compare_with_folder(model, folder)
-        assert found.compared == len(params) and not found.differing
+    host = {} if args.lanes_only else host_figures(model, params, args)
+    lanes_first = lanes = pieces_first = pieces = None
+    memory: dict = {}
+    if not args.no_lanes:
+        lanes_first, lanes = _median_time(lambda: fingerprint_model(model, scheme=LANES_SCHEME), args.repeat)
+        pieces_first, pieces = _median_time(lambda: lanes_memory(model, weights_hash.SMALL_PIECES), args.repeat)
+        memory = {
+            name: lanes_memory(model, settings)
+            for name, settings in (("lanes", {}), ("pieces", weights_hash.SMALL_PIECES))
+        }
+        assert memory["lanes"][0] == memory["pieces"][0]  # one value, however reduced
     result = {
         "device": str(mx.default_device()),
         "tensors": len(params),
         "bytes": nbytes,
-        "fingerprint_model_s": round(full, 4),  # xxh3, the scheme of every fingerprint before issue 18
-        "fingerprint_model_first_s": round(full_first, 4),
+        **host,
         "lanes_s": None if lanes is None else round(lanes, 4),
         "lanes_first_s": None if lanes_first is None else round(lanes_first, 4),
         "lanes_peak_bytes": memory["lanes"][1] if memory else None,
@@ -137,6 +141,44 @@ def main() -> int:
         "lanes_pieces_first_s": None if pieces_first is None else round(pieces_first, 4),
         "lanes_pieces_peak_bytes": memory["pieces"][1] if memory else None,
         "lanes_pieces_cache_after_bytes": memory["pieces"][2] if memory else None,
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"model: {len(params)} tensors, {nbytes / 1e9:.2f} GB (bf16), device {mx.default_device()}")
+        if host:
+            full, full_first = host["fingerprint_model_s"], host["fingerprint_model_first_s"]
+            print(
+                f"xxh3 (full hash, host)          {full:8.3f} s   {nbytes / full / 1e9:.2f} GB/s (first {full_first:.3f} s)"
+            )
+        if lanes is not None and pieces is not None:
+            for name, s, first, (_, peak, cached) in (
+                ("lanes1 (full hash, MLX ops)", lanes, lanes_first, memory["lanes"]),
+                ("... in 1M-word pieces", pieces, pieces_first, memory["pieces"]),
+            ):
+                print(
+                    f"{name:31s} {s:8.3f} s   {nbytes / s / 1e9:.2f} GB/s (first {first:.3f} s),"
+                    f" peak +{peak / 2**20:.0f} MiB, MLX cache after {cached / 2**20:.0f} MiB"
+                )
+        if host:
+            print_host(host, nbytes)
+    return 0
+
+
+def host_figures(model, params: list, args: argparse.Namespace) -> dict:
+    """The figures of the host's side: xxh3 (one stream, and per tensor on threads), the
+    sampled digest every reuse pays, and the first open's check against the folder."""
+    with tempfile.TemporaryDirectory() as folder:
+        mx.save_safetensors(os.path.join(folder, "model.safetensors"), dict(params))
+        sample_first, sample = _median_time(lambda: sample_digest(model), args.repeat)
+        compare_first, compare = _median_time(lambda: compare_with_folder(model, folder), args.repeat)
+        full_first, full = _median_time(lambda: fingerprint_model(model, scheme=XXH3), args.repeat)
+        threaded_first, threaded = _median_time(lambda: threaded_xxh3(params, args.threads), args.repeat)
+        found = compare_with_folder(model, folder)
+        assert found.compared == len(params) and not found.differing
+    return {
+        "fingerprint_model_s": round(full, 4),  # xxh3, the scheme of every fingerprint before issue 18
+        "fingerprint_model_first_s": round(full_first, 4),
         "xxh3_threads": args.threads,
         "xxh3_threads_s": round(threaded, 4),
         "xxh3_threads_first_s": round(threaded_first, 4),
@@ -147,32 +189,23 @@ def main() -> int:
         "sample_per_tensor_us": round(sample / len(params) * 1e6, 1),
         "full_over_sample": round(full / sample, 1),
     }
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(f"model: {len(params)} tensors, {nbytes / 1e9:.2f} GB (bf16), device {mx.default_device()}")
-        rate = nbytes / full / 1e9
-        print(f"xxh3 (full hash, host)          {full:8.3f} s   {rate:.2f} GB/s (first {full_first:.3f} s)")
-        if lanes is not None and pieces is not None:
-            for name, s, first, (_, peak, cached) in (
-                ("lanes1 (full hash, MLX ops)", lanes, lanes_first, memory["lanes"]),
-                ("... in 1M-word pieces", pieces, pieces_first, memory["pieces"]),
-            ):
-                print(
-                    f"{name:31s} {s:8.3f} s   {nbytes / s / 1e9:.2f} GB/s (first {first:.3f} s),"
-                    f" peak +{peak / 2**20:.0f} MiB, MLX cache after {cached / 2**20:.0f} MiB"
-                )
-        print(
-            f"xxh3 per tensor, {args.threads} threads     {threaded:8.3f} s   {nbytes / threaded / 1e9:.2f} GB/s"
-            f" (first {threaded_first:.3f} s; measured, not used)"
-        )
-        cheaper = result["full_over_sample"]
-        print(
-            f"sample_digest (every reuse)     {sample:8.4f} s   {cheaper}x cheaper than xxh3 (first {sample_first:.4f} s)"
-        )
-        print(f"compare_with_folder (once)      {compare:8.4f} s   (first {compare_first:.4f} s)")
-        print(f"per tensor                      {result['sample_per_tensor_us']} us")
-    return 0
+
+
+def print_host(host: dict, nbytes: int) -> None:
+    """The host's figures of `host_figures`, one line each (after the lanes lines)."""
+    threads, threaded = host["xxh3_threads"], host["xxh3_threads_s"]
+    print(
+        f"xxh3 per tensor, {threads} threads     {threaded:8.3f} s   {nbytes / threaded / 1e9:.2f} GB/s"
+        f" (first {host['xxh3_threads_first_s']:.3f} s; measured, not used)"
+    )
+    sample, cheaper = host["sample_digest_s"], host["full_over_sample"]
+    print(
+        f"sample_digest (every reuse)     {sample:8.4f} s   {cheaper}x cheaper than xxh3"
+        f" (first {host['sample_digest_first_s']:.4f} s)"
+    )
+    compare = host["compare_with_folder_s"]
+    print(f"compare_with_folder (once)      {compare:8.4f} s   (first {host['compare_with_folder_first_s']:.4f} s)")
+    print(f"per tensor                      {host['sample_per_tensor_us']} us")
 
 
 if __name__ == "__main__":
