@@ -147,10 +147,7 @@ def main() -> int:
     else:
         print(f"model: {len(params)} tensors, {nbytes / 1e9:.2f} GB (bf16), device {mx.default_device()}")
         if host:
-            full, full_first = host["fingerprint_model_s"], host["fingerprint_model_first_s"]
-            print(
-                f"xxh3 (full hash, host)          {full:8.3f} s   {nbytes / full / 1e9:.2f} GB/s (first {full_first:.3f} s)"
-            )
+            print_host(host, nbytes)
         if lanes is not None and pieces is not None:
             for name, s, first, (_, peak, cached) in (
                 ("lanes1 (full hash, MLX ops)", lanes, lanes_first, memory["lanes"]),
@@ -160,8 +157,6 @@ def main() -> int:
                     f"{name:31s} {s:8.3f} s   {nbytes / s / 1e9:.2f} GB/s (first {first:.3f} s),"
                     f" peak +{peak / 2**20:.0f} MiB, MLX cache after {cached / 2**20:.0f} MiB"
                 )
-        if host:
-            print_host(host, nbytes)
     return 0
 
 
@@ -192,7 +187,9 @@ def host_figures(model, params: list, args: argparse.Namespace) -> dict:
 
 
 def print_host(host: dict, nbytes: int) -> None:
-    """The host's figures of `host_figures`, one line each (after the lanes lines)."""
+    """The host's figures of `host_figures`, one line each."""
+    full, full_first = host["fingerprint_model_s"], host["fingerprint_model_first_s"]
+    print(f"xxh3 (full hash, host)          {full:8.3f} s   {nbytes / full / 1e9:.2f} GB/s (first {full_first:.3f} s)")
     threads, threaded = host["xxh3_threads"], host["xxh3_threads_s"]
     print(
         f"xxh3 per tensor, {threads} threads     {threaded:8.3f} s   {nbytes / threaded / 1e9:.2f} GB/s"
