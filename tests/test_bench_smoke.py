@@ -157,3 +157,26 @@ def test_gpu_case_reports_the_restarted_rows():
     assert case["fresh_3rd_restored_tokens"] == 256
     assert case["fresh_blocks_served_from_ram"] == 4  # 256 tokens in blocks of 64
     assert "3rd / cold prefill" in proc.stderr
+
+
+def test_prefill_pieces_phases_report_what_each_store_calls():
+    """``tools/prefill_pieces.py --phases`` wraps what `store()` calls on the caller's thread
+    (methods, a static method and functions imported by name) and reports each: every
+    line names the outer call, and an inner call never takes longer than the store it ran in."""
+    tool = BENCH.parent / "prefill_pieces.py"
+    proc = subprocess.run(
+        [sys.executable, str(tool), "--small", "--tokens", "64", "--rounds", "2", "--phases"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if "phases (ms):" in line]
+    assert [line.split(", phases")[0].strip() for line in lines] == [
+        "store() on a new handle",
+        "store() 1 of 3 in a row",
+        "store() 2 of 3 in a row",
+        "store() 3 of 3 in a row",
+    ]
+    for line in lines:
+        spent = {k: float(v) for k, v in (p.rsplit(" ", 1) for p in line.split("(ms): ", 1)[1].split(", "))}
+        for inner in ("Layout.new_blocks", "Layout.evaluate", "MemoryTier.put", "WriteBack.write", "chain_keys"):
+            assert 0 <= spent[inner] <= spent["Storer.store"], (inner, line)

@@ -6,7 +6,8 @@ Writes stores of the given lengths (one `store()` each, from mlx-lm's prefill of
 8B-shaped llama), then runs one new process per mode. Each process fetches the shortest
 prompt twice, the longest twice, then the shortest again, every fetch on a handle opened for
 it (`cost_model=False`: it restores whatever is stored), and prints each fetch's seconds
-and GB/s (fetch + evaluating the cache). Modes:
+and GB/s (fetch + evaluating the cache), then the seconds of one token's forward over the
+restored cache (the caller's next step, which reads every restored page). Modes:
 
 - ``before``: nothing runs before the first fetch (then an mlx-lm prefill, then a fetch
   of each length again);
@@ -16,7 +17,8 @@ and GB/s (fetch + evaluating the cache). Modes:
 - a suffix ``+prefetch`` (`device.cuda.MODE` "prefetch"), ``+managed``
   (`device.buffers.GPU_ALLOCATION` "managed"), ``+noram`` (no RAM tier: a restore
   admits nothing, so it makes no copies for it), ``+t1`` / ``+t4`` / ``+t16``
-  (reader threads sharing a restore).
+  (reader threads sharing a restore), ``+p8`` / ``+p32`` (pinned pieces of 8 / 32 MiB,
+  `device.cuda.STAGE_PIECE`).
 
 Last, the machine's own ceiling: the longest store's segment files read from the page
 cache in 2 MiB pieces by 1-16 threads, with and without hashing them (xxh3).
@@ -61,6 +63,7 @@ def fetch(model, path: str, n: int, sampler=None) -> dict:
         2 * args.num_hidden_layers * args.num_key_value_heads * (args.hidden_size // args.num_attention_heads) * 2
     )
     ids = prompt_ids(args.vocab_size, n, seed=n)
+    cached: list = []  # the restored cache, for the step after the fetch
     with PersistentPrefixCache(path, model, cost_model=False, **OPTIONS) as store:
 
         def go() -> int:
@@ -69,18 +72,23 @@ def fetch(model, path: str, n: int, sampler=None) -> dict:
             cache, rest = store.fetch(ids)
             if cache is not None:
                 mx.eval([c.state for c in cache])
+                cached[:] = [cache]
             if sampler is not None:
                 sampler.on = False
             return len(ids) - len(rest)
 
         seconds, got = clock(go)
         tier = store.last_fetch.tier if store.last_fetch else None
+        # The caller's next step: one token's forward over the restored cache (it reads
+        # every restored page: pages left on the host would fault over here).
+        step = clock(lambda: mx.eval(model(mx.array([ids[-1:]]), cache=cached[0])))[0] if cached else None
     return {
         "tokens": n,
         "s": round(seconds, 4),
         "restored": got,
         "tier": tier,
         "GBps": round(got * per_token / seconds / 1e9, 2),
+        "next_s": None if step is None else round(step, 4),
     }
 
 
@@ -95,6 +103,9 @@ def child(model, mode: str, root: str, lengths: list[int]) -> None:
         buffers.GPU_ALLOCATION = "managed"
     if "+noram" in mode:
         OPTIONS["memory_bytes"] = 0
+    for suffix, mib in (("+p8", 8), ("+p32", 32)):
+        if suffix in mode:
+            cuda.STAGE_PIECE = mib << 20
     for suffix, threads in (("+t1", 1), ("+t4", 4), ("+t16", 16)):
         if suffix in mode:
             readers.READERS = max(readers.READERS, threads)
@@ -186,7 +197,10 @@ def main() -> int:
                     result = json.loads(line[len("RESULT ") :])
                     print(f"{mode}: mlx-lm's prefill (before or after the fetches) {result.get('prefill_s')} s")
                     for f in result["fetch"]:
-                        print(f"  {f['tokens']} tokens: {f['s'] * 1000:.1f} ms, {f['GBps']} GB/s, from {f['tier']}")
+                        step = "" if f.get("next_s") is None else f", next token {f['next_s'] * 1000:.1f} ms"
+                        print(
+                            f"  {f['tokens']} tokens: {f['s'] * 1000:.1f} ms, {f['GBps']} GB/s, from {f['tier']}{step}"
+                        )
             if mode.startswith("sampled"):  # the first fetch's samples
                 print("\n".join(line for line in lines if not line.startswith("RESULT ") and "<frozen" not in line))
             if done.returncode:
