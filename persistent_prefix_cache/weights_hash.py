@@ -66,8 +66,10 @@ _TERM_WORDS = _CHUNK_WORDS
 CLEAR_AFTER = True
 # The settings measured against those above (``tools/bench_fingerprint.py``,
 # ``tools/prefill_variants.py``): 1M-word pieces, 16M words an evaluation, MLX's cache
-# left as it was. On a CPU a quarter of the peak memory and no slower; on a GPU not yet
-# measured (docs/performance.md, thirteenth day).
+# left as it was. On a CPU a quarter of the peak memory and no slower. On an H100 (8B
+# shape) an eighth of the peak memory (+3.1 GB against +23.1 GB) but a slower open (0.50
+# s against 0.41 s) and a slower `prefill()` after it (1.44 x mlx-lm's at 256 tokens
+# against 1.29), so the defaults stay (docs/performance.md, sixteenth day).
 SMALL_PIECES = {"_TERM_WORDS": 1 << 20, "_EVAL_WORDS": 1 << 24, "CLEAR_AFTER": False}
 
 
