@@ -180,3 +180,14 @@ def test_prefill_pieces_phases_report_what_each_store_calls():
         spent = {k: float(v) for k, v in (p.rsplit(" ", 1) for p in line.split("(ms): ", 1)[1].split(", "))}
         for inner in ("Layout.new_blocks", "Layout.evaluate", "MemoryTier.put", "WriteBack.write", "chain_keys"):
             assert 0 <= spent[inner] <= spent["Storer.store"], (inner, line)
+
+
+def test_cuda_probes_say_off_cuda_that_they_need_it():
+    from persistent_prefix_cache.device import cuda
+
+    if cuda.on_cuda():
+        pytest.skip("a CUDA device: the probes run")
+    tool = BENCH.parent / "cuda_probes.py"
+    for probe in ("link", "stage", "alloc"):
+        proc = subprocess.run([sys.executable, str(tool), probe], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr and not proc.stdout, proc.stderr

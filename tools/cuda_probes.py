@@ -1,0 +1,231 @@
+#!/usr/bin/env python3
+"""What a CUDA host gives a restore, part by part (a diagnostic; CUDA only).
+
+Three probes, each in the process that runs it, each round printed (the first of a
+process pays what later ones do not: compare rounds, and rerun with the order swapped):
+
+- ``link``: pinned host memory copied to the device by the copy engine (2 GiB in 2, 32
+  and 256 MiB copies, one stream) into device memory (``cuMemAlloc``), into managed
+  memory placed on the device, and into an MLX array; and what the MLX array's first
+  host view costs (MLX moves a device buffer into managed memory when the host asks
+  for its address).
+- ``stage``: the read path's staged route alone, 2 GiB of a file in the page cache, 2 MiB
+  pieces shared by 1-12 threads: read into plain memory, into pinned pieces, read and
+  hashed (xxh3), sent only (copies of pinned pieces to an MLX array), and read, hashed
+  and sent, with one copy stream shared by the threads or one each (``--streams``).
+- ``alloc``: the 64 buffers a restore of 16k tokens of an 8B llama fills (2 GiB), made
+  as zeros on the device and then viewed by the host (``GPU_ALLOCATION`` "zeros", the
+  default), or as managed memory from the start ("managed"), three rounds of each;
+  ``--managed-first`` swaps the order (a process's first managed memory costs once).
+
+    python3 tools/cuda_probes.py link | stage [--streams] | alloc [--managed-first]
+
+Off CUDA it says so and exits 2. The probes call the package's CUDA driver wrapper
+(`device.cuda`) and its module settings, not the public API: they measure a route,
+not what users run (that is ``tools/user_paths.py --gpu``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import sys
+import tempfile
+import threading
+import time
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+import xxhash
+
+from persistent_prefix_cache.device import buffers, cuda
+
+TOTAL = 2 << 30  # bytes each probe moves
+PIECE = 2 << 20  # the read path's pinned piece (`cuda.STAGE_PIECE`)
+
+
+def _ms(since: float) -> float:
+    return (time.perf_counter() - since) * 1000
+
+
+def _host_address(array: mx.array) -> int:
+    """The address of an evaluated MLX array's bytes (on CUDA: MLX moves a device buffer
+    into managed memory to give it)."""
+    return int(np.frombuffer(memoryview(array).cast("B"), dtype=np.uint8).ctypes.data)  # type: ignore[arg-type]  # MLX stubs: no buffer protocol
+
+
+def link(driver) -> None:
+    lib = driver.lib
+    lib.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
+    lib.cuMemAllocManaged.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t, ctypes.c_uint]
+    host_bytes = 256 << 20
+    host = ctypes.c_void_p()
+    driver._check(lib.cuMemHostAlloc(ctypes.byref(host), host_bytes, 0), "cuMemHostAlloc")
+    ctypes.memset(host, 7, host_bytes)
+    device, managed = ctypes.c_uint64(), ctypes.c_uint64()
+    driver._check(lib.cuMemAlloc_v2(ctypes.byref(device), TOTAL), "cuMemAlloc")
+    driver._check(lib.cuMemAllocManaged(ctypes.byref(managed), TOTAL, 1), "cuMemAllocManaged")
+    driver.prefetch(managed.value, TOTAL)
+    driver.wait()
+    array = mx.zeros((TOTAL // 4096, 4096), dtype=mx.uint8)
+    mx.eval(array)
+    started = time.perf_counter()
+    address = _host_address(array)
+    print(f"the first host view of a 2 GiB MLX array on the device: {_ms(started):.1f} ms", flush=True)
+    for name, dst in (("device memory", device.value), ("managed memory", managed.value), ("an MLX array", address)):
+        for piece in (2 << 20, 32 << 20, 256 << 20):
+            rates = []
+            for _ in range(3):
+                started = time.perf_counter()
+                for at in range(0, TOTAL, piece):
+                    driver.copy(dst + at, host.value + at % host_bytes, piece)
+                driver.wait()
+                rates.append(TOTAL / (time.perf_counter() - started) / 1e9)
+            print(f"pinned -> {name}, {piece >> 20} MiB copies: " + ", ".join(f"{r:.1f}" for r in rates) + " GB/s")
+
+
+def stage(driver, streams: bool) -> None:
+    folder = tempfile.mkdtemp(prefix="ppc-cuda-probes-")
+    path = os.path.join(folder, "data")
+    try:
+        chunk = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8).tobytes()
+        with open(path, "wb") as f:
+            for _ in range(TOTAL // len(chunk)):
+                f.write(chunk)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            piece = memoryview(np.empty(PIECE, np.uint8))
+            for at in range(0, TOTAL, PIECE):  # into the page cache
+                os.preadv(fd, [piece], at)
+            dest = mx.zeros((TOTAL // 4096, 4096), dtype=mx.uint8)
+            mx.eval(dest)
+            base = _host_address(dest)
+            ways = (
+                ("read into plain memory", dict(pinned=False, hashing=False, send=False)),
+                ("read into pinned pieces", dict(hashing=False, send=False)),
+                ("read and hashed", dict(send=False)),
+                ("sent only", dict(read=False, hashing=False)),
+                ("read, hashed and sent", dict()),
+            )
+            for threads in (1, 4, 8, 12):
+                for own in (False, True) if streams else (False,):
+                    for name, kw in ways:
+                        if own and kw.get("send") is False:
+                            continue  # nothing sent: streams do not matter
+                        rates = [_staged(driver, fd, base, threads, own, **kw) for _ in range(3)]
+                        label = f"{threads} thread(s){', a stream each' if own else ''}, {name}"
+                        print(f"{label}: " + ", ".join(f"{r:.1f}" for r in rates) + " GB/s", flush=True)
+        finally:
+            os.close(fd)
+    finally:
+        os.remove(path)
+        os.rmdir(folder)
+
+
+def _staged(driver, fd: int, base: int, threads: int, own_stream: bool, *, pinned=True, read=True, hashing=True,
+            send=True) -> float:  # fmt: skip
+    """GB/s of one pass over the file's 2 MiB pieces by `threads` threads, each piece
+    taken by the next free thread."""
+    pending = iter(range(0, TOTAL, PIECE))
+    lock = threading.Lock()
+
+    def work() -> None:
+        ring = driver.ring() if pinned else None
+        stream = driver.stream
+        if own_stream:
+            stream = ctypes.c_void_p()
+            driver._check(driver.lib.cuStreamCreate(ctypes.byref(stream), 1), "cuStreamCreate")
+        plain = np.empty(PIECE, np.uint8)
+        digest = xxhash.xxh3_64()
+        k = 0
+        while True:
+            with lock:
+                at = next(pending, None)
+            if at is None:
+                break
+            slot = ring[k % len(ring)] if ring is not None else None
+            k += 1
+            if slot is not None and slot[2]:
+                driver.wait_event(slot[1])
+                slot[2] = False
+            bits = slot[0] if slot is not None else plain
+            if read:
+                os.preadv(fd, [memoryview(bits)], at)
+            if hashing:
+                digest.update(bits)
+            if send and slot is not None:
+                driver.lib.cuMemcpyHtoDAsync_v2(base + at, bits.ctypes.data, PIECE, stream)
+                driver.record_on(slot[1], stream)
+                slot[2] = True
+        for slot in ring or ():
+            if slot[2]:
+                driver.wait_event(slot[1])
+                slot[2] = False
+
+    workers = [threading.Thread(target=work) for _ in range(threads)]
+    started = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    driver.wait()
+    return TOTAL / (time.perf_counter() - started) / 1e9
+
+
+def alloc(managed_first: bool) -> None:
+    specs = [(f"f{i}", (1, 8, 16640, 128), "BF16") for i in range(64)]
+
+    def zeros() -> str:
+        buffers.GPU_ALLOCATION = "zeros"
+        started = time.perf_counter()
+        out = buffers.allocate(specs)
+        made = _ms(started)
+        started = time.perf_counter()
+        for a in out.values():
+            _host_address(a.view(mx.uint16))
+        return f"zeros: made {made:.1f} ms, host views {_ms(started):.1f} ms"
+
+    def managed() -> str:
+        started = time.perf_counter()
+        out = buffers.managed_empty(specs) or {}
+        made = _ms(started)
+        started = time.perf_counter()
+        for a in out.values():
+            _host_address(a.view(mx.uint16))
+        return f"managed: made and placed {made:.1f} ms, host views {_ms(started):.1f} ms"
+
+    ways: list[Callable[[], str]] = [managed, zeros] if managed_first else [zeros, managed]
+    for round_ in range(3):
+        for way in ways:
+            print(f"round {round_ + 1}, 64 buffers, 2 GiB, {way()}", flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("probe", choices=["link", "stage", "alloc"])
+    p.add_argument("--streams", action="store_true", help="stage: also a copy stream per thread")
+    p.add_argument("--managed-first", action="store_true", help="alloc: managed buffers before zeros")
+    args = p.parse_args()
+    driver = cuda._get_driver() if cuda.on_cuda() else None
+    if driver is None:
+        print(
+            f"cuda_probes: needs a CUDA GPU and its driver (MLX's default device here: {mx.default_device()})",
+            file=sys.stderr,
+        )
+        return 2
+    mx.eval(mx.ones(1) + 1)  # MLX's context first: the driver calls share it
+    driver._on_this_thread()
+    print(f"device {mx.default_device()}, mlx {mx.__version__}", flush=True)
+    if args.probe == "link":
+        link(driver)
+    elif args.probe == "stage":
+        stage(driver, args.streams)
+    else:
+        alloc(args.managed_first)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
