@@ -41,6 +41,7 @@ import numpy as np
 import xxhash
 
 from persistent_prefix_cache.device import buffers, cuda
+from user_paths_bench import threads_seconds  # tools/: the measuring kit
 
 TOTAL = 2 << 30  # bytes each probe moves
 PIECE = 2 << 20  # the read path's pinned piece (`cuda.STAGE_PIECE`)
@@ -164,13 +165,9 @@ def _staged(driver, fd: int, base: int, threads: int, own_stream: bool, *, pinne
                 driver.wait_event(slot[1])
                 slot[2] = False
 
-    workers = [threading.Thread(target=work) for _ in range(threads)]
     started = time.perf_counter()
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    driver.wait()
+    threads_seconds(work, threads)
+    driver.wait()  # the last copies land
     return TOTAL / (time.perf_counter() - started) / 1e9
 
 

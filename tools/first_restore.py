@@ -39,7 +39,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -48,7 +47,7 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_bench  # noqa: E402
-from user_paths_bench import clock, mlx_prefill, prompt_ids  # noqa: E402
+from user_paths_bench import clock, mlx_prefill, prompt_ids, threads_seconds  # noqa: E402
 
 from persistent_prefix_cache import PersistentPrefixCache  # noqa: E402
 
@@ -160,13 +159,7 @@ def ceiling(folder: str) -> None:
                 for fd in fds.values():
                     os.close(fd)
 
-            workers = [threading.Thread(target=work) for _ in range(threads)]
-            started = time.perf_counter()
-            for w in workers:
-                w.start()
-            for w in workers:
-                w.join()
-            rate = total / (time.perf_counter() - started) / 1e9
+            rate = total / threads_seconds(work, threads) / 1e9
             print(f"  read{' + xxh3' if hashing else ''}, {threads} thread(s): {rate:.1f} GB/s")
 
 

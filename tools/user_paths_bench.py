@@ -11,6 +11,7 @@ import json
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -66,6 +67,17 @@ PLANS = {
 
 
 # -- measuring ------------------------------------------------------------------------------
+
+
+def threads_seconds(work: Callable[[], None], threads: int) -> float:
+    """Seconds `threads` threads take to run `work` each, started together, all joined."""
+    workers = [threading.Thread(target=work) for _ in range(threads)]
+    started = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return time.perf_counter() - started
 
 
 def clock(fn: Callable[[], Any]) -> tuple[float, Any]:
