@@ -15,8 +15,10 @@ process pays what later ones do not: compare rounds, and rerun with the order sw
   and sent, with one copy stream shared by the threads or one each (``--streams``).
 - ``alloc``: the 64 buffers a restore of 16k tokens of an 8B llama fills (2 GiB), made
   as zeros on the device and then viewed by the host (``GPU_ALLOCATION`` "zeros", the
-  default), or as managed memory from the start ("managed"), three rounds of each;
-  ``--managed-first`` swaps the order (a process's first managed memory costs once).
+  default), or as managed memory from the start ("managed"), then read twice by a kernel
+  (a first read of managed pages may cost what the next does not: the caller's first
+  forward after a restore), three rounds of each; ``--managed-first`` swaps the order (a
+  process's first managed memory costs once).
 
     python3 tools/cuda_probes.py link | stage [--streams] | alloc [--managed-first]
 
@@ -174,24 +176,30 @@ def _staged(driver, fd: int, base: int, threads: int, own_stream: bool, *, pinne
 def alloc(managed_first: bool) -> None:
     specs = [(f"f{i}", (1, 8, 16640, 128), "BF16") for i in range(64)]
 
+    def viewed(out: dict) -> str:
+        """The host views of `out`'s buffers, then two reads of all of them by a kernel
+        (the first read of pages a kernel never touched may cost more than the next)."""
+        started = time.perf_counter()
+        for a in out.values():
+            _host_address(a.view(mx.uint16))
+        views = _ms(started)
+        reads = []
+        for _ in range(2):
+            started = time.perf_counter()
+            mx.eval([mx.max(a.view(mx.uint16)) for a in out.values()])
+            reads.append(_ms(started))
+        return f"host views {views:.1f} ms, a kernel's 1st / 2nd read {reads[0]:.1f} / {reads[1]:.1f} ms"
+
     def zeros() -> str:
         buffers.GPU_ALLOCATION = "zeros"
         started = time.perf_counter()
         out = buffers.allocate(specs)
-        made = _ms(started)
-        started = time.perf_counter()
-        for a in out.values():
-            _host_address(a.view(mx.uint16))
-        return f"zeros: made {made:.1f} ms, host views {_ms(started):.1f} ms"
+        return f"zeros: made {_ms(started):.1f} ms, {viewed(out)}"
 
     def managed() -> str:
         started = time.perf_counter()
         out = buffers.managed_empty(specs) or {}
-        made = _ms(started)
-        started = time.perf_counter()
-        for a in out.values():
-            _host_address(a.view(mx.uint16))
-        return f"managed: made and placed {made:.1f} ms, host views {_ms(started):.1f} ms"
+        return f"managed: made and placed {_ms(started):.1f} ms, {viewed(out)}"
 
     ways: list[Callable[[], str]] = [managed, zeros] if managed_first else [zeros, managed]
     for round_ in range(3):
