@@ -27,6 +27,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -64,9 +65,7 @@ class Phases:
     """Seconds spent in each of `PHASES` while `on` (the caller's thread only)."""
 
     def __init__(self) -> None:
-        import threading
-
-        self.on, self.spent, self._thread = False, defaultdict(float), threading.get_ident
+        self.on, self.spent = False, defaultdict(float)
         self._main = threading.get_ident()
         for module, path in PHASES:
             owner: object = importlib.import_module(module)
@@ -80,7 +79,7 @@ class Phases:
     def _wrap(self, label: str, fn):
         @functools.wraps(fn)
         def timed(*args, **kwargs):
-            if not self.on or self._thread() != self._main:
+            if not self.on or threading.get_ident() != self._main:
                 return fn(*args, **kwargs)
             started = time.perf_counter()
             try:
