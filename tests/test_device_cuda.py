@@ -252,6 +252,92 @@ def test_a_segment_the_path_mostly_needs_is_read_whole_and_checked_once(monkeypa
     assert driver.bytes == 8 * BLOCK * per_token  # only the blocks asked for went to the device
 
 
+def _by_address(monkeypatch) -> list:
+    """From now on a staged restore is given its buffers' addresses (`cuda.device_addresses`:
+    a kernel on CUDA; here, where MLX's memory is the host's, their host addresses), and
+    every host view the read path takes of an MLX array is counted (on CUDA each moves a
+    device buffer into managed memory). Returns the list the views are counted in."""
+    from persistent_prefix_cache.disk import read_path
+
+    def host_addresses(arrays):
+        return [np.frombuffer(memoryview(a).cast("B"), np.uint8).ctypes.data if a.nbytes else 0 for a in arrays]
+
+    views: list = []
+
+    def counted(x):
+        if isinstance(x, mx.array):
+            views.append(x.shape)
+        return memoryview(x)
+
+    monkeypatch.setattr(cuda, "device_addresses", host_addresses)
+    monkeypatch.setattr(read_path, "memoryview", counted, raising=False)
+    return views
+
+
+@STAGED
+def test_a_restore_by_device_address_takes_no_host_view_and_is_bitwise(monkeypatch, store_dir, family, piece):
+    # The copies go to the buffers' device addresses: the read path never asks for a host
+    # view of a buffer it fills (on an H100 the views of a 16k-token restore's buffers
+    # cost 85-122 ms), and the restore is bitwise the plain one.
+    views: list = []
+    driver = _Counting()
+    plain, staged = _fetches(
+        monkeypatch, store_dir, family, driver, piece, staged_too=lambda: views.extend([_by_address(monkeypatch)])
+    )
+    assert np.array_equal(plain, staged)
+    assert driver.bytes > 0
+    run_views = [shape for shape in views[0] if len(shape) == 4 and shape[2] >= 150]  # (batch, heads, rows, dims)
+    assert run_views == []
+
+
+@pytest.mark.parametrize("piece", [4096, 1 << 20])
+def test_a_failing_driver_with_device_addresses_reads_again_through_the_host(monkeypatch, store_dir, piece):
+    # Copies to device addresses fail part-way: those buffers have no host view to fall
+    # back on, so the whole path is read again through host views (staging has stopped).
+    # The restore is whole and exact: no healthy block is taken for damaged.
+    driver = _HostDriver(fail_after=3)
+    plain, staged = _fetches(
+        monkeypatch, store_dir, "llama", driver, piece, staged_too=lambda: _by_address(monkeypatch)
+    )
+    assert driver.copies == 3 and not cuda._staging
+    assert np.array_equal(plain, staged)
+
+
+@pytest.mark.parametrize("piece", [4096, 1 << 20])
+def test_a_path_over_several_segments_by_device_address_is_bitwise(monkeypatch, store_dir, piece):
+    # A prompt stored turn by turn and a prefix shared with another prompt, one segment
+    # read in part, and the earlier blocks served from the RAM tier: the blocks the host
+    # checks or copies in are seen through host views taken after the copies landed.
+    from helpers import BLOCK, prefill
+
+    from persistent_prefix_cache import PersistentPrefixCache
+
+    def fill(store, model, tokens):
+        other = tokens[: 2 * BLOCK] + [(t + 1) % 256 for t in tokens[2 * BLOCK : 3 * BLOCK + 5]]
+        store.store(other, prefill(model, other)[1])
+        for end in (3 * BLOCK, 4 * BLOCK, len(tokens)):
+            store.store(tokens[:end], prefill(model, tokens[:end])[1])
+
+    plain, staged = _fetches(
+        monkeypatch, store_dir, "llama", _HostDriver(), piece, fill=fill, staged_too=lambda: _by_address(monkeypatch)
+    )
+    assert np.array_equal(plain, staged)
+    # The same restore with the RAM tier holding the first blocks: copied in through host views.
+    from families import build
+    from helpers import random_tokens, warm_logits
+
+    model = build("llama")
+    tokens = [t % 256 for t in random_tokens(150, seed=4242)]
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK, fingerprint="staged") as store:
+        store.fetch(tokens[: 2 * BLOCK + 1])  # its two blocks read twice: admitted
+        store.fetch(tokens[: 2 * BLOCK + 1])
+        served = store.stats()["memory_hits_disk"]
+        restored, rest = store.fetch(tokens + [3])
+        assert store.stats()["memory_hits_disk"] - served == 2  # the two blocks came from the RAM tier
+    assert list(rest) == [3]
+    assert np.array_equal(np.array(warm_logits(model, restored, rest)), plain)
+
+
 class _LateDriver(_HostDriver):
     """As `_HostDriver`, but copies land only when waited for (an event, or the stream),
     as a copy engine's do: a read that looks at its buffers before waiting sees them
@@ -292,8 +378,9 @@ class _LateDriver(_HostDriver):
         self._land()
 
 
+@pytest.mark.parametrize("by_address", [False, True])
 @pytest.mark.parametrize("asked", ["all", "most"])  # "most": read whole, only the blocks asked for copied
-def test_a_damaged_segment_is_checked_after_the_copies_land(monkeypatch, store_dir, asked):
+def test_a_damaged_segment_is_checked_after_the_copies_land(monkeypatch, store_dir, asked, by_address):
     # One flipped byte in the 3rd block: the segment's digest fails, each block is then
     # checked from the buffers. They must hold what was read (the copies waited for),
     # or intact blocks would read as damaged: the staged restore keeps what the plain
@@ -311,6 +398,8 @@ def test_a_damaged_segment_is_checked_after_the_copies_land(monkeypatch, store_d
     flip_block_byte(store_dir, nodes_by_position(store_dir)[2], at=7)
     driver = _LateDriver()
     _stage(monkeypatch, driver, 1 << 20)
+    if by_address:
+        _by_address(monkeypatch)
     prompt = tokens + [3] if asked == "all" else tokens[: 7 * BLOCK]
     with PersistentPrefixCache(store_dir, model, **options) as store:
         restored, rest = store.fetch(prompt)

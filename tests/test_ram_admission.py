@@ -406,3 +406,35 @@ def test_auto_ram_budgets_are_shared_by_a_process_open_handles(monkeypatch, tmp_
         store.close()
     with PersistentPrefixCache(tmp_path / "e", model, fingerprint="own") as alone:
         assert budget(alone) == 3 * floor
+
+
+def test_admitted_blocks_are_held_as_origins_and_a_leaf_cut_two_ways_stays_out():
+    """`join_admitted` on runs made by hand: a leaf whose fields lie in one run (from row
+    0) gives every block an origin in the copies, no view; where one field's run starts
+    later than the other's (runs that disagree: no family makes them), the block whose
+    fields would start at different rows of their copies stays out of the tier, and the
+    block before it, whose fields both start at row 0, is held with one origin."""
+    from persistent_prefix_cache.blocks import Node
+    from persistent_prefix_cache.core.restore import join_admitted
+    from persistent_prefix_cache.tiers.memory import MemoryTier
+
+    def node(i: int) -> Node:
+        return Node(bytes([i + 1]) * 16, bytes([i]) * 16, 64 * i, bytes(4 * 64), 0, 0, 0)
+
+    def rows(n: int, seed: int) -> mx.array:
+        return mx.array(np.random.default_rng(seed).integers(0, 1000, (1, 2, n, 4)).astype(np.float16))
+
+    nodes = [node(i) for i in range(3)]
+    keys, other, values, late = rows(192, 1), rows(192, 2), rows(64, 3), rows(128, 4)
+    runs = {
+        "0": {"k": [(0, 192, keys)], "v": [(0, 192, other)]},  # one run per field
+        "1": {"k": [(0, 192, keys)], "v": [(0, 64, values), (64, 192, late)]},  # the values' run cut at 64
+    }
+    tier = MemoryTier(1 << 30)
+    assert join_admitted(tier, nodes, [0, 1, 2], runs, {}, on_device=True) == 1
+    held = dict(tier.held())
+    assert list(held) == [nodes[0].key]  # blocks 1 and 2: leaf 1's keys from row 64, values from row 0
+    want = {("0", "k"): keys, ("0", "v"): other, ("1", "k"): keys, ("1", "v"): values}
+    for (lid, fld), rows_of in want.items():
+        assert mx.array_equal(held[nodes[0].key][lid][fld], rows_of[..., :64, :]).item(), f"{lid}.{fld}"
+    assert tier.stats()["bytes_in_memory"] == 4 * 64 * 2 * 4 * 2  # 4 fields x 64 rows x 2 heads x 4 wide x 2 bytes

@@ -18,7 +18,8 @@ process pays what later ones do not: compare rounds, and rerun with the order sw
   default), or as managed memory from the start ("managed"), then read twice by a kernel
   (a first read of managed pages may cost what the next does not: the caller's first
   forward after a restore), three rounds of each; ``--managed-first`` swaps the order (a
-  process's first managed memory costs once).
+  process's first managed memory costs once). Each round ends with zeros whose device
+  addresses a kernel reads (`cuda.device_addresses`: no host view, the read path's route).
 
     python3 tools/cuda_probes.py link | stage [--streams] | alloc [--managed-first]
 
@@ -176,11 +177,11 @@ def _staged(driver, fd: int, base: int, threads: int, own_stream: bool, *, pinne
 def alloc(managed_first: bool) -> None:
     specs = [(f"f{i}", (1, 8, 16640, 128), "BF16") for i in range(64)]
 
-    def viewed(out: dict) -> str:
-        """The host views of `out`'s buffers, then two reads of all of them by a kernel
-        (the first read of pages a kernel never touched may cost more than the next)."""
+    def viewed(out: dict, host: bool = True) -> str:
+        """The host views of `out`'s buffers (where `host`), then two reads of all of them
+        by a kernel (the first read of pages a kernel never touched may cost more than the next)."""
         started = time.perf_counter()
-        for a in out.values():
+        for a in out.values() if host else ():
             _host_address(a.view(mx.uint16))
         views = _ms(started)
         reads = []
@@ -201,7 +202,21 @@ def alloc(managed_first: bool) -> None:
         out = buffers.managed_empty(specs) or {}
         return f"managed: made and placed {_ms(started):.1f} ms, {viewed(out)}"
 
+    def addressed() -> str:
+        buffers.GPU_ALLOCATION = "zeros"
+        started = time.perf_counter()
+        out = buffers.allocate(specs)
+        made = _ms(started)
+        started = time.perf_counter()
+        got = cuda.device_addresses(list(out.values()))
+        if got is None:
+            return "zeros + device addresses: this MLX cannot run the address kernel"
+        return (
+            f"zeros + device addresses: made {made:.1f} ms, addresses {_ms(started):.1f} ms, {viewed(out, host=False)}"
+        )
+
     ways: list[Callable[[], str]] = [managed, zeros] if managed_first else [zeros, managed]
+    ways.append(addressed)
     for round_ in range(3):
         for way in ways:
             print(f"round {round_ + 1}, 64 buffers, 2 GiB, {way()}", flush=True)

@@ -12,13 +12,17 @@ restored cache (the caller's next step, which reads every restored page). Modes:
 - ``before``: nothing runs before the first fetch (then an mlx-lm prefill, then a fetch
   of each length again);
 - ``after``: an mlx-lm prefill of the longest prompt first (``after_clear``: and
-  ``mx.clear_cache()`` after it);
+  ``mx.clear_cache()`` after it); ``+step`` then also runs mlx-lm's next token over its
+  own cache (a process's first one-token forward, timed, before any fetch);
 - ``sampled``: as ``before``, its first fetch sampled (where each thread's time went);
 - a suffix ``+prefetch`` (`device.cuda.MODE` "prefetch"), ``+managed``
-  (`device.buffers.GPU_ALLOCATION` "managed"), ``+noram`` (no RAM tier: a restore
+  (`device.buffers.GPU_ALLOCATION` "managed"), ``+check`` (each restored cache compared bit for bit with mlx-lm's prefill
+  of the prompt, outside the timing), ``+views`` (the stages copy through the
+  buffers' host views, not to their device addresses: `device.cuda.device_addresses`), ``+noram`` (no RAM tier: a restore
   admits nothing, so it makes no copies for it), ``+t1`` / ``+t4`` / ``+t16``
-  (reader threads sharing a restore), ``+p8`` / ``+p32`` (pinned pieces of 8 / 32 MiB,
-  `device.cuda.STAGE_PIECE`).
+  / ``+t12`` (reader threads sharing a restore), ``+p8`` / ``+p32`` (pinned pieces of 8 / 32 MiB,
+  `device.cuda.STAGE_PIECE`), ``+phases`` (where each fetch's time goes on the caller's
+  thread: `FETCH_PHASES`, each summed over the fetch, nested ones inside their callers').
 
 Last, the machine's own ceiling: the longest store's segment files read from the page
 cache in 2 MiB pieces by 1-16 threads, with and without hashing them (xxh3).
@@ -47,12 +51,32 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_bench  # noqa: E402
-from user_paths_bench import clock, mlx_prefill, prompt_ids, threads_seconds  # noqa: E402
+from user_paths_bench import Phases, clock, mlx_prefill, prompt_ids, threads_seconds  # noqa: E402
 
 from persistent_prefix_cache import PersistentPrefixCache  # noqa: E402
 
 DEFAULT_MODES = ["before", "after", "after_clear", "before", "after"]
 OPTIONS: dict = {}  # the handles' options beyond the tool's (``+noram``: no RAM tier)
+# What ``+phases`` times in a fetch, (module, attribute path): a function imported by name
+# is wrapped in the module that calls it.
+FETCH_PHASES = [
+    ("persistent_prefix_cache.core.fetching", "restore"),
+    ("persistent_prefix_cache.core.restore", "read_path"),
+    ("persistent_prefix_cache.device.target", "Target.allocate"),
+    ("persistent_prefix_cache.device.buffers", "managed_empty"),
+    ("persistent_prefix_cache.disk.read_path", "_bind"),
+    ("persistent_prefix_cache.device.target", "Target.start_moves"),
+    ("persistent_prefix_cache.disk.read_path", "_read_segments"),
+    ("persistent_prefix_cache.device.target", "Target.wait_moves"),
+    ("persistent_prefix_cache.disk.read_path", "_first_bad"),
+    ("persistent_prefix_cache.device.target", "Target.place"),
+    ("persistent_prefix_cache.layers.layout", "Layout.rebuild"),
+    ("persistent_prefix_cache.core.restore", "admit"),
+    ("persistent_prefix_cache.core.restore", "join_admitted"),
+    ("persistent_prefix_cache.core.restore", "_copies"),
+    ("mlx.core", "eval"),
+]
+PHASER: Phases | None = None
 
 
 def fetch(model, path: str, n: int, sampler=None) -> dict:
@@ -68,16 +92,21 @@ def fetch(model, path: str, n: int, sampler=None) -> dict:
         def go() -> int:
             if sampler is not None:
                 sampler.on = True
+            if PHASER is not None:
+                PHASER.on = True
             cache, rest = store.fetch(ids)
             if cache is not None:
                 mx.eval([c.state for c in cache])
                 cached[:] = [cache]
             if sampler is not None:
                 sampler.on = False
+            if PHASER is not None:
+                PHASER.on = False
             return len(ids) - len(rest)
 
         seconds, got = clock(go)
         tier = store.last_fetch.tier if store.last_fetch else None
+        same = same_as_prefill(model, ids, cached[0], got) if CHECK and cached else None
         # The caller's next step: one token's forward over the restored cache (it reads
         # every restored page: pages left on the host would fault over here).
         step = clock(lambda: mx.eval(model(mx.array([ids[-1:]]), cache=cached[0])))[0] if cached else None
@@ -88,7 +117,30 @@ def fetch(model, path: str, n: int, sampler=None) -> dict:
         "tier": tier,
         "GBps": round(got * per_token / seconds / 1e9, 2),
         "next_s": None if step is None else round(step, 4),
+        "bitwise": same,
+        "phases": {} if PHASER is None else phases_in_order(PHASER.take()),
     }
+
+
+CHECK = False  # ``+check``: each restored cache compared with mlx-lm's prefill of the prompt
+_REFERENCE: dict[int, list] = {}  # prompt length -> mlx-lm's cache of it (``+check``)
+
+
+def same_as_prefill(model, ids: list[int], cache: list, got: int) -> bool:
+    """Whether the restored `cache` holds bit for bit the KV of mlx-lm's prefill of `ids` (its
+    first `got` tokens; computed once per length, outside the timed fetch)."""
+    if len(ids) not in _REFERENCE:
+        _REFERENCE[len(ids)] = mlx_prefill(model, ids)
+    pairs = [(c.keys, r.keys) for c, r in zip(cache, _REFERENCE[len(ids)])]
+    pairs += [(c.values, r.values) for c, r in zip(cache, _REFERENCE[len(ids)])]
+    same = [mx.array_equal(a[..., :got, :], b[..., :got, :]) for a, b in pairs]
+    mx.eval(same)
+    return all(x.item() for x in same)
+
+
+def phases_in_order(spent: dict[str, float]) -> dict[str, float]:
+    """`spent` (ms) in `FETCH_PHASES` order, those that ran."""
+    return {path: round(spent[path], 2) for _, path in FETCH_PHASES if path in spent}
 
 
 def child(model, mode: str, root: str, lengths: list[int]) -> None:
@@ -102,17 +154,29 @@ def child(model, mode: str, root: str, lengths: list[int]) -> None:
         buffers.GPU_ALLOCATION = "managed"
     if "+noram" in mode:
         OPTIONS["memory_bytes"] = 0
+    if "+check" in mode:
+        global CHECK
+        CHECK = True
+    if "+views" in mode:
+        cuda._addresses_work = False  # the buffers' host views, not their device addresses
+    if "+phases" in mode:
+        global PHASER
+        PHASER = Phases(FETCH_PHASES)
     for suffix, mib in (("+p8", 8), ("+p32", 32)):
         if suffix in mode:
             cuda.STAGE_PIECE = mib << 20
-    for suffix, threads in (("+t1", 1), ("+t4", 4), ("+t16", 16)):
+    for suffix, threads in (("+t1", 1), ("+t4", 4), ("+t12", 12), ("+t16", 16)):
         if suffix in mode:
             readers.READERS = max(readers.READERS, threads)
             readers.READ_THREADS = threads
     out: dict = {"mode": mode, "fetch": []}
     longest = prompt_ids(model.args.vocab_size, lengths[-1], seed=7)
     if mode.startswith("after"):
-        out["prefill_s"] = round(clock(lambda: mlx_prefill(model, longest))[0], 3)
+        seconds, cache = clock(lambda: mlx_prefill(model, longest))
+        out["prefill_s"] = round(seconds, 3)
+        if "+step" in mode:  # mlx-lm's own next token: the one-token forward's first use
+            out["prefill_next_s"] = round(clock(lambda: mx.eval(model(mx.array([longest[-1:]]), cache=cache)))[0], 4)
+        del cache
         if mode.startswith("after_clear"):
             mx.clear_cache()
     sampler = None
@@ -188,12 +252,17 @@ def main() -> int:
             for line in lines:
                 if line.startswith("RESULT "):
                     result = json.loads(line[len("RESULT ") :])
-                    print(f"{mode}: mlx-lm's prefill (before or after the fetches) {result.get('prefill_s')} s")
+                    step = result.get("prefill_next_s")
+                    step = "" if step is None else f", its next token {step * 1000:.1f} ms"
+                    print(f"{mode}: mlx-lm's prefill (before or after the fetches) {result.get('prefill_s')} s{step}")
                     for f in result["fetch"]:
                         step = "" if f.get("next_s") is None else f", next token {f['next_s'] * 1000:.1f} ms"
+                        step += "" if f.get("bitwise") is None else f", bitwise {f['bitwise']}"
                         print(
                             f"  {f['tokens']} tokens: {f['s'] * 1000:.1f} ms, {f['GBps']} GB/s, from {f['tier']}{step}"
                         )
+                        if f.get("phases"):
+                            print("    phases (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in f["phases"].items()))
             if mode.startswith("sampled"):  # the first fetch's samples
                 print("\n".join(line for line in lines if not line.startswith("RESULT ") and "<frozen" not in line))
             if done.returncode:

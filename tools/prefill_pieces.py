@@ -20,23 +20,17 @@ for the round's store on its new handle (row 2's case) and the three in a row.
 from __future__ import annotations
 
 import argparse
-import functools
-import importlib
-import inspect
 import shutil
 import statistics
 import sys
 import tempfile
-import threading
-import time
-from collections import defaultdict
 from pathlib import Path
 
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_bench  # noqa: E402
-from user_paths_bench import clock, mlx_prefill, prompt_ids  # noqa: E402
+from user_paths_bench import Phases, clock, mlx_prefill, prompt_ids  # noqa: E402
 
 from persistent_prefix_cache import PersistentPrefixCache  # noqa: E402
 
@@ -59,41 +53,6 @@ PHASES = [
     ("persistent_prefix_cache.core.writeback", "WriteBack.write"),
     ("mlx.core", "eval"),
 ]
-
-
-class Phases:
-    """Seconds spent in each of `PHASES` while `on` (the caller's thread only)."""
-
-    def __init__(self) -> None:
-        self.on, self.spent = False, defaultdict(float)
-        self._main = threading.get_ident()
-        for module, path in PHASES:
-            owner: object = importlib.import_module(module)
-            *outer, name = path.split(".")
-            for part in outer:
-                owner = getattr(owner, part)
-            wrapped = self._wrap(path, getattr(owner, name))
-            static = isinstance(inspect.getattr_static(owner, name), staticmethod)
-            setattr(owner, name, staticmethod(wrapped) if static else wrapped)
-
-    def _wrap(self, label: str, fn):
-        @functools.wraps(fn)
-        def timed(*args, **kwargs):
-            if not self.on or threading.get_ident() != self._main:
-                return fn(*args, **kwargs)
-            started = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.spent[label] += time.perf_counter() - started
-
-        return timed
-
-    def take(self) -> dict[str, float]:
-        """The sums since the last take (ms), and zero them."""
-        out = {k: v * 1000 for k, v in self.spent.items()}
-        self.spent.clear()
-        return out
 
 
 PHASER: Phases | None = None
@@ -181,7 +140,7 @@ def main() -> int:
     vocab = model.args.vocab_size
     global PHASER
     if args.phases:
-        PHASER = Phases()
+        PHASER = Phases(PHASES)
     work = tempfile.mkdtemp(prefix="ppc-prefill-pieces-")
     try:
         print(f"device {mx.default_device()}, mlx {mx.__version__}")

@@ -7,12 +7,16 @@ Both row modules import it; it imports neither (only `Bench.run_child` names
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
+import inspect
 import json
 import statistics
 import subprocess
 import sys
 import threading
 import time
+from collections import defaultdict
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -67,6 +71,47 @@ PLANS = {
 
 
 # -- measuring ------------------------------------------------------------------------------
+
+
+class Phases:
+    """Seconds spent in each of `phases` while `on`, on the thread that made it only (the
+    caller's: what a user waits for), each function summed over the calls.
+
+    Args:
+        phases: ``(module, attribute path)`` pairs, each wrapped in place for the process
+            (a function imported by name elsewhere is wrapped where it is called from).
+    """
+
+    def __init__(self, phases: list[tuple[str, str]]) -> None:
+        self.on, self.spent = False, defaultdict(float)
+        self._main = threading.get_ident()
+        for module, path in phases:
+            owner: object = importlib.import_module(module)
+            *outer, name = path.split(".")
+            for part in outer:
+                owner = getattr(owner, part)
+            wrapped = self._wrap(path, getattr(owner, name))
+            static = isinstance(inspect.getattr_static(owner, name), staticmethod)
+            setattr(owner, name, staticmethod(wrapped) if static else wrapped)
+
+    def _wrap(self, label: str, fn):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            if not self.on or threading.get_ident() != self._main:
+                return fn(*args, **kwargs)
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spent[label] += time.perf_counter() - started
+
+        return timed
+
+    def take(self) -> dict[str, float]:
+        """The sums since the last take (ms), and zero them."""
+        out = {k: v * 1000 for k, v in self.spent.items()}
+        self.spent.clear()
+        return out
 
 
 def threads_seconds(work: Callable[[], None], threads: int) -> float:

@@ -13,6 +13,8 @@ else holds it (else the first decode step copies the whole cache).
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
+
 import numpy as np
 import mlx.core as mx
 
@@ -134,8 +136,9 @@ def join_admitted(
     own_snaps: dict[int, dict],
     on_device: bool,
 ) -> int:
-    """Put ``nodes[k]`` for each k in `chosen` into the RAM tier as views of fresh
-    copies of the joined `runs` (one copy per buffer and stretch of admitted blocks).
+    """Put ``nodes[k]`` for each k in `chosen` into the RAM tier, held as where they start
+    in fresh copies of the joined `runs` (one copy per buffer and stretch of admitted
+    blocks; `MemoryTier.put`'s origins).
 
     Args:
         own_snaps: Block index -> its snapshot tensors by leaf (the last block's are
@@ -174,57 +177,70 @@ def join_admitted(
     for k, held in own_snaps.items():
         if k != end:
             snap_copies[k] = [(lid, f, x) for lid, fields in held.items() for f, x in fields.items()]
-    # Each copy cut into its blocks with one split (the blocks a copy covers are
-    # consecutive): thousands of blocks sliced one by one cost ~10 us each, which a GPU
-    # fetch admitting 8k tokens waited for. Per block and leaf: its tensors, the copies
-    # they are views of, and where those start.
-    bounds = {k: (nodes[k].position, nodes[k].end) for k in chosen}
-    covered: dict[tuple[int, int], list[int]] = {}
-    per: dict[int, dict[str, tuple[dict, dict, set]]] = {k: {} for k in chosen}
+    # A block is held as the copies it was cut from and where it starts in them (its
+    # origin, `MemoryTier.put`), never as views: making a view per block and field (16k
+    # for a 16k-token prompt of an 8B llama) cost ~100 ms of a restore on this VM, and the
+    # tier dropped them again. Each leaf's stretch of copies gives its origin to the blocks
+    # inside it at once (they are consecutive). A block one of whose leaves has fields in
+    # copies starting at different rows (runs that disagree: not seen in any family) stays out.
+    at = [nodes[k].position for k in chosen]  # ascending, as `chosen`
+    ends = [nodes[k].end for k in chosen]
+    origins: list[dict[str, tuple]] = [{} for _ in chosen]
+    sizes = [0] * len(chosen)
+    several: dict[tuple[int, str], list[tuple[dict, int]]] = {}  # (block, leaf) covered twice -> (copies, start)
+    shared = SharedOrigins()
     for lid, part in bases.items():
+        by_stretch: dict[tuple[int, int], dict] = {}
         for fld, pieces in part.items():
             for a, z, copy in pieces:
-                inside = covered.get((a, z))
-                if inside is None:
-                    inside = covered[(a, z)] = [k for k in chosen if a <= bounds[k][0] and bounds[k][1] <= z]
-                if not inside:
+                by_stretch.setdefault((a, z), {})[fld] = copy
+        for (a, z), copies_by_field in by_stretch.items():
+            first, past = bisect_left(at, a), bisect_right(ends, z)  # the blocks inside [a, z)
+            kept: dict[int, dict] = {}  # tokens of a block -> its sliced fields (`is_sliced`)
+            for i in range(first, past):
+                n = ends[i] - at[i]
+                fields = kept.get(n)
+                if fields is None:
+                    fields = kept[n] = {
+                        f: c
+                        for f, c in copies_by_field.items()
+                        if is_sliced(f"{lid}.{f}", (*c.shape[:-2], n, c.shape[-1]), n)
+                    }
+                if not fields:
                     continue
-                lo = bounds[inside[0]][0] - a
-                rows = copy[..., lo : bounds[inside[-1]][1] - a, :]
-                parts = (
-                    mx.split(rows, [bounds[k][1] - a - lo for k in inside[:-1]], axis=-2) if len(inside) > 1 else [rows]
-                )
-                if not is_sliced(f"{lid}.{fld}", parts[0].shape, bounds[inside[0]][1] - bounds[inside[0]][0]):
-                    continue
-                for k, x in zip(inside, parts):
-                    slot = per[k].get(lid)
-                    if slot is None:
-                        slot = per[k][lid] = ({}, {}, set())
-                    slot[0][fld], slot[1][fld] = x, copy
-                    slot[2].add(a)
-    entries = []
-    views: list[mx.array] = []
-    shared = SharedOrigins()
-    for k in chosen:
-        tensors: dict[str, dict] = {lid: {} for lid in (*runs, *own_snaps.get(k, {}))}
-        origin: dict[str, tuple] = {}
-        for lid, (sliced, whole, starts) in per[k].items():
-            tensors[lid] = sliced
-            if len(starts) == 1:  # every field's copy starts at one row: restores join the blocks as one slice
-                origin[lid] = shared.leaf(lid, whole, next(iter(starts)))
-            else:
-                views.extend(sliced.values())
-        origin = shared.block(origin)
+                if (i, lid) in several:
+                    several[(i, lid)].append((fields, a))
+                elif lid in origins[i]:
+                    held, start = origins[i].pop(lid)
+                    sizes[i] -= n * _row_bytes(held)
+                    several[(i, lid)] = [(held, start), (fields, a)]
+                else:
+                    origins[i][lid] = shared.leaf(lid, fields, a)
+                    sizes[i] += n * _row_bytes(fields)
+    left_out = set()  # blocks a leaf's copies give from different rows: never held as views
+    for (i, lid), pairs in several.items():
+        if len({a for _, a in pairs}) > 1:
+            left_out.add(i)
+            continue
+        merged = {f: c for fields, _ in pairs for f, c in fields.items()}
+        sizes[i] += (ends[i] - at[i]) * _row_bytes(merged)
+        origins[i][lid] = shared.leaf(lid, merged, pairs[0][1])  # every field's copy starts at one row
+    admitted = 0
+    for i, k in enumerate(chosen):
+        if i in left_out:
+            continue
+        tensors: dict[str, dict] = {lid: {} for lid in (*runs, *own_snaps.get(k, {})) if lid not in origins[i]}
         for lid, f, copy in snap_copies.get(k, ()):
-            tensors[lid][f] = copy
-        entries.append((nodes[k], tensors, origin))
-    # The tier holds arrays other threads may read, evaluated: a leaf with an origin is
-    # read as slices of its evaluated copies (`read_path`), its block views only measured,
-    # so those stay lazy (a 16k-token restore evaluated 16k of them: docs/performance.md).
-    mx.eval(views)
-    for node, tensors, origin in entries:
-        memory.put(node, tensors, origin, source="disk")
-    return len(chosen)
+            tensors.setdefault(lid, {})[f] = copy
+            sizes[i] += copy.nbytes
+        memory.put(nodes[k], tensors, shared.block(origins[i]), source="disk", size=sizes[i])
+        admitted += 1
+    return admitted
+
+
+def _row_bytes(fields: dict) -> int:
+    """Bytes of one token's row of each copy in `fields`, together."""
+    return sum(c.nbytes // c.shape[-2] for c in fields.values())
 
 
 def read_snapshots(files: SegmentFiles, node: Node, target: Target) -> dict[str, dict[str, mx.array]] | None:

@@ -143,6 +143,9 @@ ALLOCATE_ZEROS = False
 # unwritten file's load, as on the CPU) or "managed" (`managed_empty`: on an H200 a
 # restore of 16k tokens 18 % faster, a later one of 4k 30 % slower, and the first
 # `prefill()` after a restart slower at 1k and 16k; docs/performance.md, twelfth day).
+# Zeros stay in device memory where the stages copy to their device addresses
+# (`cuda.device_addresses`): no host view moves them (H100, 16k tokens of an 8B llama:
+# 1.5 ms made + 0.5 ms addressed, against 13-25 ms "managed"; seventeenth day).
 GPU_ALLOCATION = "zeros"
 # How `WriterCopies` makes a new buffer on a CUDA GPU: "managed" (`managed_empty`; an
 # H200's `prefill()` on an empty store 1.03-1.08 x mlx-lm's at 4k-16k tokens, against

@@ -346,11 +346,14 @@ class Stager:
 
     Args:
         driver: The CUDA driver.
-        dest: The destination (managed memory: an MLX array's bytes).
+        dest: The destination (managed memory: an MLX array's bytes), or an empty view
+            where `address` is given.
+        address: The destination's device address (`device_addresses`); 0: `dest`'s.
     """
 
-    def __init__(self, driver: _Driver, dest: memoryview):
-        self.driver, self.dest, self.base = driver, dest, _address(dest)[0]
+    def __init__(self, driver: _Driver, dest: memoryview, address: int = 0):
+        self.driver, self.dest = driver, dest
+        self.base = address or _address(dest)[0]
         self.ring = driver.ring()
         self.size = STAGE_PIECE
         self._piece = memoryview(b"")  # what `take` gave last
@@ -389,11 +392,70 @@ class Stager:
             except OSError:
                 _stop_staging()
                 self.driver.wait()  # the copies that did start land before the host writes
+        if not self.dest.nbytes:  # device memory without a host view: this read fails, nothing lost
+            raise OSError("a staged copy failed and the destination has no host view")
         for offset, where in zip(offsets, at):
             self.dest[offset : offset + length] = piece[where : where + length]
 
 
 _staging = True  # cleared for the process when a driver call of `Stager` fails
+
+# A kernel that writes where its input's bytes are: MLX hands a kernel an array's device
+# address as it is, where the host asking for it moves the buffer (below). Written in PTX,
+# which the driver compiles in a moment: the same kernel in CUDA C went through MLX's
+# runtime compiler, 1.6-2.2 s in every new process (H100; MLX keeps no such kernel on disk).
+_ADDRESS_PTX = b"""
+.version 6.3
+.target sm_75
+.address_size 64
+.visible .entry ppc_address(.param .u64 ppc_address_a, .param .u64 ppc_address_out)
+{
+    .reg .b64 %rd<4>;
+    ld.param.u64 %rd1, [ppc_address_a];
+    ld.param.u64 %rd2, [ppc_address_out];
+    cvta.to.global.u64 %rd3, %rd2;
+    st.global.u64 [%rd3], %rd1;
+    ret;
+}
+"""
+_addresses_work = True  # cleared for the process where MLX cannot run the kernel
+
+
+def device_addresses(arrays: Sequence) -> list[int] | None:
+    """Where evaluated MLX arrays' bytes sit in device memory, each read by a one-thread
+    kernel given the array, so that a restore's copies can go straight there.
+
+    The host asking for an MLX array's address (a memoryview) makes MLX move a device
+    buffer into managed memory first: a new managed block and a synchronous copy of the
+    whole buffer, 145-149 ms for the 64 buffers of a 16k-token restore of an 8B llama on
+    an H100 (``tools/first_restore.py +phases``, docs/performance.md). A kernel is given
+    the address as it is.
+
+    Args:
+        arrays: Evaluated, contiguous MLX arrays on the GPU, each owning its buffer.
+
+    Returns:
+        One address per array, or None where this MLX cannot run a precompiled CUDA
+        kernel (then for the process: the caller takes host views instead).
+    """
+    global _addresses_work
+    import mlx.core as mx
+
+    if not _addresses_work:
+        return None
+    try:
+        outs = [
+            mx.fast.precompiled_cuda_kernel(
+                name="ppc_address", compiled_source=_ADDRESS_PTX, inputs=[a], output_shapes=[(1,)],
+                output_dtypes=[mx.uint64], scalars=[], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+            )[0]
+            for a in arrays
+        ]  # fmt: skip
+        mx.eval(outs)
+        return [int(cast(int, x.item())) for x in outs]
+    except (AttributeError, RuntimeError, ValueError, TypeError):  # an MLX without the call, a refused module or launch
+        _addresses_work = False
+        return None
 
 
 def _stop_staging() -> None:
@@ -444,14 +506,20 @@ def stager_possible() -> bool:
     return MODE == "stage" and _staging and on_cuda() and _get_driver() is not None
 
 
-def stager(dest: memoryview) -> Stager | None:
+def stager(dest: memoryview, address: int = 0) -> Stager | None:
     """A `Stager` for `dest`, where staging runs here (`MODE` ``"stage"``, a CUDA GPU,
-    its driver reachable, pinned memory granted); else None (read into `dest`)."""
+    its driver reachable, pinned memory granted); else None (read into `dest`).
+
+    Args:
+        dest: The destination's host view (empty where `address` is given).
+        address: The destination's device address (`device_addresses`), if known: the
+            copies go there, and a failed one fails the read (no host view to fall back on).
+    """
     driver = _get_driver() if stager_possible() else None
     if driver is None:
         return None
     try:
-        return Stager(driver, dest)
+        return Stager(driver, dest, address)
     except OSError:  # no pinned memory, no events: read the plain way
         _stop_staging()
         return None

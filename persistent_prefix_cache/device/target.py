@@ -84,9 +84,18 @@ class Target:
         """Whether reads go through pinned pieces to the device (`cuda.Stager`)."""
         return cuda.stager_possible()
 
-    def stager(self, view: memoryview):
-        """A stager for `view` (`cuda.stager`), or None: read into `view` itself."""
-        return cuda.stager(view)
+    def stager(self, view: memoryview, address: int = 0):
+        """A stager for `view`, or for the device memory at `address` where given
+        (`cuda.stager`); None: read into `view` itself."""
+        return cuda.stager(view, address)
+
+    def addresses(self, arrays: Sequence) -> list[int] | None:
+        """The device addresses of a read's evaluated buffers where reads go to the device
+        by stages (`cuda.device_addresses`: no host view, which would move them); None:
+        the read takes host views."""
+        if not (self.moves_as_read() and self.stages()):
+            return None
+        return cuda.device_addresses(arrays)
 
     def start_moves(self, buffers: Sequence) -> bool:
         """Start moving these buffers to the device (`cuda.prefetch`); False: none started."""

@@ -85,10 +85,20 @@ class _Run:
     dims: tuple[int, int, int]  # batch, heads, width
     dtype: str
     array: Any = None  # the joined buffer: an MLX array, or a host target's numpy bits
-    view: memoryview = memoryview(b"")  # its bytes, while the read writes them
+    view: memoryview = memoryview(b"")  # its bytes, while the read writes them (empty: see `address`)
+    address: int = 0  # where its bytes sit in device memory, if the stages copy there (no host view)
     row_stride: int = 0  # bytes from one (batch, head) row of the buffer to the next
     moving: bool = False  # its pages are on their way to the device (`Target.start_moves`)
-    checked_on_host: bool = False  # some of its blocks are checked by the host after their copies land
+    checked_on_host: bool = False  # the host reads or writes it after its copies land: placed again
+
+    def host_view(self) -> memoryview:
+        """Its bytes as the host sees them (taken now where the stages had only its
+        device address: MLX moves the buffer into managed memory, and `place` moves it
+        back). Called on one thread, after the copies to it have landed."""
+        if self.address and not self.view.nbytes:
+            self.view = memoryview(self.array).cast("B")
+            self.checked_on_host = True
+        return self.view
 
 
 def read_path(
@@ -165,15 +175,17 @@ def read_path(
             specs.append((f"r{k}", (b, h, rows, w), r.dtype))
         specs += [(f"s{k}", s.shape, s.dtype) for k, s in enumerate(snaps_wanted)]
         arrays = target.allocate(specs)
-        for k, r in enumerate(runs):
-            r.array = arrays[f"r{k}"]
-            r.view = memoryview(r.array).cast("B")
-            r.row_stride = r.array.shape[2] * r.dims[2] * dtype_info(r.dtype)[1]
+        _bind(runs, arrays, target)
         field_digests = _read_segments(nodes, where, runs, target)
         if any(r.moving for r in runs):
             # Copies and moves of what was read land before the host looks at any of
             # it again (a block checked one by one, a RAM-tier block copied in).
             target.wait_moves()
+        if field_digests is None and any(r.address for r in runs) and not target.stages():
+            # A driver call failed and staging stopped for the process: reads into device
+            # memory had no host view to fall back on. Read it all again through host
+            # views (never a healthy block taken for damaged).
+            return read_path(nodes, cached, files, lid_kind, expect, digests, origins, target=target, seq_rows=seq_rows)
         if field_digests is None:
             return _intact_before(len(nodes), *again, verify=True), {}, {}
         bad = _first_bad(nodes, where, runs, _read_whole(where, field_digests, digests or {}), target)
@@ -213,6 +225,22 @@ def read_path(
         for seg in segments.values():
             if seg is not None:
                 seg.close()
+
+
+def _bind(runs: list[_Run], arrays: dict, target: Target) -> None:
+    """Give each run its buffer, and where the reads write: its device address where the
+    stages copy to the device (`Target.addresses`: the host view of a buffer in device
+    memory makes MLX move it into managed memory, a synchronous copy of all of it), else
+    its host view."""
+    for k, r in enumerate(runs):
+        r.array = arrays[f"r{k}"]
+        r.row_stride = r.array.shape[2] * r.dims[2] * dtype_info(r.dtype)[1]
+    addresses = target.addresses([r.array for r in runs])
+    for k, r in enumerate(runs):
+        if addresses:
+            r.address = addresses[k]
+        else:
+            r.view = memoryview(r.array).cast("B")
 
 
 def _intact_before(j, nodes, cached, files, lid_kind, expect, digests, origins, target, *, verify: bool = False) -> int:
@@ -366,7 +394,7 @@ def _read_segments(nodes, where, runs, target: Target) -> dict[bytes, dict[str, 
             job[4].checked_on_host = job[4].checked_on_host or (staging and not job[6])
         if staging:
             for r in {id(job[4]): job[4] for job in jobs}.values():
-                r.moving = target.start_moves([r.view])
+                r.moving = bool(r.address) or target.start_moves([r.view])  # an address is in device memory
     done = target.share(lambda job: _read_job(job, target), jobs)
     if not all(ok for ok, _ in done):
         return None
@@ -390,7 +418,9 @@ def _read_job(job: list, target: Target) -> tuple[bool, int | None]:
     seg: OpenSegment
     r: _Run
     seg, f, lo, hi, r, offset, read_all, move, keep = job  # see `_read_segments`
-    stage = target.stager(r.view) if move and r.moving else None
+    stage = target.stager(r.view, r.address) if move and r.moving else None
+    if r.address and stage is None:
+        return False, None  # staging stopped meanwhile: no host view to read into (a short read)
     if read_all and (keep is None or stage is not None):
         # The whole field, hashed as it is read, while each piece is in cache.
         digest = seg.read_field_hashed(f, r.view, offset, r.row_stride, stage, keep)
@@ -420,6 +450,9 @@ def _first_bad(nodes, where, runs, verified: set[int], target: Target) -> int | 
     """Index of the first block read from disk whose checksum does not hold (blocks in
     `verified` are known to be intact)."""
     todo = [k for k, at in enumerate(where) if at is not None and k not in verified]
+    if todo:
+        for r in runs:
+            r.host_view()  # here, once: the checks below run on several threads
 
     def check(k: int) -> bool:
         seg, i = where[k]
@@ -432,7 +465,7 @@ def _first_bad(nodes, where, runs, verified: set[int], target: Target) -> int | 
                 r = views[f.name] = cast(_Run, _run_of(runs, f.name, node.position, node.end))
             n = node.n_tokens * f.row_bytes
             at = row * r.row_stride + (node.position - r.start) * f.row_bytes
-            return r.view[at : at + n]
+            return r.view[at : at + n]  # (`host_view` was taken above)
 
         return seg.block_digest(i, piece, node) == node.checksum
 
@@ -469,6 +502,8 @@ def _copy_cached(nodes, cached, origins, runs) -> None:
     # as host bits already).
     views = [x.bits if isinstance(x, HostBits) else x.view(mx_uint(x.itemsize)) for *_, x in pieces]
     mx.eval([v for v in views if not isinstance(v, np.ndarray)])
+    for run in {id(p[0]): p[0] for p in pieces if p[0] is not None}.values():
+        run.host_view()  # here, once: the copies below run on several threads
     by_run: dict[int, list] = {}
     for (r, start, end, _), v in zip(pieces, views):
         by_run.setdefault(id(r), [r]).append((start, end, v))
