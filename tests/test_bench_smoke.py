@@ -191,3 +191,24 @@ def test_cuda_probes_say_off_cuda_that_they_need_it():
     for probe in ("link", "stage", "alloc"):
         proc = subprocess.run([sys.executable, str(tool), probe], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr and not proc.stdout, proc.stderr
+
+
+def test_admit_cost_times_the_admission_inside_each_fetch():
+    """``tools/admit_cost.py`` fetches one prompt three times per handle: the 2nd disk hit
+    admits (its phases name `join_admitted` and `_copies`, each inside the fetch's restore),
+    the 3rd comes from the RAM tier and admits nothing."""
+    tool = BENCH.parent / "admit_cost.py"
+    proc = subprocess.run(
+        [sys.executable, str(tool), "--tokens", "256", "--rounds", "1"], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    heads = [line.split(":")[0] for line in lines if line.startswith("round")]
+    assert heads == ["round 1, fetch 1 (from disk)", "round 1, fetch 2 (from disk)", "round 1, fetch 3 (from ram)"]
+    spent = [
+        {k: float(v) for k, v in (p.rsplit(" ", 1) for p in line.split("(ms): ", 1)[1].split(", "))}
+        for line in lines
+        if "phases (ms):" in line
+    ]
+    assert 0 <= spent[1]["_copies"] <= spent[1]["join_admitted"] <= spent[1]["restore"]
+    assert "_copies" not in spent[2] and spent[2]["restore"] > 0
