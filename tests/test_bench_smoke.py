@@ -212,3 +212,20 @@ def test_admit_cost_times_the_admission_inside_each_fetch():
     ]
     assert 0 <= spent[1]["_copies"] <= spent[1]["join_admitted"] <= spent[1]["restore"]
     assert "_copies" not in spent[2] and spent[2]["restore"] > 0
+
+
+def test_first_restore_checks_each_fetch_bitwise_and_times_its_phases():
+    """``tools/first_restore.py --small ... after+step+check+phases``: every fetch restores
+    mlx-lm's prefill bit for bit, and its phases sit inside its restore."""
+    tool = BENCH.parent / "first_restore.py"
+    proc = subprocess.run(
+        [sys.executable, str(tool), "--small", "--tokens", "64,192", "after+step+check+phases"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "failed" not in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    fetches = [line for line in proc.stdout.splitlines() if " tokens: " in line and "from " in line]
+    assert len(fetches) == 5 and all(line.endswith("bitwise True") for line in fetches), fetches
+    assert "its next token" in proc.stdout
+    for line in [line for line in proc.stdout.splitlines() if "phases (ms):" in line]:
+        spent = {k: float(v) for k, v in (p.rsplit(" ", 1) for p in line.split("(ms): ", 1)[1].split(", "))}
+        assert 0 <= spent["read_path"] <= spent["restore"], line

@@ -862,3 +862,38 @@ def test_the_writer_reuses_its_copies_across_stores_and_stores_bitwise(monkeypat
     assert copies._kept == 0 and not copies._free
     for i, (tokens, cache) in enumerate(zip(prompts, caches)):
         _assert_stored_bitwise(tmp_path / f"s{i}", model, tokens, cache, "own")
+
+
+def test_staged_reads_are_shared_by_the_staged_read_threads(monkeypatch, store_dir):
+    # Reads staged to a CUDA GPU go to `readers.STAGED_READ_THREADS` threads (each piece is
+    # also handed to the copy engine); every other read to `readers.READ_THREADS`. Both ways
+    # restore the same bits.
+    from persistent_prefix_cache.device import readers
+
+    asked: list = []
+    real = readers.share
+    monkeypatch.setattr(readers, "STAGED_READ_THREADS", 3)
+    monkeypatch.setattr(readers, "share", lambda fn, items, **kw: asked.append(kw.get("threads")) or real(fn, items, **kw))
+    plain, staged = _fetches(monkeypatch, store_dir, "llama", _HostDriver(), 4096, staged_too=lambda: asked.append("staged"))
+    assert np.array_equal(plain, staged)
+    split = asked.index("staged")
+    assert asked[:split] and set(asked[:split]) == {None}  # the plain fetch: READ_THREADS
+    assert asked[split + 1 :] and set(asked[split + 1 :]) == {3}
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_share_uses_at_most_the_threads_it_is_given(threads):
+    import threading
+    import time
+
+    from persistent_prefix_cache.device import readers
+
+    seen: list = []
+
+    def fn(x: int) -> int:
+        seen.append(threading.get_ident())
+        time.sleep(0.002)  # long enough for every helper to take items: the bound is what is checked
+        return x * x
+
+    assert readers.share(fn, list(range(24)), threads=threads) == [x * x for x in range(24)]
+    assert len(seen) == 24 and len(set(seen)) <= threads

@@ -16,13 +16,14 @@ restored cache (the caller's next step, which reads every restored page). Modes:
   own cache (a process's first one-token forward, timed, before any fetch);
 - ``sampled``: as ``before``, its first fetch sampled (where each thread's time went);
 - a suffix ``+prefetch`` (`device.cuda.MODE` "prefetch"), ``+managed``
-  (`device.buffers.GPU_ALLOCATION` "managed"), ``+check`` (each restored cache compared bit for bit with mlx-lm's prefill
-  of the prompt, outside the timing), ``+views`` (the stages copy through the
-  buffers' host views, not to their device addresses: `device.cuda.device_addresses`), ``+noram`` (no RAM tier: a restore
-  admits nothing, so it makes no copies for it), ``+t1`` / ``+t4`` / ``+t16``
-  / ``+t12`` (reader threads sharing a restore), ``+p8`` / ``+p32`` (pinned pieces of 8 / 32 MiB,
-  `device.cuda.STAGE_PIECE`), ``+phases`` (where each fetch's time goes on the caller's
-  thread: `FETCH_PHASES`, each summed over the fetch, nested ones inside their callers').
+  (`device.buffers.GPU_ALLOCATION` "managed"), ``+views`` (the stages copy through the
+  buffers' host views, not to their device addresses: `device.cuda.device_addresses`),
+  ``+noram`` (no RAM tier: a restore admits nothing, so it makes no copies for it),
+  ``+t1`` / ``+t4`` / ``+t12`` / ``+t16`` (reader threads sharing a restore), ``+p8`` /
+  ``+p32`` (pinned pieces of 8 / 32 MiB, `device.cuda.STAGE_PIECE`), ``+check`` (each
+  restored cache compared bit for bit with mlx-lm's prefill of the prompt, outside the
+  timing), ``+phases`` (where each fetch's time goes on the caller's thread:
+  `FETCH_PHASES`, each summed over the fetch, nested ones inside their callers').
 
 Last, the machine's own ceiling: the longest store's segment files read from the page
 cache in 2 MiB pieces by 1-16 threads, with and without hashing them (xxh3).
@@ -168,7 +169,7 @@ def child(model, mode: str, root: str, lengths: list[int]) -> None:
     for suffix, threads in (("+t1", 1), ("+t4", 4), ("+t12", 12), ("+t16", 16)):
         if suffix in mode:
             readers.READERS = max(readers.READERS, threads)
-            readers.READ_THREADS = threads
+            readers.READ_THREADS = readers.STAGED_READ_THREADS = threads
     out: dict = {"mode": mode, "fetch": []}
     longest = prompt_ids(model.args.vocab_size, lengths[-1], seed=7)
     if mode.startswith("after"):

@@ -196,16 +196,20 @@ def join_admitted(
                 by_stretch.setdefault((a, z), {})[fld] = copy
         for (a, z), copies_by_field in by_stretch.items():
             first, past = bisect_left(at, a), bisect_right(ends, z)  # the blocks inside [a, z)
-            kept: dict[int, dict] = {}  # tokens of a block -> its sliced fields (`is_sliced`)
+            # Tokens of a block -> its sliced fields (`is_sliced`), their origin and bytes a
+            # token: one of each for all the blocks of that length (all but a last one).
+            kept: dict[int, tuple[dict, tuple, int]] = {}
             for i in range(first, past):
                 n = ends[i] - at[i]
-                fields = kept.get(n)
-                if fields is None:
-                    fields = kept[n] = {
+                got = kept.get(n)
+                if got is None:
+                    fields = {
                         f: c
                         for f, c in copies_by_field.items()
                         if is_sliced(f"{lid}.{f}", (*c.shape[:-2], n, c.shape[-1]), n)
                     }
+                    got = kept[n] = (fields, shared.leaf(lid, fields, a), _row_bytes(fields))
+                fields, pair, per_token = got
                 if not fields:
                     continue
                 if (i, lid) in several:
@@ -215,8 +219,8 @@ def join_admitted(
                     sizes[i] -= n * _row_bytes(held)
                     several[(i, lid)] = [(held, start), (fields, a)]
                 else:
-                    origins[i][lid] = shared.leaf(lid, fields, a)
-                    sizes[i] += n * _row_bytes(fields)
+                    origins[i][lid] = pair
+                    sizes[i] += n * per_token
     left_out = set()  # blocks a leaf's copies give from different rows: never held as views
     for (i, lid), pairs in several.items():
         if len({a for _, a in pairs}) > 1:

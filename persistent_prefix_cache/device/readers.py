@@ -19,9 +19,15 @@ from typing import Callable
 # one job per hand-over (4 threads), 21-22 ms so (raw read: 20.5 ms; the reads and
 # checksums themselves ~16 ms, at a bare 2-thread loop's ~15.5 ms). A thread that
 # neighbours slow down takes fewer jobs, where the pool's rounds waited for it.
+# Reads staged to a CUDA GPU (`device.cuda.Stager`: each piece also hashed and handed
+# to the copy engine by a driver call) take up to 12: a 16k-token restore of an 8B llama
+# on a 16-core H100 host read in 85-102 ms with 12 threads, 118-142 ms with 8 and
+# 100-145 ms with 16 (`tools/first_restore.py ... after+t12+phases`, one run;
+# docs/performance.md, seventeenth day). Elsewhere 8 stay: more were not measured there.
 _CPUS = os.cpu_count() or 1
-READERS = max(4, min(8, _CPUS))  # threads of the pool (set before the first restore)
+READERS = max(4, min(12, _CPUS))  # threads of the pool (set before the first restore)
 READ_THREADS = 1 if _CPUS <= 1 else min(8, _CPUS)  # threads sharing a restore's reads, the caller's included
+STAGED_READ_THREADS = 1 if _CPUS <= 1 else min(12, _CPUS)  # the same, where the reads are staged to a CUDA GPU
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
@@ -48,7 +54,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
-def share(fn: Callable, items: list, *, alone: bool = False) -> list:
+def share(fn: Callable, items: list, *, alone: bool = False, threads: int | None = None) -> list:
     """`fn` over `items`: on the reader threads and this one, or here alone.
 
     Each thread takes the next item as it finishes one: one hand-over per thread, not
@@ -61,12 +67,14 @@ def share(fn: Callable, items: list, *, alone: bool = False) -> list:
         items: What to call it on.
         alone: Call it on this thread only (a host target's read: a background fill,
             which leaves the reader pool to callers).
+        threads: How many threads share them, this one included (default `READ_THREADS`).
 
     Returns:
         ``fn``'s results, in the order of `items`.
     """
     n = len(items)
-    if n <= 1 or READ_THREADS <= 1 or alone:
+    threads = READ_THREADS if threads is None else threads
+    if n <= 1 or threads <= 1 or alone:
         return [fn(x) for x in items]
     out: list = [None] * n
     taken = itertools.count()  # its next() is atomic: each item goes to one thread
@@ -77,7 +85,7 @@ def share(fn: Callable, items: list, *, alone: bool = False) -> list:
                 return
             out[i] = fn(items[i])
 
-    helpers = [reader_pool().submit(work) for _ in range(min(READ_THREADS, n) - 1)]
+    helpers = [reader_pool().submit(work) for _ in range(min(threads, n) - 1)]
     try:
         work()
     finally:

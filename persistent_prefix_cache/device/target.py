@@ -69,9 +69,11 @@ class Target:
         return HostBits(array, dtype, self.arena) if self.host else array
 
     def share(self, fn, items: list) -> list:
-        """`fn` over `items`, on the reader threads and this one (`readers.share`); a
+        """`fn` over `items`, on the reader threads and this one (`readers.share`; more
+        of them where reads are staged to a CUDA GPU, `readers.STAGED_READ_THREADS`); a
         host target's on this thread alone."""
-        return readers.share(fn, items, alone=self.host)
+        staged = self.moves_as_read() and self.stages()
+        return readers.share(fn, items, alone=self.host, threads=readers.STAGED_READ_THREADS if staged else None)
 
     # -- how read bytes reach the device (each a no-op where nothing moves) -------------
 
