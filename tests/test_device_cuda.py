@@ -873,8 +873,12 @@ def test_staged_reads_are_shared_by_the_staged_read_threads(monkeypatch, store_d
     asked: list = []
     real = readers.share
     monkeypatch.setattr(readers, "STAGED_READ_THREADS", 3)
-    monkeypatch.setattr(readers, "share", lambda fn, items, **kw: asked.append(kw.get("threads")) or real(fn, items, **kw))
-    plain, staged = _fetches(monkeypatch, store_dir, "llama", _HostDriver(), 4096, staged_too=lambda: asked.append("staged"))
+    monkeypatch.setattr(
+        readers, "share", lambda fn, items, **kw: asked.append(kw.get("threads")) or real(fn, items, **kw)
+    )
+    plain, staged = _fetches(
+        monkeypatch, store_dir, "llama", _HostDriver(), 4096, staged_too=lambda: asked.append("staged")
+    )
     assert np.array_equal(plain, staged)
     split = asked.index("staged")
     assert asked[:split] and set(asked[:split]) == {None}  # the plain fetch: READ_THREADS
