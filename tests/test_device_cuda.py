@@ -200,23 +200,27 @@ def test_a_failing_driver_costs_no_piece(monkeypatch, store_dir, family, piece):
     assert np.array_equal(plain, staged)
 
 
-@pytest.mark.parametrize("piece", [4096, 1 << 20])
-def test_a_path_over_several_segments_is_staged_and_bitwise(monkeypatch, store_dir, piece):
-    # Its first two blocks stored with another prompt, the rest a turn at a time: every
-    # field's buffer is filled from four segments, one of them read in part. Every byte
-    # still goes through the stages (read through the host into managed memory, such a
-    # restore ran at a third of the speed on an H200), and the restore is exact.
+def _several_segments(store, model, tokens) -> None:
+    """Store `tokens` so that a path over them spans four segments: its first two blocks
+    with another prompt, the rest a turn at a time (one segment read in part)."""
     from helpers import BLOCK, prefill
 
-    def fill(store, model, tokens):
-        other = tokens[: 2 * BLOCK] + [(t + 1) % 256 for t in tokens[2 * BLOCK : 3 * BLOCK + 5]]
-        store.store(other, prefill(model, other)[1])
-        for end in (3 * BLOCK, 4 * BLOCK, len(tokens)):
-            store.store(tokens[:end], prefill(model, tokens[:end])[1])
-        assert store.stats()["blocks"] == len(tokens) // BLOCK + 1 + 2  # the other prompt's own two
+    other = tokens[: 2 * BLOCK] + [(t + 1) % 256 for t in tokens[2 * BLOCK : 3 * BLOCK + 5]]
+    store.store(other, prefill(model, other)[1])
+    for end in (3 * BLOCK, 4 * BLOCK, len(tokens)):
+        store.store(tokens[:end], prefill(model, tokens[:end])[1])
+    assert store.stats()["blocks"] == len(tokens) // BLOCK + 1 + 2  # the other prompt's own two
+
+
+@pytest.mark.parametrize("piece", [4096, 1 << 20])
+def test_a_path_over_several_segments_is_staged_and_bitwise(monkeypatch, store_dir, piece):
+    # Every field's buffer is filled from four segments (`_several_segments`). Every byte
+    # still goes through the stages (read through the host into managed memory, such a
+    # restore ran at a third of the speed on an H200), and the restore is exact.
+    from helpers import prefill
 
     driver = _Counting()
-    plain, staged = _fetches(monkeypatch, store_dir, "llama", driver, piece, fill=fill)
+    plain, staged = _fetches(monkeypatch, store_dir, "llama", driver, piece, fill=_several_segments)
     assert np.array_equal(plain, staged)
     # Every restored byte of KV came through a copy: 150 tokens x 4 layers x 2 fields x
     # 2 heads x 16 dims x 2 bytes (the tiny llama of tests/families.py).
@@ -306,26 +310,20 @@ def test_a_failing_driver_with_device_addresses_reads_again_through_the_host(mon
 @pytest.mark.parametrize("piece", [4096, 1 << 20])
 def test_a_path_over_several_segments_by_device_address_is_bitwise(monkeypatch, store_dir, piece):
     # A prompt stored turn by turn and a prefix shared with another prompt, one segment
-    # read in part, and the earlier blocks served from the RAM tier: the blocks the host
-    # checks or copies in are seen through host views taken after the copies landed.
-    from helpers import BLOCK, prefill
+    # read in part (`_several_segments`), and the earlier blocks served from the RAM tier:
+    # the blocks the host checks or copies in are seen through host views taken after the
+    # copies landed.
+    from families import build
+    from helpers import BLOCK, random_tokens, warm_logits
 
     from persistent_prefix_cache import PersistentPrefixCache
 
-    def fill(store, model, tokens):
-        other = tokens[: 2 * BLOCK] + [(t + 1) % 256 for t in tokens[2 * BLOCK : 3 * BLOCK + 5]]
-        store.store(other, prefill(model, other)[1])
-        for end in (3 * BLOCK, 4 * BLOCK, len(tokens)):
-            store.store(tokens[:end], prefill(model, tokens[:end])[1])
-
     plain, staged = _fetches(
-        monkeypatch, store_dir, "llama", _HostDriver(), piece, fill=fill, staged_too=lambda: _by_address(monkeypatch)
-    )
+        monkeypatch, store_dir, "llama", _HostDriver(), piece, fill=_several_segments,
+        staged_too=lambda: _by_address(monkeypatch),
+    )  # fmt: skip
     assert np.array_equal(plain, staged)
     # The same restore with the RAM tier holding the first blocks: copied in through host views.
-    from families import build
-    from helpers import random_tokens, warm_logits
-
     model = build("llama")
     tokens = [t % 256 for t in random_tokens(150, seed=4242)]
     with PersistentPrefixCache(store_dir, model, block_size=BLOCK, fingerprint="staged") as store:
