@@ -179,7 +179,7 @@ def join_admitted(
             snap_copies[k] = [(lid, f, x) for lid, fields in held.items() for f, x in fields.items()]
     # A block is held as the copies it was cut from and where it starts in them (its
     # origin, `MemoryTier.put`), never as views: making a view per block and field (16k
-    # for a 16k-token prompt of an 8B llama) cost ~100 ms of a restore on this VM, and the
+    # for a 16k-token prompt of an 8B llama) cost 70-110 ms of a restore on this VM, and the
     # tier dropped them again. Each leaf's stretch of copies gives its origin to the blocks
     # inside it at once (they are consecutive). A block one of whose leaves has fields in
     # copies starting at different rows (runs that disagree: not seen in any family) stays out.

@@ -72,8 +72,8 @@ class Target:
         """`fn` over `items`, on the reader threads and this one (`readers.share`; more
         of them where reads are staged to a CUDA GPU, `readers.STAGED_READ_THREADS`); a
         host target's on this thread alone."""
-        staged = self.moves_as_read() and self.stages()
-        return readers.share(fn, items, alone=self.host, threads=readers.STAGED_READ_THREADS if staged else None)
+        threads = readers.STAGED_READ_THREADS if self.staged() else None
+        return readers.share(fn, items, alone=self.host, threads=threads)
 
     # -- how read bytes reach the device (each a no-op where nothing moves) -------------
 
@@ -86,6 +86,11 @@ class Target:
         """Whether reads go through pinned pieces to the device (`cuda.Stager`)."""
         return cuda.stager_possible()
 
+    def staged(self) -> bool:
+        """Whether this target's reads go to the device by stages now (`moves_as_read` and
+        `stages`): the one place that decides it."""
+        return self.moves_as_read() and self.stages()
+
     def stager(self, view: memoryview, address: int = 0):
         """A stager for `view`, or for the device memory at `address` where given
         (`cuda.stager`); None: read into `view` itself."""
@@ -95,7 +100,7 @@ class Target:
         """The device addresses of a read's evaluated buffers where reads go to the device
         by stages (`cuda.device_addresses`: no host view, which would move them); None:
         the read takes host views."""
-        if not (self.moves_as_read() and self.stages()):
+        if not self.staged():
             return None
         return cuda.device_addresses(arrays)
 

@@ -354,7 +354,7 @@ def _read_segments(nodes, where, runs, target: Target) -> dict[bytes, dict[str, 
         For each segment read whole, the digests of its fields (computed by the thread
         that read the field, while its bytes are fresh); None on a short read.
     """
-    staging = target.moves_as_read() and target.stages()
+    staging = target.staged()
     jobs: list[list[Any]] = []
     for k, span in _groups(where):
         if span is None:
