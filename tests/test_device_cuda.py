@@ -899,3 +899,19 @@ def test_share_uses_at_most_the_threads_it_is_given(threads):
 
     assert readers.share(fn, list(range(24)), threads=threads) == [x * x for x in range(24)]
     assert len(seen) == 24 and len(set(seen)) <= threads
+
+
+def test_where_mlx_cannot_run_the_address_kernel_reads_take_host_views(monkeypatch):
+    # This machine's MLX has no CUDA: the kernel that reads device addresses cannot run,
+    # so `device_addresses` says None and stops trying for the process, and a target that
+    # does not stage asks nothing (its reads take host views).
+    from persistent_prefix_cache.device.target import device_target
+
+    monkeypatch.setattr(cuda, "_addresses_work", True)
+    tried, real = [], mx.fast.precompiled_cuda_kernel
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", lambda **kw: tried.append(kw["name"]) or real(**kw))
+    a = mx.zeros((4, 64), dtype=mx.bfloat16)
+    mx.eval(a)
+    assert cuda.device_addresses([a]) is None and not cuda._addresses_work
+    assert cuda.device_addresses([a]) is None and tried == ["ppc_address"]  # not tried again
+    assert device_target().addresses([a]) is None  # off CUDA nothing is staged
