@@ -17,6 +17,21 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "tools" / "bench.py"
 
+
+def run_tool(name: str, *args: str) -> subprocess.CompletedProcess:
+    """``tools/<name>`` run in a process of its own; it must exit 0."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCH.parent / name), *args], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def phases_of(line: str) -> dict[str, float]:
+    """A tool's ``... phases (ms): name ms, name ms, ...`` line as a dict."""
+    return {k: float(v) for k, v in (p.rsplit(" ", 1) for p in line.split("(ms): ", 1)[1].split(", "))}
+
+
 CASE_FIGURES = [
     "limit_read_warm",
     "limit_write_fsync",
@@ -144,12 +159,7 @@ def test_gpu_case_reports_the_restarted_rows():
     """`tools/gpu_bench.py --small` (the GPU case's script, on whatever device is here)
     reports the fresh handle's 1st/2nd/3rd fetch against the cold prefill, the 3rd
     served from the RAM tier."""
-    script = BENCH.parent / "gpu_bench.py"
-    proc = subprocess.run(
-        [sys.executable, str(script), "--small", "--tokens", "256", "--repeat", "1", "--json"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_tool("gpu_bench.py", "--small", "--tokens", "256", "--repeat", "1", "--json")
     (case,) = json.loads(proc.stdout)["cases"]
     for which in ("1st", "2nd", "3rd"):
         value = case[f"ours_fresh_{which}_forward_vs_cold"]
@@ -163,12 +173,7 @@ def test_prefill_pieces_phases_report_what_each_store_calls():
     """``tools/prefill_pieces.py --phases`` wraps what `store()` calls on the caller's thread
     (methods, a static method and functions imported by name) and reports each: every
     line names the outer call, and an inner call never takes longer than the store it ran in."""
-    tool = BENCH.parent / "prefill_pieces.py"
-    proc = subprocess.run(
-        [sys.executable, str(tool), "--small", "--tokens", "64", "--rounds", "2", "--phases"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_tool("prefill_pieces.py", "--small", "--tokens", "64", "--rounds", "2", "--phases")
     lines = [line for line in proc.stdout.splitlines() if "phases (ms):" in line]
     assert [line.split(", phases")[0].strip() for line in lines] == [
         "store() on a new handle",
@@ -177,7 +182,7 @@ def test_prefill_pieces_phases_report_what_each_store_calls():
         "store() 3 of 3 in a row",
     ]
     for line in lines:
-        spent = {k: float(v) for k, v in (p.rsplit(" ", 1) for p in line.split("(ms): ", 1)[1].split(", "))}
+        spent = phases_of(line)
         for inner in ("Layout.new_blocks", "Layout.evaluate", "MemoryTier.put", "WriteBack.write", "chain_keys"):
             assert 0 <= spent[inner] <= spent["Storer.store"], (inner, line)
 
@@ -197,19 +202,11 @@ def test_admit_cost_times_the_admission_inside_each_fetch():
     """``tools/admit_cost.py`` fetches one prompt three times per handle: the 2nd disk hit
     admits (its phases name `join_admitted` and `_copies`, each inside the fetch's restore),
     the 3rd comes from the RAM tier and admits nothing."""
-    tool = BENCH.parent / "admit_cost.py"
-    proc = subprocess.run(
-        [sys.executable, str(tool), "--tokens", "256", "--rounds", "1"], capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_tool("admit_cost.py", "--tokens", "256", "--rounds", "1")
     lines = proc.stdout.splitlines()
     heads = [line.split(":")[0] for line in lines if line.startswith("round")]
     assert heads == ["round 1, fetch 1 (from disk)", "round 1, fetch 2 (from disk)", "round 1, fetch 3 (from ram)"]
-    spent = [
-        {k: float(v) for k, v in (p.rsplit(" ", 1) for p in line.split("(ms): ", 1)[1].split(", "))}
-        for line in lines
-        if "phases (ms):" in line
-    ]
+    spent = [phases_of(line) for line in lines if "phases (ms):" in line]
     assert 0 <= spent[1]["_copies"] <= spent[1]["join_admitted"] <= spent[1]["restore"]
     assert "_copies" not in spent[2] and spent[2]["restore"] > 0
 
@@ -217,15 +214,11 @@ def test_admit_cost_times_the_admission_inside_each_fetch():
 def test_first_restore_checks_each_fetch_bitwise_and_times_its_phases():
     """``tools/first_restore.py --small ... after+step+check+phases``: every fetch restores
     mlx-lm's prefill bit for bit, and its phases sit inside its restore."""
-    tool = BENCH.parent / "first_restore.py"
-    proc = subprocess.run(
-        [sys.executable, str(tool), "--small", "--tokens", "64,192", "after+step+check+phases"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0 and "failed" not in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_tool("first_restore.py", "--small", "--tokens", "64,192", "after+step+check+phases")
+    assert "failed" not in proc.stdout, proc.stdout[-3000:]
     fetches = [line for line in proc.stdout.splitlines() if " tokens: " in line and "from " in line]
     assert len(fetches) == 5 and all(line.endswith("bitwise True") for line in fetches), fetches
     assert "its next token" in proc.stdout
     for line in [line for line in proc.stdout.splitlines() if "phases (ms):" in line]:
-        spent = {k: float(v) for k, v in (p.rsplit(" ", 1) for p in line.split("(ms): ", 1)[1].split(", "))}
+        spent = phases_of(line)
         assert 0 <= spent["read_path"] <= spent["restore"], line
