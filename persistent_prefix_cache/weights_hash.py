@@ -51,6 +51,7 @@ import numpy as np
 import xxhash
 from mlx.utils import tree_flatten
 
+from .device import lane_kernel
 from .errors import InvalidArgumentError
 
 XXH3 = "xxh3"
@@ -62,8 +63,12 @@ _EVAL_WORDS = 1 << 27  # words reduced per evaluation (bounds the device memory 
 # Words one kernel call reduces: a chunk's lane sums are the (wrapping) sums of its pieces'
 # (the same value however split); each call's terms take 16 bytes a word on the device.
 _TERM_WORDS = _CHUNK_WORDS
-# Hand MLX's buffer cache back after the lane sums (their terms' buffers).
+# Hand MLX's buffer cache back after lane sums made by MLX ops (their terms' buffers).
 CLEAR_AFTER = True
+# Where the default device is a CUDA GPU, each weight's lane sums come from one kernel
+# (`device/lane_kernel.py`): no terms' buffers, so nothing to hand back after; a weight
+# it does not take (bytes not whole words) goes by MLX ops.
+DEVICE_KERNEL = True
 # The settings measured against those above (``tools/bench_fingerprint.py``,
 # ``tools/prefill_variants.py``): 1M-word pieces, 16M words an evaluation, MLX's cache
 # left as it was. On a CPU a quarter of the peak memory and no slower. On an H100 (8B
@@ -185,8 +190,10 @@ def fingerprint_model(model: Any, *, scheme: str | None = None, prefetch: bool |
             h.update(sums)
         # The lane terms' buffers (GBs for an 8B model) go back now, with the open, not
         # at the first `mx.clear_cache()` after it: freed there, they slowed the first
-        # prefill() after an open on a GPU (docs/performance.md).
-        if CLEAR_AFTER:
+        # prefill() after an open on a GPU (docs/performance.md). The kernel made none:
+        # MLX's cache stays as the caller left it, for the forwards after the open.
+        source = _kernel_source()
+        if CLEAR_AFTER and any(not _by_kernel(p, source) for _, p in params):
             mx.clear_cache()
         return f"{LANES_SCHEME}:{h.hexdigest()}"
     if prefetch is None:
@@ -274,16 +281,62 @@ def host_lane_sums(value: mx.array) -> bytes:
     Returns:
         The same bytes `lane_sums` gives.
     """
-    raw = np.frombuffer(bytes_of(value), dtype=np.uint8)
+    return _host_sums(np.frombuffer(bytes_of(value), dtype=np.uint8), _CHUNK_WORDS)
+
+
+def _host_sums(raw: np.ndarray, chunk_words: int) -> bytes:
     words = np.concatenate([raw, np.zeros(-len(raw) % 4, np.uint8)]).view("<u4")
     out = []
-    for start in range(0, len(words), _CHUNK_WORDS):
+    for start in range(0, len(words), chunk_words):
         sums = np.zeros(LANES, dtype=np.uint64)
-        for part in range(start, min(start + _CHUNK_WORDS, len(words)), 1 << 20):  # bounded host memory
-            stop = min(part + (1 << 20), start + _CHUNK_WORDS, len(words))
+        for part in range(start, min(start + chunk_words, len(words)), 1 << 20):  # bounded host memory
+            stop = min(part + (1 << 20), start + chunk_words, len(words))
             sums = (sums + _host_terms(words[part:stop], part)) % (1 << 32)
         out.append(sums.astype("<u4").tobytes())
     return b"".join(out)
+
+
+_kernel_works: list[bool | None] = [None]  # None until tried in this process
+
+
+def _kernel_source() -> bytes | None:
+    """The lane kernel's PTX where `DEVICE_KERNEL` is on, the default device is a CUDA
+    GPU and the kernel gave the host's sums for a probe in this process; else None."""
+    if not DEVICE_KERNEL or LANES != 4:
+        return None
+    if _kernel_works[0] is None:
+        _kernel_works[0] = _probe_kernel()
+    return lane_kernel.ptx(_P, _Q, _M1, _M2) if _kernel_works[0] else None
+
+
+def _probe_kernel() -> bool:
+    # Once a process: the kernel must give, for words at an aligned address and at an
+    # unaligned one, over chunks of one threadgroup's words and a part, what the host
+    # gives. Else (an MLX without the call, a driver that refuses the PTX, a wrong sum)
+    # the lane sums go by MLX ops: the same value, slower.
+    from .device.cuda import on_cuda
+
+    if not on_cuda():
+        return False
+    raw = np.random.default_rng(28).integers(0, 256, 4 * (2 * lane_kernel.BLOCK_WORDS + 1001) + 1, dtype=np.uint8)
+    whole = mx.array(raw)
+    cases = [(whole[:-1], raw[:-1]), (whole[1:], raw[1:])]  # offsets 0 and 1 byte into one buffer
+    chunk = lane_kernel.BLOCK_WORDS
+    try:
+        source = lane_kernel.ptx(_P, _Q, _M1, _M2)
+        got = [lane_kernel.lane_sums(value, chunk, source) for value, _ in cases]
+        mx.eval(got)
+        same = all(np.asarray(g).astype("<u4").tobytes() == _host_sums(want, chunk) for g, (_, want) in zip(got, cases))
+    except (AttributeError, RuntimeError, ValueError, TypeError) as exc:
+        warnings.warn(f"the lane kernel does not run here ({exc}); hashing with MLX ops (the same value)")
+        return False
+    if not same:
+        warnings.warn("the lane kernel's sums differ from the host's here; hashing with MLX ops (the same value)")
+    return same
+
+
+def _by_kernel(value: mx.array, source: bytes | None) -> bool:
+    return source is not None and lane_kernel.fits(value.nbytes, _CHUNK_WORDS)
 
 
 def lane_sums(value: mx.array) -> bytes:
@@ -307,6 +360,10 @@ def _lane_sums_or_unfused(params) -> list:
     try:
         return list(_lane_sums(params))
     except (RuntimeError, ValueError) as exc:
+        if _kernel_works[0]:  # a weight the probe's did not foresee: MLX ops from now on
+            warnings.warn(f"the lane kernel failed ({exc}); hashing with MLX ops (the same value)")
+            _kernel_works[0] = False
+            return _lane_sums_or_unfused(params)
         if not _FUSED[0]:
             raise
         warnings.warn(f"the fused fingerprint kernel failed ({exc}); hashing with plain MLX ops (the same value)")
@@ -323,6 +380,7 @@ def _lane_sums(params):
                           dtype=mx.uint32)  # fmt: skip
     pending: deque[tuple[str, mx.array, list]] = deque()
     in_flight = 0
+    source = _kernel_source()
 
     def drain():
         mx.eval([s for _, _, sums in pending for s in sums])
@@ -331,6 +389,12 @@ def _lane_sums(params):
             yield name, value, b"".join(np.asarray(s, dtype=np.uint32).astype("<u4").tobytes() for s in sums)
 
     for name, value in params:
+        if _by_kernel(value, source):
+            assert source is not None
+            pending.append((name, value, [lane_kernel.lane_sums(value, _CHUNK_WORDS, source)]))  # 16 bytes a chunk
+            if len(pending) >= 64:
+                yield from drain()
+            continue
         words = _words(value)
         sums = []
         for start in range(0, words.size, _CHUNK_WORDS):

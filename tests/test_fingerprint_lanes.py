@@ -417,3 +417,83 @@ def test_the_lane_terms_buffers_go_back_with_the_fingerprint(folder):
     mx.clear_cache()
     wh.fingerprint_model(model, scheme=wh.LANES_SCHEME)
     assert mx.get_cache_memory() == 0
+
+
+# -- the lane kernel (CUDA): one kernel a weight, no terms' buffers --------------------------
+
+
+def _kernel_stand_in(value, chunk_words, source):
+    """What `lane_kernel.lane_sums` returns, made by the numpy reference: a flat uint32
+    array, four sums a chunk (on the CPU the PTX cannot run)."""
+    assert source == wh.lane_kernel.ptx(wh._P, wh._Q, wh._M1, wh._M2)
+    return mx.array(np.frombuffer(_reference(bytes(wh.bytes_of(value)), chunk_words), dtype="<u4"))
+
+
+def test_weights_the_kernel_takes_give_the_ops_value_and_leave_mlx_cache_as_it_was(folder, monkeypatch):
+    """With the kernel in force (a stand-in here), every weight of whole words goes to it,
+    a weight of a padded last word goes by MLX ops, the value is the ops' value, and MLX's
+    buffer cache is cleared only where ops made terms' buffers."""
+    model = load_tiny_model(folder)
+    by_ops = wh.fingerprint_model(model, scheme=LANES)
+    taken: list[int] = []
+
+    def stand_in(value, chunk_words, source):
+        taken.append(value.nbytes)
+        return _kernel_stand_in(value, chunk_words, source)
+
+    clears: list[int] = []
+    monkeypatch.setattr(wh, "_kernel_works", [True])
+    monkeypatch.setattr(wh.lane_kernel, "lane_sums", stand_in)
+    monkeypatch.setattr(wh.mx, "clear_cache", lambda: clears.append(1))
+    monkeypatch.setattr(wh, "_CHUNK_WORDS", wh.lane_kernel.BLOCK_WORDS)  # several chunks a weight
+    params = wh.named_parameters(model)
+    with_kernel = wh.fingerprint_model(model, scheme=LANES)
+    assert sorted(taken) == sorted(p.nbytes for _, p in params) and not clears
+    with wh.lane_settings({"DEVICE_KERNEL": False}):
+        assert wh.fingerprint_model(model, scheme=LANES) == with_kernel  # the same chunks by ops
+    assert clears == [1] and with_kernel != by_ops  # (chunks of another size: another value)
+
+    # A weight of a padded last word (3 bytes) goes by ops, and the cache is cleared.
+    model.odd_weight = mx.array([1, 2, 3], dtype=mx.uint8)
+    clears.clear()
+    taken.clear()
+    mixed = wh.fingerprint_model(model, scheme=LANES)
+    assert 3 not in taken and len(taken) == len(params) and clears == [1]
+    with wh.lane_settings({"DEVICE_KERNEL": False}):
+        assert wh.fingerprint_model(model, scheme=LANES) == mixed
+
+
+def test_off_cuda_the_kernel_is_not_tried(monkeypatch):
+    monkeypatch.setattr(wh, "_kernel_works", [None])
+    assert wh._kernel_source() is None and wh._kernel_works == [False]
+
+
+@pytest.mark.parametrize(
+    "nbytes, chunk, fits",
+    [(4, 1 << 24, True), (6, 1 << 24, False), (0, 1 << 24, False), (1 << 20, 1 << 13, False),
+     (1 << 20, 3 << 14, False), (1 << 20, 1 << 14, True), (8 << 30, 1 << 24, False)],
+)  # fmt: skip
+def test_the_kernel_takes_whole_words_in_power_of_two_chunks(nbytes, chunk, fits):
+    assert wh.lane_kernel.fits(nbytes, chunk) is fits
+
+
+def _on_cuda() -> bool:
+    from persistent_prefix_cache.device.cuda import on_cuda
+
+    return on_cuda()
+
+
+@pytest.mark.skipif(not _on_cuda(), reason="the lane kernel is PTX: it runs on a CUDA GPU only")
+def test_the_lane_kernel_gives_the_numpy_reference_on_cuda():
+    """The real kernel, on a CUDA GPU: aligned and unaligned views, partial threadgroups,
+    several chunks, against the independent numpy reference."""
+    source = wh.lane_kernel.ptx(wh._P, wh._Q, wh._M1, wh._M2)
+    for words in (1, 255, 16384, 16385, 3 * 16384 + 17):
+        for offset in range(5):
+            raw = np.random.default_rng(words * 8 + offset).integers(0, 256, 4 * words + offset, dtype=np.uint8)
+            value = mx.array(raw)[offset:]
+            for chunk in (wh.lane_kernel.BLOCK_WORDS, 1 << 24):
+                got = wh.lane_kernel.lane_sums(value, chunk, source)
+                want = _reference(raw[offset:].tobytes(), chunk)
+                assert np.asarray(got).astype("<u4").tobytes() == want, (words, offset, chunk)
+    assert wh._kernel_source() is not None  # the open's probe passes here too

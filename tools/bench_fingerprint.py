@@ -7,8 +7,9 @@ file, and times in one run, each the median of ``--repeat``:
 
 - ``fingerprint_model`` in each scheme (``weights_hash``): ``xxh3`` (the host hashes the
   bytes; the CPU's default, and what every open paid before issue 18) and ``lanes1``
-  (lane sums with MLX ops on the default device; a GPU's default; also reduced in
-  1M-word pieces, with the device memory each takes at its peak), and, for
+  (lane sums on the default device, a GPU's default: by one kernel a weight on CUDA,
+  else MLX ops; also by MLX ops, whole and in 1M-word pieces, with the device memory
+  each takes at its peak), and, for
   comparison, xxh3 digests of each tensor on threads (``--threads``; a scheme we did
   not adopt: on this VM it was no faster than one stream). What a store without a
   remembered fingerprint pays at every open;
@@ -50,6 +51,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from persistent_prefix_cache.fingerprint import compare_with_folder, fingerprint_model, sample_digest  # noqa: E402
 from persistent_prefix_cache import weights_hash  # noqa: E402
 from persistent_prefix_cache.weights_hash import LANES_SCHEME, XXH3, bytes_of  # noqa: E402
+
+
+# The lane sums by MLX ops where the default device would run the kernel (CUDA).
+BY_OPS = {"DEVICE_KERNEL": False}
 
 
 def lanes_memory(model, settings: dict) -> tuple[str, int, int]:
@@ -118,16 +123,18 @@ def main() -> int:
     mx.eval([p for _, p in params])
     nbytes = sum(p.nbytes for _, p in params)
     host = {} if args.lanes_only else host_figures(model, params, args)
-    lanes_first = lanes = pieces_first = pieces = None
+    lanes_first = lanes = pieces_first = pieces = ops_first = ops = None
     memory: dict = {}
     if not args.no_lanes:
         lanes_first, lanes = _median_time(lambda: fingerprint_model(model, scheme=LANES_SCHEME), args.repeat)
+        ops_first, ops = _median_time(lambda: lanes_memory(model, BY_OPS), args.repeat)
         pieces_first, pieces = _median_time(lambda: lanes_memory(model, weights_hash.SMALL_PIECES), args.repeat)
         memory = {
             name: lanes_memory(model, settings)
-            for name, settings in (("lanes", {}), ("pieces", weights_hash.SMALL_PIECES))
+            for name, settings in (("lanes", {}), ("ops", BY_OPS), ("pieces", weights_hash.SMALL_PIECES))
         }
-        assert memory["lanes"][0] == memory["pieces"][0]  # one value, however reduced
+        # One value, however reduced: the kernel (CUDA), MLX ops, MLX ops in small pieces.
+        assert memory["lanes"][0] == memory["ops"][0] == memory["pieces"][0], memory
     result = {
         "device": str(mx.default_device()),
         "tensors": len(params),
@@ -137,6 +144,10 @@ def main() -> int:
         "lanes_first_s": None if lanes_first is None else round(lanes_first, 4),
         "lanes_peak_bytes": memory["lanes"][1] if memory else None,
         "lanes_cache_after_bytes": memory["lanes"][2] if memory else None,
+        "lanes_kernel": weights_hash._kernel_source() is not None,
+        "lanes_ops_s": None if ops is None else round(ops, 4),
+        "lanes_ops_first_s": None if ops_first is None else round(ops_first, 4),
+        "lanes_ops_peak_bytes": memory["ops"][1] if memory else None,
         "lanes_pieces_s": None if pieces is None else round(pieces, 4),
         "lanes_pieces_first_s": None if pieces_first is None else round(pieces_first, 4),
         "lanes_pieces_peak_bytes": memory["pieces"][1] if memory else None,
@@ -148,10 +159,12 @@ def main() -> int:
         print(f"model: {len(params)} tensors, {nbytes / 1e9:.2f} GB (bf16), device {mx.default_device()}")
         if host:
             print_host(host, nbytes)
-        if lanes is not None and pieces is not None:
+        if lanes is not None and pieces is not None and ops is not None:
+            way = "one kernel a weight" if result["lanes_kernel"] else "MLX ops"
             for name, s, first, (_, peak, cached) in (
-                ("lanes1 (full hash, MLX ops)", lanes, lanes_first, memory["lanes"]),
-                ("... in 1M-word pieces", pieces, pieces_first, memory["pieces"]),
+                (f"lanes1 (full hash, {way})", lanes, lanes_first, memory["lanes"]),
+                ("... by MLX ops", ops, ops_first, memory["ops"]),
+                ("... MLX ops in 1M-word pieces", pieces, pieces_first, memory["pieces"]),
             ):
                 print(
                     f"{name:31s} {s:8.3f} s   {nbytes / s / 1e9:.2f} GB/s (first {first:.3f} s),"

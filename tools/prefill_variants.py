@@ -11,7 +11,8 @@ stream of its own, and right after another prompt's `prefill()` on the same hand
 writer busy during the timed call, where every other variant's writes are flushed before
 the next call); and on a handle opened just before each call (its fingerprint hashed),
 without and with ``mx.clear_cache()`` after the open, with its fingerprint's lane sums
-reduced in small pieces and MLX's buffer cache left as it was, with its fingerprint given
+reduced in small pieces and MLX's buffer cache left as it was, hashed by MLX ops where
+CUDA takes the lane kernel, with its fingerprint given
 (nothing hashed at the open), that with the cache cleared after the open, and that with
 the writer's copies kept from the call before
 (on CUDA a close that ends a process's last handle lets them go; the other handles this
@@ -185,6 +186,8 @@ def variants(model: Any, work: Path) -> tuple[dict[str, Callable[[list[int]], An
         "... given, MLX cache cleared": fresh(True, "given-" + "0" * 26),
         # The lane sums reduced 1M words a call, MLX's cache left as it was (the same value).
         "... hashed in small pieces": fresh(False, hashing=weights_hash.SMALL_PIECES),
+        # By MLX ops where CUDA would use the lane kernel (the same value; its cache cleared).
+        "... hashed by MLX ops": fresh(False, hashing={"DEVICE_KERNEL": False}),
     }
     return table, opened  # handles open as the variants first use them
 
