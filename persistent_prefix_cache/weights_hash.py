@@ -11,9 +11,10 @@ bytes tell them apart). Two ways to hash the bytes, told apart by the value's fo
   and every CPU store keeps its fingerprints. On a CUDA GPU, arrays live in managed
   memory: the host reading them moves their pages, 16 GB took 3.5-7.1 s on an H200.
 - ``lanes1:`` + 32 hex digits (where the default device is a GPU: CUDA or Metal): each
-  weight is reduced on the device, with MLX ops, to a few 32-bit *lane sums* per chunk
-  of `_CHUNK_WORDS` words; only those (16 bytes a chunk) reach the host, which hashes
-  them with the names, dtypes and shapes (xxh3-128). The weights' pages never move.
+  weight is reduced on the device (on CUDA by one kernel, `lane_kernel`; else with MLX
+  ops) to a few 32-bit *lane sums* per chunk of `_CHUNK_WORDS` words; only those (16
+  bytes a chunk) reach the host, which hashes them with the names, dtypes and shapes
+  (xxh3-128). The weights' pages never move.
 
 The lane sums (`_mix`): the bytes, zero-padded to whole 32-bit words ``w[i]`` (the
 byte count is hashed too, so padding is unambiguous), give in lane ``l``
@@ -51,7 +52,7 @@ import numpy as np
 import xxhash
 from mlx.utils import tree_flatten
 
-from .device import lane_kernel
+from . import lane_kernel
 from .errors import InvalidArgumentError
 
 XXH3 = "xxh3"
@@ -66,7 +67,7 @@ _TERM_WORDS = _CHUNK_WORDS
 # Hand MLX's buffer cache back after lane sums made by MLX ops (their terms' buffers).
 CLEAR_AFTER = True
 # Where the default device is a CUDA GPU, each weight's lane sums come from one kernel
-# (`device/lane_kernel.py`): no terms' buffers, so nothing to hand back after; a weight
+# (`lane_kernel.py`): no terms' buffers, so nothing to hand back after; a weight
 # it does not take (bytes not whole words) goes by MLX ops.
 DEVICE_KERNEL = True
 # The settings measured against those above (``tools/bench_fingerprint.py``,
@@ -314,9 +315,7 @@ def _probe_kernel() -> bool:
     # unaligned one, over chunks of one threadgroup's words and a part, what the host
     # gives. Else (an MLX without the call, a driver that refuses the PTX, a wrong sum)
     # the lane sums go by MLX ops: the same value, slower.
-    from .device.cuda import on_cuda
-
-    if not on_cuda():
+    if not lane_kernel.runs_here():
         return False
     raw = np.random.default_rng(28).integers(0, 256, 4 * (2 * lane_kernel.BLOCK_WORDS + 1001) + 1, dtype=np.uint8)
     whole = mx.array(raw)

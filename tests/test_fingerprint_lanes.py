@@ -477,13 +477,7 @@ def test_the_kernel_takes_whole_words_in_power_of_two_chunks(nbytes, chunk, fits
     assert wh.lane_kernel.fits(nbytes, chunk) is fits
 
 
-def _on_cuda() -> bool:
-    from persistent_prefix_cache.device.cuda import on_cuda
-
-    return on_cuda()
-
-
-@pytest.mark.skipif(not _on_cuda(), reason="the lane kernel is PTX: it runs on a CUDA GPU only")
+@pytest.mark.skipif(not wh.lane_kernel.runs_here(), reason="the lane kernel is PTX: it runs on a CUDA GPU only")
 def test_the_lane_kernel_gives_the_numpy_reference_on_cuda():
     """The real kernel, on a CUDA GPU: aligned and unaligned views, partial threadgroups,
     several chunks, against the independent numpy reference."""

@@ -34,6 +34,7 @@ WINGS = [
             "keys",
             "fingerprint",
             "weights_hash",
+            "lane_kernel",
             "paths",
             "files",
             "tiny_model",
@@ -190,6 +191,8 @@ NAMES_A_DEVICE = {
     # Fingerprinting, not placement: which hash is cheap depends on where the weights live
     # (lane sums on a GPU); the base sits below every wing, the device wing included.
     "weights_hash": {"gpu", "default_device"},
+    # The lane sums in one PTX kernel, where the weights live on a CUDA GPU (as above).
+    "lane_kernel": {"cuda", "gpu", "metal", "default_device"},
     # The OS's sync_file_range (a libc call), not a driver's.
     "disk.portable": {"ctypes"},
 }

@@ -154,8 +154,10 @@ def build_chat_stores(b: Bench) -> dict:
             model(mx.array(conv[at:end])[None], cache=part)
             mx.eval([c.state for c in part])
             store.store(conv[:end], part)
+    # How each store's bytes lie (a restore reads per segment): the segment files' sizes.
+    segments = {k: sorted(f.stat().st_size for f in (Path(v) / "segments").rglob("*.seg")) for k, v in paths.items()}
     return {"paths": {k: str(v) for k, v in paths.items()}, "tokens": conv, "kv_bytes": kv_bytes(cache),
-            "build_turns_s": per_turn_s}  # fmt: skip
+            "build_turns_s": per_turn_s, "segment_bytes": segments}  # fmt: skip
 
 
 def rows_restarted(b: Bench, rows: set[int]) -> None:
@@ -219,7 +221,10 @@ def rows_restarted(b: Bench, rows: set[int]) -> None:
               resume_costs=[c["resume_costs"] for c in chats], runs_s={"resume": resume, "recompute": recompute})  # fmt: skip
         b.add(4, f"{n} tokens: restore speed, stored block by block ÷ at once", median(speed["blocks"]),
               median(speed["once"]), per_round(speed["blocks"], speed["once"]), ">= 0.9", unit="tokens/s",
-              baseline_is="the same KV stored by one store()", restore_options="cost_model=False")  # fmt: skip
+              baseline_is="the same KV stored by one store()", restore_options="cost_model=False",
+              segment_bytes=chat["segment_bytes"], restore_s={k: restore[k] for k in ("once", "blocks")})  # fmt: skip
+        b.note("row 4 segments (MiB): " + "; ".join(
+            f"{k} {[round(x / 2**20) for x in v]}" for k, v in chat["segment_bytes"].items()))  # fmt: skip
 
 
 def child(spec_path: str) -> int:

@@ -1,5 +1,8 @@
 """The fingerprint's lane sums in one CUDA kernel a weight (`weights_hash` owns the scheme).
 
+It sits in the base beside `weights_hash`, for the same reason: it fingerprints the
+weights where they live and places no bytes (docs/architecture.md, rule 10).
+
 With MLX ops a weight's lane sums take a buffer of terms 16 bytes a word (one per lane),
 then a reduction: GBs of temporaries for an 8B model, which the open then hands back with
 `mx.clear_cache()`, so the first forward after an open allocated every buffer anew
@@ -167,6 +170,13 @@ $L_end:
     ret;
 }}
 """.encode()
+
+
+def runs_here() -> bool:
+    """Whether this MLX can run PTX and its default device is a CUDA GPU (not Metal)."""
+    import mlx.core as mx
+
+    return hasattr(mx.fast, "precompiled_cuda_kernel") and mx.default_device() == mx.gpu and not mx.metal.is_available()
 
 
 def fits(nbytes: int, chunk_words: int) -> bool:
