@@ -359,7 +359,7 @@ def _lane_sums_or_unfused(params) -> list:
     try:
         return list(_lane_sums(params))
     except (RuntimeError, ValueError) as exc:
-        if _kernel_works[0]:  # a weight the probe's did not foresee: MLX ops from now on
+        if _kernel_works[0]:  # a weight the probe did not foresee: MLX ops from now on
             warnings.warn(f"the lane kernel failed ({exc}); hashing with MLX ops (the same value)")
             _kernel_works[0] = False
             return _lane_sums_or_unfused(params)
