@@ -107,7 +107,7 @@ def row_prefill_empty(b: Bench) -> None:
         if n != b.plan.prefill_tokens[0] and warmup:
             plain()
             warmup = 0
-        times = interleave({"ours": ours, "plain": plain}, b.plan.repeat, warmup)
+        times = interleave({"ours": ours, "plain": plain}, b.plan.prefill_repeat or b.plan.repeat, warmup)
         b.prefilled[n] = kept[0]
         b.add(2, f"{n} tokens: prefill() ÷ mlx-lm prefill", median(times["ours"]), median(times["plain"]),
               per_round(times["ours"], times["plain"]), "<= 1.05", baseline_is="mlx-lm generate_step prefill",
@@ -297,7 +297,9 @@ def child(spec_path: str) -> int:
 
 def table(result: dict) -> str:
     plan = result["plan"]
-    rounds = f"{plan['repeat']}" + (f" (row 1: {plan['readme_repeat']})" if plan.get("readme_repeat") else "")
+    rounds = f"{plan['repeat']}" + "".join(
+        f" (row {row}: {plan[key]})" for row, key in ((1, "readme_repeat"), (2, "prefill_repeat")) if plan.get(key)
+    )
     lines = [
         f"persistent_prefix_cache: the paths users run ({result['mode']}; mlx {result['mlx']} on {result['device']}, "
         f"mlx-lm {result['mlx_lm']}; median of {rounds} after {plan['warmup']} warm-up)",
