@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from .core.cost_model import CostModel
 from .errors import InvalidArgumentError, ReadOnlyStoreError, StoreClosedError
 from .fingerprint import forget_fingerprints
-from .core.opening import OPEN_HANDLES, handle_closed, open_parts
+from .core.opening import OPEN_HANDLES, open_parts
 from .options import Options
 from .tiers import REMOTE_TIMEOUT
 from .tiers.memory import MemoryView
@@ -241,7 +241,7 @@ class PersistentPrefixCache:
         finished = self._parts.stop()
         self._closed = True  # refused from here on, while the RAM tier and the index go
         self._parts.release(close_index=finished)  # else the writer may still wait on the index's lock
-        handle_closed(self)
+        OPEN_HANDLES.discard(self)
 
     def stats(self) -> dict[str, Any]:
         """Counters of this handle, its costs, RAM tier and remote, and the store's totals

@@ -12,6 +12,21 @@ import pytest
 from persistent_prefix_cache.device import cuda
 
 
+@pytest.fixture(autouse=True)
+def address_state(monkeypatch):
+    """What a test learns of the address kernel (`cuda.device_addresses`) and of staging
+    stays in that test (on this machine the kernel cannot run: the first call clears it)."""
+    monkeypatch.setattr(cuda, "_addresses_work", True)
+    monkeypatch.setattr(cuda, "_addresses_checked", False)
+    monkeypatch.setattr(cuda, "_staging", True)
+
+
+def _host_addresses(arrays):
+    """`cuda.device_addresses` where MLX's memory is the host's: the arrays' host addresses."""
+    mx.eval(arrays)
+    return [np.frombuffer(memoryview(a).cast("B"), np.uint8).ctypes.data if a.nbytes else 0 for a in arrays]
+
+
 def _arrays():
     a = mx.arange(3 * 4096, dtype=mx.float32).reshape(3, 4096)
     b = (mx.arange(2 * 5000) % 251).astype(mx.uint8).reshape(2, 5000)
@@ -82,6 +97,11 @@ class _HostDriver:
         ctypes.memmove(dst, src, nbytes)
 
     def to_host(self, dst, src, nbytes, stream):
+        import ctypes
+
+        ctypes.memmove(dst, src, nbytes)
+
+    def read(self, dst, src, nbytes):
         import ctypes
 
         ctypes.memmove(dst, src, nbytes)
@@ -263,9 +283,6 @@ def _by_address(monkeypatch) -> list:
     device buffer into managed memory). Returns the list the views are counted in."""
     from persistent_prefix_cache.disk import read_path
 
-    def host_addresses(arrays):
-        return [np.frombuffer(memoryview(a).cast("B"), np.uint8).ctypes.data if a.nbytes else 0 for a in arrays]
-
     views: list = []
 
     def counted(x):
@@ -273,7 +290,7 @@ def _by_address(monkeypatch) -> list:
             views.append(x.shape)
         return memoryview(x)
 
-    monkeypatch.setattr(cuda, "device_addresses", host_addresses)
+    monkeypatch.setattr(cuda, "device_addresses", _host_addresses)
     monkeypatch.setattr(read_path, "memoryview", counted, raising=False)
     return views
 
@@ -421,18 +438,38 @@ def _assert_stored_bitwise(store_dir, model, tokens, cache, fingerprint):
             assert np.array_equal(np.array(a[..., :n, :].view(mx.uint16)), np.array(b[..., :n, :].view(mx.uint16)))
 
 
-def test_the_writer_copies_a_stores_kv_to_the_host_by_the_copy_engine(monkeypatch, store_dir):
-    # On a CUDA GPU the writer must not read a store's copy of the new KV in place: managed
-    # memory moves to whoever touches it, page by page, while the caller's next forward
-    # runs, and the RAM tier's next restore faults it back. The copy engine copies each
-    # field once into host memory; the device's pages stay put: nothing to move back.
-    # The one move asked for places the writer's new (empty) buffer on the device.
-    import ctypes
-
+def _store_on_cuda(monkeypatch, store_dir, driver, *, by_address: bool, seed: int, n_tokens: int, **options):
+    """One llama prompt stored under the CUDA emulation (`driver` for CUDA's; with
+    `by_address`, copies by the arrays' addresses, as the address kernel gives them),
+    flushed: ``(model, tokens, cache, the store's block bytes)``."""
     from families import build
     from helpers import BLOCK, prefill, random_tokens
 
     from persistent_prefix_cache import PersistentPrefixCache
+
+    model = build("llama")
+    tokens = [t % 256 for t in random_tokens(n_tokens, seed=seed)]
+    cache = prefill(model, tokens)[1]
+    with monkeypatch.context() as m:
+        m.setattr(cuda, "on_cuda", lambda: True)
+        m.setattr(cuda, "_get_driver", lambda: driver)
+        if by_address:
+            m.setattr(cuda, "device_addresses", _host_addresses)
+        with PersistentPrefixCache(store_dir, model, block_size=BLOCK, **options) as store:
+            store.store(tokens, cache)
+            store.flush()
+            kv = store.stats()["block_bytes"]
+    return model, tokens, cache, kv
+
+
+@pytest.mark.parametrize("by_address", [True, False])
+def test_the_writer_copies_a_stores_kv_to_the_host_by_the_copy_engine(monkeypatch, store_dir, by_address):
+    # On a CUDA GPU the writer must not read a store's copy of the new KV in place: managed
+    # memory moves to whoever touches it, page by page, while the caller's next forward
+    # runs, and the RAM tier's next restore faults it back. The copy engine copies the
+    # fields (one stack: one shape) into host memory, from the copy's device address where
+    # MLX gives one (else from a host view); nothing is moved to the device afterwards.
+    import ctypes
 
     copied, moved = [], []
 
@@ -444,63 +481,45 @@ def test_the_writer_copies_a_stores_kv_to_the_host_by_the_copy_engine(monkeypatc
         def prefetch(self, address, nbytes):
             moved.append(nbytes)
 
-    model = build("llama")
-    tokens = [t % 256 for t in random_tokens(5 * BLOCK + 3, seed=4244)]
-    cache = prefill(model, tokens)[1]
-    with monkeypatch.context() as m:
-        m.setattr(cuda, "on_cuda", lambda: True)
-        m.setattr(cuda, "_get_driver", lambda: Driver())
-        m.setattr(cuda, "STAGE_PIECE", 1000)  # several pinned pieces per field, the last one short
-        with PersistentPrefixCache(store_dir, model, block_size=BLOCK, fingerprint="host") as store:
-            store.store(tokens, cache)
-            store.flush()
-            kv = store.stats()["block_bytes"]
-    assert sum(copied) == kv and len(copied) == -(-kv // 1000)  # once, piece by piece (the fields are one copy)
-    assert len(moved) == 1 and kv <= moved[0] <= kv + kv // 8 + 4096  # `managed_empty`: one size class
+    monkeypatch.setattr(cuda, "STAGE_PIECE", 1000)  # several pinned pieces per field, the last one short
+    model, tokens, cache, kv = _store_on_cuda(
+        monkeypatch, store_dir, Driver(), by_address=by_address, seed=4244, n_tokens=5 * 16 + 3, fingerprint="host"
+    )
+    assert sum(copied) == kv and len(copied) == -(-kv // 1000)  # once, piece by piece
+    assert moved == []
     _assert_stored_bitwise(store_dir, model, tokens, cache, "host")  # what was written: the caller's KV
 
 
-def test_a_host_copy_that_disagrees_is_never_written(monkeypatch, store_dir):
+@pytest.mark.parametrize("by_address", [True, False])
+def test_a_host_copy_that_disagrees_is_never_written(monkeypatch, store_dir, by_address):
     # A driver whose copies land wrong (here: zeros): the writer sees the copy's ends differ
-    # from the source's, writes the source's bits read in place, and staging stops.
-    from families import build
-    from helpers import BLOCK, prefill, random_tokens
-
-    from persistent_prefix_cache import PersistentPrefixCache
-
+    # from the source's (read again by a plain driver copy, or in place), writes the
+    # source's bits read through a host view, and staging stops.
     class Wrong(_HostDriver):
         def to_host(self, dst, src, nbytes, stream):
             import ctypes
 
             ctypes.memset(dst, 0, nbytes)
 
-    model = build("llama")
-    tokens = [t % 256 for t in random_tokens(3 * BLOCK, seed=4245)]
-    cache = prefill(model, tokens)[1]
-    with monkeypatch.context() as m:
-        m.setattr(cuda, "on_cuda", lambda: True)
-        m.setattr(cuda, "_get_driver", lambda: Wrong())
-        m.setattr(cuda, "_staging", True)
-        with PersistentPrefixCache(store_dir, model, block_size=BLOCK, fingerprint="wrong") as store:
-            store.store(tokens, cache)
-            store.flush()
-        assert not cuda._staging
+    model, tokens, cache, _ = _store_on_cuda(
+        monkeypatch, store_dir, Wrong(), by_address=by_address, seed=4245, n_tokens=3 * 16, fingerprint="wrong"
+    )
+    assert not cuda._staging
     _assert_stored_bitwise(store_dir, model, tokens, cache, "wrong")
 
 
-def test_the_host_views_a_copy_of_the_writers_own_on_the_writers_thread(monkeypatch, store_dir):
+@pytest.mark.parametrize("by_address", [True, False])
+def test_no_host_view_of_the_callers_cache_or_the_ram_tiers_copy(monkeypatch, store_dir, by_address):
     # On a CUDA GPU a host view of an MLX buffer moves it into managed memory (MLX's
     # allocator): taken of the caller's cache (the range of a full buffer is that buffer)
     # or of the RAM tier's copy, that move cost the caller ~100 ms at 16k tokens (H100)
-    # and left the memory off the device. The writer views a device copy of its own.
+    # and left the memory off the device. By address the writer takes no view at all, and
+    # the RAM tier keeps views of the writer's one copy; without, the writer views that
+    # copy on its own thread and the RAM tier's copies are their own.
     import builtins
     import threading
 
-    from families import build
-    from helpers import BLOCK, prefill, random_tokens
-
-    from persistent_prefix_cache import PersistentPrefixCache
-    from persistent_prefix_cache.layers import layout
+    from persistent_prefix_cache.device import buffers
     from persistent_prefix_cache.tiers.memory import MemoryTier
 
     viewed, kept = [], []
@@ -511,33 +530,63 @@ def test_the_host_views_a_copy_of_the_writers_own_on_the_writers_thread(monkeypa
         return builtins.memoryview(x)
 
     real_put = MemoryTier.put
-    monkeypatch.setattr(layout, "memoryview", view, raising=False)
+    monkeypatch.setattr(buffers, "memoryview", view, raising=False)
     monkeypatch.setattr(
         MemoryTier,
         "put",
         lambda self, node, tensors, *a, **k: kept.append(tensors) or real_put(self, node, tensors, *a, **k),
     )
-    monkeypatch.setattr(cuda, "on_cuda", lambda: True)
-    monkeypatch.setattr(cuda, "_get_driver", lambda: _HostDriver())
-    model = build("llama")
-    tokens = [t % 256 for t in random_tokens(256, seed=4243)]  # mlx-lm's buffer step: the cache is full
-    cache = prefill(model, tokens)[1]
-    with PersistentPrefixCache(store_dir, model, block_size=BLOCK, fingerprint="own") as store:
-        store.store(tokens, cache)
-        store.flush()
-    assert len(kept) == 256 // BLOCK  # the RAM tier kept every block
-    assert len(viewed) == 1  # every layer's keys and values (one shape): one copy, viewed once
-    assert {thread for thread, _ in viewed} and caller not in {thread for thread, _ in viewed}
+    copied = []
+
+    class Driver(_HostDriver):
+        def to_host(self, dst, src, nbytes, stream):
+            copied.append(src)
+            super().to_host(dst, src, nbytes, stream)
+
+    # 256 tokens: mlx-lm's buffer step, so the cache is full (a range of it would be the buffer itself)
+    model, tokens, cache, _ = _store_on_cuda(
+        monkeypatch, store_dir, Driver(), by_address=by_address, seed=4243, n_tokens=256, fingerprint="own"
+    )
+    assert len(kept) == 256 // 16  # the RAM tier kept every block
 
     def host(x) -> np.ndarray:
         return np.asarray(builtins.memoryview(x.view(mx.uint16) if x.dtype == mx.bfloat16 else x))
 
     theirs = [host(x) for layer in cache for x in (layer.keys, layer.values)]
     tiers = [host(x) for tensors in kept for part in tensors.values() for x in part.values()]
-    for _, x in viewed:
-        mine = np.asarray(builtins.memoryview(x))
+    if by_address:
+        assert viewed == [] and copied  # copied from the address the kernel gave
+        start = min(copied)  # every layer's keys and values (one shape): one copy, the RAM tier's views of it
+        assert all(start <= t.ctypes.data < start + 2 * len(theirs) * theirs[0].nbytes for t in tiers)
+        assert not any(np.shares_memory(t, other) for t in tiers for other in theirs)
+    else:
+        assert len(viewed) == 1 and caller not in {thread for thread, _ in viewed}
+        mine = np.asarray(builtins.memoryview(viewed[0][1]))
         assert not any(np.shares_memory(mine, other) for other in theirs + tiers)
     _assert_stored_bitwise(store_dir, model, tokens, cache, "own")
+
+
+def test_the_first_address_is_checked_by_reading_it_back(monkeypatch):
+    # Every copy by address trusts the kernel's parameter layout and the driver: the
+    # process's first call reads an array computed on the device back from the address
+    # given. A wrong address (here: 4 bytes on) turns addresses off for the process.
+    from persistent_prefix_cache.device.buffers import WriterRoute
+
+    def kernels(shift):
+        return lambda arrays: [mx.array([a + shift], dtype=mx.uint64) for a in _host_addresses(arrays)]
+
+    monkeypatch.setattr(cuda, "_get_driver", lambda: _HostDriver())
+    a = mx.arange(4096, dtype=mx.uint16)
+    monkeypatch.setattr(cuda, "_address_kernels", kernels(0))
+    assert cuda.device_addresses([a]) == _host_addresses([a]) and cuda._addresses_checked
+    monkeypatch.setattr(cuda, "_addresses_checked", False)
+    monkeypatch.setattr(cuda, "_address_kernels", kernels(4))
+    assert cuda.device_addresses([a]) is None and not cuda._addresses_work
+    monkeypatch.setattr(cuda, "on_cuda", lambda: True)
+    route = WriterRoute()
+    b = mx.arange(10, dtype=mx.uint32) * 3
+    assert route.evaluate([b]) == [None]  # evaluated all the same: the writer takes a host view
+    assert np.array_equal(route.bits(b, None), np.arange(10) * 3)
 
 
 def test_a_cuda_handle_makes_the_readers_rings_at_open(monkeypatch, store_dir):
@@ -732,9 +781,11 @@ def test_a_device_copy_is_bitwise_and_owns_its_buffer(x):
     "family, kv_bits", [("gemma3_text", None), ("qwen3_next", None), ("deepseek_v32", None), ("llama", 4)]
 )
 def test_a_store_on_a_gpu_writes_what_a_store_on_the_cpu_does(monkeypatch, tmp_path, family, kv_bits):
-    # The writer's copy on a CUDA GPU stacks fields of one shape and dtype (one move, one
-    # copy to the host): sliding windows, recurrent states, keys and values of other widths
-    # (MLA) and quantized caches restore what the plain route wrote, bit for bit.
+    # The writer's copy on a CUDA GPU stacks fields of one shape and dtype (one copy to the
+    # host, by address or through a host view; by address the RAM tier keeps views of it):
+    # sliding windows, recurrent states, keys and values of other widths (MLA) and
+    # quantized caches restore what the plain route wrote, bit for bit, from the disk and
+    # from the RAM tier.
     from families import build
     from helpers import BLOCK, prefill, random_tokens, warm_logits
 
@@ -752,114 +803,27 @@ def test_a_store_on_a_gpu_writes_what_a_store_on_the_cpu_does(monkeypatch, tmp_p
         mx.eval(model.parameters())
     options = dict(block_size=BLOCK, fingerprint="both", kv_bits=kv_bits, kv_group_size=32)
     logits = []
-    for on_gpu in (False, True):
-        path = tmp_path / f"gpu-{on_gpu}"
+    for route in ("cpu", "gpu", "gpu by address"):
+        path = tmp_path / route
         with monkeypatch.context() as m:
-            if on_gpu:
+            if route != "cpu":
                 m.setattr(cuda, "on_cuda", lambda: True)
                 m.setattr(cuda, "_get_driver", lambda: _HostDriver())
+            if route == "gpu by address":
+                m.setattr(cuda, "device_addresses", _host_addresses)
             with PersistentPrefixCache(path, model, **options) as store:
                 cache = prefill(model, tokens)[1] if kv_bits is None else store.make_cache()
                 if kv_bits is not None:
                     model(mx.array(tokens)[None], cache=cache)
                 store.store(tokens, cache)
+                restored, rest = store.fetch(tokens + [3])  # from the RAM tier
+                assert list(rest) == [3] and store.stats()["memory_hits_store"] > 0
+                logits.append(np.array(warm_logits(model, restored, rest)))
         with PersistentPrefixCache(path, model, memory_bytes=0, **options) as store:
             restored, rest = store.fetch(tokens + [3])
         assert list(rest) == [3]
         logits.append(np.array(warm_logits(model, restored, rest)))
-    assert np.array_equal(logits[0], logits[1])
-
-
-def test_size_classes_hold_the_rows_with_at_most_an_eighth_more():
-    from persistent_prefix_cache.device.buffers import size_class
-
-    for n in [0, 1, 7, 8, 9, 100, 1000, 1 << 20, (1 << 20) + 1, 5_000_000, 1 << 31, 2_300_000_001]:
-        c = size_class(n)
-        assert c >= max(n, 1) and c <= max(n, 1) + max(n, 1) // 8
-    assert size_class(5_000_000) == size_class(5_000_001)  # neighbours share a class
-
-
-def test_a_kept_writer_copy_is_written_again_in_place(monkeypatch):
-    # A managed buffer a slice update donates needs no move on CUDA: a kept buffer takes the
-    # next copy of its size class in place (the same memory), and nothing more is kept
-    # than `keep_bytes` allows.
-    from persistent_prefix_cache.device.buffers import WriterCopies, size_class
-
-    def address(a):
-        return np.asarray(memoryview(a)).ctypes.data
-
-    copies = WriterCopies(keep_bytes=size_class(3000) * 16)
-    first = copies.place(mx.arange(24000).astype(mx.uint16).reshape(3000, 8))
-    mx.eval(first)
-    where = address(first)
-    assert first.shape == (size_class(3000), 16)
-    copies.keep(first)
-    del first
-    values = mx.arange(23920, dtype=mx.uint32).astype(mx.uint16)[::-1] * 2
-    second = copies.place(values.reshape(2990, 8))
-    mx.eval(second)
-    assert copies.reused == 1 and address(second) == where
-    assert np.array_equal(np.asarray(memoryview(second))[:2990].view(np.uint16).reshape(-1), np.arange(23920)[::-1] * 2)
-    other = copies.place(mx.zeros((3000, 8), dtype=mx.uint16))  # none free: a new buffer
-    mx.eval(other)
-    copies.keep(second)
-    copies.keep(other)  # beyond keep_bytes: let go
-    assert sum(len(v) for v in copies._free.values()) == 1
-
-
-def test_a_writer_copy_past_two_gib_is_placed_in_rows():
-    # MLX's axes count to 2**31: a 16k-token store of an 8B model (2 GiB in one stack) must
-    # not need one flat axis (it raised OverflowError on an H100). Shapes only: nothing is
-    # evaluated, so no 2 GiB is allocated here.
-    from persistent_prefix_cache.device.buffers import WriterCopies
-
-    x = mx.zeros((64, 8, 16384, 128), dtype=mx.bfloat16)  # 2 GiB, lazy
-    placed = WriterCopies(keep_bytes=0).place(x)
-    assert placed.shape[1] == 256 and placed.shape[0] >= 64 * 8 * 16384 and placed.dtype == mx.uint8
-
-
-@pytest.mark.parametrize("staging, allocation", [(True, "zeros"), (False, "zeros"), (True, "managed")])
-def test_the_writer_reuses_its_copies_across_stores_and_stores_bitwise(monkeypatch, tmp_path, staging, allocation):
-    # Two stores of prompts of one length under the CUDA emulation: the second store's
-    # copy is made in the buffer the first one's writer kept, and both restore bit for
-    # bit. Where staging is off the host reads the buffer in place: it is never kept.
-    # Kept buffers outlive a store's close while another handle is open, not the last one.
-    # A new buffer is made on the device, or as managed memory (`WRITER_ALLOCATION`).
-    import weakref
-
-    from families import build
-    from helpers import BLOCK, prefill, random_tokens
-
-    from persistent_prefix_cache import PersistentPrefixCache
-    from persistent_prefix_cache import store as store_module
-    from persistent_prefix_cache.core import opening
-    from persistent_prefix_cache.device import buffers
-
-    monkeypatch.setattr(cuda, "on_cuda", lambda: True)
-    monkeypatch.setattr(cuda, "_get_driver", lambda: _HostDriver())
-    monkeypatch.setattr(cuda, "_staging", staging)
-    monkeypatch.setattr(buffers, "_writer_copies", buffers.WriterCopies(1 << 30))
-    monkeypatch.setattr(buffers, "WRITER_ALLOCATION", allocation)
-    made, real = [], buffers.managed_empty
-    monkeypatch.setattr(buffers, "managed_empty", lambda specs: made.append(specs) or real(specs))
-    monkeypatch.setattr(opening, "OPEN_HANDLES", weakref.WeakSet())  # other tests' handles do not count
-    monkeypatch.setattr(store_module, "OPEN_HANDLES", opening.OPEN_HANDLES)
-    model = build("llama")
-    prompts = [[t % 256 for t in random_tokens(192, seed=seed)] for seed in (11, 12)]
-    caches = [prefill(model, tokens)[1] for tokens in prompts]
-    keeper = PersistentPrefixCache(tmp_path / "open", model, block_size=BLOCK, fingerprint="own")
-    for i, (tokens, cache) in enumerate(zip(prompts, caches)):
-        with PersistentPrefixCache(tmp_path / f"s{i}", model, block_size=BLOCK, fingerprint="own") as store:
-            store.store(tokens, cache)
-            store.flush()
-    copies = buffers.writer_copies()
-    assert copies.reused == (1 if staging else 0)
-    assert len(made) == (1 if allocation == "managed" else 0)  # the second store's copy reused the first's
-    assert (copies._kept > 0) == staging
-    keeper.close()  # the last handle: nothing kept
-    assert copies._kept == 0 and not copies._free
-    for i, (tokens, cache) in enumerate(zip(prompts, caches)):
-        _assert_stored_bitwise(tmp_path / f"s{i}", model, tokens, cache, "own")
+    assert len(logits) == 6 and all(np.array_equal(logits[0], other) for other in logits[1:])
 
 
 def test_staged_reads_are_shared_by_the_staged_read_threads(monkeypatch, store_dir):
@@ -903,7 +867,8 @@ def test_share_uses_at_most_the_threads_it_is_given(threads):
 
 def test_where_mlx_cannot_run_the_address_kernel_reads_take_host_views(monkeypatch):
     # This machine's MLX has no CUDA: the kernel that reads device addresses cannot run,
-    # so `device_addresses` says None and stops trying for the process, and a target that
+    # so `device_addresses` says None and stops trying for the process (without a driver
+    # it does not try: an address is only ever read by one), and a target that
     # does not stage asks nothing (its reads take host views).
     from persistent_prefix_cache.device.target import device_target
 
@@ -912,6 +877,39 @@ def test_where_mlx_cannot_run_the_address_kernel_reads_take_host_views(monkeypat
     monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", lambda **kw: tried.append(kw["name"]) or real(**kw))
     a = mx.zeros((4, 64), dtype=mx.bfloat16)
     mx.eval(a)
+    assert cuda.device_addresses([a]) is None and not cuda._addresses_work and tried == []  # no driver: no copy
+    monkeypatch.setattr(cuda, "_addresses_work", True)
+    monkeypatch.setattr(cuda, "_addresses_checked", False)
+    monkeypatch.setattr(cuda, "_get_driver", lambda: _HostDriver())
     assert cuda.device_addresses([a]) is None and not cuda._addresses_work
     assert cuda.device_addresses([a]) is None and tried == ["ppc_address"]  # not tried again
     assert device_target().addresses([a]) is None  # off CUDA nothing is staged
+
+
+@pytest.mark.skipif(not cuda.on_cuda(), reason="the copies by device address run on a CUDA GPU only")
+def test_on_a_cuda_gpu_the_writer_copies_by_address_and_both_tiers_restore_bitwise(monkeypatch, store_dir):
+    # The real route: the stack's address from the kernel (checked once by reading it
+    # back), the writer's copy by the copy engine, the RAM tier's views of the stack; what
+    # the disk and the RAM tier give back is the caller's KV, bit for bit.
+    from families import build
+    from helpers import BLOCK, prefill, random_tokens
+
+    from persistent_prefix_cache import PersistentPrefixCache
+
+    copied, real = [], cuda.from_device
+    monkeypatch.setattr(cuda, "from_device", lambda *a, **k: copied.append(a[1]) or real(*a, **k))
+    model = build("llama")
+    tokens = [t % 256 for t in random_tokens(6 * BLOCK + 5, seed=4247)]
+    cache = prefill(model, tokens)[1]
+    n = len(tokens)
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK, fingerprint="cuda") as store:
+        store.store(tokens, cache)
+        store.flush()
+        restored, rest = store.fetch(tokens + [7])
+        assert list(rest) == [7] and store.stats()["memory_hits_store"] > 0
+        for mine, theirs in zip(restored, cache):
+            for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+                assert np.array_equal(np.array(a[..., :n, :].view(mx.uint16)), np.array(b[..., :n, :].view(mx.uint16)))
+        kv = store.stats()["block_bytes"]
+    assert cuda._addresses_work and cuda._staging and sum(copied) == kv
+    _assert_stored_bitwise(store_dir, model, tokens, cache, "cuda")

@@ -222,7 +222,7 @@ def _device_names(tree: ast.Module) -> list[tuple[int, str]]:
 
 
 def test_only_the_device_wing_names_a_device():
-    # Every other module asks the handle's `device.target.Target` (host_bits,
+    # Every other module asks the handle's `device.target.Target` (writer_route,
     # join_on_device, device, how read bytes reach the device) instead.
     found, used = [], {}
     for name, (_, tree) in MODULES.items():

@@ -13,10 +13,7 @@ the next call); and on a handle opened just before each call (its fingerprint ha
 without and with ``mx.clear_cache()`` after the open, with its fingerprint's lane sums
 reduced in small pieces and MLX's buffer cache left as it was, hashed by MLX ops where
 CUDA takes the lane kernel, with its fingerprint given
-(nothing hashed at the open), that with the cache cleared after the open, and that with
-the writer's copies kept from the call before
-(on CUDA a close that ends a process's last handle lets them go; the other handles this
-tool keeps open would otherwise keep them). ``--only`` keeps the variants whose names hold one of its
+(nothing hashed at the open), and that with the cache cleared after the open. ``--only`` keeps the variants whose names hold one of its
 words. Each line: the median, its ratio to mlx-lm's prefill, every round.
 
     python tools/prefill_variants.py [--small] [--tokens 256,4096,16384] [--rounds 5] [--only "opened,back"]
@@ -45,7 +42,6 @@ from user_paths_bench import mlx_prefill, prompt_ids  # noqa: E402
 
 from persistent_prefix_cache import PersistentPrefixCache, prefill  # noqa: E402
 from persistent_prefix_cache import weights_hash  # noqa: E402
-from persistent_prefix_cache.device import buffers  # noqa: E402
 
 
 class NullStore:
@@ -132,23 +128,8 @@ def variants(model: Any, work: Path) -> tuple[dict[str, Callable[[list[int]], An
         mx.synchronize()
         return time.perf_counter() - started
 
-    def fresh(
-        clear: bool, fingerprint: str | None = None, kept: bool = False, hashing: dict | None = None
-    ) -> Callable[[list[int]], float]:
+    def fresh(clear: bool, fingerprint: str | None = None, hashing: dict | None = None) -> Callable[[list[int]], float]:
         def run(ids: list[int]) -> float:
-            # As the README's example run as a program: its first store finds none of the
-            # writer's copies (CUDA, `WriterCopies`; a close that ends a process's last
-            # handle lets them go), where the handles this tool keeps open keep them (up to
-            # cfcd6e0 these variants reused those). `kept`: the process's copies, reused.
-            shared = buffers._writer_copies
-            if not kept:
-                buffers._writer_copies = None  # a pool of its own, made at its first store
-            try:
-                return timed(ids)
-            finally:
-                buffers._writer_copies = shared
-
-        def timed(ids: list[int]) -> float:
             count[0] += 1
             path = work / f"fresh-{count[0]}"
             with weights_hash.lane_settings(hashing or {}):
@@ -182,7 +163,6 @@ def variants(model: Any, work: Path) -> tuple[dict[str, Callable[[list[int]], An
         "... and MLX cache cleared": fresh(True),
         # Given, the fingerprint is not hashed at open (on a GPU: lane sums of every weight).
         "... fingerprint given": fresh(False, "given-" + "0" * 26),
-        "... writer copies kept": fresh(False, "given-" + "0" * 26, kept=True),
         "... given, MLX cache cleared": fresh(True, "given-" + "0" * 26),
         # The lane sums reduced 1M words a call, MLX's cache left as it was (the same value).
         "... hashed in small pieces": fresh(False, hashing=weights_hash.SMALL_PIECES),

@@ -19,7 +19,6 @@ from .cost_model import CostModel
 from .costs import Costs
 from .counters import HANDLE_COUNTERS, Counters
 from ..disk.index import Index
-from ..device.buffers import drop_writer_copies
 from ..device.target import device_memory, device_target
 from ..disk.segment import SegmentFiles
 from ..disk.store_dir import check_location, create_root, missing_folders, undo_creation
@@ -42,15 +41,6 @@ from .writeback import WriteBack
 
 # The handles open in this process (`store.PersistentPrefixCache` adds and discards itself).
 OPEN_HANDLES: "weakref.WeakSet[Any]" = weakref.WeakSet()
-
-
-def handle_closed(handle: Any) -> None:
-    """`handle` is closed: it leaves `OPEN_HANDLES`, and with none left open the writer's
-    kept copies (`device.buffers.WriterCopies`, CUDA) go back to MLX, as a closed store's
-    memory should."""
-    OPEN_HANDLES.discard(handle)
-    if not OPEN_HANDLES:
-        drop_writer_copies()
 
 
 @atexit.register

@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -76,8 +75,7 @@ class Storer:
         self._writeback, self._remote, self._sync_writes = writeback, remote, sync_writes
         self._index_damaged = index_damaged
         self._admission = admission
-        host = target.host_bits
-        self._host_bits = functools.partial(host, pause=pause) if host is not None and pause is not None else host
+        self._route = target.writer_route(pause)
 
     def store(self, tokens: Any, cache: Sequence[Any], *, admit: str = "always") -> int:
         """`PersistentPrefixCache.store` past the handle's check.
@@ -136,7 +134,7 @@ class Storer:
         direct = self._sync_writes and self._remote is None and not self._target.device
         new = layout.new_blocks(
             cache, keys, data, path, root=self._root, block_size=self._block_size, direct=direct,
-            host=self._host_bits,
+            host=self._route,
         )  # fmt: skip
         taught = None
         for node, tensors, _, _ in new:

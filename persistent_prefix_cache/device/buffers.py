@@ -8,9 +8,8 @@ writes would migrate pages (`join_on_device`, a GPU). Which of them a read gets 
 from __future__ import annotations
 
 import json
-import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable, cast
+from typing import Callable, Iterable, cast
 
 import mlx.core as mx
 import numpy as np
@@ -147,10 +146,6 @@ ALLOCATE_ZEROS = False
 # (`cuda.device_addresses`): no host view moves them (H100, 16k tokens of an 8B llama:
 # 1.5 ms made + 0.5 ms addressed, against 13-25 ms "managed"; seventeenth day).
 GPU_ALLOCATION = "zeros"
-# How `WriterCopies` makes a new buffer on a CUDA GPU: "managed" (`managed_empty`; an
-# H200's `prefill()` on an empty store 1.03-1.08 x mlx-lm's at 4k-16k tokens, against
-# 1.12-1.27 x with "zeros", new device buffers: docs/performance.md, twelfth day).
-WRITER_ALLOCATION = "managed"
 
 
 def on_gpu() -> bool:
@@ -234,91 +229,47 @@ def stacked_copy(arrays: list[mx.array]) -> mx.array:
     return mx.concatenate(arrays, axis=0) if len(arrays) > 1 else device_copy(arrays[0])
 
 
-class WriterCopies:
-    """Buffers of managed memory the writer's copies are made in on a CUDA GPU, kept and
-    made again.
+class WriterRoute:
+    """How a store's writer takes the copies of new KV made on a CUDA GPU to the host
+    without moving a page of device memory (the caller's next forward and the RAM tier's
+    next restore want them where they are).
 
-    A host view of an MLX buffer in device memory moves it into managed memory (MLX's
-    allocator: a new managed block, a synchronous copy, the old block freed), and the
-    buffer protocol makes that move with the GIL held: the caller's Python waits for
-    it (~150 ms for a 2 GiB store on an H100, docs/performance.md). A copy written
-    into a managed buffer by a slice update that donates it needs no move: the writer
-    keeps the buffers it has copied to the host and the next copy of that size class
-    goes into one (measured on H100s: docs/performance.md, "sixth day"). A new buffer is
-    made as managed memory from the start (`managed_empty`, `WRITER_ALLOCATION`), so
-    its first view moves nothing either. The kept buffers stay allocated while a handle
-    of the process is open (`drop_writer_copies`).
+    The caller's thread evaluates each copy together with its device address
+    (`cuda.device_addresses`: a kernel given the array, in the same evaluation); the
+    writer's thread copies the bytes at that address by the copy engine through pinned
+    pieces (`cuda.from_device`). So a copy is a plain device buffer from MLX's cache,
+    which the RAM tier can keep as well: no managed buffer made for the writer (1.1 ms on
+    a handle's first store, 256 tokens of an 8B llama on an H100), no second copy for the
+    RAM tier. Where MLX cannot run the address kernel or the driver refuses, the writer
+    takes a host view instead (which moves the buffer into managed memory: slower, the
+    same bits) and the caller is told to keep a separate copy for the RAM tier.
 
     Args:
-        keep_bytes: The most bytes kept between stores (the rest MLX frees).
+        pause: Called before each pinned piece is copied (the writer's
+            `ReadsFirst.wait`: a restore goes first).
     """
 
-    def __init__(self, keep_bytes: int):
-        self.keep_bytes = keep_bytes
-        self._free: dict[tuple[int, ...], list[mx.array]] = {}  # by shape: (rows, bytes a row)
-        self._kept = 0
-        self._lock = threading.Lock()
-        self.reused = 0  # copies made into a kept buffer (for tests and tools)
+    def __init__(self, pause: Callable[[], None] | None = None):
+        self._pause = pause
 
-    def place(self, x: mx.array) -> mx.array:
-        """A lazy ``uint8`` array of rows as wide as `x`'s last axis in bytes, whose first
-        rows hold `x`'s bytes (row order), in a kept buffer of `x`'s size class when one
-        is free (on the caller's thread, which evaluates it). Rows, not one flat axis: MLX's
-        axes count to 2**31, and one 16k-token store of an 8B model is 2 GiB."""
-        width = x.shape[-1] * x.itemsize if x.ndim and x.shape[-1] else x.itemsize
-        rows = x.nbytes // width
-        key = (size_class(rows), width)
-        with self._lock:
-            free = self._free.get(key)
-            buf = free.pop() if free else None
-            if buf is not None:
-                self._kept -= buf.nbytes
-                self.reused += 1
-        if buf is None and WRITER_ALLOCATION == "managed":
-            buf = (managed_empty([("b", key, "U8")]) or {}).get("b")
-        if buf is None:
-            buf = mx.zeros(key, dtype=mx.uint8)
-        buf[:rows] = x.view(mx.uint8).reshape(rows, width)  # the kept array's only reference: donated
-        return buf
+    def evaluate(self, arrays: list[mx.array]) -> list[int | None]:
+        """Evaluate `arrays` (on the caller's thread) and say where each sits on the device
+        where the writer can copy it from there (else None: it takes a host view)."""
+        addresses = cuda.device_addresses(arrays) if cuda.stager_possible() else None
+        if addresses is None:
+            mx.eval(arrays)
+            return [None] * len(arrays)
+        return list(addresses)
 
-    def keep(self, buf: mx.array) -> None:
-        """Keep `buf` (from `place`, its bytes copied to the host, no view of it left)
-        for a later copy, within `keep_bytes`."""
-        with self._lock:
-            if self._kept + buf.nbytes <= self.keep_bytes:
-                self._free.setdefault(tuple(buf.shape), []).append(buf)
-                self._kept += buf.nbytes
-
-    def clear(self) -> None:
-        """Let every kept buffer go (MLX frees them)."""
-        with self._lock:
-            self._free.clear()
-            self._kept = 0
-
-
-def size_class(count: int) -> int:
-    """`count` rounded up to one of eight steps per power of two (at most 1/8 more)."""
-    count = max(1, count)
-    step = max(1, (1 << (count.bit_length() - 1)) // 8)
-    return -(-count // step) * step
-
-
-_writer_copies: WriterCopies | None = None
-
-
-def writer_copies() -> WriterCopies:
-    """The process's `WriterCopies` (every handle's writer shares them), keeping at most
-    1/16 of the memory MLX may use."""
-    global _writer_copies
-    if _writer_copies is None:
-        _writer_copies = WriterCopies(int(mx.get_memory_limit()) // 16)
-    return _writer_copies
-
-
-def drop_writer_copies() -> None:
-    """Let the process's kept writer copies go, if it has any (the last handle closed)."""
-    if _writer_copies is not None:
-        _writer_copies.clear()
+    def bits(self, array: mx.array, address: int | None) -> np.ndarray:
+        """The bits of evaluated `array` (unsigned ints) in host memory, on the writer's
+        thread: copied from `address` where given and the copy works, else read through a
+        host view (`cuda.to_host`)."""
+        if address is not None:
+            got = cuda.from_device(address, array.nbytes, pause=self._pause)
+            if got is not None:
+                return got.view(f"<u{array.itemsize}").reshape(array.shape)
+        return cuda.to_host(np.asarray(memoryview(array)), pause=self._pause)  # type: ignore[arg-type]  # MLX stubs: no buffer protocol
 
 
 class HostBits:

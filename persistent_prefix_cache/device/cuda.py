@@ -91,6 +91,7 @@ class _Driver:
         lib.cuEventSynchronize.argtypes = [ctypes.c_void_p]
         lib.cuMemcpyDtoHAsync_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
         lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
+        lib.cuMemcpyDtoH_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
 
     @staticmethod
     def _check(status: int, what: str) -> None:
@@ -153,6 +154,11 @@ class _Driver:
         """Start copying device (or managed) bytes to host memory on a lane's `stream` (a
         writer's copy never waits behind a reader's); `record_on` marks it."""
         self._check(self.lib.cuMemcpyDtoHAsync_v2(dst, src, nbytes, stream), "cuMemcpyDtoHAsync")
+
+    def read(self, dst: int, src: int, nbytes: int) -> None:
+        """Copy device bytes to host memory and wait (a few bytes: `device_addresses`' check)."""
+        self._on_this_thread()
+        self._check(self.lib.cuMemcpyDtoH_v2(dst, src, nbytes), "cuMemcpyDtoH")
 
     def record_on(self, event, stream: ctypes.c_void_p) -> None:
         """Mark `event` once what `stream` holds now is done."""
@@ -293,6 +299,32 @@ def _copy_to_host(driver: _Driver, out: np.ndarray, src: int, pause: Callable[[]
                     pass
 
 
+def from_device(address: int, nbytes: int, *, pause: Callable[[], None] | None = None) -> np.ndarray | None:
+    """``nbytes`` bytes of device memory at `address` (`device_addresses`) in a new host
+    array of bytes, copied by the copy engine through a lane's pinned pieces (`pause` is
+    called before each): nothing on the device moves. Its ends are read again by a plain
+    driver copy and compared. None where staging does not run here, or where a driver call
+    failed or the ends disagree (staging then stops for the process)."""
+    driver = _get_driver() if stager_possible() else None
+    if driver is None:
+        return None
+    out = np.empty(nbytes, dtype=np.uint8)
+    ends = np.empty(2 * min(nbytes, _CHECK_BYTES), dtype=np.uint8)
+    half = len(ends) // 2
+    try:
+        if nbytes:
+            _copy_to_host(driver, out, address, pause)
+            driver.read(ends.ctypes.data, address, half)
+            driver.read(ends[half:].ctypes.data, address + nbytes - half, half)
+    except OSError:
+        _stop_staging()
+        return None
+    if not (np.array_equal(out[:half], ends[:half]) and np.array_equal(out[nbytes - half :], ends[half:])):
+        _stop_staging()
+        return None
+    return out
+
+
 def wait() -> None:
     """Wait for the moves `prefetch` started (on any thread)."""
     driver = _get_driver() if MODE in ("prefetch", "stage") else None
@@ -419,38 +451,79 @@ _ADDRESS_PTX = b"""
 }
 """
 _addresses_work = True  # cleared for the process where MLX cannot run the kernel
+_addresses_checked = False  # set once the first call has checked the route end to end
+_CHECK_WORDS = 1024  # words of the check's array
+
+
+def _address_kernels(arrays: Sequence) -> list:
+    """One lazy ``uint64`` array per MLX array: its address, written by a one-thread kernel."""
+    import mlx.core as mx
+
+    return [
+        mx.fast.precompiled_cuda_kernel(
+            name="ppc_address", compiled_source=_ADDRESS_PTX, inputs=[a], output_shapes=[(1,)],
+            output_dtypes=[mx.uint64], scalars=[], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+        )[0]
+        for a in arrays
+    ]  # fmt: skip
+
+
+def _addresses_read_back() -> bool:
+    """Whether the bytes at the address the kernel gives for a device array are that
+    array's, as the driver reads them: every copy by address (a restore's, a writer's)
+    trusts the kernel's parameter layout and the driver alike, so the first call checks
+    both, once per process, on an array computed on the device."""
+    import mlx.core as mx
+
+    driver = _get_driver()
+    if driver is None:
+        return False
+    mult = 2654435761  # distinct words, none zero but the first
+    x = mx.arange(_CHECK_WORDS, dtype=mx.uint32) * mult
+    want = np.arange(_CHECK_WORDS, dtype=np.uint32) * np.uint32(mult)
+    (out,) = _address_kernels([x])
+    mx.eval(out)
+    got = np.zeros(_CHECK_WORDS, dtype=np.uint32)
+    try:
+        driver.read(got.ctypes.data, int(cast(int, out.item())), got.nbytes)
+    except OSError:
+        return False
+    return bool(np.array_equal(got, want))
 
 
 def device_addresses(arrays: Sequence) -> list[int] | None:
     """Where evaluated MLX arrays' bytes sit in device memory, each read by a one-thread
-    kernel given the array, so that a restore's copies can go straight there.
+    kernel given the array, so that copies (a restore's, a writer's) can go straight
+    there or from there.
 
     The host asking for an MLX array's address (a memoryview) makes MLX move a device
     buffer into managed memory first: a new managed block and a synchronous copy of the
     whole buffer, 145-149 ms for the 64 buffers of a 16k-token restore of an 8B llama on
     an H100 (``tools/first_restore.py +phases``, docs/performance.md). A kernel is given
-    the address as it is.
+    the address as it is. The process's first call checks, once, that the driver reads
+    an array's own bytes at the address given (`_addresses_read_back`).
 
     Args:
-        arrays: Evaluated, contiguous MLX arrays on the GPU, each owning its buffer.
+        arrays: Contiguous MLX arrays on the GPU, each owning its buffer (or a view of
+            one from its start); lazy ones are evaluated in the same evaluation as their
+            addresses.
 
     Returns:
         One address per array, or None where this MLX cannot run a precompiled CUDA
-        kernel (then for the process: the caller takes host views instead).
+        kernel or the check failed (then for the process: the caller takes host views).
     """
-    global _addresses_work
+    global _addresses_work, _addresses_checked
     import mlx.core as mx
 
     if not _addresses_work:
         return None
     try:
-        outs = [
-            mx.fast.precompiled_cuda_kernel(
-                name="ppc_address", compiled_source=_ADDRESS_PTX, inputs=[a], output_shapes=[(1,)],
-                output_dtypes=[mx.uint64], scalars=[], grid=(1, 1, 1), threadgroup=(1, 1, 1),
-            )[0]
-            for a in arrays
-        ]  # fmt: skip
+        if not _addresses_checked:
+            _addresses_checked = True
+            if not _addresses_read_back():
+                _addresses_work = False
+                return None
+        outs = _address_kernels(arrays)
         mx.eval(outs)
         return [int(cast(int, x.item())) for x in outs]
     except (AttributeError, RuntimeError, ValueError, TypeError):  # an MLX without the call, a refused module or launch

@@ -7,13 +7,13 @@ sizes the RAM tier's and `ppc serve`'s default budgets)."""
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from ..blocks import dtype_info, np_uint
 from . import cuda, readers
-from .buffers import Arena, HostBits, allocate, on_gpu
+from .buffers import Arena, HostBits, WriterRoute, allocate, on_gpu
 
 # How RAM-tier blocks are joined: None by device (`device_target`), or "mlx" / "numpy"
 # (tests and ``tools/gpu_bench.py --ram-join`` set it, to measure both).
@@ -43,13 +43,16 @@ class Target:
         self.device = not host and cuda.on_cuda()
         self._used = 0  # bytes of the arena handed out
 
-    @property
-    def host_bits(self):
-        """How a writer takes the bits of a store's copy of new KV (numpy over MLX
-        memory) to the host: on a CUDA GPU `cuda.to_host`, a copy by the copy
-        engine (the device's pages stay where the RAM tier and the next forward want
-        them); elsewhere None: it reads them in place."""
-        return cuda.to_host if self.device else None
+    def writer_route(self, pause: Callable[[], None] | None = None) -> WriterRoute | None:
+        """How a writer takes the bits of a store's copy of new KV to the host: on a CUDA
+        GPU a `WriterRoute` (by the copy engine from the copy's device address: the
+        device's pages stay where the RAM tier and the next forward want them); elsewhere
+        None: it reads them in place.
+
+        Args:
+            pause: Called before each piece the route copies (the writer's `ReadsFirst.wait`).
+        """
+        return WriterRoute(pause) if self.device else None
 
     def allocate(self, specs: list[tuple[str, tuple[int, ...], str]]) -> dict:
         """Buffers of these shapes and safetensors dtypes, contents undefined: MLX arrays

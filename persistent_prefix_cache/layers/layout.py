@@ -7,13 +7,13 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Set
-from typing import Any, Callable, Sequence, cast
+from typing import Any, Sequence, cast
 
 import mlx.core as mx
 import numpy as np
 
 from ..blocks import FIELDS, RESUMABLE, TRIMMABLE, CutFrom, Kind, Node, Tensors, dtype_info, mx_uint, sliced_spec
-from ..device.buffers import stacked_copy, writer_copies
+from ..device.buffers import WriterRoute, stacked_copy
 from ..errors import UnsupportedCacheError
 from ..keys import chain_start
 from .adapters import (
@@ -197,7 +197,7 @@ class Layout:
         root: bytes,
         block_size: int,
         direct: bool = False,
-        host: Callable[[np.ndarray], np.ndarray] | None = None,
+        host: WriterRoute | None = None,
     ) -> list[tuple[Node, Mapping[str, Tensors], Mapping, dict]]:
         """The blocks of `cache` after the stored `path`, with their index records.
 
@@ -212,10 +212,10 @@ class Layout:
                 for a writer the caller waits for, which must be done with them before
                 the caller goes on); `evaluate` then makes the copy the tensors are
                 views of (the RAM tier's), while the writer writes.
-            host: What the writer writes of each field's copy, given its numpy bits
-                (`Target.host_bits`): called once per field, on the thread that first
-                reads a block's bits (the writer's). Given (a CUDA GPU), the writer
-                reads a device copy of its own.
+            host: How the writer takes the copies to the host (`Target.writer_route`):
+                given (a CUDA GPU), fields of one shape and dtype are one copy, evaluated
+                with its device address, which the RAM tier's tensors are views of and the
+                writer copies from on its own thread.
 
         Returns:
             ``(node, tensors by leaf, bits by leaf, origin by leaf)`` per new block:
@@ -239,43 +239,53 @@ class Layout:
         # Sequence leaves: one copy per field of every new position (not one per block:
         # thousands of small copies were most of the caller's cost), blocks as views.
         offset, by_id = len(path) * bs, dict(leaves(cache))
-        ranges, sources = {}, {}
+        sources: dict[str, dict[str, mx.array]] = {}
         for lid, _, adapter in self.leaves:
             if adapter.kind == SEQ:
                 held, first = adapter.held(by_id[lid])
                 sources[lid] = {f: x[..., offset - first : n - first, :] for f, x in held.items()}
-                ranges[lid] = {f: mx.contiguous(x) for f, x in sources[lid].items()}
-        # What the writer reads, per field: the copy, or (direct) the caller's buffers,
-        # as numpy bits taken once per field; each block's bits are numpy slices of
-        # them (thousands of MLX slices and their evaluation cost more than the copy).
-        written = sources if direct else ranges
+        ranges: dict[str, dict[str, mx.array]] = {}
         packs: list[Pack]
         if host is None:
+            # What the writer reads, per field: the copy, or (direct) the caller's buffers,
+            # as numpy bits taken once per field; each block's bits are numpy slices of
+            # them (thousands of MLX slices and their evaluation cost more than the copy).
+            ranges = {lid: {f: mx.contiguous(x) for f, x in fields.items()} for lid, fields in sources.items()}
+            written = sources if direct else ranges
             packs = [
                 (_as_uint(x), [(lid, f, dtype_info(x.dtype)[0])], None)
                 for lid, fields in written.items()
                 for f, x in fields.items()
             ]
+            mx.eval([u for u, _, _ in packs])
         else:
             # A GPU with memory of its own (CUDA): a host view of an MLX buffer moves it into
             # managed memory (MLX's allocator: a copy, made with the GIL held, so the caller's
             # Python waits for it; docs/performance.md), which must never befall the caller's
-            # cache (the range of a full buffer is that buffer) nor the RAM tier's copy: the
-            # writer gets a copy of its own, viewed on its own thread. Fields of one shape and
-            # dtype are one copy (stacked along the batch): one copy to the host for all of a
-            # store's layers, not one per field.
+            # cache (the range of a full buffer is that buffer) nor the RAM tier's copy. Fields
+            # of one shape and dtype are one copy (stacked along the batch: one kernel for all
+            # of a store's layers), evaluated with its device address, which the writer copies
+            # from by the copy engine (`WriterRoute`); the RAM tier keeps views of it.
             alike: dict[tuple, list[tuple[str, str, str]]] = {}
             for lid, fields in sources.items():
                 for f, x in fields.items():
                     alike.setdefault((x.dtype, tuple(x.shape)), []).append((lid, f, dtype_info(x.dtype)[0]))
-            # The copy is made in a managed buffer the writer kept from an earlier store where
-            # one is free (`WriterCopies`: its view then moves nothing).
-            copies = writer_copies()
-            packs = []
-            for names in alike.values():
-                u = _as_uint(stacked_copy([sources[lid][f] for lid, f, _ in names]))
-                packs.append((copies.place(u), names, (tuple(u.shape), u.itemsize)))
-        mx.eval([u for u, _, _ in packs])
+            stacks = [stacked_copy([sources[lid][f] for lid, f, _ in names]) for names in alike.values()]
+            bits = [_as_uint(stack) for stack in stacks]
+            addresses = host.evaluate(bits)
+            packs = list(zip(bits, alike.values(), addresses))
+            # The RAM tier's copies: views of the stacks, or (no address: the writer's host view
+            # moves a stack) copies of their own.
+            stacked: dict[tuple[str, str], mx.array] = {}
+            for stack, names, address in zip(stacks, alike.values(), addresses):
+                batch = stack.shape[0] // len(names)
+                for i, (lid, f, _) in enumerate(names):
+                    if address is not None:
+                        stacked[lid, f] = stack[i * batch : (i + 1) * batch]
+            ranges = {
+                lid: {f: stacked[lid, f] if (lid, f) in stacked else mx.contiguous(x) for f, x in fields.items()}
+                for lid, fields in sources.items()
+            }  # fmt: skip
         whole = WholeBits(packs, host)
         # Every leaf sliced along the sequence, every block before holding its slice: each
         # new block resumes (and trims) like the first, whose flags are worked out once
@@ -354,11 +364,10 @@ class Layout:
 class WholeBits:
     """Each sequence field's bits of one `Layout.new_blocks` call, shared by its blocks:
     evaluated MLX arrays of unsigned ints, each holding one field or several stacked along
-    the batch (``(array, [(leaf, field, dtype name), ...])``), taken to numpy (and through
-    `host`, where one is given) once, by the first thread that asks (the writer's: on a
-    CUDA GPU taking them moves their buffer)."""
+    the batch (`Pack`), taken to the host (by `host`, where one is given) once, by the
+    first thread that asks (the writer's)."""
 
-    def __init__(self, packs: list[Pack], host: Callable[[np.ndarray], np.ndarray] | None):
+    def __init__(self, packs: list[Pack], host: WriterRoute | None):
         self._packs, self._host, self._lock = packs, host, threading.Lock()
         self._leaves = {lid for _, names, _ in packs for lid, _, _ in names}
         self._fields: dict[str, dict[str, tuple]] | None = None
@@ -374,32 +383,22 @@ class WholeBits:
         if self._fields is None:
             with self._lock:
                 if self._fields is None:
-                    fields, done = self._to_host()
-                    self._fields, self._packs = fields, []
-                    copies = writer_copies()
-                    while done:  # its views are gone, and `_packs` let go: the next copy donates it
-                        copies.keep(done.pop())
+                    # Once taken, the copies are let go (a RAM tier's views may keep them).
+                    self._fields, self._packs = self._to_host(), []
         return self._fields[lid]
 
-    def _to_host(self) -> tuple[dict[str, dict[str, tuple]], list[mx.array]]:
-        """Every field's bits, and the `WriterCopies` buffers whose bytes the host now
-        holds (no view of them outlives this call)."""
+    def _to_host(self) -> dict[str, dict[str, tuple]]:
+        """Every field's bits in host memory."""
         fields: dict[str, dict[str, tuple]] = {}
-        done: list[mx.array] = []
-        for u, names, stack in self._packs:
-            bits = np.asarray(memoryview(u))  # type: ignore[arg-type]  # MLX stubs: no buffer protocol
-            if stack is not None:  # a `WriterCopies` buffer: the copy is its first rows
-                shape, itemsize = stack
-                bits = bits[: int(np.prod(shape)) * itemsize // bits.shape[1]].view(f"u{itemsize}").reshape(shape)
+        for u, names, address in self._packs:
             if self._host is not None:
-                copied = self._host(bits)
-                if stack is not None and copied is not bits:  # (staging off: the bits are read in place)
-                    done.append(u)
-                bits = copied
+                bits = self._host.bits(u, address)
+            else:
+                bits = np.asarray(memoryview(u))  # type: ignore[arg-type]  # MLX stubs: no buffer protocol
             batch = bits.shape[0] // len(names)
             for i, (name, f, dtype) in enumerate(names):
                 fields.setdefault(name, {})[f] = (bits[i * batch : (i + 1) * batch], dtype)
-        return fields, done
+        return fields
 
 
 class BlockBits(Mapping):
@@ -429,8 +428,8 @@ class BlockBits(Mapping):
 
 
 # A writer's copy: its MLX array, the (leaf, field, dtype name) of each field stacked in it,
-# and for a `WriterCopies` buffer (rows of bytes) the stack's shape and item size (else None).
-Pack = tuple[mx.array, list[tuple[str, str, str]], "tuple[tuple[int, ...], int] | None"]
+# and its device address where the writer copies it from there (`WriterRoute`; else None).
+Pack = tuple[mx.array, list[tuple[str, str, str]], "int | None"]
 
 
 def _as_uint(x: mx.array) -> mx.array:
