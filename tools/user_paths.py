@@ -261,6 +261,12 @@ def child(spec_path: str) -> int:
     if "chat" in job:
         chat = job["chat"]
         conv, paths = chat["tokens"], chat["paths"]
+        # The resume's last forward (one token over the restored cache) is the process's
+        # first at this cache length, which costs 55-90 ms on an H100 for mlx-lm too
+        # (docs/performance.md, eighteenth day), and the recompute after it found those
+        # kernels ready: a prefill of other tokens of this length warms both sides alike.
+        vocab = model.args.vocab_size
+        mlx_prefill(model, [(t + 1) % vocab for t in conv])
         # First what a user does after a restart: resume the conversation (default options).
         with PersistentPrefixCache(paths["turns"], model, **options) as store:
             resume, _ = clock(lambda: prefill(model, conv, store))
