@@ -9,20 +9,20 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from persistent_prefix_cache.device import cuda
+from persistent_prefix_cache.device import addresses, cuda
 
 
 @pytest.fixture(autouse=True)
 def address_state(monkeypatch):
-    """What a test learns of the address kernel (`cuda.device_addresses`) and of staging
+    """What a test learns of the address kernel (`addresses.device_addresses`) and of staging
     stays in that test (on this machine the kernel cannot run: the first call clears it)."""
-    monkeypatch.setattr(cuda, "_addresses_work", True)
-    monkeypatch.setattr(cuda, "_addresses_checked", False)
+    monkeypatch.setattr(addresses, "_addresses_work", True)
+    monkeypatch.setattr(addresses, "_addresses_checked", False)
     monkeypatch.setattr(cuda, "_staging", True)
 
 
 def _host_addresses(arrays):
-    """`cuda.device_addresses` where MLX's memory is the host's: the arrays' host addresses."""
+    """`addresses.device_addresses` where MLX's memory is the host's: the arrays' host addresses."""
     mx.eval(arrays)
     return [np.frombuffer(memoryview(a).cast("B"), np.uint8).ctypes.data if a.nbytes else 0 for a in arrays]
 
@@ -277,7 +277,7 @@ def test_a_segment_the_path_mostly_needs_is_read_whole_and_checked_once(monkeypa
 
 
 def _by_address(monkeypatch) -> list:
-    """From now on a staged restore is given its buffers' addresses (`cuda.device_addresses`:
+    """From now on a staged restore is given its buffers' addresses (`addresses.device_addresses`:
     a kernel on CUDA; here, where MLX's memory is the host's, their host addresses), and
     every host view the read path takes of an MLX array is counted (on CUDA each moves a
     device buffer into managed memory). Returns the list the views are counted in."""
@@ -290,7 +290,7 @@ def _by_address(monkeypatch) -> list:
             views.append(x.shape)
         return memoryview(x)
 
-    monkeypatch.setattr(cuda, "device_addresses", _host_addresses)
+    monkeypatch.setattr(addresses, "device_addresses", _host_addresses)
     monkeypatch.setattr(read_path, "memoryview", counted, raising=False)
     return views
 
@@ -454,7 +454,7 @@ def _store_on_cuda(monkeypatch, store_dir, driver, *, by_address: bool, seed: in
         m.setattr(cuda, "on_cuda", lambda: True)
         m.setattr(cuda, "_get_driver", lambda: driver)
         if by_address:
-            m.setattr(cuda, "device_addresses", _host_addresses)
+            m.setattr(addresses, "device_addresses", _host_addresses)
         with PersistentPrefixCache(store_dir, model, block_size=BLOCK, **options) as store:
             store.store(tokens, cache)
             store.flush()
@@ -577,11 +577,11 @@ def test_the_first_address_is_checked_by_reading_it_back(monkeypatch):
 
     monkeypatch.setattr(cuda, "_get_driver", lambda: _HostDriver())
     a = mx.arange(4096, dtype=mx.uint16)
-    monkeypatch.setattr(cuda, "_address_kernels", kernels(0))
-    assert cuda.device_addresses([a]) == _host_addresses([a]) and cuda._addresses_checked
-    monkeypatch.setattr(cuda, "_addresses_checked", False)
-    monkeypatch.setattr(cuda, "_address_kernels", kernels(4))
-    assert cuda.device_addresses([a]) is None and not cuda._addresses_work
+    monkeypatch.setattr(addresses, "_address_kernels", kernels(0))
+    assert addresses.device_addresses([a]) == _host_addresses([a]) and addresses._addresses_checked
+    monkeypatch.setattr(addresses, "_addresses_checked", False)
+    monkeypatch.setattr(addresses, "_address_kernels", kernels(4))
+    assert addresses.device_addresses([a]) is None and not addresses._addresses_work
     monkeypatch.setattr(cuda, "on_cuda", lambda: True)
     route = WriterRoute()
     b = mx.arange(10, dtype=mx.uint32) * 3
@@ -810,7 +810,7 @@ def test_a_store_on_a_gpu_writes_what_a_store_on_the_cpu_does(monkeypatch, tmp_p
                 m.setattr(cuda, "on_cuda", lambda: True)
                 m.setattr(cuda, "_get_driver", lambda: _HostDriver())
             if route == "gpu by address":
-                m.setattr(cuda, "device_addresses", _host_addresses)
+                m.setattr(addresses, "device_addresses", _host_addresses)
             with PersistentPrefixCache(path, model, **options) as store:
                 cache = prefill(model, tokens)[1] if kv_bits is None else store.make_cache()
                 if kv_bits is not None:
@@ -872,17 +872,19 @@ def test_where_mlx_cannot_run_the_address_kernel_reads_take_host_views(monkeypat
     # does not stage asks nothing (its reads take host views).
     from persistent_prefix_cache.device.target import device_target
 
-    monkeypatch.setattr(cuda, "_addresses_work", True)
+    monkeypatch.setattr(addresses, "_addresses_work", True)
     tried, real = [], mx.fast.precompiled_cuda_kernel
     monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", lambda **kw: tried.append(kw["name"]) or real(**kw))
     a = mx.zeros((4, 64), dtype=mx.bfloat16)
     mx.eval(a)
-    assert cuda.device_addresses([a]) is None and not cuda._addresses_work and tried == []  # no driver: no copy
-    monkeypatch.setattr(cuda, "_addresses_work", True)
-    monkeypatch.setattr(cuda, "_addresses_checked", False)
+    assert (
+        addresses.device_addresses([a]) is None and not addresses._addresses_work and tried == []
+    )  # no driver: no copy
+    monkeypatch.setattr(addresses, "_addresses_work", True)
+    monkeypatch.setattr(addresses, "_addresses_checked", False)
     monkeypatch.setattr(cuda, "_get_driver", lambda: _HostDriver())
-    assert cuda.device_addresses([a]) is None and not cuda._addresses_work
-    assert cuda.device_addresses([a]) is None and tried == ["ppc_address"]  # not tried again
+    assert addresses.device_addresses([a]) is None and not addresses._addresses_work
+    assert addresses.device_addresses([a]) is None and tried == ["ppc_address"]  # not tried again
     assert device_target().addresses([a]) is None  # off CUDA nothing is staged
 
 
@@ -911,5 +913,5 @@ def test_on_a_cuda_gpu_the_writer_copies_by_address_and_both_tiers_restore_bitwi
             for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
                 assert np.array_equal(np.array(a[..., :n, :].view(mx.uint16)), np.array(b[..., :n, :].view(mx.uint16)))
         kv = store.stats()["block_bytes"]
-    assert cuda._addresses_work and cuda._staging and sum(copied) == kv
+    assert addresses._addresses_work and cuda._staging and sum(copied) == kv
     _assert_stored_bitwise(store_dir, model, tokens, cache, "cuda")

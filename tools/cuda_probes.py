@@ -19,7 +19,7 @@ process pays what later ones do not: compare rounds, and rerun with the order sw
   (a first read of managed pages may cost what the next does not: the caller's first
   forward after a restore), three rounds of each; ``--managed-first`` swaps the order (a
   process's first managed memory costs once). Each round ends with zeros whose device
-  addresses a kernel reads (`cuda.device_addresses`: no host view, the read path's route).
+  addresses a kernel reads (`addresses.device_addresses`: no host view, the read path's route).
 
     python3 tools/cuda_probes.py link | stage [--streams] | alloc [--managed-first]
 
@@ -43,7 +43,7 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-from persistent_prefix_cache.device import buffers, cuda
+from persistent_prefix_cache.device import addresses, buffers, cuda
 from user_paths_bench import threads_seconds  # tools/: the measuring kit
 
 TOTAL = 2 << 30  # bytes each probe moves
@@ -208,7 +208,7 @@ def alloc(managed_first: bool) -> None:
         out = buffers.allocate(specs)
         made = _ms(started)
         started = time.perf_counter()
-        got = cuda.device_addresses(list(out.values()))
+        got = addresses.device_addresses(list(out.values()))
         if got is None:
             return "zeros + device addresses: this MLX cannot run the address kernel"
         return (

@@ -17,7 +17,7 @@ restored cache (the caller's next step, which reads every restored page). Modes:
 - ``sampled``: as ``before``, its first fetch sampled (where each thread's time went);
 - a suffix ``+prefetch`` (`device.cuda.MODE` "prefetch"), ``+managed``
   (`device.buffers.GPU_ALLOCATION` "managed"), ``+views`` (the stages copy through the
-  buffers' host views, not to their device addresses: `device.cuda.device_addresses`),
+  buffers' host views, not to their device addresses: `device.addresses.device_addresses`),
   ``+noram`` (no RAM tier: a restore admits nothing, so it makes no copies for it),
   ``+t1`` / ``+t4`` / ``+t12`` / ``+t16`` (reader threads sharing a restore), ``+p8`` /
   ``+p32`` (pinned pieces of 8 / 32 MiB, `device.cuda.STAGE_PIECE`), ``+check`` (each
@@ -145,7 +145,7 @@ def phases_in_order(spent: dict[str, float]) -> dict[str, float]:
 
 
 def child(model, mode: str, root: str, lengths: list[int]) -> None:
-    from persistent_prefix_cache.device import cuda, readers
+    from persistent_prefix_cache.device import addresses, cuda, readers
 
     if "+prefetch" in mode:
         cuda.MODE = "prefetch"
@@ -159,7 +159,7 @@ def child(model, mode: str, root: str, lengths: list[int]) -> None:
         global CHECK
         CHECK = True
     if "+views" in mode:
-        cuda._addresses_work = False  # the buffers' host views, not their device addresses
+        addresses._addresses_work = False  # the buffers' host views, not their device addresses
     if "+phases" in mode:
         global PHASER
         PHASER = Phases(FETCH_PHASES)

@@ -46,7 +46,7 @@ PHASES = [
     ("persistent_prefix_cache.layers.layout", "Layout.new_blocks"),
     ("persistent_prefix_cache.layers.layout", "stacked_copy"),
     ("persistent_prefix_cache.device.buffers", "WriterRoute.evaluate"),
-    ("persistent_prefix_cache.device.cuda", "device_addresses"),
+    ("persistent_prefix_cache.device.addresses", "device_addresses"),
     ("persistent_prefix_cache.layers.layout", "Layout.learn_fields"),
     ("persistent_prefix_cache.layers.layout", "Layout.evaluate"),
     ("persistent_prefix_cache.tiers.memory", "MemoryTier.put"),

@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..blocks import Tensors, dtype_info, is_sliced, mx_dtype, mx_uint
-from . import cuda
+from . import addresses, cuda
 
 
 # How an `Arena` is made: "cpu" zeros it on MLX's CPU stream, evaluated asynchronously,
@@ -143,7 +143,7 @@ ALLOCATE_ZEROS = False
 # restore of 16k tokens 18 % faster, a later one of 4k 30 % slower, and the first
 # `prefill()` after a restart slower at 1k and 16k; docs/performance.md, twelfth day).
 # Zeros stay in device memory where the stages copy to their device addresses
-# (`cuda.device_addresses`): no host view moves them (H100, 16k tokens of an 8B llama:
+# (`addresses.device_addresses`): no host view moves them (H100, 16k tokens of an 8B llama:
 # 1.5 ms made + 0.5 ms addressed, against 13-25 ms "managed"; seventeenth day).
 GPU_ALLOCATION = "zeros"
 
@@ -235,7 +235,7 @@ class WriterRoute:
     next restore want them where they are).
 
     The caller's thread evaluates each copy together with its device address
-    (`cuda.device_addresses`: a kernel given the array, in the same evaluation); the
+    (`addresses.device_addresses`: a kernel given the array, in the same evaluation); the
     writer's thread copies the bytes at that address by the copy engine through pinned
     pieces (`cuda.from_device`). So a copy is a plain device buffer from MLX's cache,
     which the RAM tier can keep as well: no managed buffer made for the writer (1.1 ms on
@@ -255,11 +255,11 @@ class WriterRoute:
     def evaluate(self, arrays: list[mx.array]) -> list[int | None]:
         """Evaluate `arrays` (on the caller's thread) and say where each sits on the device
         where the writer can copy it from there (else None: it takes a host view)."""
-        addresses = cuda.device_addresses(arrays) if cuda.stager_possible() else None
-        if addresses is None:
+        where = addresses.device_addresses(arrays) if cuda.stager_possible() else None
+        if where is None:
             mx.eval(arrays)
             return [None] * len(arrays)
-        return list(addresses)
+        return list(where)
 
     def bits(self, array: mx.array, address: int | None) -> np.ndarray:
         """The bits of evaluated `array` (unsigned ints) in host memory, on the writer's

@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..blocks import dtype_info, np_uint
-from . import cuda, readers
+from . import addresses, cuda, readers
 from .buffers import Arena, HostBits, WriterRoute, allocate, on_gpu
 
 # How RAM-tier blocks are joined: None by device (`device_target`), or "mlx" / "numpy"
@@ -101,11 +101,11 @@ class Target:
 
     def addresses(self, arrays: Sequence) -> list[int] | None:
         """The device addresses of a read's evaluated buffers where reads go to the device
-        by stages (`cuda.device_addresses`: no host view, which would move them); None:
+        by stages (`addresses.device_addresses`: no host view, which would move them); None:
         the read takes host views."""
         if not self.staged():
             return None
-        return cuda.device_addresses(arrays)
+        return addresses.device_addresses(arrays)  # (the module: this method's name is not in scope)
 
     def start_moves(self, buffers: Sequence) -> bool:
         """Start moving these buffers to the device (`cuda.prefetch`); False: none started."""
