@@ -280,3 +280,87 @@ def test_the_callers_cache_grows_in_place_after_a_synchronous_store(tmp_path, mo
             before = [pointer(c.keys) for c in cache]
             feed(model, cache, [7])
             assert [pointer(c.keys) for c in cache] == before
+
+
+def _reference_digests(blocks, root, names) -> tuple[list[int], list[int]]:
+    """Each block's checksum and each field's digest as the format defines them (one hash
+    update per row piece), computed here without the writer."""
+    import xxhash
+
+    from persistent_prefix_cache.disk.digest_tags import block_tag, field_tag, run_tag
+
+    checksums = []
+    for node, tensors in blocks:
+        h = xxhash.xxh3_64()
+        h.update(block_tag(node))
+        for name in names:
+            lid, _, fld = name.rpartition(".")
+            bits, dtype = tensors[lid][fld]
+            b, heads, _, width = bits.shape
+            h.update(field_tag(name, dtype, b, heads, width))
+            for row in np.ascontiguousarray(bits).reshape(b * heads, -1).view(np.uint8):
+                h.update(row)
+        checksums.append(h.intdigest())
+    fields = []
+    for name in names:
+        lid, _, fld = name.rpartition(".")
+        whole = np.concatenate([np.ascontiguousarray(t[lid][fld][0]) for _, t in blocks], axis=2)
+        b, heads, tokens, width = whole.shape
+        h = xxhash.xxh3_64()
+        h.update(run_tag(name, "bfloat16", b, heads, width, blocks[0][0].position, tokens))
+        for row in whole.reshape(b * heads, -1).view(np.uint8):
+            h.update(row)
+        fields.append(h.intdigest())
+    return checksums, fields
+
+
+@pytest.mark.parametrize("join_below", [0, 1 << 30])
+@pytest.mark.parametrize("lying", ["one copy", "a wider copy", "a copy per block"])
+def test_digests_do_not_depend_on_how_the_rows_lie_in_memory(monkeypatch, join_below, lying):
+    # The writer hashes a field's rows as one chunk where they follow each other, and a
+    # block's pieces of the rows joined by one copy where they are short (`JOIN_PIECES_BYTES`):
+    # the checksums must be the format's, whichever way the bits lie and either way.
+    import xxhash
+
+    from persistent_prefix_cache.blocks import Node
+    from persistent_prefix_cache.disk.digest_tags import segment_tag
+
+    monkeypatch.setattr(segment_writer, "JOIN_PIECES_BYTES", join_below)
+    rng = np.random.default_rng(5)
+    root, n_blocks, bs, names = bytes(range(16)), 3, 4, ["0.k", "0.v", "1.k", "1.v"]
+    wide = rng.integers(0, 1 << 16, size=(len(names), 1, 2, n_blocks * bs + 5, 8), dtype=np.uint16)
+    if lying == "a wider copy":
+        source = wide[:, :, :, 2 : 2 + n_blocks * bs, :]  # rows strided: the copy holds more positions
+    else:
+        source = np.ascontiguousarray(wide[:, :, :, : n_blocks * bs, :])
+    blocks, parent = [], root
+    for i in range(n_blocks):
+        tensors: dict = {}
+        for k, name in enumerate(names):
+            lid, _, fld = name.rpartition(".")
+            piece = source[k, :, :, i * bs : (i + 1) * bs, :]
+            if lying == "a copy per block":
+                piece = np.ascontiguousarray(piece)
+            tensors.setdefault(lid, {})[fld] = (piece, "bfloat16")
+        key = bytes([i + 1]) * 16
+        tokens = np.arange(i * bs, (i + 1) * bs, dtype=np.int32).tobytes()
+        node = Node(key=key, parent=parent, position=i * bs, tokens=tokens, flags=0, size=0, checksum=0)
+        blocks.append((node, tensors))
+        parent = key
+    plan = segment_writer.plan_segment(b"s" * 16, blocks, root, b"model", bs)
+    written: list[bytes] = []
+    checksums, _, digest = plan.stream(lambda chunk: written.append(bytes(memoryview(chunk).cast("B"))))
+    want_checksums, want_fields = _reference_digests(blocks, root, names)
+    assert checksums == want_checksums
+    # The data in file order: each field's rows, whole, one after another (head-major).
+    data = b"".join(written)
+    expect = b"".join(
+        np.ascontiguousarray(source[k]).reshape(2, -1).view(np.uint8).tobytes() for k in range(len(names))
+    )
+    assert data == expect
+    # The whole-segment digest binds the checksums, then the fields' digests.
+    whole = xxhash.xxh3_64()
+    whole.update(segment_tag(b"s" * 16, root, want_checksums))
+    for d in want_fields:
+        whole.update(d.to_bytes(8, "little"))
+    assert digest == whole.intdigest()

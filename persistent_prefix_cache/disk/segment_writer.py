@@ -81,6 +81,23 @@ def _joined_rows(arrays: list[np.ndarray], first: int = 0) -> list[tuple[np.ndar
     return out
 
 
+# A block's pieces of a field's rows shorter than this are joined by one copy and hashed
+# as one (a hash call per row and block, each holding the GIL, was most of the writer's
+# Python for short blocks, and took it from a caller's thread launching kernels).
+JOIN_PIECES_BYTES = 64 << 10
+
+
+def _hash_rows(h: Any, pieces: np.ndarray) -> None:
+    """Hash the rows of `pieces` (``[rows, bytes]``, rows strided) into `h`, in order."""
+    if pieces.flags.c_contiguous:
+        h.update(pieces)
+    elif pieces.shape[1] < JOIN_PIECES_BYTES:
+        h.update(np.ascontiguousarray(pieces))
+    else:
+        for row in pieces:
+            h.update(row)
+
+
 # Data is handed to the disk in batches of about this many bytes: each is written, and
 # its writeback started, while the next is hashed (see `Sink`).
 BATCH_BYTES = 8 << 20
@@ -230,15 +247,19 @@ class SegmentPlan:
                 per_block[i].update(tag)  # before block i's pieces of this field
             h = xxhash.xxh3_64()
             h.update(whole_tag)
-            for r in range(rows):
-                for run, widths in runs:
-                    row = run[r]
-                    put(row)
-                    h.update(row)
-                    view, at = memoryview(row), 0
-                    for i, width in widths:  # block i's piece of this row: the order a read sees
-                        per_block[i].update(view[at : at + width])
-                        at += width
+            if len(runs) == 1 and runs[0][0].flags.c_contiguous:  # rows back to back: one chunk
+                put(runs[0][0])
+                h.update(runs[0][0])
+            else:
+                for r in range(rows):
+                    for run, _ in runs:
+                        put(run[r])
+                        h.update(run[r])
+            for run, widths in runs:
+                at = 0
+                for i, width in widths:  # block i's pieces of the rows, in row order: what a read sees
+                    _hash_rows(per_block[i], run[:, at : at + width])
+                    at += width
             field_digests.append(h.intdigest())
         digests = []
         for i, _, view, tag in self.snaps:
@@ -309,12 +330,17 @@ def plan_segment(
         raise ValueError("a model root key has 16 bytes")
     flat = [{f"{lid}.{f}": x for lid, part in tensors.items() for f, x in part.items()} for _, tensors in blocks]
     sliced: dict[str, list] = {}  # name -> [dtype, batch, heads, width, first block]
+    # Blocks of one store are alike: each (name, shape, dtype, tokens) is asked once.
+    specs: dict[tuple, list | None] = {}
     for i, ((node, _), tensors) in enumerate(zip(blocks, flat)):
         for name in sorted(tensors):
-            shape = _shape(tensors[name])
-            if not is_sliced(name, shape, node.n_tokens):
+            x = tensors[name]
+            asked = (name, _shape(x), _dtype(x), node.n_tokens)
+            if asked not in specs:
+                specs[asked] = sliced_spec(name, asked[2], asked[1]) if is_sliced(name, asked[1], asked[3]) else None
+            spec = specs[asked]
+            if spec is None:
                 continue
-            spec = sliced_spec(name, _dtype(tensors[name]), shape)
             if name not in sliced:
                 sliced[name] = spec + [i]
             elif sliced[name][:4] != spec:
