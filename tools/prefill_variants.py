@@ -9,7 +9,8 @@ beside it; with a real handle whose `store()` does nothing (its fetch and cost m
 run), and with the cost model off; with the real `store()` (RAM tier off, on, on a
 stream of its own, and right after another prompt's `prefill()` on the same handle: its
 writer busy during the timed call, where every other variant's writes are flushed before
-the next call); and on a handle opened just before each call (its fingerprint hashed),
+the next call; that with the writer flushed first, and with Python's thread switch
+interval at 0.2 ms instead of 5); and on a handle opened just before each call (its fingerprint hashed),
 without and with ``mx.clear_cache()`` after the open, with its fingerprint's lane sums
 reduced in small pieces and MLX's buffer cache left as it was, hashed by MLX ops where
 CUDA takes the lane kernel, with its fingerprint given
@@ -117,16 +118,30 @@ def variants(model: Any, work: Path) -> tuple[dict[str, Callable[[list[int]], An
         with mx.stream(stream):
             prefill(model, ids, handle("real-stream"))
 
-    def back_to_back(ids: list[int]) -> float:
+    def back_to_back(flushed: bool = False, switch: float | None = None) -> Callable[[list[int]], float]:
         # As a program that prefills prompt after prompt: the call before (untimed, another
         # prompt) leaves its writer copying and writing while the timed call computes.
-        store = handle("back-to-back")
-        prefill(model, [(t + 1) % model.args.vocab_size for t in ids], store)
-        mx.synchronize()
-        started = time.perf_counter()
-        prefill(model, ids, store)
-        mx.synchronize()
-        return time.perf_counter() - started
+        # ``flushed``: the writer done first (what is left is the call before's MLX state);
+        # ``switch``: Python's thread switch interval meanwhile (5 ms by default: a thread
+        # holding the GIL keeps a caller back from its next kernel launch that long).
+        def run(ids: list[int]) -> float:
+            store = handle(f"back-to-back{'-flushed' if flushed else ''}{'' if switch is None else f'-{switch}'}")
+            before = sys.getswitchinterval()
+            if switch is not None:
+                sys.setswitchinterval(switch)
+            try:
+                prefill(model, [(t + 1) % model.args.vocab_size for t in ids], store)
+                if flushed:
+                    store.flush()
+                mx.synchronize()
+                started = time.perf_counter()
+                prefill(model, ids, store)
+                mx.synchronize()
+                return time.perf_counter() - started
+            finally:
+                sys.setswitchinterval(before)
+
+        return run
 
     def fresh(clear: bool, fingerprint: str | None = None, hashing: dict | None = None) -> Callable[[list[int]], float]:
         def run(ids: list[int]) -> float:
@@ -158,7 +173,9 @@ def variants(model: Any, work: Path) -> tuple[dict[str, Callable[[list[int]], An
         "real store(), RAM tier off": lambda ids: prefill(model, ids, handle("ram-off", memory_bytes=0)),
         "real store()": lambda ids: prefill(model, ids, handle("real")),
         "real store(), own stream": in_stream,
-        "real store(), back to back": back_to_back,
+        "real store(), back to back": back_to_back(),
+        "... writer flushed between": back_to_back(flushed=True),
+        "... thread switch 0.2 ms": back_to_back(switch=0.0002),
         "handle opened before": fresh(False),
         "... and MLX cache cleared": fresh(True),
         # Given, the fingerprint is not hashed at open (on a GPU: lane sums of every weight).
