@@ -96,6 +96,11 @@ class _HostDriver:
         self.copies += 1
         ctypes.memmove(dst, src, nbytes)
 
+    def copy_rows(self, dst, dst_pitch, src, src_pitch, width, rows):
+        self.row_copies = getattr(self, "row_copies", 0) + 1  # one driver call for all the rows
+        for r in range(rows):
+            self.copy(dst + r * dst_pitch, src + r * src_pitch, width)
+
     def to_host(self, dst, src, nbytes, stream):
         import ctypes
 
@@ -180,6 +185,26 @@ def _fetches(monkeypatch, store_dir, family, driver, piece, fill=None, ask=None,
 # Pieces of 4 KiB split each row of a field (150 tokens x 64 bytes); of 1 MiB they hold
 # every row of it (2 KV heads: 2 rows, strided in the destination).
 STAGED = pytest.mark.parametrize("family, piece", [("llama", 4096), ("llama", 1 << 20), ("gemma3_text", 1 << 20)])
+
+
+def test_a_pieces_rows_go_to_the_device_by_one_driver_call(monkeypatch, store_dir):
+    # Pieces that hold several rows of a field (1 MiB: both of a llama field's rows) put
+    # them on the device by one 2D copy (`_Driver.copy_rows`), not one copy per row: a
+    # prompt stored in pieces had thousands of small copies, each with the copy engine's
+    # fixed cost. The restore stays bitwise the plain one.
+    driver = _HostDriver()
+    plain, staged = _fetches(monkeypatch, store_dir, "llama", driver, 1 << 20)
+    assert np.array_equal(plain, staged)
+    rows = getattr(driver, "row_copies", 0)
+    assert rows > 0 and driver.copies == 2 * rows  # every piece: its 2 rows by one call
+
+
+@pytest.mark.parametrize(
+    "offsets, length, alike",
+    [([0, 100, 200], 100, True), ([0, 100, 200], 101, False), ([0, 100, 210], 10, False), ([5], 1, False)],
+)
+def test_only_rows_a_step_apart_that_do_not_overlap_are_one_copy(offsets, length, alike):
+    assert cuda._evenly_spaced(offsets, length) is alike
 
 
 @STAGED

@@ -54,6 +54,21 @@ class _Location(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
 
 
+class _Copy2D(ctypes.Structure):
+    """``CUDA_MEMCPY2D``: `Height` rows of `WidthInBytes` bytes, each side's rows its pitch apart."""
+
+    _fields_ = [
+        ("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t), ("srcMemoryType", ctypes.c_int),
+        ("srcHost", ctypes.c_void_p), ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p),
+        ("srcPitch", ctypes.c_size_t),
+        ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t), ("dstMemoryType", ctypes.c_int),
+        ("dstHost", ctypes.c_void_p), ("dstDevice", ctypes.c_uint64), ("dstArray", ctypes.c_void_p),
+        ("dstPitch", ctypes.c_size_t), ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t),
+    ]  # fmt: skip
+
+
+_MEMORY_HOST, _MEMORY_DEVICE = 1, 2  # CU_MEMORYTYPE_HOST, CU_MEMORYTYPE_DEVICE
+_MAX_PITCH = (1 << 31) - 1  # what a 2D copy's pitch may be (CU_DEVICE_ATTRIBUTE_MAX_PITCH on current GPUs)
 _LOCATION_DEVICE = 1  # CU_MEM_LOCATION_TYPE_DEVICE
 _STREAM_NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING: never waits for MLX's own streams
 
@@ -92,6 +107,9 @@ class _Driver:
         lib.cuMemcpyDtoHAsync_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
         lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
         lib.cuMemcpyDtoH_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
+        self._copy2d: Any = getattr(lib, "cuMemcpy2DAsync_v2", None)
+        if self._copy2d is not None:
+            self._copy2d.argtypes = [ctypes.POINTER(_Copy2D), ctypes.c_void_p]
 
     @staticmethod
     def _check(status: int, what: str) -> None:
@@ -149,6 +167,18 @@ class _Driver:
     def copy(self, dst: int, src: int, nbytes: int) -> None:
         """Copy host bytes to device memory, on the stream."""
         self._check(self.lib.cuMemcpyHtoDAsync_v2(dst, src, nbytes, self.stream), "cuMemcpyHtoDAsync")
+
+    def copy_rows(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, rows: int) -> None:
+        """Copy `rows` rows of `width` host bytes, `src_pitch` apart, to device memory,
+        `dst_pitch` apart, on the stream: one copy of all (a field's rows were one copy
+        each: thousands of small ones for a prompt stored in pieces)."""
+        if self._copy2d is None or max(dst_pitch, src_pitch) > _MAX_PITCH:
+            for r in range(rows):
+                self.copy(dst + r * dst_pitch, src + r * src_pitch, width)
+            return
+        c = _Copy2D(srcMemoryType=_MEMORY_HOST, srcHost=src, srcPitch=src_pitch, dstMemoryType=_MEMORY_DEVICE,
+                    dstDevice=dst, dstPitch=dst_pitch, WidthInBytes=width, Height=rows)  # fmt: skip
+        self._check(self._copy2d(ctypes.byref(c), self.stream), "cuMemcpy2DAsync")
 
     def to_host(self, dst: int, src: int, nbytes: int, stream: ctypes.c_void_p) -> None:
         """Start copying device (or managed) bytes to host memory on a lane's `stream` (a
@@ -416,8 +446,14 @@ class Stager:
             threads.next = (threads.next + 1) % len(self.ring)
             try:
                 src = slot[0].ctypes.data
-                for offset, where in zip(offsets, at):
-                    self.driver.copy(self.base + offset, src + where, length)
+                if _evenly_spaced(offsets, length) and _evenly_spaced(at, length):  # rows of a field: one copy
+                    dst_pitch, src_pitch = offsets[1] - offsets[0], at[1] - at[0]
+                    self.driver.copy_rows(
+                        self.base + offsets[0], dst_pitch, src + at[0], src_pitch, length, len(offsets)
+                    )
+                else:
+                    for offset, where in zip(offsets, at):
+                        self.driver.copy(self.base + offset, src + where, length)
                 self.driver.record(slot[1])
                 slot[2] = True
                 return
@@ -428,6 +464,15 @@ class Stager:
             raise OSError("a staged copy failed and the destination has no host view")
         for offset, where in zip(offsets, at):
             self.dest[offset : offset + length] = piece[where : where + length]
+
+
+def _evenly_spaced(offsets: list[int], length: int) -> bool:
+    """Whether `offsets` are two or more, the same step apart, and stretches of `length`
+    bytes there do not overlap."""
+    if len(offsets) < 2:
+        return False
+    step = offsets[1] - offsets[0]
+    return step >= length and all(b - a == step for a, b in zip(offsets, offsets[1:]))
 
 
 _staging = True  # cleared for the process when a driver call of `Stager` fails
