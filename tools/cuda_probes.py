@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What a CUDA host gives a restore, part by part (a diagnostic; CUDA only).
 
-Three probes, each in the process that runs it, each round printed (the first of a
+Four probes, each in the process that runs it, each round printed (the first of a
 process pays what later ones do not: compare rounds, and rerun with the order swapped):
 
 - ``link``: pinned host memory copied to the device by the copy engine (2 GiB in 2, 32
@@ -21,7 +21,11 @@ process pays what later ones do not: compare rounds, and rerun with the order sw
   process's first managed memory costs once). Each round ends with zeros whose device
   addresses a kernel reads (`addresses.device_addresses`: no host view, the read path's route).
 
-    python3 tools/cuda_probes.py link | stage [--streams] | alloc [--managed-first]
+- ``calls``: each call a staged read makes per piece (``preadv``, xxh3, a send of 8 rows
+  as one 2D copy or a copy each, the 2D copy through a handle that keeps the GIL), timed
+  one by one, alone and on 12 threads.
+
+    python3 tools/cuda_probes.py link | stage [--streams] | calls | alloc [--managed-first]
 
 Off CUDA it says so and exits 2. The probes call the package's CUDA driver wrapper
 (`device.cuda`) and its module settings, not the public API: they measure a route,
@@ -33,6 +37,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import shutil
+import statistics
 import sys
 import tempfile
 import threading
@@ -174,6 +180,84 @@ def _staged(driver, fd: int, base: int, threads: int, own_stream: bool, *, pinne
     return TOTAL / (time.perf_counter() - started) / 1e9
 
 
+def calls(driver) -> None:
+    """Each call a staged read makes per piece, timed one by one: alone, and on 12 threads
+    taking pieces at once (as a restore's readers do). A restore of 4k tokens of an 8B
+    llama on an H100 spent, summed over its 12 threads, ~0.8 ms per 2 MiB ``preadv`` and
+    ~0.6 ms per send whatever its size (docs/performance.md, twentieth day): the GIL
+    taken back after each call, or the driver? The enqueue calls are also made through a
+    handle that keeps the GIL (``ctypes.PyDLL``: no hand-over, where a call is short)."""
+    held = ctypes.PyDLL("libcuda.so.1")  # the same driver; its calls keep the GIL
+    for name in ("cuMemcpy2DAsync_v2", "cuEventRecord"):
+        getattr(held, name).argtypes = getattr(driver.lib, name).argtypes or [ctypes.c_void_p, ctypes.c_void_p]
+    held.cuMemcpy2DAsync_v2.argtypes = [ctypes.POINTER(cuda._Copy2D), ctypes.c_void_p]
+    folder = tempfile.mkdtemp(prefix="ppc-cuda-probes-")
+    path = os.path.join(folder, "data")
+    try:
+        with open(path, "wb") as f:
+            f.write(np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8).tobytes())
+        fd = os.open(path, os.O_RDONLY)
+        os.preadv(fd, [bytearray(64 << 20)], 0)  # into the page cache
+        dest = mx.zeros((512 << 20,), dtype=mx.uint8)
+        base = addresses.device_addresses([dest])
+        if base is None:
+            print("calls: no device address for an MLX array here")
+            return
+        for threads in (1, 12):
+            for way in ("preadv", "xxh3", "send 8 rows, 2D", "send 8 rows, a copy each", "send 8 rows, 2D, GIL kept"):
+                per = _calls(driver, held, fd, base[0], threads, way)
+                print(f"{threads:2d} thread(s), {way}: a call {statistics.median(per) * 1e6:.0f} us (median), "
+                      f"{statistics.mean(per) * 1e6:.0f} us (mean) of {len(per)}", flush=True)  # fmt: skip
+        os.close(fd)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _calls(driver, held, fd: int, base: int, threads: int, way: str) -> list[float]:
+    """Seconds of each call of `way`, 256 pieces of 2 MiB shared by `threads` threads."""
+    times: list[float] = []
+    lock = threading.Lock()
+    pending = iter(range(256))
+    rows, width = 8, PIECE // 8
+
+    def work() -> None:
+        ring, mine, k = driver.ring(), [], 0
+        while True:
+            with lock:
+                i = next(pending, None)
+            if i is None:
+                break
+            slot = ring[k % len(ring)]
+            k += 1
+            if slot[2]:
+                driver.wait_event(slot[1])
+                slot[2] = False
+            src, dst = slot[0].ctypes.data, base + (i * PIECE) % (500 << 20)
+            started = time.perf_counter()
+            if way == "preadv":
+                os.preadv(fd, [memoryview(slot[0])], (i * PIECE) % (62 << 20))
+            elif way == "xxh3":
+                xxhash.xxh3_64(slot[0]).intdigest()
+            elif way == "send 8 rows, a copy each":
+                for r in range(rows):
+                    driver.copy(dst + r * width, src + r * width, width)
+            else:
+                c = cuda._Copy2D(srcMemoryType=1, srcHost=src, srcPitch=width, dstMemoryType=2, dstDevice=dst,
+                                 dstPitch=width, WidthInBytes=width, Height=rows)  # fmt: skip
+                lib = held if way.endswith("GIL kept") else driver.lib
+                driver._check(lib.cuMemcpy2DAsync_v2(ctypes.byref(c), driver.stream), "cuMemcpy2DAsync")
+            mine.append(time.perf_counter() - started)
+            if way.startswith("send"):
+                driver.record(slot[1])
+                slot[2] = True
+        with lock:
+            times.extend(mine)
+
+    threads_seconds(work, threads)
+    driver.wait()
+    return times
+
+
 def alloc(managed_first: bool) -> None:
     specs = [(f"f{i}", (1, 8, 16640, 128), "BF16") for i in range(64)]
 
@@ -224,7 +308,7 @@ def alloc(managed_first: bool) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("probe", choices=["link", "stage", "alloc"])
+    p.add_argument("probe", choices=["link", "stage", "calls", "alloc"])
     p.add_argument("--streams", action="store_true", help="stage: also a copy stream per thread")
     p.add_argument("--managed-first", action="store_true", help="alloc: managed buffers before zeros")
     args = p.parse_args()
@@ -242,6 +326,8 @@ def main() -> int:
         link(driver)
     elif args.probe == "stage":
         stage(driver, args.streams)
+    elif args.probe == "calls":
+        calls(driver)
     else:
         alloc(args.managed_first)
     return 0
