@@ -186,7 +186,7 @@ class _Driver:
         self._check(self.lib.cuMemcpyDtoHAsync_v2(dst, src, nbytes, stream), "cuMemcpyDtoHAsync")
 
     def read(self, dst: int, src: int, nbytes: int) -> None:
-        """Copy device bytes to host memory and wait (a few bytes: `device_addresses`' check)."""
+        """Copy device bytes to host memory and wait (a few bytes: `addresses.device_addresses`' check)."""
         self._on_this_thread()
         self._check(self.lib.cuMemcpyDtoH_v2(dst, src, nbytes), "cuMemcpyDtoH")
 
@@ -330,7 +330,7 @@ def _copy_to_host(driver: _Driver, out: np.ndarray, src: int, pause: Callable[[]
 
 
 def from_device(address: int, nbytes: int, *, pause: Callable[[], None] | None = None) -> np.ndarray | None:
-    """``nbytes`` bytes of device memory at `address` (`device_addresses`) in a new host
+    """``nbytes`` bytes of device memory at `address` (`addresses.device_addresses`) in a new host
     array of bytes, copied by the copy engine through a lane's pinned pieces (`pause` is
     called before each): nothing on the device moves. Its ends are read again by a plain
     driver copy and compared. None where staging does not run here, or where a driver call
@@ -410,7 +410,7 @@ class Stager:
         driver: The CUDA driver.
         dest: The destination (managed memory: an MLX array's bytes), or an empty view
             where `address` is given.
-        address: The destination's device address (`device_addresses`); 0: `dest`'s.
+        address: The destination's device address (`addresses.device_addresses`); 0: `dest`'s.
     """
 
     def __init__(self, driver: _Driver, dest: memoryview, address: int = 0):
@@ -532,7 +532,7 @@ def stager(dest: memoryview, address: int = 0) -> Stager | None:
 
     Args:
         dest: The destination's host view (empty where `address` is given).
-        address: The destination's device address (`device_addresses`), if known: the
+        address: The destination's device address (`addresses.device_addresses`), if known: the
             copies go there, and a failed one fails the read (no host view to fall back on).
     """
     driver = _get_driver() if stager_possible() else None
