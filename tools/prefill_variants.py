@@ -118,6 +118,14 @@ def variants(model: Any, work: Path) -> tuple[dict[str, Callable[[list[int]], An
         with mx.stream(stream):
             prefill(model, ids, handle("real-stream"))
 
+    def timed_prefill(store: PersistentPrefixCache, ids: list[int]) -> float:
+        """Seconds of `prefill()` of `ids` on `store`, the device synchronized on both sides."""
+        mx.synchronize()
+        started = time.perf_counter()
+        prefill(model, ids, store)
+        mx.synchronize()
+        return time.perf_counter() - started
+
     def back_to_back(flushed: bool = False, switch: float | None = None) -> Callable[[list[int]], float]:
         # As a program that prefills prompt after prompt: the call before (untimed, another
         # prompt) leaves its writer copying and writing while the timed call computes.
@@ -133,11 +141,7 @@ def variants(model: Any, work: Path) -> tuple[dict[str, Callable[[list[int]], An
                 prefill(model, [(t + 1) % model.args.vocab_size for t in ids], store)
                 if flushed:
                     store.flush()
-                mx.synchronize()
-                started = time.perf_counter()
-                prefill(model, ids, store)
-                mx.synchronize()
-                return time.perf_counter() - started
+                return timed_prefill(store, ids)
             finally:
                 sys.setswitchinterval(before)
 
@@ -151,11 +155,7 @@ def variants(model: Any, work: Path) -> tuple[dict[str, Callable[[list[int]], An
                 store = PersistentPrefixCache(path, model, fingerprint=fingerprint)
             if clear:
                 mx.clear_cache()
-            mx.synchronize()
-            started = time.perf_counter()
-            prefill(model, ids, store)
-            mx.synchronize()
-            seconds = time.perf_counter() - started
+            seconds = timed_prefill(store, ids)
             store.close()
             shutil.rmtree(path, ignore_errors=True)
             return seconds
