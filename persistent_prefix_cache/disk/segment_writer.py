@@ -3,9 +3,12 @@
 `plan_segment` checks the blocks of one ``store()`` and places every tensor (format v5, see
 `disk.segment`) before a byte is hashed: the header's length is then known (each digest
 in it is 16 hex digits), so the data can go to the disk first and the header last, at
-offset 0. `SegmentPlan.stream` hands the data to a `Sink` in file order, hashing each piece
-once into both its field's digest and its block's checksum while it is in the CPU's
-cache (each digest tagged with what it covers: `digest_tags`); the sink writes batches with ``pwritev`` from a second thread and starts their
+offset 0. `SegmentPlan.stream` hands the data to a `Sink` in file order, hashing it into
+its field's digest (a field's rows as one chunk where they follow each other in memory)
+and each block's piece of it into the block's checksum (the block's short pieces of a
+field's rows joined by one copy, hashed once: each hash call keeps the GIL, which a caller
+launching kernels shares), each digest tagged with what it covers (`digest_tags`); the
+sink writes batches with ``pwritev`` from a second thread and starts their
 writeback at once (``sync_file_range``), so hashing, the kernel's copy and the disk
 overlap and the final fsync finds little left to do.
 """
@@ -231,9 +234,10 @@ class SegmentPlan:
         self.sizes, self.nbytes = sizes, nbytes
 
     def stream(self, put: Callable[[Any], None]) -> tuple[list[int], list[int], int]:
-        """Hand every chunk of data to `put` in file order, hashing each once into both
-        its field's digest and its block's checksum (while it is in the CPU's cache);
-        each digest starts with the tag of what it covers (`digest_tags`).
+        """Hand every chunk of data to `put` in file order, hashing it into its field's
+        digest and each block's piece of it into the block's checksum (in the order a read
+        sees: field by field, row by row); each digest starts with the tag of what it
+        covers (`digest_tags`).
 
         Returns:
             (each block's checksum, each snapshot's digest, the whole-segment digest).
