@@ -653,6 +653,46 @@ def test_a_cuda_handle_makes_the_readers_rings_at_open(monkeypatch, store_dir):
     assert len(made) == readers.READERS  # once per process
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_only_the_calls_that_queue_work_may_keep_the_gil(monkeypatch, keep):
+    # `ENQUEUE_KEEPS_GIL` sends the copies to the device and the events' records through a
+    # handle that keeps the GIL (`ctypes.PyDLL`); every call that waits (an event, a stream,
+    # a copy to the host) stays on the handle that lets it go, whatever the setting.
+    import ctypes
+
+    class Fn:
+        def __init__(self, log, name):
+            self.log, self.name, self.argtypes = log, name, None
+
+        def __call__(self, *args):
+            self.log.append(self.name)
+            return 0
+
+    class Lib:
+        def __init__(self):
+            self.log: list = []
+
+        def __getattr__(self, name):
+            fn = Fn(self.log, name)
+            setattr(self, name, fn)
+            return fn
+
+    released, held = Lib(), Lib()
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: released)
+    monkeypatch.setattr(ctypes, "PyDLL", lambda name: held)
+    monkeypatch.setattr(cuda, "ENQUEUE_KEEPS_GIL", keep)
+    driver = cuda._Driver()
+    del released.log[:]
+    driver.copy(1, 2, 3)
+    driver.copy_rows(1 << 20, 4096, 2, 1024, 1024, 4)
+    driver.record(1)
+    driver.wait_event(1)
+    driver.wait()
+    queued = ["cuMemcpyHtoDAsync_v2", "cuMemcpy2DAsync_v2", "cuEventRecord"]
+    assert held.log == (queued if keep else [])
+    assert released.log == ([] if keep else queued) + ["cuEventSynchronize", "cuStreamSynchronize"]
+
+
 def test_a_copy_to_the_host_goes_piece_by_piece_through_a_lane_reused_by_the_next_thread(monkeypatch):
     # One driver call per field held a restore up for all of it; pieces through pinned
     # memory let the writer give way (`pause`) between them. The pinned pieces and the
@@ -697,6 +737,7 @@ def test_a_copy_to_the_host_goes_piece_by_piece_through_a_lane_reused_by_the_nex
 
     driver = object.__new__(cuda._Driver)
     driver.lib, driver.context, driver._threads, driver._lanes = Lib(), None, threading.local(), []
+    driver.queue = driver.lib  # the calls that only queue work (`ENQUEUE_KEEPS_GIL` off)
     monkeypatch.setattr(cuda, "STAGE_PIECE", 1000)
     rng = np.random.default_rng(3)
     paused = []

@@ -23,7 +23,10 @@ Then ``--rounds`` new processes. Each first prefills other tokens of the prompt'
 
 Prints each layout's segments (MiB) and medians (ms), phases included.
 
-    python3 tools/restore_layouts.py [--tokens 4096] [--tail 192] [--rounds 3] [--small]
+``--keep-gil on`` (``both``: each round once with, once without) sets
+`device.cuda.ENQUEUE_KEEPS_GIL` in the restarted processes.
+
+    python3 tools/restore_layouts.py [--tokens 4096] [--tail 192] [--rounds 3] [--keep-gil off|on|both] [--small]
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from first_restore import FETCH_PHASES  # noqa: E402
 from user_paths_bench import Phases, clock, mlx_prefill, prompt_ids  # noqa: E402
 
 from persistent_prefix_cache import PersistentPrefixCache, prefill  # noqa: E402
+from persistent_prefix_cache.device import cuda  # noqa: E402
 from persistent_prefix_cache.disk import compaction  # noqa: E402
 
 LAYOUTS = ["once", "tail", "halves", "quarters", "blocks"]
@@ -130,18 +134,37 @@ def show(label: str, rows: list[dict]) -> None:
     print("    " + ", ".join(f"{k} {v:.1f}" for k, v in med.items()))
 
 
+def report(results: list[dict], segments: dict[str, list[float]], label: str) -> None:
+    """The rounds' medians: the resumes, then each layout's fetch."""
+    print(f"{label}mlx-lm's prefill (recompute): {statistics.median(r['recompute_ms'] for r in results):.1f} ms")
+    print("prefill() resuming (default options; tokens restored: "
+          + ", ".join(f"{k} {sorted({r['resume'][k]['saved'] for r in results})}" for k in ("once", "tail")) + ")")  # fmt: skip
+    for name in ("once", "tail"):
+        show(name, [r["resume"][name] for r in results])
+        show(f"{name}, when the process's first", [r["resume"][name] for i, r in enumerate(results)
+                                                   if (i % 2 == 0) == (name == "once")])  # fmt: skip
+    print("fetch on a new handle (cost_model=False):")
+    for name in LAYOUTS:
+        show(f"{name} {segments[name]} MiB", [r["fetch"][name] for r in results])
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=4096, help="the prompt's length (default 4096)")
     p.add_argument("--tail", type=int, default=192, help="tokens of the small second segment (default 192)")
     p.add_argument("--rounds", type=int, default=3, help="restarted processes (default 3)")
     p.add_argument("--small", action="store_true", help="a 4-layer model (to check the tool on a CPU)")
-    p.add_argument("--child", nargs=2, metavar=("DIR", "ROUND"), help=argparse.SUPPRESS)
+    p.add_argument(
+        "--keep-gil", choices=["off", "on", "both"], default="off",
+        help="device.cuda.ENQUEUE_KEEPS_GIL in the restarted processes (both: each round once with, once without)",
+    )  # fmt: skip
+    p.add_argument("--child", nargs=3, metavar=("DIR", "ROUND", "KEEP_GIL"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if not 0 < args.tail < args.tokens:
         p.error("--tail must be between 1 and --tokens")
     model = gpu_bench.build(gpu_bench.SMALL if args.small else gpu_bench.SHAPE_8B)
     if args.child:
+        cuda.ENQUEUE_KEEPS_GIL = args.child[2] == "on"
         print("RESULT", json.dumps(child(model, Path(args.child[0]), args.tokens, int(args.child[1]))))
         return 0
     root = Path(tempfile.mkdtemp(prefix="ppc-restore-layouts-"))
@@ -149,26 +172,20 @@ def main() -> int:
         segments = build(model, root, args.tokens, args.tail)
         del model
         mx.clear_cache()  # the children load a model of their own
-        results = []
+        modes = ["off", "on"] if args.keep_gil == "both" else [args.keep_gil]
+        results: dict[str, list[dict]] = {mode: [] for mode in modes}
         for r in range(args.rounds):
-            command = [sys.executable, __file__, "--tokens", str(args.tokens), "--child", str(root), str(r)]
-            done = subprocess.run(command + (["--small"] if args.small else []), capture_output=True, text=True)
-            got = [line[len("RESULT ") :] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-            if done.returncode != 0 or not got:
-                print(done.stderr[-3000:], file=sys.stderr)
-                return 1
-            results.append(json.loads(got[-1]))
+            for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
+                command = [sys.executable, __file__, "--tokens", str(args.tokens), "--child", str(root), str(r), mode]
+                done = subprocess.run(command + (["--small"] if args.small else []), capture_output=True, text=True)
+                got = [line[len("RESULT ") :] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+                if done.returncode != 0 or not got:
+                    print(done.stderr[-3000:], file=sys.stderr)
+                    return 1
+                results[mode].append(json.loads(got[-1]))
         print(f"{args.tokens} tokens, {args.rounds} restarted processes; mlx {mx.__version__} on {mx.default_device()}")
-        print(f"mlx-lm's prefill (recompute): {statistics.median(r['recompute_ms'] for r in results):.1f} ms")
-        print("prefill() resuming (default options; tokens restored: "
-              + ", ".join(f"{k} {sorted({r['resume'][k]['saved'] for r in results})}" for k in ("once", "tail")) + ")")  # fmt: skip
-        for name in ("once", "tail"):
-            show(name, [r["resume"][name] for r in results])
-            show(f"{name}, when the process's first", [r["resume"][name] for i, r in enumerate(results)
-                                                       if (i % 2 == 0) == (name == "once")])  # fmt: skip
-        print("fetch on a new handle (cost_model=False):")
-        for name in LAYOUTS:
-            show(f"{name} {segments[name]} MiB", [r["fetch"][name] for r in results])
+        for mode, rows in results.items():
+            report(rows, segments, f"ENQUEUE_KEEPS_GIL {mode}: " if len(modes) > 1 else "")
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return 0

@@ -43,6 +43,13 @@ import numpy as np
 MODE = "stage"
 STAGE_PIECE = 2 << 20  # bytes of one pinned piece (read, hashed, copied as one)
 STAGE_RING = 4  # pinned pieces per reader thread: reads go on while earlier copies run
+# The calls that only queue work on a stream (a copy to the device, an event's record) made
+# through a handle that keeps the GIL (``ctypes.PyDLL``): no hand-over and no taking it
+# back, which on a restore's 12 reader threads came to ~0.6 ms a call (docs/performance.md,
+# twentieth day), at the risk of every Python thread waiting where such a call blocks. Off
+# until `tools/cuda_probes.py calls` and `tools/restore_layouts.py --keep-gil` say; read
+# when the driver is first made.
+ENQUEUE_KEEPS_GIL = False
 _TOUCH_BYTES = 4096  # one element read per this many bytes faults every page over
 _CHECK_BYTES = 256  # bytes at each end of a `to_host` copy compared with its source
 _lock = threading.Lock()
@@ -100,16 +107,22 @@ class _Driver:
             self._prefetch_v1.argtypes = [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
         self._threads = threading.local()
         self._lanes: list[tuple[list[list], ctypes.c_void_p]] = []  # free (ring, stream) pairs for copies to the host
-        lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         lib.cuMemHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint]
+        lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         lib.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         lib.cuEventSynchronize.argtypes = [ctypes.c_void_p]
         lib.cuMemcpyDtoHAsync_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
         lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
         lib.cuMemcpyDtoH_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
-        self._copy2d: Any = getattr(lib, "cuMemcpy2DAsync_v2", None)
-        if self._copy2d is not None:
-            self._copy2d.argtypes = [ctypes.POINTER(_Copy2D), ctypes.c_void_p]
+        if hasattr(lib, "cuMemcpy2DAsync_v2"):
+            lib.cuMemcpy2DAsync_v2.argtypes = [ctypes.POINTER(_Copy2D), ctypes.c_void_p]
+        self.queue: Any = lib  # the calls that only queue work (`ENQUEUE_KEEPS_GIL`)
+        if ENQUEUE_KEEPS_GIL:
+            self.queue = ctypes.PyDLL("libcuda.so.1")
+            for name in ("cuMemcpyHtoDAsync_v2", "cuEventRecord", "cuMemcpy2DAsync_v2"):
+                if hasattr(lib, name):
+                    getattr(self.queue, name).argtypes = getattr(lib, name).argtypes
+        self._copy2d: Any = getattr(self.queue, "cuMemcpy2DAsync_v2", None)
 
     @staticmethod
     def _check(status: int, what: str) -> None:
@@ -166,7 +179,7 @@ class _Driver:
 
     def copy(self, dst: int, src: int, nbytes: int) -> None:
         """Copy host bytes to device memory, on the stream."""
-        self._check(self.lib.cuMemcpyHtoDAsync_v2(dst, src, nbytes, self.stream), "cuMemcpyHtoDAsync")
+        self._check(self.queue.cuMemcpyHtoDAsync_v2(dst, src, nbytes, self.stream), "cuMemcpyHtoDAsync")
 
     def copy_rows(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, rows: int) -> None:
         """Copy `rows` rows of `width` host bytes, `src_pitch` apart, to device memory,
@@ -192,11 +205,11 @@ class _Driver:
 
     def record_on(self, event, stream: ctypes.c_void_p) -> None:
         """Mark `event` once what `stream` holds now is done."""
-        self._check(self.lib.cuEventRecord(event, stream), "cuEventRecord")
+        self._check(self.queue.cuEventRecord(event, stream), "cuEventRecord")
 
     def record(self, event) -> None:
         """Mark `event` once what the stream holds now is done."""
-        self._check(self.lib.cuEventRecord(event, self.stream), "cuEventRecord")
+        self._check(self.queue.cuEventRecord(event, self.stream), "cuEventRecord")
 
     def wait_event(self, event) -> None:
         self._check(self.lib.cuEventSynchronize(event), "cuEventSynchronize")
