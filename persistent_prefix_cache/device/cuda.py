@@ -448,35 +448,47 @@ class Stager:
             self._slot, self._piece = None, memoryview(np.empty(nbytes, dtype=np.uint8))  # type: ignore[arg-type]  # numpy stubs (3.10)
         return self._piece
 
+    def target(self, dest: memoryview, address: int = 0) -> tuple[memoryview, int]:
+        """Another destination for `send_to` (as this stager's own: `dest` or its device `address`)."""
+        return dest, address or _address(dest)[0]
+
     def send(self, offsets: list[int], length: int, at: list[int] | None = None) -> None:
         """Put the piece `take` gave into the destination: stretches of `length` bytes
         at `offsets` (rows of a field, strided in the destination), taken from the
         piece back to back, or from the piece's byte offsets `at`."""
+        self.send_to([(self.dest, self.base, offsets, length, at)])
+
+    def send_to(self, parts: list[tuple[memoryview, int, list[int], int, list[int] | None]]) -> None:
+        """`send` to several destinations from the one piece `take` gave (the fields of a
+        small segment read together), each ``(dest, its base address (`target`),
+        offsets, length, at)``: one copy per part where its rows are evenly spaced."""
         piece, slot = self._piece, self._slot
-        at = at if at is not None else [i * length for i in range(len(offsets))]
+        spans = [(d, b, o, n, at if at is not None else [i * n for i in range(len(o))]) for d, b, o, n, at in parts]
         if slot is not None:
             threads = self.driver._threads
             threads.next = (threads.next + 1) % len(self.ring)
             try:
                 src = slot[0].ctypes.data
-                if _evenly_spaced(offsets, length) and _evenly_spaced(at, length):  # rows of a field: one copy
-                    dst_pitch, src_pitch = offsets[1] - offsets[0], at[1] - at[0]
-                    self.driver.copy_rows(
-                        self.base + offsets[0], dst_pitch, src + at[0], src_pitch, length, len(offsets)
-                    )
-                else:
-                    for offset, where in zip(offsets, at):
-                        self.driver.copy(self.base + offset, src + where, length)
+                for _, base, offsets, length, at in spans:
+                    if _evenly_spaced(offsets, length) and _evenly_spaced(at, length):  # rows of a field: one copy
+                        dst_pitch, src_pitch = offsets[1] - offsets[0], at[1] - at[0]
+                        self.driver.copy_rows(
+                            base + offsets[0], dst_pitch, src + at[0], src_pitch, length, len(offsets)
+                        )
+                    else:
+                        for offset, where in zip(offsets, at):
+                            self.driver.copy(base + offset, src + where, length)
                 self.driver.record(slot[1])
                 slot[2] = True
                 return
             except OSError:
                 _stop_staging()
                 self.driver.wait()  # the copies that did start land before the host writes
-        if not self.dest.nbytes:  # device memory without a host view: this read fails, nothing lost
-            raise OSError("a staged copy failed and the destination has no host view")
-        for offset, where in zip(offsets, at):
-            self.dest[offset : offset + length] = piece[where : where + length]
+        for dest, _, offsets, length, at in spans:
+            if not dest.nbytes:  # device memory without a host view: this read fails, nothing lost
+                raise OSError("a staged copy failed and the destination has no host view")
+            for offset, where in zip(offsets, at):
+                dest[offset : offset + length] = piece[where : where + length]
 
 
 def _evenly_spaced(offsets: list[int], length: int) -> bool:

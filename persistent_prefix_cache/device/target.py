@@ -94,6 +94,10 @@ class Target:
         `stages`): the one place that decides it."""
         return self.moves_as_read() and self.stages()
 
+    def piece_bytes(self) -> int:
+        """Bytes of one pinned piece of a stager (`cuda.STAGE_PIECE`)."""
+        return cuda.STAGE_PIECE
+
     def stager(self, view: memoryview, address: int = 0):
         """A stager for `view`, or for the device memory at `address` where given
         (`cuda.stager`); None: read into `view` itself."""

@@ -8,8 +8,9 @@ head per block. Buffers are allocated once, without a zero-fill (`allocate`), an
 room for the tokens that follow, so that mlx-lm's next ``update_and_fetch`` writes in
 place instead of copying the cache. Every block's checksum is then computed over its
 pieces in the buffers, before anything is used. Segments are read on a few threads
-(``preadv`` and xxh3 release the GIL). Blocks already in the RAM tier are copied into
-the same buffers.
+(``preadv`` and xxh3 release the GIL); where the reads are staged to a CUDA GPU, the
+small fields of a segment read whole are read together (`_packed`). Blocks already in
+the RAM tier are copied into the same buffers.
 """
 
 from __future__ import annotations
@@ -395,14 +396,49 @@ def _read_segments(nodes, where, runs, target: Target) -> dict[bytes, dict[str, 
         if staging:
             for r in {id(job[4]): job[4] for job in jobs}.values():
                 r.moving = bool(r.address) or target.start_moves([r.view])  # an address is in device memory
+    if staging:
+        jobs = _packed(jobs, target.piece_bytes())
     done = target.share(lambda job: _read_job(job, target), jobs)
     if not all(ok for ok, _ in done):
         return None
     digests: dict[bytes, dict[str, int]] = {}
     for job, (_, digest) in zip(jobs, done):
-        if digest is not None:
-            digests.setdefault(job[0].segment, {})[job[1].name] = digest
+        for one, d in zip(job.jobs, digest) if isinstance(job, _Pack) else [(job, digest)]:
+            if d is not None:
+                digests.setdefault(one[0].segment, {})[one[1].name] = d
     return digests
+
+
+@dataclass
+class _Pack:
+    """Jobs of small whole fields of one segment that follow each other in the file, no
+    more bytes than a stager's piece: one read (`OpenSegment.read_fields_staged`)."""
+
+    jobs: list
+
+
+def _packed(jobs: list, piece: int) -> list:
+    """`jobs` with runs of small whole fields of one segment, staged, packed (`_Pack`): a
+    prompt stored in pieces ends with small segments, and on a GPU each read, wait and
+    copy of one of their fields cost ~0.5 ms of the reader threads (docs/performance.md)."""
+    out: list = []
+    pack: list = []
+    size = 0
+    for job in jobs:
+        seg, f = job[0], job[1]
+        small = job[6] and job[8] is None and job[7] and job[4].moving and f.nbytes <= piece // 2
+        follows = bool(pack) and pack[-1][0] is seg and pack[-1][1].at + pack[-1][1].nbytes == f.at
+        if pack and not (small and follows and size + f.nbytes <= piece):
+            out.append(pack[0] if len(pack) == 1 else _Pack(pack))
+            pack, size = [], 0
+        if small:
+            pack.append(job)
+            size += f.nbytes
+        else:
+            out.append(job)
+    if pack:
+        out.append(pack[0] if len(pack) == 1 else _Pack(pack))
+    return out
 
 
 def _mostly_needed(seg: OpenSegment, lo: int, hi: int) -> bool:
@@ -414,7 +450,9 @@ def _mostly_needed(seg: OpenSegment, lo: int, hi: int) -> bool:
     return 2 * needed >= total and all(f.first < hi for f in seg.fields.values())
 
 
-def _read_job(job: list, target: Target) -> tuple[bool, int | None]:
+def _read_job(job: list | _Pack, target: Target) -> tuple[bool, Any]:
+    if isinstance(job, _Pack):
+        return _read_pack(job.jobs, target)
     seg: OpenSegment
     r: _Run
     seg, f, lo, hi, r, offset, read_all, move, keep = job  # see `_read_segments`
@@ -430,6 +468,18 @@ def _read_job(job: list, target: Target) -> tuple[bool, int | None]:
     # Without a stager, only the blocks needed: checked one by one after (`_first_bad`).
     r.checked_on_host = r.checked_on_host or keep is not None
     return seg.read_rows(f, lo, hi, [r.view], [offset], r.row_stride, stage), None
+
+
+def _read_pack(jobs: list, target: Target) -> tuple[bool, list[int | None] | None]:
+    """Read a `_Pack` (its fields' digests), or its jobs one by one where staging stopped."""
+    r = jobs[0][4]
+    stage = target.stager(r.view, r.address)
+    if stage is None:
+        done = [_read_job(job, target) for job in jobs]
+        return all(ok for ok, _ in done), [d for _, d in done]
+    parts = [(job[1], stage.target(job[4].view, job[4].address), job[5], job[4].row_stride) for job in jobs]
+    digests = jobs[0][0].read_fields_staged(parts, stage)
+    return digests is not None, digests
 
 
 def _read_whole(where, field_digests: dict[bytes, dict[str, int]], digests: dict[bytes, int]) -> set[int]:

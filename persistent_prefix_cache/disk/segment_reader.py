@@ -455,6 +455,42 @@ class OpenSegment:
             return None
         return h.intdigest()
 
+    def read_fields_staged(self, parts: list[tuple[SegmentField, tuple, int, int]], stage) -> list[int] | None:
+        """Read whole fields that follow each other in the file, together no longer than
+        a stage's piece, with one read into one pinned piece; hash each there (its digest
+        as `read_field_hashed` gives it) and copy its rows to its destination on the device.
+        A small segment's fields were a read, a wait for a piece and a copy each, and on a
+        GPU each such call cost ~0.5 ms of the reader threads (docs/performance.md).
+
+        Args:
+            parts: Per field, in file order: ``(field, its destination (`Stager.target`),
+                where its row 0 goes, the destination's row stride)``.
+            stage: The stager (`device.cuda.Stager`) whose piece the read fills.
+
+        Returns:
+            Each field's digest, None on a short read.
+        """
+        start = parts[0][0].at
+        nbytes = parts[-1][0].at + parts[-1][0].nbytes - start
+        try:
+            piece = stage.take(nbytes)
+            if preadv(self.fd, [piece], self.body + start) != nbytes:
+                return None
+            digests, sends = [], []
+            for f, (dest, base), offset, stride in parts:
+                at, n = f.at - start, f.tokens * f.row_bytes
+                h = xxhash.xxh3_64()
+                h.update(f.run_tag)
+                h.update(piece[at : at + f.nbytes])  # its rows follow each other: as they are hashed one by one
+                digests.append(h.intdigest())
+                sends.append(
+                    (dest, base, [offset + r * stride for r in range(f.rows)], n, [at + r * n for r in range(f.rows)])
+                )
+            stage.send_to(sends)
+        except OSError:
+            return None
+        return digests
+
     @staticmethod
     def field_digest(f: SegmentField, row: Callable[[SegmentField, int], memoryview]) -> int:
         """The digest of one field's data, given its rows (already read)."""
