@@ -228,7 +228,7 @@ print(json.dumps(seen))
 
 
 @pytest.mark.slow
-def test_a_prompt_prefilled_once_is_restored_in_every_later_process(store_dir, tiny_model_dir):
+def test_a_prompt_prefilled_once_is_restored_in_every_later_process(store_dir, tiny_model_dir, tmp_path, monkeypatch):
     # The README's path, a process at a time: prefill() on an empty store, then new processes
     # that call it three times. The first process runs two forwards: the prompt but its last
     # token (a process's first forward compiles kernels: not timed) and that last token alone
@@ -237,7 +237,10 @@ def test_a_prompt_prefilled_once_is_restored_in_every_later_process(store_dir, t
     # tiny model's restores are too small to teach them; a GPU's teach them in one process)
     # every later call recomputed what the store held (an H100 and an 8B model: 30 ms
     # against 11 ms from the RAM tier at 512 tokens). A fit that cannot price a token
-    # decides nothing: the store restores, as before anything was timed.
+    # decides nothing: the store restores, as before anything was timed. (Nothing measured on
+    # this machine before, which a restore would take the rate from; and a prompt too short
+    # for a restore to measure the prefill itself: under 288 tokens.)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     tokens = random_tokens(5 * BLOCK + 3, seed=920)
     args = (str(store_dir), str(tiny_model_dir), json.dumps(tokens), str(BLOCK))
     first = run_python_json(RUNS, *args, "teach")
@@ -245,3 +248,32 @@ def test_a_prompt_prefilled_once_is_restored_in_every_later_process(store_dir, t
     # On a CPU a block read from disk joins the RAM tier at its second read.
     whole = len(tokens) - 1
     assert run_python_json(RUNS, *args) == [[whole, "disk", None], [whole, "disk", None], [whole, "ram", None]]
+
+
+def test_a_prefill_never_priced_is_measured_at_the_first_resume(store_dir, model, tmp_path, monkeypatch):
+    # A prompt prefilled once per process is one forward (a process's first: not taught, it
+    # compiles kernels) and its last token (which prices nothing): the store would restore
+    # blind for ever. The first restore of prefill() measures the prefill, once.
+    from persistent_prefix_cache.core import costs, machine_costs
+    from persistent_prefix_cache.prefill import prefill as block_prefill
+
+    monkeypatch.setattr(machine_costs, "FOLDER", str(tmp_path / "machine"))  # nothing measured before
+    forwards = counted_forwards(model, monkeypatch)
+    tokens = random_tokens(20 * BLOCK + 3, seed=913)  # restored, more than calibration's floor (288)
+    monkeypatch.setattr(costs, "_restored_here", set())  # a new process
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        block_prefill(model, tokens, store)
+        assert forwards == [len(tokens) - 1, 1]
+        assert store.costs.learned.measured and store.stats()["prefill_tokens_per_s"] is None
+    monkeypatch.setattr(costs, "_restored_here", set())  # restarted
+    forwards.clear()
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        block_prefill(model, tokens, store)
+        assert store.stats()["tokens_saved"] == len(tokens) - 1
+        assert store.stats()["prefill_tokens_per_s"] is not None
+        assert len(forwards) > 1 and forwards[-1] == 1  # the calibration's, then the last token
+        before = len(forwards)
+        block_prefill(model, tokens, store)  # known now: the last token's forward alone
+        assert forwards[before:] == [1]
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        assert store.stats()["prefill_tokens_per_s"] is not None  # kept in the store

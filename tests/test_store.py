@@ -304,6 +304,26 @@ def test_mutating_the_stored_cache_does_not_change_the_store(store_dir, model):
         check_fetch(store, model, tokens + [2], len(tokens))
 
 
+@pytest.mark.parametrize("kv_bits", [None, 4])
+def test_each_empty_cache_is_new_and_of_the_stores_layout(tmp_path, model, kv_bits):
+    # make_cache builds each empty cache as the layout's template was built (not a deep copy).
+    options = {} if kv_bits is None else {"kv_bits": kv_bits, "kv_group_size": 32}
+    with open_store(tmp_path / "s", model, **options) as store:
+        first = store.make_cache()
+        assert [type(c) for c in first] == [type(c) for c in store.make_cache()]
+        assert {type(c).__name__ for c in first} == {"KVCache" if kv_bits is None else "QuantizedKVCache"}
+        if kv_bits is None:
+            feed(model, first, [1, 2, 3])  # a cache the caller fills is its own
+        second = store.make_cache()
+        assert all(a is not b for a, b in zip(first, second))
+        assert all(c.offset == 0 for c in second)
+        if kv_bits is None:
+            assert first[0].offset == 3
+            store.store([1, 2, 3], first)  # and it stores as the layout's
+            store.flush()
+            assert store.peek([1, 2, 3, 4]) == 3
+
+
 def test_trimming_a_single_block_fetch_does_not_corrupt_the_ram_tier(store_dir, model):
     # Regression: a fetch served by exactly one whole block used to hand out the RAM
     # tier's own arrays, and mlx-lm writes into a trimmed cache's arrays in place.

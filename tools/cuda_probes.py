@@ -25,7 +25,14 @@ process pays what later ones do not: compare rounds, and rerun with the order sw
   as one 2D copy or a copy each, the 2D copy through a handle that keeps the GIL), timed
   one by one, alone and on 12 threads.
 
-    python3 tools/cuda_probes.py link | stage [--streams] | calls | alloc [--managed-first]
+- ``first``: a process's first allocation of the 64 buffers a restore of 4k tokens fills
+  (512 MiB, `buffers.allocate`), each way in two new processes: alone; after a forward's
+  memory (1 GiB made and freed, MLX's cache cleared or not); right after the reader
+  threads' pinned rings are asked for (`cuda.prepare_readers`, as a handle's open does, in
+  the background), and after they are made. The resume of a restarted process spent
+  24-42 ms in `Target.allocate` on its first restore and ~2 ms later (H100): which it is.
+
+    python3 tools/cuda_probes.py link | stage [--streams] | calls | alloc [--managed-first] | first
 
 Off CUDA it says so and exits 2. The probes call the package's CUDA driver wrapper
 (`device.cuda`) and its module settings, not the public API: they measure a route,
@@ -39,6 +46,7 @@ import ctypes
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -306,9 +314,47 @@ def alloc(managed_first: bool) -> None:
             print(f"round {round_ + 1}, 64 buffers, 2 GiB, {way()}", flush=True)
 
 
+FIRST_WAYS = ["alone", "after_forward", "after_forward_cleared", "readers_asked", "readers_made"]
+
+
+def first() -> None:
+    for way in FIRST_WAYS:
+        for _ in range(2):
+            done = subprocess.run([sys.executable, __file__, "first", "--way", way], capture_output=True, text=True)
+            print(done.stdout.strip() or f"{way}: failed: {done.stderr.strip()[-300:]}", flush=True)
+
+
+def first_in_this_process(way: str) -> None:
+    from persistent_prefix_cache.device import readers
+
+    specs = [(f"f{i}", (1, 8, 4096, 128), "BF16") for i in range(64)]
+    if way.startswith("after_forward"):
+        x = mx.zeros((1 << 30,), dtype=mx.uint8)
+        mx.eval(x)
+        del x
+        if way == "after_forward_cleared":
+            mx.clear_cache()
+    if way.startswith("readers"):
+        cuda.prepare_readers(readers.reader_pool, readers.READERS)
+        if way == "readers_made":
+            done = threading.Event()
+            readers.reader_pool().submit(done.set)
+            done.wait()  # the pool's queue runs in order: the rings were made before this
+    mx.synchronize()
+    took = []
+    for _ in range(3):
+        started = time.perf_counter()
+        made = buffers.allocate(specs)
+        mx.synchronize()
+        took.append(_ms(started))
+        del made
+    print(f"{way:22s} 64 buffers, 512 MiB: " + " / ".join(f"{t:.1f}" for t in took) + " ms (1st / 2nd / 3rd)")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("probe", choices=["link", "stage", "calls", "alloc"])
+    p.add_argument("probe", choices=["link", "stage", "calls", "alloc", "first"])
+    p.add_argument("--way", choices=FIRST_WAYS, help=argparse.SUPPRESS)  # first: one new process
     p.add_argument("--streams", action="store_true", help="stage: also a copy stream per thread")
     p.add_argument("--managed-first", action="store_true", help="alloc: managed buffers before zeros")
     args = p.parse_args()
@@ -328,6 +374,8 @@ def main() -> int:
         stage(driver, args.streams)
     elif args.probe == "calls":
         calls(driver)
+    elif args.probe == "first":
+        first_in_this_process(args.way) if args.way else first()
     else:
         alloc(args.managed_first)
     return 0

@@ -89,6 +89,12 @@ def build(model, root: Path, n: int, tail: int) -> dict[str, list[float]]:
     return {name: sorted(round(f.stat().st_size / 2**20, 1) for f in (root / name).rglob("*.seg")) for name in LAYOUTS}
 
 
+# What the cost model knew when it chose to resume (`PersistentPrefixCache.stats`), printed
+# per round: a resume that cost more than the recompute says which figure misled it.
+COST_FIGURES = ("prefill_tokens_per_s", "prefill_per_forward_s", "restore_bytes_per_s_disk", "restore_fixed_s_disk",
+                "first_restore_s_disk", "first_forward_s_per_token", "skipped_slower")  # fmt: skip
+
+
 def child(model, root: Path, n: int, round_: int) -> dict:
     """One restarted process's figures (see the module's docstring)."""
     phaser = Phases(RESUME_PHASES)
@@ -109,7 +115,9 @@ def child(model, root: Path, n: int, round_: int) -> dict:
     for name in order:
         with PersistentPrefixCache(root / name, model) as store:
             ms, phases = timed(lambda: prefill(model, ids, store))
-            out["resume"][name] = {"ms": ms, "phases": phases, "saved": store.stats()["tokens_saved"]}
+            stats = store.stats()
+            out["resume"][name] = {"ms": ms, "phases": phases, "saved": stats["tokens_saved"],
+                                   "costs": {k: stats.get(k) for k in COST_FIGURES}}  # fmt: skip
     out["recompute_ms"] = clock(lambda: mlx_prefill(model, ids))[0] * 1000
     shift = round_ % len(LAYOUTS)
     for name in LAYOUTS[shift:] + LAYOUTS[:shift]:
@@ -122,6 +130,10 @@ def child(model, root: Path, n: int, round_: int) -> dict:
             ms, phases = timed(fetch)
             out["fetch"][name] = {"ms": ms, "phases": phases}
     return out
+
+
+def _figure(value) -> str:
+    return "-" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def show(label: str, rows: list[dict]) -> None:
@@ -141,6 +153,9 @@ def report(results: list[dict], segments: dict[str, list[float]], label: str) ->
           + ", ".join(f"{k} {sorted({r['resume'][k]['saved'] for r in results})}" for k in ("once", "tail")) + ")")  # fmt: skip
     for name in ("once", "tail"):
         show(name, [r["resume"][name] for r in results])
+        for i, r in enumerate(results):
+            figures = ", ".join(f"{k} {_figure(v)}" for k, v in r["resume"][name]["costs"].items())
+            print(f"    round {i + 1}, after it: {figures}")
         show(f"{name}, when the process's first", [r["resume"][name] for i, r in enumerate(results)
                                                    if (i % 2 == 0) == (name == "once")])  # fmt: skip
     print("fetch on a new handle (cost_model=False):")

@@ -21,7 +21,7 @@ from ..blocks import Node
 from ..device.buffers import HostBits
 from ..errors import InvalidArgumentError
 from ..keys import root_key
-from ..layers import BlockSource, Layout, kv_quantization, signature_of, template_cache
+from ..layers import BlockSource, Layout, kv_quantization, signature_of
 from ..layers.mlx_lm_versions import layout_variant
 from ..layers.recompute import DEFAULT_SPANS, check_cache
 from ..weights_hash import fingerprint_model, scheme_of
@@ -117,8 +117,8 @@ def _layout_of(model: Any, root: bytes, desc: dict | None, fingerprint) -> Layou
         return None
     quant = kv_quantization(layout)
     bits, group = quant if quant is not None else (None, 64)
-    template = template_cache(model, kv_bits=bits, kv_group_size=group)
-    return Layout(template, variant=layout_variant()) if signature_of(template) == layout else None
+    found = Layout.of_model(model, kv_bits=bits, kv_group_size=group, variant=layout_variant())
+    return found if signature_of(found.template) == layout else None
 
 
 def _roots(blocks: PackBlocks) -> dict[bytes, bytes]:

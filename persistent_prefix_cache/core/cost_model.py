@@ -159,6 +159,7 @@ class CostModel:
         self._model, self._block_size, self._memory, self._warmer = model, block_size, memory, warmer
         self._counters, self._writeback, self._check_open = counters, writeback, check_open
         self._peek, self._make_cache, self._remote = peek, make_cache, remote
+        self._calibrated = False  # this handle measured the prefill (`calibrate`)
 
     # -- what callers tell it ------------------------------------------------------------
 
@@ -230,9 +231,11 @@ class CostModel:
             tokens: Tokens of the first timed forward (more, up to 4,096, where a forward
                 of that many is bound by its call: a fast GPU).
             only_if_unknown: Measure nothing if the prefill of this model on this
-                device kind was measured: here (a server's requests included; priced
-                or not, `Costs.measured`), remembered by the store, or measured on this
-                machine before (then taken from there: no forward runs).
+                device kind is known (priced by forwards or a server's requests, here or
+                remembered by the store), was measured on this machine before (then
+                taken from there: no forward runs), or this handle measured it already
+                (priced or not: forwards bound by their calls up to 4,096 tokens would
+                price no token again).
             prompt: Measure for a fetch of this prompt: nothing unless the store holds
                 a prefix of it (a miss decides nothing: the caller's prefill then teaches
                 the rate), and at most about `calibration.SHARE` of that prefix's
@@ -248,7 +251,7 @@ class CostModel:
         """
         self._check_open()
         costs, device = self.learned, self.saved.device
-        if only_if_unknown and costs.measured:
+        if only_if_unknown and (self._calibrated or costs.prefill_tokens_per_s is not None):
             return costs.prefill_tokens_per_s
         key, name = machine_costs.record_key(self._model.model_root, device), self._model.label
         if only_if_unknown:
@@ -262,6 +265,7 @@ class CostModel:
         began = time.perf_counter()
         if not calibrate(costs, model, self._make_cache, tokens, stake=stake):
             return costs.prefill_tokens_per_s
+        self._calibrated = True
         seconds = time.perf_counter() - began
         self.saved.maybe_save(force=True)
         record = dict(costs.prefill_record(), device=device, model=name[:200])

@@ -194,8 +194,8 @@ class Costs:
     @property
     def measured(self) -> bool:
         """Whether the prefill was timed or set at all (forwards or a server's requests),
-        priced or not: `calibrate(only_if_unknown=True)` measures nothing then (forwards
-        bound by their calls price no token, and measuring them again would not either)."""
+        priced or not (a prompt's last token alone is timed and prices nothing: it is
+        `prefill_tokens_per_s`, not this, that says whether the prefill is known)."""
         return self.timed_forwards or any(self.prefill_requests.sums)
 
     def _forget_prefill(self) -> None:

@@ -24,7 +24,7 @@ from ..disk.segment import SegmentFiles
 from ..disk.store_dir import check_location, create_root, missing_folders, undo_creation
 from ..errors import InvalidArgumentError, StoreNotWritableError
 from .fetching import Fetcher
-from ..layers import Layout, template_cache
+from ..layers import Layout
 from ..layers.mlx_lm_versions import layout_variant
 from .lookup import Trie
 from .miss_reasons import MissReasons
@@ -203,7 +203,7 @@ def open_parts(
     o = options.checked()
     # Open anyway if a layer cannot be stored (fetch misses), so that a server can run
     # uncached; store() raises.
-    layout = Layout(template_cache(model, kv_bits=o.kv_bits, kv_group_size=o.kv_group_size), variant=layout_variant())
+    layout = Layout.of_model(model, kv_bits=o.kv_bits, kv_group_size=o.kv_group_size, variant=layout_variant())
     opened = open_directory(path, readonly=o.readonly, shared=o.shared, block_size=o.block_size)
     readonly, files, index = opened.readonly, opened.files, opened.index
     writeback = warmer = None

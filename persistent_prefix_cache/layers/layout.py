@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Set
-from typing import Any, Sequence, cast
+from typing import Any, Callable, Sequence, cast
 
 import mlx.core as mx
 import numpy as np
@@ -25,6 +25,7 @@ from .adapters import (
     leaves,
     rebuild_cache,
     signature_of,
+    template_cache,
 )
 
 log = logging.getLogger("persistent_prefix_cache")
@@ -64,6 +65,8 @@ class Layout:
 
     Args:
         template: An empty cache of the layout (see `template_cache`).
+        fresh: Makes another empty cache like `template` (``template_cache`` of the
+            model); None: `make_cache` deep-copies the template.
 
     Attributes:
         signature: The layout's signature string (part of every root key).
@@ -73,8 +76,9 @@ class Layout:
             layout then has no leaves).
     """
 
-    def __init__(self, template: list, variant: str = ""):
+    def __init__(self, template: list, variant: str = "", fresh: Callable[[], list] | None = None):
         self.template = template
+        self._fresh = fresh
         # Part of the root key beside the signature: the mlx-lm line, whose model code
         # changes the KV (`mlx_lm_versions.layout_variant`), so lines keep their stores apart.
         self.variant = variant
@@ -90,6 +94,18 @@ class Layout:
         # "<leaf>.<field>" -> [dtype, batch, heads, width] of the sliced KV tensors, once
         # known (from the store's model record, or from the first cache stored).
         self.fields: dict[str, list] | None = None
+
+    @classmethod
+    def of_model(
+        cls, model: Any, *, kv_bits: int | None = None, kv_group_size: int = 64, variant: str = ""
+    ) -> "Layout":
+        """The layout a store holds for `model` (`template_cache`, with KV quantized as
+        `kv_bits` says), whose `make_cache` makes each empty cache the way the template was."""
+
+        def fresh() -> list:
+            return template_cache(model, kv_bits=kv_bits, kv_group_size=kv_group_size)
+
+        return cls(fresh(), variant=variant, fresh=fresh)
 
     def learn_fields(self, tensors: Mapping[str, Tensors]) -> bool:
         """Record the dtypes and shapes of a block's sliced tensors as the layout's.
@@ -110,8 +126,9 @@ class Layout:
         return len(fields) > before
 
     def make_cache(self) -> list:
-        """A fresh, empty cache of this layout."""
-        return copy.deepcopy(self.template)
+        """A fresh, empty cache of this layout (made as the template was where that is
+        known: a deep copy of 32 empty layers cost ~0.7 ms of a 256-token prefill on an H100)."""
+        return self._fresh() if self._fresh is not None else copy.deepcopy(self.template)
 
     def cut(
         self, cache: Sequence[Any], start: int, end: int, last: bool, pieces: dict | None = None
