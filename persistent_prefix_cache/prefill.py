@@ -17,12 +17,13 @@ model's costs on this device kind, the forwards grow from one block, doubling, a
 store learns them from the first two (of different sizes).
 
 A restore also prices the prefill where the store cannot yet (`store.calibrate` for the
-prompt: at most a quarter of what recomputing the restored tokens would cost, once per
-handle until a rate is known, remembered for every store of the model on the machine).
+prompt: at most a quarter of what recomputing the restored tokens would cost, at most
+once per handle, remembered for every store of the model on the machine).
 Else a prompt prefilled once per process would never be: a process's first forward
 compiles kernels and is not taught, the last token alone prices no token, and a resumed
 prompt's one-token forward teaches the first forward's cost; the store would then restore
-whatever a restore costs (1.5-1.7 x a recompute on an H100 host reading 3 GB/s).
+whatever a restore costs (a resume of 4k tokens took 1.5-1.7 x a recompute on an H100
+host reading ~3 GB/s).
 """
 
 from __future__ import annotations
