@@ -36,6 +36,7 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from .core import costs
+from .core.calibration import MIN_STAKE
 from .core.costs import PREFILL_STEP
 from .errors import InvalidArgumentError
 from .keys import as_token_array
@@ -91,9 +92,9 @@ def prefill(
     cache, remaining = store.fetch(ids)
     if cache is None:
         cache = store.make_cache()
-    else:
-        _price_prefill(model, ids, store)
     pos = len(ids) - len(remaining)
+    if pos >= MIN_STAKE:  # restored enough to be worth measuring for (fewer: only lookups would run)
+        _price_prefill(model, ids, store)
     bs = store.block_size
     # Stored once at the end (every block boundary resumable), or after every forward.
     every_forward = not all_sliced(cache)

@@ -23,6 +23,8 @@ MAX_CALIBRATION_TOKENS = 4096  # the longest prompt `calibrate` grows to
 SHARE = 0.25
 MIN_TOKENS = 32  # the shortest first timed forward worth fitting (its eighth: 4 tokens)
 FIRST_SET = 2.25  # tokens a set of forwards of n // 8 and n feeds, run twice: 2.25 n
+# The fewest tokens at stake that a calibration for a fetch runs any forward for (288).
+MIN_STAKE = int(MIN_TOKENS * FIRST_SET / SHARE)
 # Rates (tokens/s of a 1,024- and a 32,768-token prefill) a remembered record may give:
 # outside these it is not a prefill this machine measured.
 MIN_RATE, MAX_RATE = 0.01, 1e9
