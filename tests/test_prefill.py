@@ -80,6 +80,37 @@ def test_an_attention_model_runs_mlx_lms_forwards_and_is_stored_once(store_dir, 
         assert_same_logits(logits[0], cold_logits(model, longer))
 
 
+@pytest.mark.parametrize("beside", [False, True])
+def test_the_prompt_is_stored_with_the_last_forward_where_a_device_runs_it(store_dir, model, monkeypatch, beside):
+    # On a GPU the store's work on the caller's thread runs while the device runs the last
+    # token's forward (`overlap_store`); on a CPU after it. Either way: the same blocks, the
+    # same logits, a cache the store left as it was (the caller generates on from it).
+    import sys
+
+    monkeypatch.setattr(sys.modules["persistent_prefix_cache.prefill"], "overlap_store", lambda: beside)
+    tokens = random_tokens(300, seed=46)
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        order = []
+        steering = Steering(store, [])
+        real_observe = store.observe_prefill
+        steering.observe_prefill = lambda n, *a, **k: order.append(("forward", n)) or real_observe(n, *a, **k)
+        real_store = steering.store
+        steering.store = lambda toks, cache: order.append(("store", len(toks))) or real_store(toks, cache)
+        cache, logits = prefill(model, tokens, steering)
+        if beside:  # stored before the last forward was waited for (and timed)
+            assert order == [("forward", 299), ("store", 300), ("forward", 1)]
+        else:
+            assert order == [("forward", 299), ("forward", 1), ("store", 300)]
+        assert_same_logits(logits[0], cold_logits(model, tokens))
+        more = random_tokens(5, seed=47)
+        assert_same_logits(model(mx.array(more)[None], cache=cache)[0, -1], cold_logits(model, tokens + more))
+        store.flush()
+        assert store.stats()["blocks"] == -(-300 // BLOCK)
+        again, rest = store.fetch(tokens)
+        assert len(rest) == 1
+        assert_same_logits(model(mx.array(rest)[None], cache=again)[0, -1], cold_logits(model, tokens))
+
+
 def test_a_restored_prompt_is_not_cut_again(store_dir, model, monkeypatch):
     # prefill() stores the whole prompt after a restore too: with every block stored,
     # nothing of the cache is copied or cut (on a GPU that was a copy per field).
