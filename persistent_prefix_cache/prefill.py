@@ -7,11 +7,12 @@ last token fed alone for the logits. Where blocks are cut is the store's busines
 the forwards': a model whose layers are all sliced along the sequence (``KVCache``,
 ``QuantizedKVCache``) is resumable at every block boundary whatever the forwards were,
 so its prompt is stored once, whole, as one segment, with the last forward (on a GPU
-while the device runs it: `overlap_store`). A model with recurrent or sliding-window layers (``ArraysCache``,
-``RotatingKVCache``, ``ChunkedKVCache``) is resumable only where a forward ended and a
-snapshot was stored: it stores after every forward, and its forwards are the shortest
-runs of whole blocks whose per-call cost stays within `costs.SNAPSHOT_OVERHEAD` of their
-tokens' (`PersistentPrefixCache.resumable_step`): every block on a CPU, where a call costs
+while the device runs it: `device.target.forwards_run_beside`). A model with recurrent
+or sliding-window layers (``ArraysCache``, ``RotatingKVCache``, ``ChunkedKVCache``) is
+resumable only where a forward ended and a snapshot was stored: it stores after every
+forward, and its forwards are the shortest runs of whole blocks whose per-call cost
+stays within `costs.SNAPSHOT_OVERHEAD` of their tokens'
+(`PersistentPrefixCache.resumable_step`): every block on a CPU, where a call costs
 little, 2,048 tokens on a GPU that spends ~10 ms per call. Until the store knows the
 model's costs on this device kind, the forwards grow from one block, doubling, and the
 store learns them from the first two (of different sizes).
@@ -38,6 +39,7 @@ import mlx.core as mx
 from .core import costs
 from .core.calibration import MIN_STAKE
 from .core.costs import PREFILL_STEP
+from .device.target import forwards_run_beside
 from .errors import InvalidArgumentError
 from .keys import as_token_array
 from .layers import all_sliced
@@ -139,7 +141,7 @@ def prefill(
     # precompute`, which stores the whole prompt, wrote the last block twice when this
     # stored one less).
     last = not every_forward and stored < len(ids)
-    if last and overlap_store():
+    if last and forwards_run_beside():
         # The store's work on this thread (its keys, index lookup and the copies' graph:
         # ~2 ms for 256 tokens of an 8B llama on an H100) runs while the device runs the
         # forward, and its copies queue after it. The forward is timed with the store:
@@ -154,13 +156,6 @@ def prefill(
     if progress is not None:
         progress(len(ids), len(ids))
     return cache, logits
-
-
-def overlap_store() -> bool:
-    """Whether `prefill()` stores the prompt while the device runs its last forward: on a
-    GPU (CUDA, Metal), where the host thread is idle meanwhile; not on a CPU, where the
-    forward and the store's work share the cores."""
-    return mx.default_device() == mx.gpu
 
 
 def _price_prefill(model: Any, ids: list[int], store: Any) -> None:

@@ -83,11 +83,12 @@ def test_an_attention_model_runs_mlx_lms_forwards_and_is_stored_once(store_dir, 
 @pytest.mark.parametrize("beside", [False, True])
 def test_the_prompt_is_stored_with_the_last_forward_where_a_device_runs_it(store_dir, model, monkeypatch, beside):
     # On a GPU the store's work on the caller's thread runs while the device runs the last
-    # token's forward (`overlap_store`); on a CPU after it. Either way: the same blocks, the
-    # same logits, a cache the store left as it was (the caller generates on from it).
+    # token's forward (`device.target.forwards_run_beside`); on a CPU after it. Either way:
+    # the same blocks, the same logits, a cache the store left as it was (the caller
+    # generates on from it).
     import sys
 
-    monkeypatch.setattr(sys.modules["persistent_prefix_cache.prefill"], "overlap_store", lambda: beside)
+    monkeypatch.setattr(sys.modules["persistent_prefix_cache.prefill"], "forwards_run_beside", lambda: beside)
     tokens = random_tokens(300, seed=46)
     with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
         order = []

@@ -29,8 +29,10 @@ process pays what later ones do not: compare rounds, and rerun with the order sw
   (512 MiB, `buffers.allocate`), each way in two new processes: alone; after a forward's
   memory (1 GiB made and freed, MLX's cache cleared or not); right after the reader
   threads' pinned rings are asked for (`cuda.prepare_readers`, as a handle's open does, in
-  the background), and after they are made. The resume of a restarted process spent
-  24-42 ms in `Target.allocate` on its first restore and ~2 ms later (H100): which it is.
+  the background), and after they are made (with how long they took); and both after a
+  forward, as in a restarted process (the model ran, then the open). The resume of a
+  restarted process spent 20-42 ms in `Target.allocate` on its first restore and ~2 ms
+  later (H100): rings being made meanwhile cost 15-24 ms (docs/performance.md).
 
     python3 tools/cuda_probes.py link | stage [--streams] | calls | alloc [--managed-first] | first
 
@@ -314,7 +316,13 @@ def alloc(managed_first: bool) -> None:
             print(f"round {round_ + 1}, 64 buffers, 2 GiB, {way()}", flush=True)
 
 
-FIRST_WAYS = ["alone", "after_forward", "after_forward_cleared", "readers_asked", "readers_made"]
+# How a process's first allocation is preceded: nothing, a forward's memory (MLX's cache
+# cleared or not), the reader threads' pinned rings asked for (being made, as a handle's
+# open leaves them) or made, and both (a restarted process: the model ran, then the open).
+FIRST_WAYS = [
+    "alone", "after_forward", "after_forward_cleared", "readers_asked", "readers_made",
+    "after_forward_readers_asked", "after_forward_readers_made",
+]  # fmt: skip
 
 
 def first() -> None:
@@ -334,12 +342,15 @@ def first_in_this_process(way: str) -> None:
         del x
         if way == "after_forward_cleared":
             mx.clear_cache()
-    if way.startswith("readers"):
+    rings = ""
+    if "readers" in way:
+        asked = time.perf_counter()
         cuda.prepare_readers(readers.reader_pool, readers.READERS)
-        if way == "readers_made":
+        if way.endswith("readers_made"):
             done = threading.Event()
             readers.reader_pool().submit(done.set)
             done.wait()  # the pool's queue runs in order: the rings were made before this
+            rings = f"; the rings made in {_ms(asked):.1f} ms"
     mx.synchronize()
     took = []
     for _ in range(3):
@@ -348,7 +359,7 @@ def first_in_this_process(way: str) -> None:
         mx.synchronize()
         took.append(_ms(started))
         del made
-    print(f"{way:22s} 64 buffers, 512 MiB: " + " / ".join(f"{t:.1f}" for t in took) + " ms (1st / 2nd / 3rd)")
+    print(f"{way:28s} 64 buffers, 512 MiB: " + " / ".join(f"{t:.1f}" for t in took) + f" ms (1st / 2nd / 3rd){rings}")
 
 
 def main() -> int:

@@ -181,6 +181,14 @@ def device_kind() -> str:
     return f"{'gpu' if device.type == mx.DeviceType.gpu else 'cpu'}:{name}"
 
 
+def forwards_run_beside() -> bool:
+    """Whether MLX runs the model's forwards on a device beside the calling thread (a GPU:
+    CUDA's or Apple's), which only queues them, so that work of its own (a store's keys,
+    index lookup, the graph of its copies) can run while they do; not on a CPU, where
+    they share the cores."""
+    return on_gpu()
+
+
 def device_memory() -> int:
     """Bytes of memory MLX computes in: the GPU's (Apple's unified memory, a CUDA
     device's) as MLX reports it, else the machine's physical memory (0 if unknown)."""
