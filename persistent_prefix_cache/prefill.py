@@ -140,18 +140,18 @@ def prefill(
     # prompt takes all but its last token and one that extends it takes every token (`ppc
     # precompute`, which stores the whole prompt, wrote the last block twice when this
     # stored one less).
-    last = not every_forward and stored < len(ids)
-    if last and forwards_run_beside():
+    whole = not every_forward and stored < len(ids)
+    beside = whole and forwards_run_beside()
+    if beside:
         # The store's work on this thread (its keys, index lookup and the copies' graph:
         # ~2 ms for 256 tokens of an 8B llama on an H100) runs while the device runs the
         # forward, and its copies queue after it. The forward is timed with the store:
         # the copies' time more (microseconds), while the store's work is the shorter.
         mx.async_eval(logits)
         store.store(ids, cache)
-        last = False
     mx.eval(logits)
     store.observe_prefill(len(ids) - pos, costs.clock() - started, start=pos, restored=restored)
-    if last:
+    if whole and not beside:
         store.store(ids, cache)  # after the forward: no device beside this thread to overlap
     if progress is not None:
         progress(len(ids), len(ids))
