@@ -134,6 +134,30 @@ def test_precompute_reads_text_jsonl_and_stdin(filled, inputs):
     assert (store / "index").is_dir()
 
 
+@pytest.mark.parametrize("beside", [False, True])
+def test_precompute_writes_each_block_once(model_dir, inputs, tmp_path, monkeypatch, capsys, beside):
+    # prefill() stores a prompt whole, or on a GPU all but its last token beside the last
+    # forward (`device.target.forwards_run_beside`); precompute then stores nothing more, so
+    # no block is written twice (a partial last block superseded by a longer one).
+    import importlib
+
+    from persistent_prefix_cache.cli import main
+
+    prefill_module = importlib.import_module(
+        "persistent_prefix_cache.prefill"
+    )  # (the package's `prefill` is the function)
+    monkeypatch.setattr(prefill_module, "forwards_run_beside", lambda: beside)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    store = tmp_path / "store"
+    code = main(["precompute", "--model", str(model_dir), "--store", str(store), "--block-size", str(BLOCK),
+                 "--json", str(inputs / "doc.txt")])  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    (prompt,) = out["per_prompt"]
+    assert prompt["new_blocks"] == out["blocks_in_store"] == -(-(prompt["tokens"] - beside) // BLOCK)
+    assert out["bytes_on_disk"] == out["bytes_written"]
+
+
 @pytest.mark.slow
 def test_shared_system_prompt_is_prefilled_once(model_dir, inputs, tmp_path):
     # One chat alone, read from piped stdin with no inputs (JSONL is recognised).

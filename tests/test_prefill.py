@@ -7,6 +7,7 @@ Nothing here decides by timing: the tests count forward passes (their sizes), ca
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from families import build
 from helpers import BLOCK, assert_same_logits, cold_logits, random_tokens, segment_files
@@ -82,10 +83,12 @@ def test_an_attention_model_runs_mlx_lms_forwards_and_is_stored_once(store_dir, 
 
 @pytest.mark.parametrize("beside", [False, True])
 def test_the_prompt_is_stored_with_the_last_forward_where_a_device_runs_it(store_dir, model, monkeypatch, beside):
-    # On a GPU the store's work on the caller's thread runs while the device runs the last
-    # token's forward (`device.target.forwards_run_beside`); on a CPU after it. Either way:
-    # the same blocks, the same logits, a cache the store left as it was (the caller
-    # generates on from it).
+    # On a GPU the store runs while the device runs the last token's forward
+    # (`device.target.forwards_run_beside`): all but the last token, from the cache as it
+    # was before that forward, its copies on a stream of their own. On a CPU the whole
+    # prompt, after it. Either way: the same blocks, the same logits, a cache the store
+    # left as it was (the caller generates on from it), and a fetch of the same prompt
+    # that takes all but its last token.
     import sys
 
     monkeypatch.setattr(sys.modules["persistent_prefix_cache.prefill"], "forwards_run_beside", lambda: beside)
@@ -99,7 +102,7 @@ def test_the_prompt_is_stored_with_the_last_forward_where_a_device_runs_it(store
         steering.store = lambda toks, cache: order.append(("store", len(toks))) or real_store(toks, cache)
         cache, logits = prefill(model, tokens, steering)
         if beside:  # stored before the last forward was waited for (and timed)
-            assert order == [("forward", 299), ("store", 300), ("forward", 1)]
+            assert order == [("forward", 299), ("store", 299), ("forward", 1)]
         else:
             assert order == [("forward", 299), ("forward", 1), ("store", 300)]
         assert_same_logits(logits[0], cold_logits(model, tokens))
@@ -110,13 +113,65 @@ def test_the_prompt_is_stored_with_the_last_forward_where_a_device_runs_it(store
         again, rest = store.fetch(tokens)
         assert len(rest) == 1
         assert_same_logits(model(mx.array(rest)[None], cache=again)[0, -1], cold_logits(model, tokens))
+        # A prompt that extends it: every stored token taken, the rest computed on top, exactly.
+        again, rest = store.fetch(tokens + more)
+        assert len(rest) == (6 if beside else 5)
+        assert_same_logits(model(mx.array(rest)[None], cache=again)[0, -1], cold_logits(model, tokens + more))
 
 
-def test_a_restored_prompt_is_not_cut_again(store_dir, model, monkeypatch):
-    # prefill() stores the whole prompt after a restore too: with every block stored,
-    # nothing of the cache is copied or cut (on a GPU that was a copy per field).
+@pytest.mark.parametrize("kind", ["KVCache", "QuantizedKVCache", "CacheList"])
+def test_a_frozen_cache_keeps_what_it_held_while_the_cache_goes_on(kind):
+    # What the store beside the last forward reads: mlx-lm writes the next step's keys into
+    # the cache's arrays in place (and grows them), never into the frozen layers' views.
+    from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
+
+    from persistent_prefix_cache.layers import frozen, signature_of
+
+    def layer():
+        return QuantizedKVCache(group_size=32, bits=8) if kind == "QuantizedKVCache" else KVCache()
+
+    cache = [CacheList(layer(), layer())] if kind == "CacheList" else [layer(), layer()]
+    inner = [c for top in cache for c in (top.caches if kind == "CacheList" else [top])]
+    step = lambda seed, n: mx.random.normal((1, 2, n, 64), key=mx.random.key(seed))  # noqa: E731
+    for c in inner:
+        c.update_and_fetch(step(1, 10), step(2, 10))
+    mx.eval([c.state for c in inner])
+
+    def flat(layers):  # each layer's tensors up to its offset
+        parts = [p for c in layers for p in (c.keys, c.values)]
+        offsets = [c.offset for c in layers for _ in (0, 1)]
+        return [np.array(x[..., :n, :]) for p, n in zip(parts, offsets) for x in (p if isinstance(p, tuple) else (p,))]
+
+    before = flat(inner)
+    held = frozen(cache)
+
+    # Arrays of their own: mlx-lm's in-place write rebinds the cache's array objects to the
+    # step's result, and a store reading those would wait for the step.
+    def own(layers):
+        return {id(x) for c in layers for p in (c.keys, c.values) for x in (p if isinstance(p, tuple) else (p,))}
+
+    assert not own(c for top in held for c in (top.caches if kind == "CacheList" else [top])) & own(inner)
+    for c in inner:  # in place, then past the buffer's end (a new, longer buffer)
+        c.update_and_fetch(step(3, 1), step(4, 1))
+        c.update_and_fetch(step(5, 300), step(6, 300))
+    mx.eval([c.state for c in inner])
+    assert signature_of(held) == signature_of(cache)
+    kept = [c for top in held for c in (top.caches if kind == "CacheList" else [top])]
+    assert [c.offset for c in kept] == [10, 10] and [c.offset for c in inner] == [311, 311]
+    after = flat(kept)
+    assert len(after) == len(before) == (12 if kind == "QuantizedKVCache" else 4)
+    assert all(np.array_equal(a, b) for a, b in zip(after, before))
+
+
+@pytest.mark.parametrize("beside", [False, True])
+def test_a_restored_prompt_is_not_cut_again(store_dir, model, monkeypatch, beside):
+    # prefill() stores the prompt after a restore too: with every block stored, nothing of
+    # the cache is copied or cut (on a GPU that was a copy per field).
+    import sys
+
     from persistent_prefix_cache.layers import Layout
 
+    monkeypatch.setattr(sys.modules["persistent_prefix_cache.prefill"], "forwards_run_beside", lambda: beside)
     tokens = random_tokens(300, seed=44)
     with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
         prefill(model, tokens, store)

@@ -282,6 +282,7 @@ def _precompute(args) -> int:
     # one restores the prefix the previous one has just stored (from the RAM tier).
     order = sorted(seen)
 
+    from ..layers import all_sliced
     from ..prefill import prefill
 
     store = open_checked_store(args, model, local_path, need_write=True)
@@ -318,10 +319,13 @@ def _precompute(args) -> int:
                     partial = 0
                     with kv_quantization_errors(args):
                         cache, _ = prefill(model, list(ids), counting, prefill_step_size=step, progress=report)
-                    # prefill stored the whole prompt where every layer is sliced; else up
-                    # to its last token (where an identical prompt resumes): the whole
-                    # prompt is stored here too, for prompts that extend it.
-                    counting.store(list(ids), cache)
+                    # prefill stored up to its last token where a layer is not sliced along
+                    # the sequence (where an identical prompt resumes): the whole prompt is
+                    # stored here too, for prompts that extend it. A sliced cache it stored
+                    # whole, or (on a GPU, beside its last forward) all but the last token:
+                    # storing again would write that last block twice for one token.
+                    if not all_sliced(cache):
+                        counting.store(list(ids), cache)
                     details.append(
                         {"input": seen[ids], "tokens": len(ids), "restored": counting.restored,
                          "new_blocks": counting.new_blocks}

@@ -7,7 +7,8 @@ sizes the RAM tier's and `ppc serve`'s default budgets)."""
 from __future__ import annotations
 
 import os
-from typing import Callable, Sequence
+import threading
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -187,6 +188,22 @@ def forwards_run_beside() -> bool:
     index lookup, the graph of its copies) can run while they do; not on a CPU, where
     they share the cores."""
     return on_gpu()
+
+
+_beside = threading.local()
+
+
+def beside_stream() -> Any:
+    """This thread's stream of the default device for work queued beside its forwards (a
+    store's copies while the last forward runs, `forwards_run_beside`): work on it waits
+    only for what it reads, not for the forwards queued before it. Made once per thread
+    (MLX's streams are not shared between threads that queue work at once)."""
+    import mlx.core as mx
+
+    stream = getattr(_beside, "stream", None)
+    if stream is None:
+        stream = _beside.stream = mx.new_stream(mx.default_device())
+    return stream
 
 
 def device_memory() -> int:

@@ -27,6 +27,23 @@ def all_sliced(cache: Sequence[Any]) -> bool:
     return all(type(layer) in (KVCache, QuantizedKVCache) for _, layer in leaves(cache))
 
 
+def frozen(cache: Sequence[Any]) -> list:
+    """The cache as it stands now, as new layers of views of its arrays up to its offset
+    (no copy): a forward queued after this writes its keys into `cache`'s arrays in place
+    (mlx-lm's step), never into these. Every leaf sliced (`all_sliced`)."""
+    layers = {}
+    for lid, layer in leaves(cache):
+        n = layer.offset
+        if type(layer) is QuantizedKVCache:
+            keys, values = (tuple(x[..., :n, :] for x in part) for part in (layer.keys, layer.values))
+            layers[lid] = make_layer(
+                QuantizedKVCache, (keys, values), offset=n, group_size=layer.group_size, bits=layer.bits
+            )
+        else:
+            layers[lid] = make_layer(KVCache, (layer.keys[..., :n, :], layer.values[..., :n, :]), offset=n)
+    return rebuild_cache(cache, layers)
+
+
 def kv_quantization(signature: str) -> tuple[int, int] | None:
     """``(bits, group_size)`` of the quantized KV in a layout signature, or None."""
     m = re.search(r"QuantizedKVCache\(group_size=(\d+),bits=(\d+)\)", signature)
