@@ -6,8 +6,9 @@ The forward passes are mlx-lm's own: steps of ``prefill_step_size`` tokens (2,04
 last token fed alone for the logits. Where blocks are cut is the store's business, not
 the forwards': a model whose layers are all sliced along the sequence (``KVCache``,
 ``QuantizedKVCache``) is resumable at every block boundary whatever the forwards were,
-so its prompt is stored once, whole, as one segment, with the last forward (on a GPU
-while the device runs it: `device.target.forwards_run_beside`). A model with recurrent
+so its prompt is stored once, as one segment: whole, after the last forward, or on a GPU
+all but its last token, while the device runs that forward
+(`device.target.forwards_run_beside`). A model with recurrent
 or sliding-window layers (``ArraysCache``, ``RotatingKVCache``, ``ChunkedKVCache``) is
 resumable only where a forward ended and a snapshot was stored: it stores after every
 forward, and its forwards are the shortest runs of whole blocks whose per-call cost
@@ -135,12 +136,11 @@ def prefill(
         store.store(ids[:stop], cache)
         stored = stop
     # The whole prompt, with the last forward: a sliced cache trims, so a fetch of the same
-    # prompt takes all but its last token and one that extends it takes every token (`ppc
-    # precompute`, which stores the whole prompt, wrote the last block twice when this
-    # stored one less). Where a device runs the forwards beside this thread, all but the
-    # last token instead, while the device runs the last forward: the store's copies go on a
-    # stream of their own and read the cache as it was before that forward (`frozen`), so
-    # neither waits for the other.
+    # prompt takes all but its last token and one that extends it takes every token. Where
+    # a device runs the forwards beside this thread, all but the last token instead (an
+    # extension computes one token more), while the device runs the last forward: the
+    # store's copies go on a stream of their own and read the cache as it was before that
+    # forward (`frozen`), so neither waits for the other.
     whole = not every_forward and stored < len(ids)
     beside = whole and forwards_run_beside()
     before = frozen(cache) if beside and stored < stop else None
