@@ -35,7 +35,8 @@ def frozen(cache: Sequence[Any]) -> list:
     for lid, layer in leaves(cache):
         n = layer.offset
         if type(layer) is QuantizedKVCache:
-            keys, values = (tuple(x[..., :n, :] for x in part) for part in (layer.keys, layer.values))
+            parts: tuple[Any, Any] = (layer.keys, layer.values)  # (packed, scales, biases) each
+            keys, values = (tuple(x[..., :n, :] for x in part) for part in parts)
             layers[lid] = make_layer(
                 QuantizedKVCache, (keys, values), offset=n, group_size=layer.group_size, bits=layer.bits
             )
