@@ -32,7 +32,7 @@ process pays what later ones do not: compare rounds, and rerun with the order sw
   the background), and after they are made (with how long they took); and both after a
   forward, as in a restarted process (the model ran, then the open). The resume of a
   restarted process spent 20-42 ms in `Target.allocate` on its first restore and ~2 ms
-  later (H100): rings being made meanwhile cost 15-24 ms (docs/performance.md).
+  later (H100): rings being made meanwhile cost 15-43 ms on two hosts (docs/performance.md).
 
     python3 tools/cuda_probes.py link | stage [--streams] | calls | alloc [--managed-first] | first
 
