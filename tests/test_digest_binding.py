@@ -42,7 +42,8 @@ from persistent_prefix_cache.disk.index import Index
 from persistent_prefix_cache.admin import StoreAdmin
 from persistent_prefix_cache.admin.pack_members import RECORD_HEAD, unpack_records
 from persistent_prefix_cache.disk.segment import SegmentFiles
-from persistent_prefix_cache.disk.segment_reader import DIGEST_MARK, OpenSegment, header_digest, parse_header
+from persistent_prefix_cache.disk.segment_header import DIGEST_MARK, header_digest, parse_header
+from persistent_prefix_cache.disk.segment_reader import OpenSegment
 from persistent_prefix_cache.keys import block_key
 from persistent_prefix_cache.tiers import remote_wire as wire
 

@@ -768,12 +768,12 @@ NO_FORMAT = {"errors", "disk.portable"}  # helpers that hold no format: free to 
 
 def _current_versions() -> dict[str, int]:
     from persistent_prefix_cache import blocks
-    from persistent_prefix_cache.disk import index_tables, segment_reader
+    from persistent_prefix_cache.disk import index_tables, segment_header
 
     return {
         "record": blocks.RECORD_VERSION,
         "tables": index_tables.TABLES_VERSION,
-        "segment": int(segment_reader.SEGMENT_FORMAT.rpartition("/")[2]),
+        "segment": int(segment_header.SEGMENT_FORMAT.rpartition("/")[2]),
     }
 
 

@@ -45,7 +45,7 @@ from persistent_prefix_cache import (
     PersistentPrefixCache,
 )
 from persistent_prefix_cache.disk.segment import SegmentFiles
-from persistent_prefix_cache.disk.segment_reader import DIGEST_MARK, header_digest
+from persistent_prefix_cache.disk.segment_header import DIGEST_MARK, header_digest
 from persistent_prefix_cache.disk.index import Index
 from persistent_prefix_cache.admin import StoreAdmin
 

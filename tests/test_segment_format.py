@@ -24,7 +24,7 @@ from persistent_prefix_cache.disk.index import Index
 from persistent_prefix_cache.disk.manifest import read_manifest
 from persistent_prefix_cache.blocks import Node
 from persistent_prefix_cache.disk.segment import SegmentFiles
-from persistent_prefix_cache.disk.segment_reader import parse_header
+from persistent_prefix_cache.disk.segment_header import parse_header
 
 
 def _segments(path) -> list[str]:

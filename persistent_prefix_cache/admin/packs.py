@@ -30,7 +30,7 @@ from ..disk.commit import commit
 from ..disk.index import Index
 from ..disk.portable import durable_fsync
 from ..disk.segment import SegmentFiles
-from ..disk.segment_reader import MAX_HEADER
+from ..disk.segment_header import MAX_HEADER
 from ..disk.store_dir import TempFile, file_mode
 from ..errors import InvalidArgumentError, UnverifiedPackError
 from ..files import open_regular, replace_beside

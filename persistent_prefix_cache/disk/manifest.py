@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..blocks import Node
 from ..files import open_regular
-from .segment_reader import decode_tokens, parse_header, read_head
+from .segment_header import decode_tokens, parse_header, read_head
 
 
 @dataclass

@@ -28,7 +28,7 @@ import xxhash
 from ..blocks import Node, dtype_info, is_sliced, sliced_spec
 from .digest_tags import block_tag, field_tag, run_tag, segment_tag, snapshot_tag, tagged_digest
 from .portable import IOV_MAX, pwritev, start_writeback
-from .segment_reader import DIGEST_MARK, MAX_HEADER, SEGMENT_FORMAT, header_digest
+from .segment_header import DIGEST_MARK, MAX_HEADER, SEGMENT_FORMAT, header_digest
 
 
 def _dtype(x: Any) -> str:

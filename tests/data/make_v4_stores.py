@@ -29,7 +29,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from persistent_prefix_cache import PersistentPrefixCache
 from persistent_prefix_cache.admin import StoreAdmin
-from persistent_prefix_cache.disk.segment_reader import SEGMENT_FORMAT
+from persistent_prefix_cache.disk.segment_header import SEGMENT_FORMAT
 from persistent_prefix_cache.tiny_model import load_tiny_model
 
 
