@@ -22,6 +22,7 @@ from .segment_header import SegmentField, Snap, parse_header, read_head
 # core's L2 cache between the read's copy and the hash.
 HASH_CHUNK = 512 * 1024
 
+
 class OpenSegment:
     """An open segment file whose header was parsed and checked against its size.
 
