@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from persistent_prefix_cache.device import addresses, cuda
+from persistent_prefix_cache.device import addresses, cuda, cuda_driver
 
 
 @pytest.fixture(autouse=True)
@@ -84,7 +84,7 @@ class _HostDriver:
     def ring(self):
         ring = getattr(self._threads, "ring", None)
         if ring is None:
-            ring = self._threads.ring = [[np.zeros(cuda.STAGE_PIECE, np.uint8), None, False] for _ in range(2)]
+            ring = self._threads.ring = [[np.zeros(cuda_driver.STAGE_PIECE, np.uint8), None, False] for _ in range(2)]
             self._threads.next = 0
         return ring
 
@@ -147,7 +147,7 @@ def _stage(monkeypatch, driver, piece: int) -> None:
     """From now on restores go through the stages, `driver` standing for CUDA's."""
     monkeypatch.setattr(cuda, "on_cuda", lambda: True)
     monkeypatch.setattr(cuda, "_get_driver", lambda: driver)
-    monkeypatch.setattr(cuda, "STAGE_PIECE", piece)
+    monkeypatch.setattr(cuda_driver, "STAGE_PIECE", piece)
     monkeypatch.setattr(cuda, "_staging", True)
 
 
@@ -189,7 +189,7 @@ STAGED = pytest.mark.parametrize("family, piece", [("llama", 4096), ("llama", 1 
 
 def test_a_pieces_rows_go_to_the_device_by_one_driver_call(monkeypatch, store_dir):
     # Pieces that hold several rows of a field (1 MiB: both of a llama field's rows) put
-    # them on the device by one 2D copy (`_Driver.copy_rows`), not one copy per row: a
+    # them on the device by one 2D copy (`Driver.copy_rows`), not one copy per row: a
     # prompt stored in pieces had thousands of small copies, each with the copy engine's
     # fixed cost. The restore stays bitwise the plain one.
     driver = _HostDriver()
@@ -532,7 +532,7 @@ def test_the_writer_copies_a_stores_kv_to_the_host_by_the_copy_engine(monkeypatc
         def prefetch(self, address, nbytes):
             moved.append(nbytes)
 
-    monkeypatch.setattr(cuda, "STAGE_PIECE", 1000)  # several pinned pieces per field, the last one short
+    monkeypatch.setattr(cuda_driver, "STAGE_PIECE", 1000)  # several pinned pieces per field, the last one short
     model, tokens, cache, kv = _store_on_cuda(
         monkeypatch, store_dir, Driver(), by_address=by_address, seed=4244, n_tokens=5 * 16 + 3, fingerprint="host"
     )
@@ -706,8 +706,8 @@ def test_only_the_calls_that_queue_work_may_keep_the_gil(monkeypatch, keep):
     released, held = Lib(), Lib()
     monkeypatch.setattr(ctypes, "CDLL", lambda name: released)
     monkeypatch.setattr(ctypes, "PyDLL", lambda name: held)
-    monkeypatch.setattr(cuda, "ENQUEUE_KEEPS_GIL", keep)
-    driver = cuda._Driver()
+    monkeypatch.setattr(cuda_driver, "ENQUEUE_KEEPS_GIL", keep)
+    driver = cuda_driver.Driver()
     del released.log[:]
     driver.copy(1, 2, 3)
     driver.copy_rows(1 << 20, 4096, 2, 1024, 1024, 4)
@@ -724,7 +724,7 @@ def test_a_copy_to_the_host_goes_piece_by_piece_through_a_lane_reused_by_the_nex
     # memory let the writer give way (`pause`) between them. The pinned pieces and the
     # stream are a lane the process keeps: a new handle's writer thread takes the lane an
     # earlier one gave back (rings made per thread were pinned again by every handle and
-    # never freed). The real `_Driver` runs here against a stand-in of the driver's C API.
+    # never freed). The real `Driver` runs here against a stand-in of the driver's C API.
     import ctypes
     import threading
 
@@ -761,10 +761,11 @@ def test_a_copy_to_the_host_goes_piece_by_piece_through_a_lane_reused_by_the_nex
         def cuEventSynchronize(self, event):
             return 0
 
-    driver = object.__new__(cuda._Driver)
+    driver = object.__new__(cuda_driver.Driver)
     driver.lib, driver.context, driver._threads, driver._lanes = Lib(), None, threading.local(), []
+    driver._lanes_lock = threading.Lock()
     driver.queue = driver.lib  # the calls that only queue work (`ENQUEUE_KEEPS_GIL` off)
-    monkeypatch.setattr(cuda, "STAGE_PIECE", 1000)
+    monkeypatch.setattr(cuda_driver, "STAGE_PIECE", 1000)
     rng = np.random.default_rng(3)
     paused = []
     for seed in range(2):  # two writer threads, one after the other
@@ -778,7 +779,7 @@ def test_a_copy_to_the_host_goes_piece_by_piece_through_a_lane_reused_by_the_nex
         assert np.array_equal(out, src)
     assert driver.lib.copies == [1000] * 5 + [17] + [1000] * 6 + [17]
     assert len(paused) == 13  # before each piece
-    assert driver.lib.streams == 1 and len(driver.lib.pinned) == cuda.STAGE_RING  # one lane, made once
+    assert driver.lib.streams == 1 and len(driver.lib.pinned) == cuda_driver.STAGE_RING  # one lane, made once
 
 
 def test_the_writers_copy_to_the_host_gives_way_to_a_restore_between_pieces(monkeypatch, store_dir):
@@ -827,7 +828,7 @@ def test_the_writers_copy_to_the_host_gives_way_to_a_restore_between_pieces(monk
     with monkeypatch.context() as m:
         m.setattr(cuda, "on_cuda", lambda: True)
         m.setattr(cuda, "_get_driver", lambda: Driver())
-        m.setattr(cuda, "STAGE_PIECE", 1000)
+        m.setattr(cuda_driver, "STAGE_PIECE", 1000)
         m.setattr(ReadsFirst, "__init__", init)
         with PersistentPrefixCache(store_dir, model, block_size=BLOCK, fingerprint="host") as store:
             store.store(tokens, cache)

@@ -59,11 +59,11 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-from persistent_prefix_cache.device import addresses, buffers, cuda
+from persistent_prefix_cache.device import addresses, buffers, cuda, cuda_driver
 from user_paths_bench import threads_seconds  # tools/: the measuring kit
 
 TOTAL = 2 << 30  # bytes each probe moves
-PIECE = 2 << 20  # the read path's pinned piece (`cuda.STAGE_PIECE`)
+PIECE = 2 << 20  # the read path's pinned piece (`cuda_driver.STAGE_PIECE`)
 
 
 def _ms(since: float) -> float:
@@ -200,7 +200,7 @@ def calls(driver) -> None:
     held = ctypes.PyDLL("libcuda.so.1")  # the same driver; its calls keep the GIL
     for name in ("cuMemcpy2DAsync_v2", "cuEventRecord"):
         getattr(held, name).argtypes = getattr(driver.lib, name).argtypes or [ctypes.c_void_p, ctypes.c_void_p]
-    held.cuMemcpy2DAsync_v2.argtypes = [ctypes.POINTER(cuda._Copy2D), ctypes.c_void_p]
+    held.cuMemcpy2DAsync_v2.argtypes = [ctypes.POINTER(cuda_driver.Copy2D), ctypes.c_void_p]
     folder = tempfile.mkdtemp(prefix="ppc-cuda-probes-")
     path = os.path.join(folder, "data")
     try:
@@ -252,7 +252,7 @@ def _calls(driver, held, fd: int, base: int, threads: int, way: str) -> list[flo
                 for r in range(rows):
                     driver.copy(dst + r * width, src + r * width, width)
             else:
-                c = cuda._Copy2D(srcMemoryType=1, srcHost=src, srcPitch=width, dstMemoryType=2, dstDevice=dst,
+                c = cuda_driver.Copy2D(srcMemoryType=1, srcHost=src, srcPitch=width, dstMemoryType=2, dstDevice=dst,
                                  dstPitch=width, WidthInBytes=width, Height=rows)  # fmt: skip
                 lib = held if way.endswith("GIL kept") else driver.lib
                 driver._check(lib.cuMemcpy2DAsync_v2(ctypes.byref(c), driver.stream), "cuMemcpy2DAsync")

@@ -20,7 +20,7 @@ restored cache (the caller's next step, which reads every restored page). Modes:
   buffers' host views, not to their device addresses: `device.addresses.device_addresses`),
   ``+noram`` (no RAM tier: a restore admits nothing, so it makes no copies for it),
   ``+t1`` / ``+t4`` / ``+t12`` / ``+t16`` (reader threads sharing a restore), ``+p8`` /
-  ``+p32`` (pinned pieces of 8 / 32 MiB, `device.cuda.STAGE_PIECE`), ``+check`` (each
+  ``+p32`` (pinned pieces of 8 / 32 MiB, `device.cuda_driver.STAGE_PIECE`), ``+check`` (each
   restored cache compared bit for bit with mlx-lm's prefill of the prompt, outside the
   timing), ``+phases`` (where each fetch's time goes on the caller's thread:
   `FETCH_PHASES`, each summed over the fetch, nested ones inside their callers').
@@ -145,7 +145,7 @@ def phases_in_order(spent: dict[str, float]) -> dict[str, float]:
 
 
 def child(model, mode: str, root: str, lengths: list[int]) -> None:
-    from persistent_prefix_cache.device import addresses, cuda, readers
+    from persistent_prefix_cache.device import addresses, cuda, cuda_driver, readers
 
     if "+prefetch" in mode:
         cuda.MODE = "prefetch"
@@ -165,7 +165,7 @@ def child(model, mode: str, root: str, lengths: list[int]) -> None:
         PHASER = Phases(FETCH_PHASES)
     for suffix, mib in (("+p8", 8), ("+p32", 32)):
         if suffix in mode:
-            cuda.STAGE_PIECE = mib << 20
+            cuda_driver.STAGE_PIECE = mib << 20
     for suffix, threads in (("+t1", 1), ("+t4", 4), ("+t12", 12), ("+t16", 16)):
         if suffix in mode:
             readers.READERS = max(readers.READERS, threads)

@@ -24,7 +24,7 @@ Then ``--rounds`` new processes. Each first prefills other tokens of the prompt'
 Prints each layout's segments (MiB) and medians (ms), phases included.
 
 ``--keep-gil on`` (``both``: each round once with, once without) sets
-`device.cuda.ENQUEUE_KEEPS_GIL` in the restarted processes.
+`device.cuda_driver.ENQUEUE_KEEPS_GIL` in the restarted processes.
 
     python3 tools/restore_layouts.py [--tokens 4096] [--tail 192] [--rounds 3] [--keep-gil off|on|both] [--small]
 """
@@ -48,7 +48,7 @@ from first_restore import FETCH_PHASES  # noqa: E402
 from user_paths_bench import Phases, clock, mlx_prefill, prompt_ids  # noqa: E402
 
 from persistent_prefix_cache import PersistentPrefixCache, prefill  # noqa: E402
-from persistent_prefix_cache.device import cuda  # noqa: E402
+from persistent_prefix_cache.device import cuda_driver  # noqa: E402
 from persistent_prefix_cache.disk import compaction  # noqa: E402
 
 LAYOUTS = ["once", "tail", "halves", "quarters", "blocks"]
@@ -171,7 +171,7 @@ def main() -> int:
     p.add_argument("--small", action="store_true", help="a 4-layer model (to check the tool on a CPU)")
     p.add_argument(
         "--keep-gil", choices=["off", "on", "both"], default="off",
-        help="device.cuda.ENQUEUE_KEEPS_GIL in the restarted processes (both: each round once with, once without)",
+        help="device.cuda_driver.ENQUEUE_KEEPS_GIL in the restarted processes (both: each round once with, once without)",
     )  # fmt: skip
     p.add_argument("--child", nargs=3, metavar=("DIR", "ROUND", "KEEP_GIL"), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -179,7 +179,7 @@ def main() -> int:
         p.error("--tail must be between 1 and --tokens")
     model = gpu_bench.build(gpu_bench.SMALL if args.small else gpu_bench.SHAPE_8B)
     if args.child:
-        cuda.ENQUEUE_KEEPS_GIL = args.child[2] == "on"
+        cuda_driver.ENQUEUE_KEEPS_GIL = args.child[2] == "on"
         print("RESULT", json.dumps(child(model, Path(args.child[0]), args.tokens, int(args.child[1]))))
         return 0
     root = Path(tempfile.mkdtemp(prefix="ppc-restore-layouts-"))

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..blocks import dtype_info, np_uint
-from . import addresses, cuda, readers
+from . import addresses, cuda, cuda_driver, readers
 from .buffers import Arena, HostBits, WriterRoute, allocate, on_gpu
 
 # How RAM-tier blocks are joined: None by device (`device_target`), or "mlx" / "numpy"
@@ -96,8 +96,8 @@ class Target:
         return self.moves_as_read() and self.stages()
 
     def piece_bytes(self) -> int:
-        """Bytes of one pinned piece of a stager (`cuda.STAGE_PIECE`)."""
-        return cuda.STAGE_PIECE
+        """Bytes of one pinned piece of a stager (`cuda_driver.STAGE_PIECE`)."""
+        return cuda_driver.STAGE_PIECE
 
     def stager(self, view: memoryview, address: int = 0):
         """A stager for `view`, or for the device memory at `address` where given
