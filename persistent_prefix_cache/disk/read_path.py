@@ -10,7 +10,8 @@ place instead of copying the cache. Every block's checksum is then computed over
 pieces in the buffers, before anything is used. Segments are read on a few threads
 (``preadv`` and xxh3 release the GIL); where the reads are staged to a CUDA GPU, the
 small fields of a segment read whole are read together (`_packed`). Blocks already in
-the RAM tier are copied into the same buffers.
+the RAM tier are copied into the same buffers. Which buffers a path needs, and which
+segment holds each block, is planned first (`read_plan`).
 """
 
 from __future__ import annotations
@@ -26,80 +27,13 @@ from ..blocks import Node, Tensors, dtype_info, is_sliced, mx_uint, np_uint
 from ..device.buffers import HostBits, as_mx, join_on_device
 from ..device.readers import reader_pool
 from ..device.target import Target
+from .read_plan import Run, first_unfit, plan_runs, ram_pieces, run_of, segment_groups
 from .segment import OpenSegment, SegmentFiles
 
 _PARALLEL_COPY_BYTES = 4 << 20  # below this, handing copies to threads costs more than it saves
 
 
-def _pieces(nodes, cached, origins) -> list[tuple[str, int, int, mx.array]]:
-    """The sliced tensors of the RAM-tier blocks of a path as ``(name, start, end,
-    array)``, in path order; consecutive blocks cut from one copy (their origin: see
-    `MemoryTier.put`) come as one slice of it: joining thousands of block-sized pieces
-    costs a copy kernel or a numpy call each."""
-    out: list[list] = []
-    last: dict[str, list] = {}  # name -> its latest piece
-    names: dict[tuple, str | None] = {}  # (leaf, field, shape, tokens) -> name if sliced (asked once)
-
-    def sliced(lid: str, fld: str, shape: tuple, tokens: int) -> str | None:
-        key = (lid, fld, shape, tokens)
-        name = names.get(key, "")
-        if name == "":
-            name = names[key] = f"{lid}.{fld}" if is_sliced(f"{lid}.{fld}", shape, tokens) else None
-        return name
-
-    for k, (node, have) in enumerate(zip(nodes, cached)):
-        if have is None:
-            continue
-        position, end = node.position, node.end
-        for lid, (fields, at) in (origins[k] if origins else {}).items():
-            for fld, base in fields.items():
-                name = sliced(lid, fld, (*base.shape[:-2], end - position, base.shape[-1]), end - position)
-                if name is None:
-                    continue
-                prev = last.get(name)
-                if prev is not None and prev[3] is base and prev[2] == position:
-                    prev[2] = end  # the same copy goes on: widen the slice
-                    continue
-                last[name] = piece = [name, position, end, base, at]
-                out.append(piece)
-        for lid, part in have.items():  # held as they are (not cut from one copy)
-            for fld, x in part.items():
-                name = sliced(lid, fld, x.shape, end - position)
-                if name is not None:
-                    last[name] = piece = [name, position, end, x, None]
-                    out.append(piece)
-    return [
-        (name, start, end, x if at is None else x[..., start - at : end - at, :]) for name, start, end, x, at in out
-    ]
-
-
 # -- the read path ---------------------------------------------------------------------
-
-
-@dataclass
-class _Run:
-    """Consecutive blocks holding slices of one field: one joined buffer."""
-
-    name: str  # "<leaf>.<field>"
-    start: int
-    end: int
-    dims: tuple[int, int, int]  # batch, heads, width
-    dtype: str
-    array: Any = None  # the joined buffer: an MLX array, or a host target's numpy bits
-    view: memoryview = memoryview(b"")  # its bytes, while the read writes them (empty: see `address`)
-    address: int = 0  # where its bytes sit in device memory, if the stages copy there (no host view)
-    row_stride: int = 0  # bytes from one (batch, head) row of the buffer to the next
-    moving: bool = False  # its pages are on their way to the device (`Target.start_moves`)
-    checked_on_host: bool = False  # the host reads or writes it after its copies land: placed again
-
-    def host_view(self) -> memoryview:
-        """Its bytes as the host sees them (taken now where the stages had only its
-        device address: MLX moves the buffer into managed memory, and `place` moves it
-        back). Called on one thread, after the copies to it have landed."""
-        if self.address and not self.view.nbytes:
-            self.view = memoryview(self.array).cast("B")
-            self.checked_on_host = True
-        return self.view
 
 
 def read_path(
@@ -140,11 +74,11 @@ def read_path(
         missing or damaged block: then the runs are empty and only the count matters.
     """
     if all(have is not None for have in cached) and target.join_on_device and not target.host:
-        pieces = _pieces(nodes, cached, origins)
+        pieces = ram_pieces(nodes, cached, origins)
         last_cached = cast(dict[str, Tensors], cached[-1])  # every block is in the RAM tier
         return len(nodes), *join_on_device(pieces, last_cached, nodes[-1].n_tokens, lid_kind, seq_rows)
     segments: dict[bytes, OpenSegment | None] = {}
-    runs: list[_Run] = []
+    runs: list[Run] = []
     unfit: dict[bytes, int] = {}  # segment -> first block whose fields do not fit
     again = (nodes, cached, files, lid_kind, expect, digests, origins, target)
     try:
@@ -155,13 +89,13 @@ def read_path(
                 continue
             if node.segment not in segments:
                 segments[node.segment] = seg = files.open(node.segment)
-                unfit[node.segment] = _first_unfit(seg, expect) if seg is not None else 0
+                unfit[node.segment] = first_unfit(seg, expect) if seg is not None else 0
             seg = segments[node.segment]
             i = seg.block_index(node) if seg is not None else None
             if seg is None or i is None or i >= unfit[node.segment]:
                 return _intact_before(len(where), *again), {}, {}
             where.append((seg, i))
-        runs, disagree = _plan(nodes, cached, origins, where)
+        runs, disagree = plan_runs(nodes, cached, origins, where)
         if disagree is not None:  # a block's tensors do not continue the one before
             return _intact_before(disagree, *again), {}, {}
         last = len(nodes) - 1
@@ -228,7 +162,7 @@ def read_path(
                 seg.close()
 
 
-def _bind(runs: list[_Run], arrays: dict, target: Target) -> None:
+def _bind(runs: list[Run], arrays: dict, target: Target) -> None:
     """Give each run its buffer, and where the reads write: its device address where the
     stages copy to the device (`Target.addresses`: the host view of a buffer in device
     memory makes MLX move it into managed memory, a synchronous copy of all of it), else
@@ -257,97 +191,6 @@ def _intact_before(j, nodes, cached, files, lid_kind, expect, digests, origins, 
     return 0
 
 
-def _first_unfit(seg: OpenSegment, expect: dict[str, list] | None) -> int:
-    """The first block of `seg` holding a field whose dtype or shape differs from what
-    the model's layout holds (past the last block if none)."""
-    first = len(seg.blocks)
-    for f in seg.fields.values():
-        want = (expect or {}).get(f.name)
-        if want is not None and list(want) != [f.dtype, f.batch, f.heads, f.width]:
-            first = min(first, f.first)
-    return first
-
-
-def _plan(nodes, cached, origins, where) -> tuple[list[_Run], int | None]:
-    """Group each sliced field's blocks into runs of consecutive positions.
-
-    Returns:
-        (the runs, the index of the first block whose dtype or dims differ from the
-        block before it, or None).
-    """
-    chains: dict[str, list[_Run]] = {}
-
-    def extend(k: int, name: str, start: int, end: int, dims, dtype) -> bool:
-        chain = chains.setdefault(name, [])
-        if chain and chain[-1].end == start:
-            if (chain[-1].dims, chain[-1].dtype) != (dims, dtype):
-                return False
-            chain[-1].end = end
-        else:
-            chain.append(_Run(name, start, end, dims, dtype))
-        return True
-
-    known: dict[tuple, tuple] = {}  # (leaf, field, shape, dtype) -> (name, dims, dtype name)
-    for k, span in _groups(where):
-        if span is None:  # a RAM-tier block: the fields its origin gives, then those held as they are
-            node = nodes[k]
-            n = node.n_tokens
-            held = [
-                (lid, fld, (*x.shape[:-2], n, x.shape[-1]), x.dtype)
-                for lid, (fields, _) in (origins[k] if origins else {}).items()
-                for fld, x in fields.items()
-            ]
-            held += [(lid, fld, x.shape, x.dtype) for lid, part in cached[k].items() for fld, x in part.items()]
-            for lid, fld, shape, dtype in held:
-                spec = known.get((lid, fld, shape, dtype))
-                if spec is None:
-                    name = f"{lid}.{fld}"
-                    spec = (
-                        (name, (shape[0], shape[1], shape[3]), dtype_info(dtype)[0])
-                        if len(shape) == 4
-                        else (name, None, None)
-                    )
-                    known[(lid, fld, shape, dtype)] = spec
-                if spec[1] is not None and is_sliced(spec[0], shape, n):
-                    if not extend(k, spec[0], node.position, node.end, spec[1], spec[2]):
-                        return [], k
-            continue
-        seg, (lo, hi) = where[k][0], span
-        for f in seg.fields.values():
-            first = max(lo, f.first)
-            if first < hi:
-                start, end = seg.blocks[first][1], seg.blocks[hi - 1][1] + seg.blocks[hi - 1][2]
-                if not extend(k, f.name, start, end, (f.batch, f.heads, f.width), f.dtype):
-                    return [], k + first - lo
-    return [r for chain in chains.values() for r in chain], None
-
-
-def _groups(where) -> list[tuple[int, tuple[int, int] | None]]:
-    """The path as (index of its first node, (first block, one past the last block)) per
-    run of nodes from one segment, and (index, None) per RAM-tier node."""
-    out: list[tuple[int, tuple[int, int] | None]] = []
-    k = 0
-    while k < len(where):
-        if where[k] is None:
-            out.append((k, None))
-            k += 1
-            continue
-        seg, lo = where[k]
-        j = k
-        while j + 1 < len(where) and where[j + 1] is not None and where[j + 1][0] is seg:
-            j += 1
-        out.append((k, (lo, where[j][1] + 1)))
-        k = j + 1
-    return out
-
-
-def _run_of(runs: list[_Run], name: str, start: int, end: int) -> _Run | None:
-    for r in runs:
-        if r.name == name and r.start <= start and end <= r.end:
-            return r
-    return None
-
-
 def _read_segments(nodes, where, runs, target: Target) -> dict[bytes, dict[str, int]] | None:
     """Read every (segment, field) the path needs into the runs, on the reader threads.
 
@@ -357,7 +200,7 @@ def _read_segments(nodes, where, runs, target: Target) -> dict[bytes, dict[str, 
     """
     staging = target.staged()
     jobs: list[list[Any]] = []
-    for k, span in _groups(where):
+    for k, span in segment_groups(where):
         if span is None:
             continue
         seg, (lo, hi) = where[k][0], span
@@ -374,7 +217,7 @@ def _read_segments(nodes, where, runs, target: Target) -> dict[bytes, dict[str, 
                 continue
             start = seg.blocks[first][1]
             end = seg.blocks[hi - 1][1] + seg.blocks[hi - 1][2]
-            r = _run_of(runs, f.name, start, end)
+            r = run_of(runs, f.name, start, end)
             if r is None:
                 return None
             keep = None if whole or not read_all else ((start - f.start) * f.row_bytes, (end - f.start) * f.row_bytes)
@@ -454,7 +297,7 @@ def _read_job(job: list | _Pack, target: Target) -> tuple[bool, Any]:
     if isinstance(job, _Pack):
         return _read_pack(job.jobs, target)
     seg: OpenSegment
-    r: _Run
+    r: Run
     seg, f, lo, hi, r, offset, read_all, move, keep = job  # see `_read_segments`
     stage = target.stager(r.view, r.address) if move and r.moving else None
     if r.address and stage is None:
@@ -486,7 +329,7 @@ def _read_whole(where, field_digests: dict[bytes, dict[str, int]], digests: dict
     """Indexes of the nodes whose whole segment was read and matches the index's digest
     (one check per segment instead of one per block)."""
     verified: set[int] = set()
-    for k, span in _groups(where):
+    for k, span in segment_groups(where):
         seg = where[k][0] if span is not None else None
         if span is None or seg is None or seg.segment not in field_digests or seg.segment not in digests:
             continue
@@ -507,12 +350,12 @@ def _first_bad(nodes, where, runs, verified: set[int], target: Target) -> int | 
     def check(k: int) -> bool:
         seg, i = where[k]
         node = nodes[k]
-        views: dict[str, _Run] = {}
+        views: dict[str, Run] = {}
 
         def piece(f, row: int) -> memoryview:
             r = views.get(f.name)
             if r is None:  # the plan put every block read in a run
-                r = views[f.name] = cast(_Run, _run_of(runs, f.name, node.position, node.end))
+                r = views[f.name] = cast(Run, run_of(runs, f.name, node.position, node.end))
             n = node.n_tokens * f.row_bytes
             at = row * r.row_stride + (node.position - r.start) * f.row_bytes
             return r.view[at : at + n]  # (`host_view` was taken above)
@@ -539,12 +382,12 @@ def array_bits(view: memoryview, x: mx.array) -> np.ndarray:
 
 def _copy_cached(nodes, cached, origins, runs) -> None:
     """Copy the slices of blocks that came from the RAM tier into their runs."""
-    by_name: dict[str, list[_Run]] = {}
+    by_name: dict[str, list[Run]] = {}
     for r in runs:
         by_name.setdefault(r.name, []).append(r)
     pieces = [
-        (_run_of(by_name[name], name, start, end), start, end, x)
-        for name, start, end, x in _pieces(nodes, cached, origins)
+        (run_of(by_name[name], name, start, end), start, end, x)
+        for name, start, end, x in ram_pieces(nodes, cached, origins)
         if name in by_name
     ]
     # Blocks cut from one copy per field are strided views: see them all as unsigned
