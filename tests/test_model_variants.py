@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from persistent_prefix_cache.cli.common import short_fingerprint
+from persistent_prefix_cache.cli.output import short_fingerprint
 from persistent_prefix_cache.cli.generate import _mlx_lm_has
 from persistent_prefix_cache.tiny_model import TEST_MODEL, write_tiny_model
 

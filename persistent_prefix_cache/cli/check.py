@@ -9,9 +9,8 @@ found again after it, listed as ``not fixed``),
 from __future__ import annotations
 
 from ..admin import check_store, describe_entries, describe_finding, permissions_finding
-from .common import (
-    add_json_option, add_store_option, add_store_shared_option, emit, make_parser, run, store_path, table,
-)  # fmt: skip
+from .common import add_json_option, add_store_option, add_store_shared_option, make_parser, run, store_path
+from .output import emit, table
 
 
 def _render(r: dict) -> str:

@@ -8,7 +8,8 @@ model's next open; no block is removed.
 
 from __future__ import annotations
 
-from .common import add_json_option, add_store_option, emit, make_parser, path_arg, run, store_path
+from .common import add_json_option, add_store_option, make_parser, path_arg, run, store_path
+from .output import emit
 
 
 def main(argv: list[str]) -> int:

@@ -11,8 +11,9 @@ import sys
 
 from ..errors import EmptiesStoreError
 from .common import (
-    SIZE_UNITS_HELP, UserError, add_json_option, add_store_option, emit, make_parser, parse_size, run, store_path,
+    SIZE_UNITS_HELP, UserError, add_json_option, add_store_option, make_parser, parse_size, run, store_path,
 )  # fmt: skip
+from .output import emit
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 

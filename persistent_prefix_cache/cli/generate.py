@@ -33,12 +33,11 @@ from .common import (
     add_model_option,
     add_remote_option,
     add_store_option,
-    emit,
     load_model,
     make_parser,
     run,
-    table,
 )
+from .output import emit, table
 from .prompting import (
     STDIN,
     CountingStore,

@@ -12,9 +12,10 @@ from __future__ import annotations
 import sys
 
 from .common import (
-    UserError, add_json_option, add_pack_secret_option, add_store_option, add_store_shared_option, emit, load_model,
+    UserError, add_json_option, add_pack_secret_option, add_store_option, add_store_shared_option, load_model,
     make_parser, pack_secret, path_arg, positive_int, run, store_path,
 )  # fmt: skip
+from .output import emit
 from ..admin import PackReader, StoreAdmin
 from ..disk.store_dir import missing_folders, store_exists, undo_creation
 

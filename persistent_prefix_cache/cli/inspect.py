@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from .common import add_json_option, add_store_option, emit, make_parser, run, short_fingerprint, store_path, table
+from .common import add_json_option, add_store_option, make_parser, run, store_path
+from .output import emit, short_fingerprint, table
 from ..admin import StoreAdmin
 
 

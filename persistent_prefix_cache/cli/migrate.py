@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ..admin import migrate_store
-from .common import add_json_option, add_store_option, emit, make_parser, run, store_path
+from .common import add_json_option, add_store_option, make_parser, run, store_path
+from .output import emit
 
 
 def main(argv: list[str]) -> int:

@@ -18,9 +18,10 @@ import json
 import os
 
 from .common import (
-    UserError, add_json_option, add_model_option, add_store_option, emit, load_model, make_parser, path_arg,
-    positive_int, run, store_path,
+    UserError, add_json_option, add_model_option, add_store_option, load_model, make_parser, path_arg, positive_int,
+    run, store_path,
 )  # fmt: skip
+from .output import emit
 from .prompting import (
     STDIN, add_block_size_option, check_store_path, check_text, check_text_options, encode_raw, open_checked_store, prompt_of, read_text,
     render_chat,

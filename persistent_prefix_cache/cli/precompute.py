@@ -21,39 +21,16 @@ import time
 from dataclasses import dataclass
 
 from .common import (
-    UserError,
-    add_json_option,
-    add_model_option,
-    add_remote_option,
-    add_store_option,
-    emit,
-    load_model,
-    make_parser,
-    path_arg,
-    run,
-    table,
-)
+    UserError, add_json_option, add_model_option, add_remote_option, add_store_option, load_model, make_parser,
+    path_arg, run,
+)  # fmt: skip
+from .output import emit, table
 from .progress import Progress, Terminated, sigterm_raises
 from .prompting import (
-    CountingStore,
-    add_block_size_option,
-    add_prefill_option,
-    precompute_step,
-    add_template_options,
-    blocks_of,
-    check_positive,
-    check_store_path,
-    encode_raw,
-    STDIN,
-    check_text_options,
-    kv_quantization_errors,
-    open_checked_store,
-    prompt_of,
-    read_text,
-    render_chat,
-    template_kwargs,
-    uses_chat_template,
-)
+    CountingStore, add_block_size_option, add_prefill_option, precompute_step, add_template_options, blocks_of,
+    check_positive, check_store_path, encode_raw, STDIN, check_text_options, kv_quantization_errors, open_checked_store,
+    prompt_of, read_text, render_chat, template_kwargs, uses_chat_template,
+)  # fmt: skip
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 

@@ -22,14 +22,8 @@ import warnings
 from typing import Any, Iterator, Sequence
 
 from ..disk.store_dir import check_location, require_writable
-from .common import (
-    UserError,
-    add_disk_budget_option,
-    add_store_shared_option,
-    open_store,
-    short_fingerprint,
-    store_path,
-)
+from .common import UserError, add_disk_budget_option, add_store_shared_option, open_store, store_path
+from .output import short_fingerprint
 
 # Tokens per forward pass for models whose every layer is sliceable (mlx-lm's default).
 DEFAULT_PREFILL_STEP_SIZE = 2048

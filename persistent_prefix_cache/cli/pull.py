@@ -4,17 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from .common import (
-    add_json_option,
-    add_model_option,
-    add_remote_option,
-    add_store_option,
-    emit,
-    load_model,
-    make_parser,
-    run,
-    table,
-)
+from .common import add_json_option, add_model_option, add_remote_option, add_store_option, load_model, make_parser, run
+from .output import emit, table
 from .prompting import (
     add_block_size_option, add_template_options, check_store_path, check_text_options, open_checked_store, template_kwargs,
 )  # fmt: skip

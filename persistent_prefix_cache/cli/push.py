@@ -6,17 +6,9 @@ import os
 import sys
 
 from .common import (
-    UserError,
-    add_json_option,
-    add_remote_option,
-    add_store_option,
-    emit,
-    make_parser,
-    remote_options,
-    run,
-    store_path,
-    table,
-)
+    UserError, add_json_option, add_remote_option, add_store_option, make_parser, remote_options, run, store_path,
+)  # fmt: skip
+from .output import emit, table
 
 
 def progress_line(verb: str, enabled: bool):

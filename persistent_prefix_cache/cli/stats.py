@@ -6,18 +6,9 @@ from __future__ import annotations
 import time
 
 from .common import (
-    UserError,
-    add_json_option,
-    add_remote_option,
-    add_store_option,
-    emit,
-    make_parser,
-    remote_options,
-    run,
-    short_fingerprint,
-    store_path,
-    table,
-)
+    UserError, add_json_option, add_remote_option, add_store_option, make_parser, remote_options, run, store_path,
+)  # fmt: skip
+from .output import emit, short_fingerprint, table
 from ..admin import StoreAdmin
 from ..metrics import exposition, summary_metrics
 
