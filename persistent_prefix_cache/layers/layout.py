@@ -94,6 +94,9 @@ class Layout:
         # "<leaf>.<field>" -> [dtype, batch, heads, width] of the sliced KV tensors, once
         # known (from the store's model record, or from the first cache stored).
         self.fields: dict[str, list] | None = None
+        # The `CutFrom.names` of blocks `learn_fields` has seen: a block with the same leaves
+        # and fields teaches nothing more (asking 64 fields again cost every store ~0.3 ms).
+        self._taught: set[tuple] = set()
 
     @classmethod
     def of_model(
@@ -113,16 +116,30 @@ class Layout:
         Returns:
             Whether a field was not known before.
         """
+        names = tensors.names if isinstance(tensors, CutFrom) else CutFrom.names_of(tensors)
+        if names in self._taught and self.fields is not None:  # (fields set anew by an open: ask again)
+            return False
+        # A block cut from one copy per field: the copies hold its dtypes and the shapes
+        # that matter (all but the tokens' axis), with no view made to ask them.
+        source = tensors.copies if isinstance(tensors, CutFrom) else tensors
         fields = self.fields if self.fields is not None else {}
         before = len(fields)
-        for lid, part in tensors.items():
+        specs: dict[tuple, list | None] = {}  # (field, dtype, shape) -> its spec: fields of one kind alike
+        for lid, part in source.items():
             for fld, x in part.items():
-                if f"{lid}.{fld}" in fields:  # known (the first block of a store taught it)
+                name = f"{lid}.{fld}"
+                if name in fields:  # known (the first block of a store taught it)
                     continue
-                declared = FIELDS.get(fld)
-                if declared is not None and declared.kind is Kind.SLICED and x.ndim == declared.ndim:
-                    fields.setdefault(f"{lid}.{fld}", sliced_spec(fld, dtype_info(x.dtype)[0], x.shape))
+                spec_key = (fld, x.dtype, x.ndim, tuple(x.shape))
+                if spec_key not in specs:
+                    declared = FIELDS.get(fld)
+                    sliced = declared is not None and declared.kind is Kind.SLICED and x.ndim == declared.ndim
+                    specs[spec_key] = sliced_spec(fld, dtype_info(x.dtype)[0], x.shape) if sliced else None
+                spec = specs[spec_key]
+                if spec is not None:
+                    fields[name] = list(spec)
         self.fields = fields or self.fields
+        self._taught.add(names)
         return len(fields) > before
 
     def make_cache(self) -> list:
@@ -332,9 +349,13 @@ class Layout:
             k = i - len(path)
             if uniform:  # what `cut` gives such a block: its pieces (made where asked for), nothing to record
                 tensors, extra = CutFrom(ranges, start - offset, end - offset, named), {}
-            if not uniform or flags is None:  # (a uniform store's first block: its flags, once)
-                cut_from = dict(tensors) if per_block is None else per_block[k]
-                tensors, extra, cut = self.cut(cache, start, end, i == len(keys) - 1, cut_from)
+                if flags is None:  # the first one's flags, once (every leaf holds its slice: no view needed)
+                    for view_path in views.values():
+                        view_path.append(BlockView(start, end, None, True, False))
+                    flags = self.flags(views, start, end)
+            else:
+                assert per_block is not None  # (made above for a store that is not uniform)
+                tensors, extra, cut = self.cut(cache, start, end, i == len(keys) - 1, per_block[k])
                 for lid, view in cut.items():
                     views[lid].append(view)
                 flags = self.flags(views, start, end)

@@ -42,6 +42,9 @@ SOURCES = ("store", "disk", "remote")
 
 def tensors_nbytes(tensors: Mapping[str, Tensors]) -> int:
     """Bytes held by one block's tensors (by leaf, then by field)."""
+    if isinstance(tensors, CutFrom):  # its share of each copy's bytes, with no view made
+        n = tensors.hi - tensors.lo
+        return sum(x.nbytes // x.shape[-2] * n for part in tensors.copies.values() for x in part.values())
     return sum(x.nbytes for part in tensors.values() for x in part.values())
 
 
