@@ -166,11 +166,6 @@ class ViewPath(list):
         super().append(view)
         self._missing.append(self._missing[-1] + (not view.has_slice))
 
-    @property
-    def complete(self) -> bool:
-        """Whether every block of the path holds its slice."""
-        return not self._missing[-1]
-
     def covered(self, ranges: Sequence[tuple[int, int]]) -> bool:
         """Whether every block overlapping each [lo, hi) holds a slice."""
         for lo, hi in ranges:
