@@ -222,3 +222,14 @@ def test_first_restore_checks_each_fetch_bitwise_and_times_its_phases():
     for line in [line for line in proc.stdout.splitlines() if "phases (ms):" in line]:
         spent = phases_of(line)
         assert 0 <= spent["read_path"] <= spent["restore"], line
+
+
+def test_store_turns_stores_every_new_block_of_each_prompt_and_turn():
+    """``tools/store_turns.py``: a prompt of 130 tokens is 3 blocks, stored on 3 handles'
+    3 stores (27); a chat of 512 tokens in turns of 128 stores 2 new blocks a turn (8 a round)."""
+    proc = run_tool("store_turns.py", "--tokens", "130", "--chat", "512", "--turn", "128", "--rounds", "3")
+    lines = proc.stdout.splitlines()
+    prompt = next(line for line in lines if line.startswith("prompt"))
+    assert prompt.endswith("(27 blocks stored)"), prompt
+    chat = next(line for line in lines if line.startswith("chat, all"))
+    assert chat.startswith("chat, all 4 turns:") and chat.endswith("(24 blocks stored)"), chat
