@@ -40,10 +40,10 @@ import mlx.core as mx
 from .core import costs
 from .core.calibration import MIN_STAKE
 from .core.costs import PREFILL_STEP
-from .device.target import beside_stream, forwards_run_beside
+from .device.target import beside_stream, forwards_run_beside, room_for
 from .errors import InvalidArgumentError
 from .keys import as_token_array
-from .layers import all_sliced, frozen
+from .layers import all_sliced, frozen, leaves
 
 log = logging.getLogger("persistent_prefix_cache")
 
@@ -142,9 +142,10 @@ def prefill(
     # store's copies go on a stream of their own and read the cache as it was before that
     # forward (`frozen`), so neither waits for the other. The forward is timed with the
     # store's work on this thread, the shorter of the two (~2 ms against ~5 ms for 256
-    # tokens of an 8B llama on an H100).
+    # tokens of an 8B llama on an H100). While the store holds the cache as it was, that
+    # forward writes a copy of the KV instead of into it: only where the device has room.
     whole = not every_forward and stored < len(ids)
-    beside = whole and forwards_run_beside()
+    beside = whole and forwards_run_beside() and room_for(sum(layer.nbytes for _, layer in leaves(cache)))
     before = frozen(cache) if beside and stored < stop else None
     started = costs.clock()
     logits = model(mx.array(ids[pos:])[None], cache=cache)[:, -1, :]

@@ -119,6 +119,48 @@ def test_the_prompt_is_stored_with_the_last_forward_where_a_device_runs_it(store
         assert_same_logits(model(mx.array(rest)[None], cache=again)[0, -1], cold_logits(model, tokens + more))
 
 
+def test_without_room_for_a_second_copy_of_the_kv_the_store_waits_for_the_last_forward(store_dir, model, monkeypatch):
+    # The store beside the last forward holds the cache as it was, so that forward writes a
+    # copy of the KV: where MLX has no room for it (`device.target.room_for`: a Mac near its
+    # working set), the whole prompt is stored after the forward, as on a CPU.
+    import sys
+
+    module = sys.modules["persistent_prefix_cache.prefill"]
+    asked = []
+    monkeypatch.setattr(module, "forwards_run_beside", lambda: True)
+    monkeypatch.setattr(module, "room_for", lambda nbytes: asked.append(nbytes) and False)
+    tokens = random_tokens(300, seed=48)
+    with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
+        order = []
+        steering = Steering(store, [])
+        real_observe = store.observe_prefill
+        steering.observe_prefill = lambda n, *a, **k: order.append(("forward", n)) or real_observe(n, *a, **k)
+        real_store = steering.store
+        steering.store = lambda toks, cache: order.append(("store", len(toks))) or real_store(toks, cache)
+        cache, logits = prefill(model, tokens, steering)
+    assert order == [("forward", 299), ("forward", 1), ("store", 300)]
+    assert asked == [sum(layer.keys.nbytes + layer.values.nbytes for layer in cache)]  # its KV as it stood
+    assert_same_logits(logits[0], cold_logits(model, tokens))
+
+
+def test_room_for_counts_against_three_quarters_of_what_mlx_may_use(monkeypatch):
+    from persistent_prefix_cache.device import target
+
+    GiB = 1 << 30
+    monkeypatch.setattr(target, "device_memory", lambda: 64 * GiB)
+    monkeypatch.setattr(mx, "get_active_memory", lambda: 10 * GiB)
+    monkeypatch.setattr(mx, "device_info", lambda: {"max_recommended_working_set_size": 16 * GiB})
+    assert target.room_for(2 * GiB) and not target.room_for(2 * GiB + 1)  # Apple's working set: 12 GiB usable
+    monkeypatch.setattr(mx, "device_info", lambda: {"memory_size": 64 * GiB})  # else the device's memory
+    assert target.room_for(38 * GiB) and not target.room_for(38 * GiB + 1)
+
+    def unknown():
+        raise RuntimeError("no device info")
+
+    monkeypatch.setattr(mx, "device_info", unknown)
+    assert not target.room_for(1)  # what cannot be told is no room
+
+
 @pytest.mark.parametrize("kind", ["KVCache", "QuantizedKVCache", "CacheList"])
 def test_a_frozen_cache_keeps_what_it_held_while_the_cache_goes_on(kind):
     # What the store beside the last forward reads: mlx-lm writes the next step's keys into

@@ -206,6 +206,21 @@ def beside_stream() -> Any:
     return stream
 
 
+def room_for(nbytes: int) -> bool:
+    """Whether MLX has room for `nbytes` more for a while: its active memory and them within
+    3/4 of what it may use (Apple's recommended working set, else `device_memory`). An
+    overlap that saves milliseconds must never push a device into memory pressure (a Mac
+    near its working set swaps); where the memory cannot be told, there is no room."""
+    import mlx.core as mx
+
+    try:
+        limit = int(mx.device_info().get("max_recommended_working_set_size") or 0) or device_memory()
+        active = int(mx.get_active_memory())
+    except Exception:  # an MLX that cannot tell
+        return False
+    return limit > 0 and active + nbytes <= limit * 3 // 4
+
+
 def device_memory() -> int:
     """Bytes of memory MLX computes in: the GPU's (Apple's unified memory, a CUDA
     device's) as MLX reports it, else the machine's physical memory (0 if unknown)."""
