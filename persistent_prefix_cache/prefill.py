@@ -143,9 +143,11 @@ def prefill(
     # forward (`frozen`), so neither waits for the other. The forward is timed with the
     # store's work on this thread, the shorter of the two (~2 ms against ~5 ms for 256
     # tokens of an 8B llama on an H100). While the store holds the cache as it was, that
-    # forward writes a copy of the KV instead of into it: only where the device has room.
+    # forward writes a copy of the KV instead of into it, beside the store's own copy: only
+    # where the device has room for two more (on this project's CPU, that path's peak was
+    # 1.8 x the KV above the other's: docs/performance.md).
     whole = not every_forward and stored < len(ids)
-    beside = whole and forwards_run_beside() and room_for(sum(layer.nbytes for _, layer in leaves(cache)))
+    beside = whole and forwards_run_beside() and room_for(2 * sum(layer.nbytes for _, layer in leaves(cache)))
     before = frozen(cache) if beside and stored < stop else None
     started = costs.clock()
     logits = model(mx.array(ids[pos:])[None], cache=cache)[:, -1, :]

@@ -121,8 +121,8 @@ def test_the_prompt_is_stored_with_the_last_forward_where_a_device_runs_it(store
 
 def test_without_room_for_a_second_copy_of_the_kv_the_store_waits_for_the_last_forward(store_dir, model, monkeypatch):
     # The store beside the last forward holds the cache as it was, so that forward writes a
-    # copy of the KV: where MLX has no room for it (`device.target.room_for`: a Mac near its
-    # working set), the whole prompt is stored after the forward, as on a CPU.
+    # copy of the KV beside the store's own: where MLX has no room for both (`device.target.room_for`:
+    # a Mac near its working set), the whole prompt is stored after the forward, as on a CPU.
     import sys
 
     module = sys.modules["persistent_prefix_cache.prefill"]
@@ -139,7 +139,7 @@ def test_without_room_for_a_second_copy_of_the_kv_the_store_waits_for_the_last_f
         steering.store = lambda toks, cache: order.append(("store", len(toks))) or real_store(toks, cache)
         cache, logits = prefill(model, tokens, steering)
     assert order == [("forward", 299), ("forward", 1), ("store", 300)]
-    assert asked == [sum(layer.keys.nbytes + layer.values.nbytes for layer in cache)]  # its KV as it stood
+    assert asked == [2 * sum(layer.keys.nbytes + layer.values.nbytes for layer in cache)]  # two copies of its KV
     assert_same_logits(logits[0], cold_logits(model, tokens))
 
 
