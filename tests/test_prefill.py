@@ -81,6 +81,16 @@ def test_an_attention_model_runs_mlx_lms_forwards_and_is_stored_once(store_dir, 
         assert_same_logits(logits[0], cold_logits(model, longer))
 
 
+def _in_order(store, order: list) -> "Steering":
+    """`store` as `prefill()` sees it, noting each forward ``("forward", tokens)`` and each
+    store ``("store", tokens)`` in `order` as they come."""
+    steering = Steering(store, [])
+    observe, put = store.observe_prefill, steering.store
+    steering.observe_prefill = lambda n, *a, **k: order.append(("forward", n)) or observe(n, *a, **k)
+    steering.store = lambda toks, cache: order.append(("store", len(toks))) or put(toks, cache)
+    return steering
+
+
 @pytest.mark.parametrize("beside", [False, True])
 def test_the_prompt_is_stored_with_the_last_forward_where_a_device_runs_it(store_dir, model, monkeypatch, beside):
     # On a GPU the store runs while the device runs the last token's forward
@@ -95,12 +105,7 @@ def test_the_prompt_is_stored_with_the_last_forward_where_a_device_runs_it(store
     tokens = random_tokens(300, seed=46)
     with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
         order = []
-        steering = Steering(store, [])
-        real_observe = store.observe_prefill
-        steering.observe_prefill = lambda n, *a, **k: order.append(("forward", n)) or real_observe(n, *a, **k)
-        real_store = steering.store
-        steering.store = lambda toks, cache: order.append(("store", len(toks))) or real_store(toks, cache)
-        cache, logits = prefill(model, tokens, steering)
+        cache, logits = prefill(model, tokens, _in_order(store, order))
         if beside:  # stored before the last forward was waited for (and timed)
             assert order == [("forward", 299), ("store", 299), ("forward", 1)]
         else:
@@ -132,12 +137,7 @@ def test_without_room_for_a_second_copy_of_the_kv_the_store_waits_for_the_last_f
     tokens = random_tokens(300, seed=48)
     with PersistentPrefixCache(store_dir, model, block_size=BLOCK) as store:
         order = []
-        steering = Steering(store, [])
-        real_observe = store.observe_prefill
-        steering.observe_prefill = lambda n, *a, **k: order.append(("forward", n)) or real_observe(n, *a, **k)
-        real_store = steering.store
-        steering.store = lambda toks, cache: order.append(("store", len(toks))) or real_store(toks, cache)
-        cache, logits = prefill(model, tokens, steering)
+        cache, logits = prefill(model, tokens, _in_order(store, order))
     assert order == [("forward", 299), ("forward", 1), ("store", 300)]
     assert asked == [2 * sum(layer.keys.nbytes + layer.values.nbytes for layer in cache)]  # two copies of its KV
     assert_same_logits(logits[0], cold_logits(model, tokens))
